@@ -1,0 +1,571 @@
+//! Parses and validates one rule file. Errors carry the line of the offending node and the
+//! wording of envoyproxy/ratelimit's own errors where it has one.
+
+use std::path::Path;
+
+use marked_yaml::types::{MarkedMappingNode, MarkedScalarNode, MarkedSequenceNode};
+use marked_yaml::{LoadError, LoaderOptions, Node};
+
+use super::{ConfigError, DescriptorConfig, DomainConfig, RuleLimit};
+use crate::limiter::{Algorithm, Limit, Mode, Unit};
+
+const ROOT_KEYS: &[&str] = &["domain", "descriptors"];
+const DESCRIPTOR_KEYS: &[&str] = &[
+    "key",
+    "value",
+    "rate_limit",
+    "rate_limits",
+    "descriptors",
+    "shadow_mode",
+    "quota_mode",
+    "detailed_metric",
+    "value_to_metric",
+    "share_threshold",
+    "metadata",
+];
+const LIMIT_KEYS: &[&str] = &[
+    "unit",
+    "requests_per_unit",
+    "unlimited",
+    "name",
+    "replaces",
+    "algorithm",
+    "unit_multiplier",
+];
+const REPLACES_KEYS: &[&str] = &["name"];
+
+/// Parses one rule file into its domain, with warnings for keys that are valid somewhere in a
+/// rule file but ignored where they stand (envoyproxy/ratelimit accepts them silently).
+pub fn parse(file: &Path, text: &str) -> Result<(DomainConfig, Vec<ConfigError>), Vec<ConfigError>> {
+    let mut p = Parser {
+        file,
+        errors: Vec::new(),
+        warnings: Vec::new(),
+    };
+    let domain = p.root(text);
+    match domain {
+        Some(d) if p.errors.is_empty() => Ok((d, p.warnings)),
+        _ => Err(p.errors),
+    }
+}
+
+struct Parser<'a> {
+    file: &'a Path,
+    errors: Vec<ConfigError>,
+    warnings: Vec<ConfigError>,
+}
+
+fn line_of(node: &Node) -> usize {
+    node.span().start().map(|m| m.line()).unwrap_or(1)
+}
+
+fn scalar_line(node: &MarkedScalarNode) -> usize {
+    node.span().start().map(|m| m.line()).unwrap_or(1)
+}
+
+/// A plain scalar that YAML reads as null.
+fn is_null(s: &MarkedScalarNode) -> bool {
+    s.may_coerce() && matches!(s.as_str(), "" | "~" | "null" | "Null" | "NULL")
+}
+
+impl Parser<'_> {
+    fn error(&mut self, line: usize, message: impl Into<String>) {
+        self.errors.push(ConfigError {
+            file: self.file.to_path_buf(),
+            line,
+            message: message.into(),
+        });
+    }
+
+    fn root(&mut self, text: &str) -> Option<DomainConfig> {
+        if text.trim().is_empty() {
+            self.error(1, "config file cannot have empty domain");
+            return None;
+        }
+        let options = LoaderOptions::default().error_on_duplicate_keys(true);
+        let node = match marked_yaml::parse_yaml_with_options(0, text, options) {
+            Ok(node) => node,
+            Err(e) => {
+                let (line, message) = describe_load_error(&e);
+                self.error(line, format!("error loading config file: {message}"));
+                return None;
+            }
+        };
+        let Some(map) = node.as_mapping() else {
+            self.error(line_of(&node), "error loading config file: the top level must be a mapping");
+            return None;
+        };
+        self.check_keys(map, ROOT_KEYS);
+        let line = map
+            .get_node("domain")
+            .map(line_of)
+            .unwrap_or_else(|| map.span().start().map(|m| m.line()).unwrap_or(1));
+        let domain = self.string(map, "domain").unwrap_or_default();
+        if domain.is_empty() {
+            self.error(line, "config file cannot have empty domain");
+        }
+        let descriptors = self.descriptors(map, "");
+        Some(DomainConfig {
+            file: self.file.to_path_buf(),
+            line,
+            domain,
+            descriptors,
+        })
+    }
+
+    /// Keys must be strings and known; a key known elsewhere in a rule file only warns.
+    fn check_keys(&mut self, map: &MarkedMappingNode, allowed: &[&str]) {
+        for key in map.keys() {
+            let line = scalar_line(key);
+            if key.may_coerce() && (key.as_bool().is_some() || key.as_f64().is_some() || is_null(key)) {
+                self.error(line, format!("config error, key is not of type string: {}", key.as_str()));
+            } else if allowed.contains(&key.as_str()) {
+                continue;
+            } else if [ROOT_KEYS, DESCRIPTOR_KEYS, LIMIT_KEYS]
+                .iter()
+                .any(|set| set.contains(&key.as_str()))
+            {
+                self.warnings.push(ConfigError {
+                    file: self.file.to_path_buf(),
+                    line,
+                    message: format!("key '{}' has no effect here and is ignored", key.as_str()),
+                });
+            } else {
+                self.error(line, format!("config error, unknown key '{}'", key.as_str()));
+            }
+        }
+    }
+
+    fn string(&mut self, map: &MarkedMappingNode, key: &str) -> Option<String> {
+        let node = map.get_node(key)?;
+        match node.as_scalar() {
+            Some(s) if is_null(s) => None,
+            Some(s) => Some(s.as_str().to_owned()),
+            None => {
+                self.error(line_of(node), format!("'{key}' must be a string"));
+                None
+            }
+        }
+    }
+
+    fn flag(&mut self, map: &MarkedMappingNode, key: &str) -> bool {
+        let Some(node) = map.get_node(key) else {
+            return false;
+        };
+        match node.as_scalar() {
+            Some(s) if is_null(s) => false,
+            Some(s) => match s.as_bool() {
+                Some(b) => b,
+                None => {
+                    self.error(line_of(node), format!("'{key}' must be true or false, not '{}'", s.as_str()));
+                    false
+                }
+            },
+            None => {
+                self.error(line_of(node), format!("'{key}' must be true or false"));
+                false
+            }
+        }
+    }
+
+    fn number(&mut self, map: &MarkedMappingNode, key: &str) -> Option<u32> {
+        let node = map.get_node(key)?;
+        let parsed = node
+            .as_scalar()
+            .filter(|s| !is_null(s))
+            .map(|s| s.as_str().parse::<u32>().map_err(|_| s.as_str().to_owned()));
+        match parsed {
+            None => None,
+            Some(Ok(n)) => Some(n),
+            Some(Err(text)) => {
+                self.error(line_of(node), format!("'{key}' must be a whole number from 0 to 4294967295, not '{text}'"));
+                None
+            }
+        }
+    }
+
+    /// A list of mappings; anything else in the list is an error.
+    fn maps<'n>(&mut self, map: &'n MarkedMappingNode, key: &str) -> Vec<&'n MarkedMappingNode> {
+        let Some(node) = map.get_node(key) else {
+            return Vec::new();
+        };
+        if node.as_scalar().is_some_and(is_null) {
+            return Vec::new();
+        }
+        let Some(list): Option<&MarkedSequenceNode> = node.as_sequence() else {
+            self.error(line_of(node), format!("'{key}' must be a list"));
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for entry in list.iter() {
+            match entry.as_mapping() {
+                Some(m) => out.push(m),
+                None => self.error(
+                    line_of(entry),
+                    "config error, yaml file contains list of type other than map",
+                ),
+            }
+        }
+        out
+    }
+
+    fn descriptors(&mut self, map: &MarkedMappingNode, parent: &str) -> Vec<DescriptorConfig> {
+        let mut out: Vec<DescriptorConfig> = Vec::new();
+        for d in self.maps(map, "descriptors") {
+            let Some(descriptor) = self.descriptor(d, parent) else {
+                continue;
+            };
+            if out
+                .iter()
+                .any(|o| o.key == descriptor.key && o.value == descriptor.value)
+            {
+                let composite = match &descriptor.value {
+                    Some(v) => format!("{parent}{}_{v}", descriptor.key),
+                    None => format!("{parent}{}", descriptor.key),
+                };
+                self.error(descriptor.line, format!("duplicate descriptor composite key '{composite}'"));
+                continue;
+            }
+            out.push(descriptor);
+        }
+        out
+    }
+
+    fn descriptor(&mut self, map: &MarkedMappingNode, parent: &str) -> Option<DescriptorConfig> {
+        let line = map.span().start().map(|m| m.line()).unwrap_or(1);
+        self.check_keys(map, DESCRIPTOR_KEYS);
+        let key = self.string(map, "key").unwrap_or_default();
+        if key.is_empty() {
+            self.error(line, "descriptor has empty key");
+        }
+        let value = self.string(map, "value").filter(|v| !v.is_empty());
+        let share_threshold = self.flag(map, "share_threshold");
+        if share_threshold && !value.as_deref().is_some_and(|v| v.contains('*')) {
+            self.error(
+                line,
+                format!(
+                    "share_threshold can only be used with wildcard values (containing '*'), but found key '{}'",
+                    composite(&key, value.as_deref())
+                ),
+            );
+        }
+        let shadow = self.flag(map, "shadow_mode");
+        let quota = self.flag(map, "quota_mode");
+        if shadow && quota {
+            self.error(line, "shadow_mode and quota_mode cannot both be set");
+        }
+        let mode = match (shadow, quota) {
+            (true, _) => Mode::Shadow,
+            (false, true) => Mode::Quota,
+            (false, false) => Mode::Enforce,
+        };
+        let limits = self.limits(map);
+        let metadata = map.get_node("metadata").map(yaml_to_json);
+        let path = format!("{parent}{}.", composite(&key, value.as_deref()));
+        let descriptors = self.descriptors(map, &path);
+        Some(DescriptorConfig {
+            line,
+            key,
+            value,
+            limits,
+            mode,
+            share_threshold,
+            detailed_metric: self.flag(map, "detailed_metric"),
+            value_to_metric: self.flag(map, "value_to_metric"),
+            metadata,
+            descriptors,
+        })
+    }
+
+    fn limits(&mut self, map: &MarkedMappingNode) -> Vec<RuleLimit> {
+        let single = map.get_node("rate_limit");
+        let many = map.get_node("rate_limits");
+        if let (Some(_), Some(node)) = (single, many) {
+            self.error(line_of(node), "use either rate_limit or rate_limits, not both");
+            return Vec::new();
+        }
+        if let Some(node) = single {
+            if node.as_scalar().is_some_and(is_null) {
+                return Vec::new();
+            }
+            return match node.as_mapping() {
+                Some(m) => self.limit(m).into_iter().collect(),
+                None => {
+                    self.error(line_of(node), "'rate_limit' must be a mapping");
+                    Vec::new()
+                }
+            };
+        }
+        let mut out: Vec<RuleLimit> = Vec::new();
+        for m in self.maps(map, "rate_limits") {
+            let line = m.span().start().map(|m| m.line()).unwrap_or(1);
+            let Some(limit) = self.limit(m) else { continue };
+            let Some(l) = &limit.limit else {
+                self.error(line, "unlimited cannot be one of several rate_limits");
+                continue;
+            };
+            let same_window = out.iter().filter_map(|o| o.limit.as_ref()).any(|o| {
+                o.algorithm == l.algorithm && o.unit == l.unit && o.unit_multiplier == l.unit_multiplier
+            });
+            if same_window {
+                self.error(line, "rate_limits has two limits with the same algorithm and window");
+                continue;
+            }
+            out.push(limit);
+        }
+        out
+    }
+
+    fn limit(&mut self, map: &MarkedMappingNode) -> Option<RuleLimit> {
+        let line = map.span().start().map(|m| m.line()).unwrap_or(1);
+        self.check_keys(map, LIMIT_KEYS);
+        let errors_before = self.errors.len();
+        let unlimited = self.flag(map, "unlimited");
+        let unit_text = self.string(map, "unit").unwrap_or_default();
+        let unit = Unit::parse(&unit_text);
+        let name = self.string(map, "name").unwrap_or_default();
+        let mut replaces = Vec::new();
+        for r in self.maps(map, "replaces") {
+            let r_line = r.span().start().map(|m| m.line()).unwrap_or(line);
+            self.check_keys(r, REPLACES_KEYS);
+            let replaced = self.string(r, "name").unwrap_or_default();
+            if replaced.is_empty() {
+                self.error(r_line, "should not have an empty replaces entry");
+            } else if replaced == name {
+                self.error(r_line, "replaces should not contain name of same descriptor");
+            }
+            replaces.push(replaced);
+        }
+        let requests_per_unit = self.number(map, "requests_per_unit").unwrap_or(0);
+        let multiplier_node = map.get_node("unit_multiplier").map(line_of);
+        let unit_multiplier = self.number(map, "unit_multiplier").unwrap_or(1);
+        if unit_multiplier == 0 {
+            self.error(multiplier_node.unwrap_or(line), "unit_multiplier must be at least 1");
+        }
+        let algorithm_text = self.string(map, "algorithm");
+        let algorithm = match algorithm_text.as_deref() {
+            None => Some(Algorithm::FixedWindow),
+            Some(a) => Algorithm::parse(a),
+        };
+        if algorithm.is_none() {
+            self.error(
+                map.get_node("algorithm").map(line_of).unwrap_or(line),
+                format!(
+                    "invalid algorithm '{}' (expected fixed_window or sliding_window)",
+                    algorithm_text.unwrap_or_default()
+                ),
+            );
+        }
+        if unlimited {
+            if unit.is_some() {
+                self.error(line, "should not specify rate limit unit when unlimited");
+            }
+            return (self.errors.len() == errors_before).then_some(RuleLimit {
+                name,
+                replaces,
+                limit: None,
+            });
+        }
+        let Some(unit) = unit else {
+            self.error(
+                map.get_node("unit").map(line_of).unwrap_or(line),
+                format!("invalid rate limit unit '{unit_text}'"),
+            );
+            return None;
+        };
+        let limit = Limit {
+            name: name.clone(),
+            requests_per_unit,
+            unit,
+            unit_multiplier,
+            algorithm: algorithm?,
+        };
+        (self.errors.len() == errors_before).then_some(RuleLimit {
+            name,
+            replaces,
+            limit: Some(limit),
+        })
+    }
+}
+
+fn composite(key: &str, value: Option<&str>) -> String {
+    match value {
+        Some(v) => format!("{key}_{v}"),
+        None => key.to_owned(),
+    }
+}
+
+fn describe_load_error(e: &LoadError) -> (usize, String) {
+    match e {
+        LoadError::TopLevelMustBeMapping(m) => (m.line(), "the top level must be a mapping".into()),
+        LoadError::TopLevelMustBeSequence(m) => (m.line(), "the top level must be a sequence".into()),
+        LoadError::UnexpectedAnchor(m) => (m.line(), "YAML anchors and aliases are not supported".into()),
+        LoadError::MappingKeyMustBeScalar(m) => (m.line(), "mapping keys must be scalars".into()),
+        LoadError::UnexpectedTag(m) => (m.line(), "YAML tags are not supported".into()),
+        LoadError::ScanError(m, err) => (m.line(), err.info().to_owned()),
+        LoadError::DuplicateKey(d) => (
+            scalar_line(&d.key),
+            format!("duplicate key '{}' (first on line {})", d.key.as_str(), scalar_line(&d.prev_key)),
+        ),
+    }
+}
+
+/// Metadata is free-form: kept as JSON for the config dump and responses.
+fn yaml_to_json(node: &Node) -> serde_json::Value {
+    match node {
+        Node::Scalar(s) if s.may_coerce() => {
+            if is_null(s) {
+                serde_json::Value::Null
+            } else if let Some(b) = s.as_bool() {
+                serde_json::Value::Bool(b)
+            } else if let Some(i) = s.as_i64() {
+                serde_json::Value::from(i)
+            } else if let Some(f) = s.as_f64() {
+                serde_json::Value::from(f)
+            } else {
+                serde_json::Value::String(s.as_str().to_owned())
+            }
+        }
+        Node::Scalar(s) => serde_json::Value::String(s.as_str().to_owned()),
+        Node::Sequence(seq) => serde_json::Value::Array(seq.iter().map(yaml_to_json).collect()),
+        Node::Mapping(map) => serde_json::Value::Object(
+            map.iter()
+                .map(|(k, v)| (k.as_str().to_owned(), yaml_to_json(v)))
+                .collect(),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn errors(text: &str) -> Vec<String> {
+        match parse(Path::new("r.yaml"), text) {
+            Ok(_) => Vec::new(),
+            Err(e) => e.iter().map(ToString::to_string).collect(),
+        }
+    }
+
+    fn ok(text: &str) -> DomainConfig {
+        match parse(Path::new("r.yaml"), text) {
+            Ok((d, _)) => d,
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+
+    #[test]
+    fn parses_an_envoy_ratelimit_file() {
+        let d = ok("domain: web\ndescriptors:\n  - key: remote_address\n    rate_limit:\n      unit: MINUTE\n      requests_per_unit: 20\n    descriptors:\n      - key: path\n        value: /x\n        shadow_mode: true\n        rate_limit: {unit: second, requests_per_unit: 1, name: p}\n");
+        assert_eq!(d.domain, "web");
+        assert_eq!(d.line, 1);
+        let top = &d.descriptors[0];
+        assert_eq!(top.line, 3);
+        assert_eq!(top.limits[0].limit.as_ref().unwrap().requests_per_unit, 20);
+        let inner = &top.descriptors[0];
+        assert_eq!(inner.value.as_deref(), Some("/x"));
+        assert_eq!(inner.mode, Mode::Shadow);
+        assert_eq!(inner.limits[0].name, "p");
+    }
+
+    #[test]
+    fn reports_each_envoy_ratelimit_error_with_its_line() {
+        assert_eq!(errors("domain: \"\"\n"), ["r.yaml:1: config file cannot have empty domain"]);
+        assert_eq!(errors("descriptors: []\n"), ["r.yaml:1: config file cannot have empty domain"]);
+        assert_eq!(
+            errors("domain: d\ndescriptors:\n  - value: x\n"),
+            ["r.yaml:3: descriptor has empty key"]
+        );
+        assert_eq!(
+            errors("domain: d\ndescriptors:\n  - key: k\n    value: v\n  - key: k\n    value: v\n"),
+            ["r.yaml:5: duplicate descriptor composite key 'k_v'"]
+        );
+        assert_eq!(
+            errors("domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: fortnight\n      requests_per_unit: 1\n"),
+            ["r.yaml:5: invalid rate limit unit 'fortnight'"]
+        );
+        assert_eq!(
+            errors("domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unlimited: true\n      unit: second\n"),
+            ["r.yaml:5: should not specify rate limit unit when unlimited"]
+        );
+        assert_eq!(
+            errors("domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: second\n      name: a\n      replaces:\n        - name: a\n"),
+            ["r.yaml:8: replaces should not contain name of same descriptor"]
+        );
+        assert_eq!(
+            errors("domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: second\n      replaces:\n        - name: \"\"\n"),
+            ["r.yaml:7: should not have an empty replaces entry"]
+        );
+        assert_eq!(
+            errors("domain: d\ndescriptors:\n  - key: k\n    colour: red\n"),
+            ["r.yaml:4: config error, unknown key 'colour'"]
+        );
+        assert_eq!(
+            errors("domain: d\ndescriptors:\n  - key: k\n    1: x\n"),
+            ["r.yaml:4: config error, key is not of type string: 1"]
+        );
+        assert_eq!(
+            errors("domain: d\ndescriptors:\n  - key: k\n  - just a string\n"),
+            ["r.yaml:4: config error, yaml file contains list of type other than map"]
+        );
+        assert_eq!(
+            errors("domain: d\ndescriptors:\n  - key: k\n    share_threshold: true\n"),
+            ["r.yaml:3: share_threshold can only be used with wildcard values (containing '*'), but found key 'k'"]
+        );
+    }
+
+    #[test]
+    fn reports_yaml_syntax_errors_with_their_line() {
+        let e = errors("domain: d\ndescriptors:\n  - key: [unclosed\n");
+        assert_eq!(e.len(), 1);
+        assert!(e[0].starts_with("r.yaml:"), "{e:?}");
+        assert!(e[0].contains("error loading config file"), "{e:?}");
+    }
+
+    #[test]
+    fn duplicate_composite_keys_are_found_at_every_depth() {
+        let e = errors("domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: b\n      - key: b\n");
+        assert_eq!(e, ["r.yaml:6: duplicate descriptor composite key 'a.b'"]);
+    }
+
+    #[test]
+    fn reads_the_extensions() {
+        let d = ok("domain: d\ndescriptors:\n  - key: k\n    rate_limits:\n      - {unit: second, requests_per_unit: 5}\n      - {unit: minute, requests_per_unit: 100, algorithm: sliding_window, unit_multiplier: 5}\n");
+        let limits: Vec<_> = d.descriptors[0].limits.iter().map(|l| l.limit.clone().unwrap()).collect();
+        assert_eq!(limits[0].algorithm, Algorithm::FixedWindow);
+        assert_eq!(limits[1].algorithm, Algorithm::SlidingWindow);
+        assert_eq!(limits[1].window_ms(), 5 * 60_000);
+    }
+
+    #[test]
+    fn rejects_bad_extension_values() {
+        assert_eq!(
+            errors("domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, algorithm: magic}\n"),
+            ["r.yaml:4: invalid algorithm 'magic' (expected fixed_window or sliding_window)"]
+        );
+        assert_eq!(
+            errors("domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, unit_multiplier: 0}\n"),
+            ["r.yaml:4: unit_multiplier must be at least 1"]
+        );
+        assert_eq!(
+            errors("domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: second\n      requests_per_unit: lots\n"),
+            ["r.yaml:6: 'requests_per_unit' must be a whole number from 0 to 4294967295, not 'lots'"]
+        );
+    }
+
+    #[test]
+    fn misplaced_known_keys_warn_without_failing() {
+        let (_, warnings) =
+            parse(Path::new("r.yaml"), "domain: d\ndescriptors:\n  - key: k\n    unit: second\n").unwrap();
+        assert_eq!(warnings[0].to_string(), "r.yaml:4: key 'unit' has no effect here and is ignored");
+    }
+
+    #[test]
+    fn metadata_is_free_form() {
+        let d = ok("domain: d\ndescriptors:\n  - key: k\n    metadata:\n      team: web\n      anything: {goes: [1, true]}\n");
+        assert_eq!(
+            d.descriptors[0].metadata,
+            Some(serde_json::json!({"team": "web", "anything": {"goes": [1, true]}}))
+        );
+    }
+}

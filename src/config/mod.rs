@@ -1,0 +1,136 @@
+//! Rule files: envoyproxy/ratelimit's YAML format plus sluice's extensions, read from one file or a
+//! directory of them, validated into typed `DomainConfig`s. Every problem is reported as
+//! `file:line: message`; the caller keeps its previous rules when there is any.
+
+mod file;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+pub use file::parse;
+
+use crate::limiter::{Limit, Mode};
+
+/// One domain, as one rule file declares it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DomainConfig {
+    pub file: PathBuf,
+    /// The line of the `domain` key.
+    pub line: usize,
+    pub domain: String,
+    pub descriptors: Vec<DescriptorConfig>,
+}
+
+/// One node of a domain's descriptor tree.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DescriptorConfig {
+    pub line: usize,
+    pub key: String,
+    /// The value to match: `None` matches any value; `*` in it matches any run of bytes.
+    pub value: Option<String>,
+    pub limits: Vec<RuleLimit>,
+    pub mode: Mode,
+    pub share_threshold: bool,
+    pub detailed_metric: bool,
+    pub value_to_metric: bool,
+    pub metadata: Option<serde_json::Value>,
+    pub descriptors: Vec<DescriptorConfig>,
+}
+
+/// A limit as a rule declares it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RuleLimit {
+    pub name: String,
+    pub replaces: Vec<String>,
+    /// `None` for `unlimited: true`.
+    pub limit: Option<Limit>,
+}
+
+/// A problem found in a rule file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    pub file: PathBuf,
+    pub line: usize,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}: {}", self.file.display(), self.line, self.message)
+    }
+}
+
+/// What loading rule files produced: the domains when there is no error, and warnings (keys that
+/// envoyproxy/ratelimit accepts but ignores where they stand) either way.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    pub domains: Vec<DomainConfig>,
+    pub warnings: Vec<ConfigError>,
+}
+
+/// Loads one rule file, or every `.yaml`/`.yml` file directly inside a directory (hidden entries,
+/// such as a Kubernetes ConfigMap's `..data`, are skipped; symlinks are followed).
+pub fn load(path: &Path) -> Result<Loaded, Vec<ConfigError>> {
+    let files = rule_files(path).map_err(|message| {
+        vec![ConfigError {
+            file: path.to_path_buf(),
+            line: 0,
+            message,
+        }]
+    })?;
+    let mut loaded = Loaded::default();
+    let mut errors = Vec::new();
+    for file in files {
+        match std::fs::read_to_string(&file) {
+            Ok(text) => match parse(&file, &text) {
+                Ok((domain, warnings)) => {
+                    loaded.warnings.extend(warnings);
+                    loaded.domains.push(domain);
+                }
+                Err(mut e) => errors.append(&mut e),
+            },
+            Err(e) => errors.push(ConfigError {
+                file,
+                line: 0,
+                message: format!("cannot read: {e}"),
+            }),
+        }
+    }
+    for (i, d) in loaded.domains.iter().enumerate() {
+        if loaded.domains[..i].iter().any(|o| o.domain == d.domain) {
+            errors.push(ConfigError {
+                file: d.file.clone(),
+                line: d.line,
+                message: format!("duplicate domain '{}' in config file", d.domain),
+            });
+        }
+    }
+    if errors.is_empty() {
+        Ok(loaded)
+    } else {
+        Err(errors)
+    }
+}
+
+fn rule_files(path: &Path) -> Result<Vec<PathBuf>, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read: {e}"))?;
+    if !meta.is_dir() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(path).map_err(|e| format!("cannot list: {e}"))? {
+        let entry = entry.map_err(|e| format!("cannot list: {e}"))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let is_rules = name.ends_with(".yaml") || name.ends_with(".yml");
+        if name.starts_with('.') || !is_rules {
+            continue;
+        }
+        let file = entry.path();
+        if std::fs::metadata(&file).map(|m| m.is_file()).unwrap_or(false) {
+            files.push(file);
+        }
+    }
+    files.sort();
+    Ok(files)
+}

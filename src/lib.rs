@@ -1,0 +1,22 @@
+//! sluice: a global rate limit service for Envoy (`envoy.service.ratelimit.v3`).
+//!
+//! A request travels top-down through these modules; a lower one never imports a higher one.
+//!
+//! - [`service`] — the network surface: the gRPC `RateLimitService` (plus health and reflection)
+//!   and the admin HTTP server. It validates requests, resolves hits, and turns one decision into
+//!   one status per descriptor.
+//! - [`rules`] — the matcher built from rule files: (domain, descriptor entries) → the limits that
+//!   apply, with envoyproxy/ratelimit's exact / wildcard / key-only precedence.
+//! - [`limiter`] — what a limit is (`Limit`, `Algorithm`, `Mode`), the window math shared by every
+//!   store, counter identities (`CounterKey`), and the all-or-nothing `Check` → `Decision`.
+//! - [`store`] — where counters live: the embedded in-process store.
+//!
+//! Beside the path: [`config`] reads and validates rule files into typed structs at the edge, and
+//! [`telemetry`] sets up logging.
+
+pub mod config;
+pub mod limiter;
+pub mod rules;
+pub mod service;
+pub mod store;
+pub mod telemetry;

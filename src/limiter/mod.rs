@@ -1,0 +1,244 @@
+//! What a limit is and how a request is decided: `Limit` and its `Algorithm`, the `Check` that
+//! gathers every counter a request touches, and the `Limiter` that hands a check to the store and
+//! returns its all-or-nothing `Decision`.
+
+mod key;
+pub mod window;
+
+use std::time::Duration;
+
+pub use key::CounterKey;
+
+use crate::store::{Store, StoreError};
+
+/// The time unit of a limit. Months are 30 days and years 365 days, as envoyproxy/ratelimit has it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Unit {
+    Second,
+    Minute,
+    Hour,
+    Day,
+    Week,
+    Month,
+    Year,
+}
+
+impl Unit {
+    pub fn seconds(self) -> u64 {
+        match self {
+            Unit::Second => 1,
+            Unit::Minute => 60,
+            Unit::Hour => 3_600,
+            Unit::Day => 86_400,
+            Unit::Week => 7 * 86_400,
+            Unit::Month => 30 * 86_400,
+            Unit::Year => 365 * 86_400,
+        }
+    }
+
+    /// Parses a rule-file unit, case-insensitively as envoyproxy/ratelimit does.
+    pub fn parse(name: &str) -> Option<Unit> {
+        Some(match name.to_ascii_lowercase().as_str() {
+            "second" => Unit::Second,
+            "minute" => Unit::Minute,
+            "hour" => Unit::Hour,
+            "day" => Unit::Day,
+            "week" => Unit::Week,
+            "month" => Unit::Month,
+            "year" => Unit::Year,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Unit::Second => "second",
+            Unit::Minute => "minute",
+            Unit::Hour => "hour",
+            Unit::Day => "day",
+            Unit::Week => "week",
+            Unit::Month => "month",
+            Unit::Year => "year",
+        }
+    }
+}
+
+/// How a limit counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// A counter per window aligned to the Unix epoch (envoyproxy/ratelimit's behaviour).
+    FixedWindow,
+    /// The previous window's count, weighted by how much of it still overlaps the sliding
+    /// window, plus the current window's count.
+    SlidingWindow,
+}
+
+impl Algorithm {
+    pub fn parse(name: &str) -> Option<Algorithm> {
+        match name {
+            "fixed_window" => Some(Algorithm::FixedWindow),
+            "sliding_window" => Some(Algorithm::SlidingWindow),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::FixedWindow => "fixed_window",
+            Algorithm::SlidingWindow => "sliding_window",
+        }
+    }
+}
+
+/// One limit: so many requests per window, counted by an algorithm.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Limit {
+    pub name: String,
+    pub requests_per_unit: u32,
+    pub unit: Unit,
+    pub unit_multiplier: u32,
+    pub algorithm: Algorithm,
+}
+
+impl Limit {
+    pub fn window_ms(&self) -> u64 {
+        self.unit.seconds() * 1000 * u64::from(self.unit_multiplier)
+    }
+}
+
+/// How a limit takes part in the decision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// Over the limit denies the request.
+    Enforce,
+    /// Counted and reported, never denies.
+    Shadow,
+    /// Denies only when every quota limit of the request is over (envoyproxy/ratelimit's
+    /// `quota_mode`).
+    Quota,
+}
+
+/// One counter a request touches.
+#[derive(Clone, Debug)]
+pub struct Item {
+    pub key: CounterKey,
+    pub limit: Limit,
+    pub mode: Mode,
+    /// Hits to add when the request is admitted; 0 checks without consuming.
+    pub hits: u64,
+    /// Give `hits` back instead of consuming them.
+    pub refund: bool,
+}
+
+/// Every counter of one request, decided together.
+#[derive(Clone, Debug, Default)]
+pub struct Check {
+    pub items: Vec<Item>,
+}
+
+/// What the store found for one item.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Usage {
+    /// This item alone would exceed its limit.
+    pub over: bool,
+    /// Requests left in the window after this request (0 when over).
+    pub remaining: u64,
+    /// Time until the counter frees up: the end of the window, or when one more hit fits.
+    pub reset: Duration,
+}
+
+/// The all-or-nothing verdict over a whole check.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decision {
+    pub admitted: bool,
+    pub usages: Vec<Usage>,
+}
+
+/// Whether a request is admitted given which of its items are over: any enforced limit over, or
+/// every quota limit over, denies. The Lua scripts implement the same rule.
+pub fn admits(items: &[Item], over: impl Fn(usize) -> bool) -> bool {
+    let mut quotas = 0;
+    let mut quotas_over = 0;
+    for (i, item) in items.iter().enumerate() {
+        match item.mode {
+            Mode::Enforce if over(i) => return false,
+            Mode::Quota => {
+                quotas += 1;
+                if over(i) {
+                    quotas_over += 1;
+                }
+            }
+            Mode::Enforce | Mode::Shadow => {}
+        }
+    }
+    quotas == 0 || quotas_over < quotas
+}
+
+/// Decides checks against a store.
+pub struct Limiter {
+    store: Store,
+}
+
+impl Limiter {
+    pub fn new(store: Store) -> Self {
+        Limiter { store }
+    }
+
+    pub async fn decide(&self, check: &Check) -> Result<Decision, StoreError> {
+        if check.items.is_empty() {
+            return Ok(Decision {
+                admitted: true,
+                usages: Vec::new(),
+            });
+        }
+        self.store.apply(check).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(mode: Mode) -> Item {
+        Item {
+            key: CounterKey::new("d", &[("k", "v")], "l"),
+            limit: Limit {
+                name: String::new(),
+                requests_per_unit: 1,
+                unit: Unit::Second,
+                unit_multiplier: 1,
+                algorithm: Algorithm::FixedWindow,
+            },
+            mode,
+            hits: 1,
+            refund: false,
+        }
+    }
+
+    #[test]
+    fn an_enforced_limit_over_denies() {
+        let items = [item(Mode::Enforce), item(Mode::Enforce)];
+        assert!(!admits(&items, |i| i == 1));
+        assert!(admits(&items, |_| false));
+    }
+
+    #[test]
+    fn a_shadow_limit_over_never_denies() {
+        let items = [item(Mode::Shadow), item(Mode::Enforce)];
+        assert!(admits(&items, |i| i == 0));
+    }
+
+    #[test]
+    fn quota_limits_deny_only_when_all_are_over() {
+        let items = [item(Mode::Quota), item(Mode::Quota)];
+        assert!(admits(&items, |i| i == 0));
+        assert!(!admits(&items, |_| true));
+    }
+
+    #[test]
+    fn units_have_envoy_ratelimit_lengths() {
+        assert_eq!(Unit::parse("MONTH").map(Unit::seconds), Some(30 * 86_400));
+        assert_eq!(Unit::parse("Year").map(Unit::seconds), Some(365 * 86_400));
+        assert_eq!(Unit::parse("fortnight"), None);
+    }
+}

@@ -1,0 +1,147 @@
+//! The `sluice` command: `serve` runs the service, `check-config` validates rule files.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context;
+use arc_swap::ArcSwap;
+use clap::{Args, Parser, Subcommand};
+
+use sluice::config;
+use sluice::limiter::Limiter;
+use sluice::rules::RuleSet;
+use sluice::service::rls::{Bounds, Rls};
+use sluice::service::{self, Shutdown};
+use sluice::store::Store;
+
+#[derive(Parser)]
+#[command(version, about = "Envoy global rate limit service")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the rate limit service over gRPC, with an admin HTTP server beside it.
+    Serve(ServeArgs),
+    /// Validate rule files: exit 0 when valid, else print `file:line: message` per error.
+    CheckConfig {
+        /// A rule file, or a directory of them.
+        path: PathBuf,
+    },
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// A rule file, or a directory of them (one domain per file).
+    #[arg(long, env = "SLUICE_CONFIG")]
+    config: PathBuf,
+    /// Address of the gRPC server (rate limit service, health, reflection).
+    #[arg(long, env = "SLUICE_GRPC_ADDR", default_value = "0.0.0.0:8081")]
+    grpc_addr: SocketAddr,
+    /// Address of the admin HTTP server (/healthz, /readyz, /json).
+    #[arg(long, env = "SLUICE_HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    http_addr: SocketAddr,
+    /// Count and report, but never deny: every answer is OK.
+    #[arg(long, env = "SLUICE_SHADOW_MODE")]
+    shadow_mode: bool,
+    /// Most live counters the embedded store holds; a request needing a new one beyond that is
+    /// answered RESOURCE_EXHAUSTED.
+    #[arg(long, env = "SLUICE_MAX_KEYS", default_value_t = 1_000_000)]
+    max_keys: usize,
+    /// Most descriptors in one request.
+    #[arg(long, env = "SLUICE_MAX_DESCRIPTORS", default_value_t = 64)]
+    max_descriptors: usize,
+    /// Most entries in one descriptor.
+    #[arg(long, env = "SLUICE_MAX_ENTRIES", default_value_t = 32)]
+    max_entries: usize,
+    /// Longest domain, entry key or entry value, in bytes.
+    #[arg(long, env = "SLUICE_MAX_ENTRY_BYTES", default_value_t = 1024)]
+    max_entry_bytes: usize,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::CheckConfig { path } => check_config(&path),
+        Command::Serve(args) => {
+            sluice::telemetry::init();
+            match serve(args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!("{e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+fn check_config(path: &Path) -> ExitCode {
+    match config::load(path) {
+        Ok(loaded) => {
+            for w in &loaded.warnings {
+                eprintln!("{w} (warning)");
+            }
+            println!("{}: {} domain(s) valid", path.display(), loaded.domains.len());
+            ExitCode::SUCCESS
+        }
+        Err(errors) => {
+            for e in &errors {
+                println!("{e}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load_rules(path: &Path) -> anyhow::Result<RuleSet> {
+    match config::load(path) {
+        Ok(loaded) => {
+            for w in &loaded.warnings {
+                tracing::warn!("{w}");
+            }
+            tracing::info!(domains = loaded.domains.len(), path = %path.display(), "rules loaded");
+            Ok(RuleSet::new(loaded.domains))
+        }
+        Err(errors) => {
+            for e in &errors {
+                tracing::error!("{e}");
+            }
+            anyhow::bail!("{} error(s) in {}", errors.len(), path.display())
+        }
+    }
+}
+
+#[tokio::main]
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let rules = Arc::new(ArcSwap::from_pointee(load_rules(&args.config)?));
+    let store = Store::memory(args.max_keys);
+    let bounds = Bounds {
+        max_descriptors: args.max_descriptors,
+        max_entries: args.max_entries,
+        max_entry_bytes: args.max_entry_bytes,
+    };
+    let rls = Arc::new(Rls::new(rules, Limiter::new(store), bounds, args.shadow_mode));
+    let (stop, shutdown) = Shutdown::new();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        tracing::info!("shutting down: draining in-flight calls");
+        let _ = stop.send(true);
+    });
+    service::run(rls, args.grpc_addr, args.http_addr, shutdown)
+        .await
+        .context("serving")
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler installs");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}

@@ -1,0 +1,236 @@
+//! The matcher built from rule files: domain → descriptor tree → the limits that apply to one
+//! request descriptor. Matching follows envoyproxy/ratelimit: at each level an entry first matches
+//! its exact (key, value), then the first `*` pattern of that key in file order, then the key alone;
+//! the limits are those of the node matched by the last entry. Keys and values are compared as
+//! pairs, never as a joined `key_value` string.
+
+use std::collections::HashMap;
+
+use crate::config::{DescriptorConfig, DomainConfig, RuleLimit};
+use crate::limiter::Mode;
+
+/// Every loaded domain, ready to match.
+#[derive(Debug, Default)]
+pub struct RuleSet {
+    domains: HashMap<String, Level>,
+}
+
+/// The children of one node, grouped by entry key.
+#[derive(Debug, Default)]
+struct Level {
+    by_key: HashMap<String, Branches>,
+}
+
+#[derive(Debug, Default)]
+struct Branches {
+    exact: HashMap<String, Node>,
+    patterns: Vec<(Pattern, Node)>,
+    any: Option<Box<Node>>,
+}
+
+/// One rule of the tree.
+#[derive(Debug)]
+pub struct Node {
+    pub limits: Vec<RuleLimit>,
+    pub mode: Mode,
+    pub metadata: Option<serde_json::Value>,
+    share_threshold: bool,
+    children: Level,
+}
+
+/// A value with `*` wildcards, each matching any run of bytes.
+#[derive(Debug)]
+struct Pattern {
+    text: String,
+    parts: Vec<String>,
+}
+
+impl Pattern {
+    fn new(text: &str) -> Self {
+        Pattern {
+            text: text.to_owned(),
+            parts: text.split('*').map(str::to_owned).collect(),
+        }
+    }
+
+    fn matches(&self, value: &str) -> bool {
+        let (first, rest) = self.parts.split_first().expect("split yields one part at least");
+        let Some(mut tail) = value.strip_prefix(first.as_str()) else {
+            return false;
+        };
+        let (last, middle) = rest.split_last().expect("a pattern has a '*'");
+        for part in middle {
+            match tail.find(part.as_str()) {
+                Some(at) => tail = &tail[at + part.len()..],
+                None => return false,
+            }
+        }
+        tail.len() >= last.len() && tail.ends_with(last.as_str())
+    }
+}
+
+/// What a request descriptor resolved to.
+#[derive(Debug)]
+pub struct Match<'a> {
+    pub node: &'a Node,
+    /// The values to count under, one per entry: the request's value, or the matched pattern
+    /// where that node has `share_threshold` (all matching values share one counter).
+    pub counted_values: Vec<&'a str>,
+}
+
+impl RuleSet {
+    pub fn new(domains: Vec<DomainConfig>) -> Self {
+        RuleSet {
+            domains: domains
+                .into_iter()
+                .map(|d| (d.domain, Level::build(d.descriptors)))
+                .collect(),
+        }
+    }
+
+    pub fn has_domain(&self, domain: &str) -> bool {
+        self.domains.contains_key(domain)
+    }
+
+    /// The node matched by the descriptor's last entry, if every entry matched.
+    pub fn resolve<'a>(&'a self, domain: &str, entries: &[(&'a str, &'a str)]) -> Option<Match<'a>> {
+        let mut level = self.domains.get(domain)?;
+        let mut counted_values = Vec::with_capacity(entries.len());
+        let mut node = None;
+        for (key, value) in entries {
+            let branches = level.by_key.get(*key)?;
+            let (next, counted) = if let Some(n) = branches.exact.get(*value) {
+                (n, *value)
+            } else if let Some((p, n)) = branches.patterns.iter().find(|(p, _)| p.matches(value)) {
+                (n, if n.share_threshold { p.text.as_str() } else { *value })
+            } else {
+                (branches.any.as_deref()?, *value)
+            };
+            counted_values.push(counted);
+            level = &next.children;
+            node = Some(next);
+        }
+        node.map(|node| Match { node, counted_values })
+    }
+}
+
+impl Level {
+    fn build(descriptors: Vec<DescriptorConfig>) -> Self {
+        let mut level = Level::default();
+        for d in descriptors {
+            let node = Node {
+                limits: d.limits,
+                mode: d.mode,
+                metadata: d.metadata,
+                share_threshold: d.share_threshold,
+                children: Level::build(d.descriptors),
+            };
+            let branches = level.by_key.entry(d.key).or_default();
+            match d.value {
+                None => branches.any = Some(Box::new(node)),
+                Some(v) if v.contains('*') => branches.patterns.push((Pattern::new(&v), node)),
+                Some(v) => {
+                    branches.exact.insert(v, node);
+                }
+            }
+        }
+        level
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn rules(yaml: &str) -> RuleSet {
+        let (domain, _) = crate::config::parse(Path::new("t.yaml"), yaml).expect("valid rules");
+        RuleSet::new(vec![domain])
+    }
+
+    fn limit_of(set: &RuleSet, entries: &[(&str, &str)]) -> Option<u32> {
+        let m = set.resolve("d", entries)?;
+        m.node.limits.first()?.limit.as_ref().map(|l| l.requests_per_unit)
+    }
+
+    const TREE: &str = "
+domain: d
+descriptors:
+  - key: path
+    value: /exact
+    rate_limit: {unit: second, requests_per_unit: 1}
+  - key: path
+    value: /api/*
+    rate_limit: {unit: second, requests_per_unit: 2}
+  - key: path
+    value: /v*/users/*/avatar
+    rate_limit: {unit: second, requests_per_unit: 3}
+  - key: path
+    rate_limit: {unit: second, requests_per_unit: 4}
+  - key: a_b
+    value: c
+    rate_limit: {unit: second, requests_per_unit: 5}
+  - key: client
+    descriptors:
+      - key: method
+        value: GET
+        rate_limit: {unit: second, requests_per_unit: 6}
+  - key: files
+    value: '*'
+    share_threshold: true
+    rate_limit: {unit: second, requests_per_unit: 7}
+";
+
+    #[test]
+    fn exact_beats_wildcard_beats_key_only() {
+        let set = rules(TREE);
+        assert_eq!(limit_of(&set, &[("path", "/exact")]), Some(1));
+        assert_eq!(limit_of(&set, &[("path", "/api/x")]), Some(2));
+        assert_eq!(limit_of(&set, &[("path", "/other")]), Some(4));
+    }
+
+    #[test]
+    fn wildcards_match_anywhere_in_the_value() {
+        let set = rules(TREE);
+        assert_eq!(limit_of(&set, &[("path", "/v2/users/42/avatar")]), Some(3));
+        assert_eq!(limit_of(&set, &[("path", "/v2/users/42/avatar.png")]), Some(4));
+        assert!(Pattern::new("a*a").matches("aa"));
+        assert!(!Pattern::new("ab*ba").matches("aba"));
+    }
+
+    #[test]
+    fn pairs_are_never_compared_as_joined_strings() {
+        let set = rules(TREE);
+        assert_eq!(limit_of(&set, &[("a_b", "c")]), Some(5));
+        assert!(set.resolve("d", &[("a", "b_c")]).is_none());
+    }
+
+    #[test]
+    fn the_limit_is_that_of_the_node_matched_by_the_last_entry() {
+        let set = rules(TREE);
+        assert_eq!(limit_of(&set, &[("client", "x"), ("method", "GET")]), Some(6));
+        assert_eq!(limit_of(&set, &[("client", "x")]), None, "the parent has no limit");
+        assert!(set.resolve("d", &[("client", "x"), ("method", "POST")]).is_none());
+        assert!(
+            set.resolve("d", &[("path", "/exact"), ("extra", "1")]).is_none(),
+            "more entries than the tree is deep match nothing"
+        );
+    }
+
+    #[test]
+    fn share_threshold_counts_every_match_under_the_pattern() {
+        let set = rules(TREE);
+        let m = set.resolve("d", &[("files", "a.txt")]).unwrap();
+        assert_eq!(m.counted_values, ["*"]);
+        let m = set.resolve("d", &[("path", "/api/x")]).unwrap();
+        assert_eq!(m.counted_values, ["/api/x"], "without share_threshold each value counts alone");
+    }
+
+    #[test]
+    fn unknown_domains_and_keys_match_nothing() {
+        let set = rules(TREE);
+        assert!(set.resolve("other", &[("path", "/exact")]).is_none());
+        assert!(set.resolve("d", &[("nope", "x")]).is_none());
+        assert!(set.has_domain("d"));
+    }
+}

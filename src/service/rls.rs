@@ -1,0 +1,310 @@
+//! `envoy.service.ratelimit.v3.RateLimitService`: validates a request, resolves each descriptor's
+//! limits and hits, asks the limiter for one all-or-nothing decision and answers with one status
+//! per descriptor, in order.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit, rate_limit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf;
+use tonic::{Request, Response, Status};
+
+use crate::config::RuleLimit;
+use crate::limiter::{Algorithm, Check, CounterKey, Decision, Item, Limit, Limiter, Mode, Unit};
+use crate::rules::RuleSet;
+use crate::store::StoreError;
+
+/// Limits on what one request may carry, so that no caller can make a check unboundedly large.
+#[derive(Clone, Copy, Debug)]
+pub struct Bounds {
+    pub max_descriptors: usize,
+    pub max_entries: usize,
+    pub max_entry_bytes: usize,
+}
+
+/// The rate limit service: current rules, the limiter and the request bounds.
+pub struct Rls {
+    rules: Arc<ArcSwap<RuleSet>>,
+    limiter: Limiter,
+    bounds: Bounds,
+    shadow_mode: bool,
+}
+
+/// What one request descriptor turned into.
+enum Plan {
+    /// No rule applies (unknown domain, no match, or every limit replaced).
+    Free,
+    Unlimited,
+    /// These items of the check are this descriptor's limits.
+    Limited(std::ops::Range<usize>),
+}
+
+impl Rls {
+    pub fn new(rules: Arc<ArcSwap<RuleSet>>, limiter: Limiter, bounds: Bounds, shadow_mode: bool) -> Self {
+        Rls {
+            rules,
+            limiter,
+            bounds,
+            shadow_mode,
+        }
+    }
+
+    /// Answers one request; the gRPC method and the admin `/json` endpoint both call this.
+    pub async fn answer(&self, request: &RateLimitRequest) -> Result<RateLimitResponse, Status> {
+        self.validate(request)?;
+        let rules = self.rules.load();
+        let (plans, check) = plan(&rules, request);
+        let decision = self.limiter.decide(&check).await.map_err(store_status)?;
+        Ok(respond(&plans, &check, &decision, self.shadow_mode))
+    }
+
+    fn validate(&self, request: &RateLimitRequest) -> Result<(), Status> {
+        let b = &self.bounds;
+        let invalid = |m: String| Err(Status::invalid_argument(m));
+        if request.domain.is_empty() {
+            return invalid("rate limit domain must not be empty".into());
+        }
+        if request.domain.len() > b.max_entry_bytes {
+            return invalid(format!("domain is longer than --max-entry-bytes ({})", b.max_entry_bytes));
+        }
+        if request.descriptors.is_empty() {
+            return invalid("rate limit descriptor list must not be empty".into());
+        }
+        if request.descriptors.len() > b.max_descriptors {
+            return invalid(format!(
+                "{} descriptors exceed --max-descriptors ({})",
+                request.descriptors.len(),
+                b.max_descriptors
+            ));
+        }
+        for (i, d) in request.descriptors.iter().enumerate() {
+            if d.entries.is_empty() {
+                return invalid(format!("descriptor {i} has no entries"));
+            }
+            if d.entries.len() > b.max_entries {
+                return invalid(format!(
+                    "descriptor {i} has {} entries, more than --max-entries ({})",
+                    d.entries.len(),
+                    b.max_entries
+                ));
+            }
+            for (j, e) in d.entries.iter().enumerate() {
+                if e.key.is_empty() {
+                    return invalid(format!("descriptor {i} entry {j} has an empty key"));
+                }
+                if e.key.len() > b.max_entry_bytes || e.value.len() > b.max_entry_bytes {
+                    return invalid(format!(
+                        "descriptor {i} entry {j} has a key or value longer than --max-entry-bytes ({})",
+                        b.max_entry_bytes
+                    ));
+                }
+            }
+            if let Some(limit) = &d.limit
+                && override_unit(limit.unit).is_none()
+            {
+                return invalid(format!("descriptor {i} has a limit override with an unknown unit ({})", limit.unit));
+            }
+            if d.hits_addend.is_some_and(|h| h.value > u64::from(u32::MAX)) {
+                return invalid(format!("descriptor {i} hits_addend exceeds {}", u32::MAX));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for Rls {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        self.answer(request.get_ref()).await.map(Response::new)
+    }
+}
+
+fn store_status(e: StoreError) -> Status {
+    match e {
+        StoreError::Full { .. } => Status::resource_exhausted(e.to_string()),
+    }
+}
+
+fn override_unit(unit: i32) -> Option<Unit> {
+    Some(match RateLimitUnit::try_from(unit).ok()? {
+        RateLimitUnit::Unknown => return None,
+        RateLimitUnit::Second => Unit::Second,
+        RateLimitUnit::Minute => Unit::Minute,
+        RateLimitUnit::Hour => Unit::Hour,
+        RateLimitUnit::Day => Unit::Day,
+        RateLimitUnit::Month => Unit::Month,
+        RateLimitUnit::Year => Unit::Year,
+    })
+}
+
+fn response_unit(unit: Unit) -> rate_limit::Unit {
+    match unit {
+        Unit::Second => rate_limit::Unit::Second,
+        Unit::Minute => rate_limit::Unit::Minute,
+        Unit::Hour => rate_limit::Unit::Hour,
+        Unit::Day => rate_limit::Unit::Day,
+        Unit::Week => rate_limit::Unit::Week,
+        Unit::Month => rate_limit::Unit::Month,
+        Unit::Year => rate_limit::Unit::Year,
+    }
+}
+
+/// Hits a descriptor consumes: its own `hits_addend` when set (0 checks only), else the
+/// request's, where 0 means 1.
+fn hits(request: &RateLimitRequest, descriptor: &RateLimitDescriptor) -> u64 {
+    match descriptor.hits_addend {
+        Some(h) => h.value,
+        None => u64::from(request.hits_addend.max(1)),
+    }
+}
+
+/// Resolves every descriptor into its limits and gathers them into one check.
+fn plan(rules: &RuleSet, request: &RateLimitRequest) -> (Vec<Plan>, Check) {
+    let domain = request.domain.as_str();
+    let mut check = Check::default();
+    if !rules.has_domain(domain) {
+        return (request.descriptors.iter().map(|_| Plan::Free).collect(), check);
+    }
+    let matches: Vec<_> = request
+        .descriptors
+        .iter()
+        .map(|d| {
+            let entries: Vec<(&str, &str)> = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect();
+            let m = rules.resolve(domain, &entries);
+            (entries, m)
+        })
+        .collect();
+    // A limit named in any matched rule's `replaces` is dropped from every descriptor.
+    let replaced: Vec<&str> = matches
+        .iter()
+        .filter_map(|(_, m)| m.as_ref())
+        .flat_map(|m| m.node.limits.iter())
+        .flat_map(|l| l.replaces.iter().map(String::as_str))
+        .collect();
+    let mut plans = Vec::with_capacity(matches.len());
+    for (descriptor, (entries, m)) in request.descriptors.iter().zip(&matches) {
+        let hits = hits(request, descriptor);
+        let refund = descriptor.is_negative_hits;
+        let counted: Vec<(&str, &str)> = match m {
+            Some(m) => entries.iter().zip(&m.counted_values).map(|((k, _), v)| (*k, *v)).collect(),
+            None => entries.clone(),
+        };
+        let start = check.items.len();
+        let mut push = |limit: Limit, identity: String, mode: Mode| {
+            check.items.push(Item {
+                key: CounterKey::new(domain, &counted, &identity),
+                limit,
+                mode,
+                hits,
+                refund,
+            });
+        };
+        if let Some(o) = &descriptor.limit {
+            let unit = override_unit(o.unit).expect("validated");
+            let algorithm = m
+                .as_ref()
+                .and_then(|m| m.node.limits.iter().find_map(|l| l.limit.as_ref()))
+                .map_or(Algorithm::FixedWindow, |l| l.algorithm);
+            let identity = format!("override:{}:{}:{}", algorithm.name(), unit.name(), o.requests_per_unit);
+            let limit = Limit {
+                name: String::new(),
+                requests_per_unit: o.requests_per_unit,
+                unit,
+                unit_multiplier: 1,
+                algorithm,
+            };
+            push(limit, identity, Mode::Enforce);
+        } else if let Some(m) = m {
+            let kept = || m.node.limits.iter().filter(|l| !is_replaced(l, &replaced));
+            if m.node.limits.iter().any(|l| l.limit.is_none()) {
+                plans.push(Plan::Unlimited);
+                continue;
+            }
+            for rule in kept() {
+                let limit = rule.limit.clone().expect("unlimited handled above");
+                let identity = format!("{}:{}:{}", limit.algorithm.name(), limit.unit.name(), limit.unit_multiplier);
+                push(limit, identity, m.node.mode);
+            }
+        }
+        let end = check.items.len();
+        plans.push(if end > start { Plan::Limited(start..end) } else { Plan::Free });
+    }
+    (plans, check)
+}
+
+fn is_replaced(limit: &RuleLimit, replaced: &[&str]) -> bool {
+    !limit.name.is_empty() && replaced.contains(&limit.name.as_str())
+}
+
+fn respond(plans: &[Plan], check: &Check, decision: &Decision, shadow_mode: bool) -> RateLimitResponse {
+    let mut statuses = Vec::with_capacity(plans.len());
+    let mut retry_after = Duration::ZERO;
+    for plan in plans {
+        statuses.push(match plan {
+            Plan::Free => DescriptorStatus {
+                code: Code::Ok as i32,
+                ..Default::default()
+            },
+            Plan::Unlimited => DescriptorStatus {
+                code: Code::Ok as i32,
+                limit_remaining: u32::MAX,
+                ..Default::default()
+            },
+            Plan::Limited(range) => {
+                let denying = |i: &usize| decision.usages[*i].over && check.items[*i].mode != Mode::Shadow;
+                // The status names the limit that denied, else the one closest to denying.
+                let shown = range
+                    .clone()
+                    .filter(denying)
+                    .max_by_key(|&i| decision.usages[i].reset)
+                    .or_else(|| range.clone().min_by_key(|&i| decision.usages[i].remaining))
+                    .expect("a limited plan has items");
+                let usage = &decision.usages[shown];
+                let over = denying(&shown);
+                if over && !decision.admitted {
+                    retry_after = retry_after.max(usage.reset);
+                }
+                let limit = &check.items[shown].limit;
+                DescriptorStatus {
+                    code: if over { Code::OverLimit } else { Code::Ok } as i32,
+                    current_limit: Some(RateLimit {
+                        name: limit.name.clone(),
+                        requests_per_unit: limit.requests_per_unit,
+                        unit: response_unit(limit.unit) as i32,
+                    }),
+                    limit_remaining: u32::try_from(usage.remaining).unwrap_or(u32::MAX),
+                    duration_until_reset: Some(protobuf::Duration {
+                        seconds: usage.reset.as_secs() as i64,
+                        nanos: usage.reset.subsec_nanos() as i32,
+                    }),
+                    quota: None,
+                }
+            }
+        });
+    }
+    let denied = !decision.admitted && !shadow_mode;
+    let mut response = RateLimitResponse {
+        overall_code: if denied { Code::OverLimit } else { Code::Ok } as i32,
+        statuses,
+        ..Default::default()
+    };
+    if denied {
+        response.response_headers_to_add.push(HeaderValue {
+            key: "retry-after".into(),
+            value: retry_after.as_secs_f64().ceil().max(1.0).to_string(),
+            ..Default::default()
+        });
+    }
+    response
+}

@@ -1,0 +1,264 @@
+//! The embedded store: counters in sharded in-process maps, with the same window math as the
+//! Redis scripts. A check locks the shards it touches in index order, so concurrent checks are
+//! exact and never deadlock. Expired counters are ignored when read and swept by `sweep`, which
+//! the store runs every second, and at once in a shard that is full.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use super::StoreError;
+use crate::limiter::window::{self, State, Step};
+use crate::limiter::{Check, CounterKey, Decision, Usage, admits};
+
+const SHARDS: usize = 64;
+
+pub struct MemoryStore {
+    shards: Box<[Mutex<Shard>]>,
+    per_shard: usize,
+    max_keys: usize,
+    hasher: std::hash::RandomState,
+}
+
+#[derive(Default)]
+struct Shard {
+    counters: HashMap<CounterKey, Counter>,
+}
+
+#[derive(Clone, Copy)]
+struct Counter {
+    state: State,
+    expires_ms: u64,
+}
+
+impl Shard {
+    fn live(&self, key: &CounterKey, now_ms: u64) -> Option<State> {
+        self.counters
+            .get(key)
+            .filter(|c| c.expires_ms > now_ms)
+            .map(|c| c.state)
+    }
+
+    fn sweep(&mut self, now_ms: u64) {
+        self.counters.retain(|_, c| c.expires_ms > now_ms);
+    }
+}
+
+impl MemoryStore {
+    /// A store that holds at most `max_keys` live counters.
+    pub fn new(max_keys: usize) -> Self {
+        MemoryStore {
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            per_shard: max_keys.div_ceil(SHARDS).max(1),
+            max_keys,
+            hasher: std::hash::RandomState::new(),
+        }
+    }
+
+    fn shard_of(&self, key: &CounterKey) -> usize {
+        let mut h = self.hasher.build_hasher();
+        key.hash(&mut h);
+        (h.finish() % SHARDS as u64) as usize
+    }
+
+    pub fn apply(&self, check: &Check) -> Result<Decision, StoreError> {
+        self.apply_at(check, now_ms())
+    }
+
+    fn apply_at(&self, check: &Check, now_ms: u64) -> Result<Decision, StoreError> {
+        let homes: Vec<usize> = check.items.iter().map(|i| self.shard_of(&i.key)).collect();
+        let mut order = homes.clone();
+        order.sort_unstable();
+        order.dedup();
+        let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> = order
+            .iter()
+            .map(|&s| (s, self.shards[s].lock().unwrap_or_else(|e| e.into_inner())))
+            .collect();
+        let slot = |shard: usize| order.binary_search(&shard).expect("every home shard is locked");
+
+        // Items are evaluated in order against the stored state updated by the items before
+        // them, so a request naming one counter twice is counted twice.
+        let mut steps: Vec<Step> = Vec::with_capacity(check.items.len());
+        for (i, item) in check.items.iter().enumerate() {
+            let earlier = (0..i).rev().find(|&j| check.items[j].key == item.key);
+            let stored = match earlier {
+                Some(j) => Some(steps[j].next),
+                None => guards[slot(homes[i])].1.live(&item.key, now_ms),
+            };
+            steps.push(window::evaluate(
+                item.limit.algorithm,
+                u64::from(item.limit.requests_per_unit),
+                item.limit.window_ms(),
+                now_ms,
+                stored,
+                item.hits,
+                item.refund,
+            ));
+        }
+        let admitted = admits(&check.items, |i| steps[i].over);
+
+        if admitted {
+            self.make_room(check, &homes, &mut guards, &slot, now_ms)?;
+            for (i, item) in check.items.iter().enumerate() {
+                let step = &steps[i];
+                guards[slot(homes[i])].1.counters.insert(
+                    item.key.clone(),
+                    Counter {
+                        state: step.next,
+                        expires_ms: now_ms + step.ttl_ms,
+                    },
+                );
+            }
+        }
+
+        let usages = steps
+            .iter()
+            .map(|s| Usage {
+                over: s.over,
+                remaining: match (s.over, admitted) {
+                    (true, _) => 0,
+                    (false, true) => s.remaining_after,
+                    (false, false) => s.remaining_before,
+                },
+                reset: Duration::from_millis(s.reset_ms),
+            })
+            .collect();
+        Ok(Decision { admitted, usages })
+    }
+
+    /// Fails, before anything is written, when a shard cannot take the new counters.
+    fn make_room(
+        &self,
+        check: &Check,
+        homes: &[usize],
+        guards: &mut [(usize, MutexGuard<'_, Shard>)],
+        slot: &impl Fn(usize) -> usize,
+        now_ms: u64,
+    ) -> Result<(), StoreError> {
+        let mut new_per_slot = vec![0usize; guards.len()];
+        for (i, item) in check.items.iter().enumerate() {
+            let first = !check.items[..i].iter().any(|o| o.key == item.key);
+            if first && !guards[slot(homes[i])].1.counters.contains_key(&item.key) {
+                new_per_slot[slot(homes[i])] += 1;
+            }
+        }
+        for (s, (_, shard)) in guards.iter_mut().enumerate() {
+            if new_per_slot[s] == 0 || shard.counters.len() + new_per_slot[s] <= self.per_shard {
+                continue;
+            }
+            shard.sweep(now_ms);
+            if shard.counters.len() + new_per_slot[s] > self.per_shard {
+                return Err(StoreError::Full {
+                    max_keys: self.max_keys,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops expired counters, one shard at a time.
+    pub fn sweep(&self) {
+        self.sweep_at(now_ms());
+    }
+
+    fn sweep_at(&self, now_ms: u64) {
+        for shard in self.shards.iter() {
+            shard.lock().unwrap_or_else(|e| e.into_inner()).sweep(now_ms);
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).counters.len())
+            .sum()
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::{Algorithm, Item, Limit, Mode, Unit};
+
+    fn item(value: &str, limit: u32, hits: u64) -> Item {
+        Item {
+            key: CounterKey::new("d", &[("k", value)], "fixed_window:minute:1"),
+            limit: Limit {
+                name: String::new(),
+                requests_per_unit: limit,
+                unit: Unit::Minute,
+                unit_multiplier: 1,
+                algorithm: Algorithm::FixedWindow,
+            },
+            mode: Mode::Enforce,
+            hits,
+            refund: false,
+        }
+    }
+
+    fn check(items: Vec<Item>) -> Check {
+        Check { items }
+    }
+
+    // The start of a minute.
+    const NOW: u64 = 1_700_000_040_000;
+
+    #[test]
+    fn a_denied_check_moves_no_counter() {
+        let store = MemoryStore::new(100);
+        let both = check(vec![item("a", 10, 1), item("b", 1, 1)]);
+        assert!(store.apply_at(&both, NOW).unwrap().admitted);
+        let denied = store.apply_at(&both, NOW).unwrap();
+        assert!(!denied.admitted);
+        assert!(!denied.usages[0].over);
+        assert_eq!(denied.usages[0].remaining, 9, "a's hit was not consumed");
+        let a = store.apply_at(&check(vec![item("a", 10, 1)]), NOW).unwrap();
+        assert_eq!(a.usages[0].remaining, 8);
+    }
+
+    #[test]
+    fn one_counter_named_twice_is_counted_twice() {
+        let store = MemoryStore::new(100);
+        let twice = check(vec![item("a", 1, 1), item("a", 1, 1)]);
+        assert!(!store.apply_at(&twice, NOW).unwrap().admitted);
+        let twice = check(vec![item("a", 2, 1), item("a", 2, 1)]);
+        let d = store.apply_at(&twice, NOW).unwrap();
+        assert!(d.admitted);
+        assert_eq!(d.usages[1].remaining, 0);
+    }
+
+    #[test]
+    fn counters_expire_with_their_window() {
+        let store = MemoryStore::new(100);
+        store.apply_at(&check(vec![item("a", 10, 1)]), NOW).unwrap();
+        assert_eq!(store.len(), 1);
+        store.sweep_at(NOW + 59_999);
+        assert_eq!(store.len(), 1, "live until the window ends");
+        store.sweep_at(NOW + 120_000);
+        assert_eq!(store.len(), 0, "the expired counter was swept");
+    }
+
+    #[test]
+    fn a_full_store_refuses_new_counters_but_serves_existing_ones() {
+        let store = MemoryStore::new(1);
+        store.apply_at(&check(vec![item("a", 10, 1)]), NOW).unwrap();
+        let mut refused = 0;
+        for v in 0..200 {
+            if store.apply_at(&check(vec![item(&v.to_string(), 10, 1)]), NOW).is_err() {
+                refused += 1;
+            }
+        }
+        assert!(refused > 0);
+        assert!(store.len() <= SHARDS);
+        assert!(store.apply_at(&check(vec![item("a", 10, 1)]), NOW).is_ok());
+    }
+}

@@ -1,0 +1,63 @@
+//! Where counters live. Every store applies a whole `Check` atomically: it evaluates each counter
+//! with the window math, admits the request only if the limiter's rule allows it, and then moves
+//! every counter of the request or none.
+
+mod memory;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use memory::MemoryStore;
+
+use crate::limiter::{Check, Decision};
+
+/// The counter stores sluice can run on.
+pub enum Store {
+    Memory(Arc<MemoryStore>),
+}
+
+impl Store {
+    /// The embedded store, holding at most `max_keys` live counters. Sweeps expired counters
+    /// every second from a task that ends with the store; call it inside a Tokio runtime.
+    pub fn memory(max_keys: usize) -> Store {
+        let store = Arc::new(MemoryStore::new(max_keys));
+        let weak = Arc::downgrade(&store);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                match weak.upgrade() {
+                    Some(store) => store.sweep(),
+                    None => break,
+                }
+            }
+        });
+        Store::Memory(store)
+    }
+
+    pub async fn apply(&self, check: &Check) -> Result<Decision, StoreError> {
+        match self {
+            Store::Memory(memory) => memory.apply(check),
+        }
+    }
+}
+
+/// Why a store could not decide.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreError {
+    /// The embedded store holds `--max-keys` live counters and a request needs a new one.
+    Full { max_keys: usize },
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreError::Full { max_keys } => {
+                write!(f, "the embedded counter store is full ({max_keys} live counters, see --max-keys)")
+            }
+        }
+    }
+}
+
+impl std::error::Error for StoreError {}
