@@ -86,7 +86,11 @@ fn check_config(path: &Path) -> ExitCode {
             for w in &loaded.warnings {
                 eprintln!("{w} (warning)");
             }
-            println!("{}: {} domain(s) valid", path.display(), loaded.domains.len());
+            println!(
+                "{}: {} domain(s) valid",
+                path.display(),
+                loaded.domains.len()
+            );
             ExitCode::SUCCESS
         }
         Err(errors) => {
@@ -125,7 +129,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         max_entries: args.max_entries,
         max_entry_bytes: args.max_entry_bytes,
     };
-    let rls = Arc::new(Rls::new(rules, Limiter::new(store), bounds, args.shadow_mode));
+    let rls = Arc::new(Rls::new(
+        rules,
+        Limiter::new(store),
+        bounds,
+        args.shadow_mode,
+    ));
     let (stop, shutdown) = Shutdown::new();
     tokio::spawn(async move {
         wait_for_signal().await;

@@ -36,7 +36,10 @@ const REPLACES_KEYS: &[&str] = &["name"];
 
 /// Parses one rule file into its domain, with warnings for keys that are valid somewhere in a
 /// rule file but ignored where they stand (envoyproxy/ratelimit accepts them silently).
-pub fn parse(file: &Path, text: &str) -> Result<(DomainConfig, Vec<ConfigError>), Vec<ConfigError>> {
+pub fn parse(
+    file: &Path,
+    text: &str,
+) -> Result<(DomainConfig, Vec<ConfigError>), Vec<ConfigError>> {
     let mut p = Parser {
         file,
         errors: Vec::new(),
@@ -92,7 +95,10 @@ impl Parser<'_> {
             }
         };
         let Some(map) = node.as_mapping() else {
-            self.error(line_of(&node), "error loading config file: the top level must be a mapping");
+            self.error(
+                line_of(&node),
+                "error loading config file: the top level must be a mapping",
+            );
             return None;
         };
         self.check_keys(map, ROOT_KEYS);
@@ -117,8 +123,13 @@ impl Parser<'_> {
     fn check_keys(&mut self, map: &MarkedMappingNode, allowed: &[&str]) {
         for key in map.keys() {
             let line = scalar_line(key);
-            if key.may_coerce() && (key.as_bool().is_some() || key.as_f64().is_some() || is_null(key)) {
-                self.error(line, format!("config error, key is not of type string: {}", key.as_str()));
+            if key.may_coerce()
+                && (key.as_bool().is_some() || key.as_f64().is_some() || is_null(key))
+            {
+                self.error(
+                    line,
+                    format!("config error, key is not of type string: {}", key.as_str()),
+                );
             } else if allowed.contains(&key.as_str()) {
                 continue;
             } else if [ROOT_KEYS, DESCRIPTOR_KEYS, LIMIT_KEYS]
@@ -131,7 +142,10 @@ impl Parser<'_> {
                     message: format!("key '{}' has no effect here and is ignored", key.as_str()),
                 });
             } else {
-                self.error(line, format!("config error, unknown key '{}'", key.as_str()));
+                self.error(
+                    line,
+                    format!("config error, unknown key '{}'", key.as_str()),
+                );
             }
         }
     }
@@ -157,7 +171,10 @@ impl Parser<'_> {
             Some(s) => match s.as_bool() {
                 Some(b) => b,
                 None => {
-                    self.error(line_of(node), format!("'{key}' must be true or false, not '{}'", s.as_str()));
+                    self.error(
+                        line_of(node),
+                        format!("'{key}' must be true or false, not '{}'", s.as_str()),
+                    );
                     false
                 }
             },
@@ -178,7 +195,10 @@ impl Parser<'_> {
             None => None,
             Some(Ok(n)) => Some(n),
             Some(Err(text)) => {
-                self.error(line_of(node), format!("'{key}' must be a whole number from 0 to 4294967295, not '{text}'"));
+                self.error(
+                    line_of(node),
+                    format!("'{key}' must be a whole number from 0 to 4294967295, not '{text}'"),
+                );
                 None
             }
         }
@@ -223,7 +243,10 @@ impl Parser<'_> {
                     Some(v) => format!("{parent}{}_{v}", descriptor.key),
                     None => format!("{parent}{}", descriptor.key),
                 };
-                self.error(descriptor.line, format!("duplicate descriptor composite key '{composite}'"));
+                self.error(
+                    descriptor.line,
+                    format!("duplicate descriptor composite key '{composite}'"),
+                );
                 continue;
             }
             out.push(descriptor);
@@ -281,7 +304,10 @@ impl Parser<'_> {
         let single = map.get_node("rate_limit");
         let many = map.get_node("rate_limits");
         if let (Some(_), Some(node)) = (single, many) {
-            self.error(line_of(node), "use either rate_limit or rate_limits, not both");
+            self.error(
+                line_of(node),
+                "use either rate_limit or rate_limits, not both",
+            );
             return Vec::new();
         }
         if let Some(node) = single {
@@ -305,10 +331,15 @@ impl Parser<'_> {
                 continue;
             };
             let same_window = out.iter().filter_map(|o| o.limit.as_ref()).any(|o| {
-                o.algorithm == l.algorithm && o.unit == l.unit && o.unit_multiplier == l.unit_multiplier
+                o.algorithm == l.algorithm
+                    && o.unit == l.unit
+                    && o.unit_multiplier == l.unit_multiplier
             });
             if same_window {
-                self.error(line, "rate_limits has two limits with the same algorithm and window");
+                self.error(
+                    line,
+                    "rate_limits has two limits with the same algorithm and window",
+                );
                 continue;
             }
             out.push(limit);
@@ -332,7 +363,10 @@ impl Parser<'_> {
             if replaced.is_empty() {
                 self.error(r_line, "should not have an empty replaces entry");
             } else if replaced == name {
-                self.error(r_line, "replaces should not contain name of same descriptor");
+                self.error(
+                    r_line,
+                    "replaces should not contain name of same descriptor",
+                );
             }
             replaces.push(replaced);
         }
@@ -340,7 +374,10 @@ impl Parser<'_> {
         let multiplier_node = map.get_node("unit_multiplier").map(line_of);
         let unit_multiplier = self.number(map, "unit_multiplier").unwrap_or(1);
         if unit_multiplier == 0 {
-            self.error(multiplier_node.unwrap_or(line), "unit_multiplier must be at least 1");
+            self.error(
+                multiplier_node.unwrap_or(line),
+                "unit_multiplier must be at least 1",
+            );
         }
         let algorithm_text = self.string(map, "algorithm");
         let algorithm = match algorithm_text.as_deref() {
@@ -398,14 +435,23 @@ fn composite(key: &str, value: Option<&str>) -> String {
 fn describe_load_error(e: &LoadError) -> (usize, String) {
     match e {
         LoadError::TopLevelMustBeMapping(m) => (m.line(), "the top level must be a mapping".into()),
-        LoadError::TopLevelMustBeSequence(m) => (m.line(), "the top level must be a sequence".into()),
-        LoadError::UnexpectedAnchor(m) => (m.line(), "YAML anchors and aliases are not supported".into()),
+        LoadError::TopLevelMustBeSequence(m) => {
+            (m.line(), "the top level must be a sequence".into())
+        }
+        LoadError::UnexpectedAnchor(m) => (
+            m.line(),
+            "YAML anchors and aliases are not supported".into(),
+        ),
         LoadError::MappingKeyMustBeScalar(m) => (m.line(), "mapping keys must be scalars".into()),
         LoadError::UnexpectedTag(m) => (m.line(), "YAML tags are not supported".into()),
         LoadError::ScanError(m, err) => (m.line(), err.info().to_owned()),
         LoadError::DuplicateKey(d) => (
             scalar_line(&d.key),
-            format!("duplicate key '{}' (first on line {})", d.key.as_str(), scalar_line(&d.prev_key)),
+            format!(
+                "duplicate key '{}' (first on line {})",
+                d.key.as_str(),
+                scalar_line(&d.prev_key)
+            ),
         ),
     }
 }
@@ -456,7 +502,9 @@ mod tests {
 
     #[test]
     fn parses_an_envoy_ratelimit_file() {
-        let d = ok("domain: web\ndescriptors:\n  - key: remote_address\n    rate_limit:\n      unit: MINUTE\n      requests_per_unit: 20\n    descriptors:\n      - key: path\n        value: /x\n        shadow_mode: true\n        rate_limit: {unit: second, requests_per_unit: 1, name: p}\n");
+        let d = ok(
+            "domain: web\ndescriptors:\n  - key: remote_address\n    rate_limit:\n      unit: MINUTE\n      requests_per_unit: 20\n    descriptors:\n      - key: path\n        value: /x\n        shadow_mode: true\n        rate_limit: {unit: second, requests_per_unit: 1, name: p}\n",
+        );
         assert_eq!(d.domain, "web");
         assert_eq!(d.line, 1);
         let top = &d.descriptors[0];
@@ -470,8 +518,14 @@ mod tests {
 
     #[test]
     fn reports_each_envoy_ratelimit_error_with_its_line() {
-        assert_eq!(errors("domain: \"\"\n"), ["r.yaml:1: config file cannot have empty domain"]);
-        assert_eq!(errors("descriptors: []\n"), ["r.yaml:1: config file cannot have empty domain"]);
+        assert_eq!(
+            errors("domain: \"\"\n"),
+            ["r.yaml:1: config file cannot have empty domain"]
+        );
+        assert_eq!(
+            errors("descriptors: []\n"),
+            ["r.yaml:1: config file cannot have empty domain"]
+        );
         assert_eq!(
             errors("domain: d\ndescriptors:\n  - value: x\n"),
             ["r.yaml:3: descriptor has empty key"]
@@ -481,19 +535,27 @@ mod tests {
             ["r.yaml:5: duplicate descriptor composite key 'k_v'"]
         );
         assert_eq!(
-            errors("domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: fortnight\n      requests_per_unit: 1\n"),
+            errors(
+                "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: fortnight\n      requests_per_unit: 1\n"
+            ),
             ["r.yaml:5: invalid rate limit unit 'fortnight'"]
         );
         assert_eq!(
-            errors("domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unlimited: true\n      unit: second\n"),
+            errors(
+                "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unlimited: true\n      unit: second\n"
+            ),
             ["r.yaml:5: should not specify rate limit unit when unlimited"]
         );
         assert_eq!(
-            errors("domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: second\n      name: a\n      replaces:\n        - name: a\n"),
+            errors(
+                "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: second\n      name: a\n      replaces:\n        - name: a\n"
+            ),
             ["r.yaml:8: replaces should not contain name of same descriptor"]
         );
         assert_eq!(
-            errors("domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: second\n      replaces:\n        - name: \"\"\n"),
+            errors(
+                "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: second\n      replaces:\n        - name: \"\"\n"
+            ),
             ["r.yaml:7: should not have an empty replaces entry"]
         );
         assert_eq!(
@@ -510,7 +572,9 @@ mod tests {
         );
         assert_eq!(
             errors("domain: d\ndescriptors:\n  - key: k\n    share_threshold: true\n"),
-            ["r.yaml:3: share_threshold can only be used with wildcard values (containing '*'), but found key 'k'"]
+            [
+                "r.yaml:3: share_threshold can only be used with wildcard values (containing '*'), but found key 'k'"
+            ]
         );
     }
 
@@ -524,14 +588,22 @@ mod tests {
 
     #[test]
     fn duplicate_composite_keys_are_found_at_every_depth() {
-        let e = errors("domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: b\n      - key: b\n");
+        let e = errors(
+            "domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: b\n      - key: b\n",
+        );
         assert_eq!(e, ["r.yaml:6: duplicate descriptor composite key 'a.b'"]);
     }
 
     #[test]
     fn reads_the_extensions() {
-        let d = ok("domain: d\ndescriptors:\n  - key: k\n    rate_limits:\n      - {unit: second, requests_per_unit: 5}\n      - {unit: minute, requests_per_unit: 100, algorithm: sliding_window, unit_multiplier: 5}\n");
-        let limits: Vec<_> = d.descriptors[0].limits.iter().map(|l| l.limit.clone().unwrap()).collect();
+        let d = ok(
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limits:\n      - {unit: second, requests_per_unit: 5}\n      - {unit: minute, requests_per_unit: 100, algorithm: sliding_window, unit_multiplier: 5}\n",
+        );
+        let limits: Vec<_> = d.descriptors[0]
+            .limits
+            .iter()
+            .map(|l| l.limit.clone().unwrap())
+            .collect();
         assert_eq!(limits[0].algorithm, Algorithm::FixedWindow);
         assert_eq!(limits[1].algorithm, Algorithm::SlidingWindow);
         assert_eq!(limits[1].window_ms(), 5 * 60_000);
@@ -540,29 +612,45 @@ mod tests {
     #[test]
     fn rejects_bad_extension_values() {
         assert_eq!(
-            errors("domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, algorithm: magic}\n"),
+            errors(
+                "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, algorithm: magic}\n"
+            ),
             ["r.yaml:4: invalid algorithm 'magic' (expected fixed_window or sliding_window)"]
         );
         assert_eq!(
-            errors("domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, unit_multiplier: 0}\n"),
+            errors(
+                "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, unit_multiplier: 0}\n"
+            ),
             ["r.yaml:4: unit_multiplier must be at least 1"]
         );
         assert_eq!(
-            errors("domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: second\n      requests_per_unit: lots\n"),
-            ["r.yaml:6: 'requests_per_unit' must be a whole number from 0 to 4294967295, not 'lots'"]
+            errors(
+                "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: second\n      requests_per_unit: lots\n"
+            ),
+            [
+                "r.yaml:6: 'requests_per_unit' must be a whole number from 0 to 4294967295, not 'lots'"
+            ]
         );
     }
 
     #[test]
     fn misplaced_known_keys_warn_without_failing() {
-        let (_, warnings) =
-            parse(Path::new("r.yaml"), "domain: d\ndescriptors:\n  - key: k\n    unit: second\n").unwrap();
-        assert_eq!(warnings[0].to_string(), "r.yaml:4: key 'unit' has no effect here and is ignored");
+        let (_, warnings) = parse(
+            Path::new("r.yaml"),
+            "domain: d\ndescriptors:\n  - key: k\n    unit: second\n",
+        )
+        .unwrap();
+        assert_eq!(
+            warnings[0].to_string(),
+            "r.yaml:4: key 'unit' has no effect here and is ignored"
+        );
     }
 
     #[test]
     fn metadata_is_free_form() {
-        let d = ok("domain: d\ndescriptors:\n  - key: k\n    metadata:\n      team: web\n      anything: {goes: [1, true]}\n");
+        let d = ok(
+            "domain: d\ndescriptors:\n  - key: k\n    metadata:\n      team: web\n      anything: {goes: [1, true]}\n",
+        );
         assert_eq!(
             d.descriptors[0].metadata,
             Some(serde_json::json!({"team": "web", "anything": {"goes": [1, true]}}))

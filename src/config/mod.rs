@@ -127,7 +127,10 @@ fn rule_files(path: &Path) -> Result<Vec<PathBuf>, String> {
             continue;
         }
         let file = entry.path();
-        if std::fs::metadata(&file).map(|m| m.is_file()).unwrap_or(false) {
+        if std::fs::metadata(&file)
+            .map(|m| m.is_file())
+            .unwrap_or(false)
+        {
             files.push(file);
         }
     }

@@ -15,7 +15,12 @@ pub struct CounterKey {
 impl CounterKey {
     pub fn new(domain: &str, entries: &[(&str, &str)], limit: &str) -> Self {
         let mut bytes = Vec::with_capacity(
-            16 + domain.len() + limit.len() + entries.iter().map(|(k, v)| k.len() + v.len() + 8).sum::<usize>(),
+            16 + domain.len()
+                + limit.len()
+                + entries
+                    .iter()
+                    .map(|(k, v)| k.len() + v.len() + 8)
+                    .sum::<usize>(),
         );
         push_field(&mut bytes, domain.as_bytes());
         push_field(&mut bytes, entries.len().to_string().as_bytes());
@@ -77,8 +82,10 @@ mod tests {
     #[test]
     fn special_bytes_are_kept_apart() {
         let values = ["", "{", "}", ":", "\n", " ", "a:b", "{x}"];
-        let keys: std::collections::HashSet<_> =
-            values.iter().map(|v| CounterKey::new("d", &[("k", v)], "l")).collect();
+        let keys: std::collections::HashSet<_> = values
+            .iter()
+            .map(|v| CounterKey::new("d", &[("k", v)], "l"))
+            .collect();
         assert_eq!(keys.len(), values.len());
     }
 

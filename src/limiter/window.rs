@@ -62,7 +62,9 @@ pub fn evaluate(
         current + hits
     };
     let reset_ms = match algorithm {
-        Algorithm::SlidingWindow if over => sliding_retry_ms(limit, window_ms, elapsed, previous, current, need),
+        Algorithm::SlidingWindow if over => {
+            sliding_retry_ms(limit, window_ms, elapsed, previous, current, need)
+        }
         _ => to_end,
     };
     let ttl_ms = match algorithm {
@@ -91,7 +93,14 @@ fn weigh(previous: u64, overlap_ms: u64, window_ms: u64) -> u64 {
 
 /// When `need` more hits fit in a sliding window that is over: the first millisecond at which
 /// the weighted previous count has decayed enough, in this window or the next.
-fn sliding_retry_ms(limit: u64, window_ms: u64, elapsed: u64, previous: u64, current: u64, need: u64) -> u64 {
+fn sliding_retry_ms(
+    limit: u64,
+    window_ms: u64,
+    elapsed: u64,
+    previous: u64,
+    current: u64,
+    need: u64,
+) -> u64 {
     let to_end = window_ms - elapsed;
     if need > limit {
         return to_end + window_ms;
@@ -131,7 +140,13 @@ mod tests {
 
     /// Runs `hits` single requests at `now`, storing the state whenever one is admitted, and
     /// returns how many were admitted.
-    fn admit_many(alg: Algorithm, limit: u64, now: u64, state: &mut Option<State>, hits: u64) -> u64 {
+    fn admit_many(
+        alg: Algorithm,
+        limit: u64,
+        now: u64,
+        state: &mut Option<State>,
+        hits: u64,
+    ) -> u64 {
         let mut admitted = 0;
         for _ in 0..hits {
             let step = evaluate(alg, limit, MIN, now, *state, 1, false);
@@ -170,10 +185,18 @@ mod tests {
 
     #[test]
     fn check_only_consumes_nothing_and_is_over_when_exhausted() {
-        let full = Some(State { window: 3, count: 5, previous: 0 });
+        let full = Some(State {
+            window: 3,
+            count: 5,
+            previous: 0,
+        });
         let step = evaluate(FixedWindow, 5, MIN, 3 * MIN, full, 0, false);
         assert!(step.over);
-        let room = Some(State { window: 3, count: 4, previous: 0 });
+        let room = Some(State {
+            window: 3,
+            count: 4,
+            previous: 0,
+        });
         let step = evaluate(FixedWindow, 5, MIN, 3 * MIN, room, 0, false);
         assert!(!step.over);
         assert_eq!(step.next.count, 4);
@@ -182,7 +205,11 @@ mod tests {
 
     #[test]
     fn refunds_give_hits_back_and_never_go_below_zero() {
-        let state = Some(State { window: 3, count: 5, previous: 0 });
+        let state = Some(State {
+            window: 3,
+            count: 5,
+            previous: 0,
+        });
         let step = evaluate(FixedWindow, 5, MIN, 3 * MIN, state, 2, true);
         assert!(!step.over);
         assert_eq!(step.next.count, 3);
@@ -219,14 +246,22 @@ mod tests {
 
     #[test]
     fn sliding_window_forgets_windows_older_than_the_previous() {
-        let old = Some(State { window: 3, count: 10, previous: 10 });
+        let old = Some(State {
+            window: 3,
+            count: 10,
+            previous: 10,
+        });
         let step = evaluate(SlidingWindow, 10, MIN, 5 * MIN, old, 1, false);
         assert_eq!(step.remaining_after, 9);
     }
 
     #[test]
     fn sliding_window_retry_is_when_one_more_fits() {
-        let state = Some(State { window: 5, count: 1, previous: 10 });
+        let state = Some(State {
+            window: 5,
+            count: 1,
+            previous: 10,
+        });
         let now = 5 * MIN + 1_000;
         let step = evaluate(SlidingWindow, 10, MIN, now, state, 1, false);
         assert!(step.over);
@@ -237,7 +272,11 @@ mod tests {
 
     #[test]
     fn sliding_window_retry_can_fall_in_the_next_window() {
-        let state = Some(State { window: 5, count: 10, previous: 0 });
+        let state = Some(State {
+            window: 5,
+            count: 10,
+            previous: 0,
+        });
         let now = 5 * MIN + 30_000;
         let step = evaluate(SlidingWindow, 10, MIN, now, state, 1, false);
         assert!(step.over);

@@ -54,7 +54,10 @@ impl Pattern {
     }
 
     fn matches(&self, value: &str) -> bool {
-        let (first, rest) = self.parts.split_first().expect("split yields one part at least");
+        let (first, rest) = self
+            .parts
+            .split_first()
+            .expect("split yields one part at least");
         let Some(mut tail) = value.strip_prefix(first.as_str()) else {
             return false;
         };
@@ -93,7 +96,11 @@ impl RuleSet {
     }
 
     /// The node matched by the descriptor's last entry, if every entry matched.
-    pub fn resolve<'a>(&'a self, domain: &str, entries: &[(&'a str, &'a str)]) -> Option<Match<'a>> {
+    pub fn resolve<'a>(
+        &'a self,
+        domain: &str,
+        entries: &[(&'a str, &'a str)],
+    ) -> Option<Match<'a>> {
         let mut level = self.domains.get(domain)?;
         let mut counted_values = Vec::with_capacity(entries.len());
         let mut node = None;
@@ -102,7 +109,14 @@ impl RuleSet {
             let (next, counted) = if let Some(n) = branches.exact.get(*value) {
                 (n, *value)
             } else if let Some((p, n)) = branches.patterns.iter().find(|(p, _)| p.matches(value)) {
-                (n, if n.share_threshold { p.text.as_str() } else { *value })
+                (
+                    n,
+                    if n.share_threshold {
+                        p.text.as_str()
+                    } else {
+                        *value
+                    },
+                )
             } else {
                 (branches.any.as_deref()?, *value)
             };
@@ -110,7 +124,10 @@ impl RuleSet {
             level = &next.children;
             node = Some(next);
         }
-        node.map(|node| Match { node, counted_values })
+        node.map(|node| Match {
+            node,
+            counted_values,
+        })
     }
 }
 
@@ -150,7 +167,12 @@ mod tests {
 
     fn limit_of(set: &RuleSet, entries: &[(&str, &str)]) -> Option<u32> {
         let m = set.resolve("d", entries)?;
-        m.node.limits.first()?.limit.as_ref().map(|l| l.requests_per_unit)
+        m.node
+            .limits
+            .first()?
+            .limit
+            .as_ref()
+            .map(|l| l.requests_per_unit)
     }
 
     const TREE: &str = "
@@ -193,7 +215,10 @@ descriptors:
     fn wildcards_match_anywhere_in_the_value() {
         let set = rules(TREE);
         assert_eq!(limit_of(&set, &[("path", "/v2/users/42/avatar")]), Some(3));
-        assert_eq!(limit_of(&set, &[("path", "/v2/users/42/avatar.png")]), Some(4));
+        assert_eq!(
+            limit_of(&set, &[("path", "/v2/users/42/avatar.png")]),
+            Some(4)
+        );
         assert!(Pattern::new("a*a").matches("aa"));
         assert!(!Pattern::new("ab*ba").matches("aba"));
     }
@@ -208,11 +233,22 @@ descriptors:
     #[test]
     fn the_limit_is_that_of_the_node_matched_by_the_last_entry() {
         let set = rules(TREE);
-        assert_eq!(limit_of(&set, &[("client", "x"), ("method", "GET")]), Some(6));
-        assert_eq!(limit_of(&set, &[("client", "x")]), None, "the parent has no limit");
-        assert!(set.resolve("d", &[("client", "x"), ("method", "POST")]).is_none());
+        assert_eq!(
+            limit_of(&set, &[("client", "x"), ("method", "GET")]),
+            Some(6)
+        );
+        assert_eq!(
+            limit_of(&set, &[("client", "x")]),
+            None,
+            "the parent has no limit"
+        );
         assert!(
-            set.resolve("d", &[("path", "/exact"), ("extra", "1")]).is_none(),
+            set.resolve("d", &[("client", "x"), ("method", "POST")])
+                .is_none()
+        );
+        assert!(
+            set.resolve("d", &[("path", "/exact"), ("extra", "1")])
+                .is_none(),
             "more entries than the tree is deep match nothing"
         );
     }
@@ -223,7 +259,11 @@ descriptors:
         let m = set.resolve("d", &[("files", "a.txt")]).unwrap();
         assert_eq!(m.counted_values, ["*"]);
         let m = set.resolve("d", &[("path", "/api/x")]).unwrap();
-        assert_eq!(m.counted_values, ["/api/x"], "without share_threshold each value counts alone");
+        assert_eq!(
+            m.counted_values,
+            ["/api/x"],
+            "without share_threshold each value counts alone"
+        );
     }
 
     #[test]

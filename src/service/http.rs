@@ -15,8 +15,9 @@ use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor};
 
 use super::rls::Rls;
 
-static POOL: LazyLock<DescriptorPool> =
-    LazyLock::new(|| DescriptorPool::decode(super::DESCRIPTORS).expect("build.rs writes a valid descriptor set"));
+static POOL: LazyLock<DescriptorPool> = LazyLock::new(|| {
+    DescriptorPool::decode(super::DESCRIPTORS).expect("build.rs writes a valid descriptor set")
+});
 
 fn message(name: &str) -> MessageDescriptor {
     POOL.get_message_by_name(name)
@@ -43,20 +44,32 @@ async fn json(State(rls): State<Arc<Rls>>, body: Bytes) -> Response {
             } else {
                 StatusCode::OK
             };
-            (status, [(header::CONTENT_TYPE, "application/json")], encode(&response)).into_response()
+            (
+                status,
+                [(header::CONTENT_TYPE, "application/json")],
+                encode(&response),
+            )
+                .into_response()
         }
         Err(s) if s.code() == tonic::Code::InvalidArgument => {
             (StatusCode::BAD_REQUEST, format!("{}\n", s.message())).into_response()
         }
-        Err(s) => (StatusCode::SERVICE_UNAVAILABLE, format!("{}\n", s.message())).into_response(),
+        Err(s) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{}\n", s.message()),
+        )
+            .into_response(),
     }
 }
 
 fn decode(body: &[u8]) -> Result<RateLimitRequest, String> {
     let mut de = serde_json::Deserializer::from_slice(body);
-    let dynamic = DynamicMessage::deserialize(message("envoy.service.ratelimit.v3.RateLimitRequest"), &mut de)
-        .and_then(|m| de.end().map(|()| m))
-        .map_err(|e| format!("invalid RateLimitRequest JSON: {e}\n"))?;
+    let dynamic = DynamicMessage::deserialize(
+        message("envoy.service.ratelimit.v3.RateLimitRequest"),
+        &mut de,
+    )
+    .and_then(|m| de.end().map(|()| m))
+    .map_err(|e| format!("invalid RateLimitRequest JSON: {e}\n"))?;
     dynamic
         .transcode_to::<RateLimitRequest>()
         .map_err(|e| format!("invalid RateLimitRequest: {e}\n"))

@@ -35,7 +35,12 @@ impl Shutdown {
 
 /// Serves gRPC on `grpc_addr` and admin HTTP on `http_addr` until `shutdown` fires, then lets
 /// in-flight calls finish.
-pub async fn run(rls: Arc<Rls>, grpc_addr: SocketAddr, http_addr: SocketAddr, shutdown: Shutdown) -> anyhow::Result<()> {
+pub async fn run(
+    rls: Arc<Rls>,
+    grpc_addr: SocketAddr,
+    http_addr: SocketAddr,
+    shutdown: Shutdown,
+) -> anyhow::Result<()> {
     let grpc_listener = TcpListener::bind(grpc_addr)
         .await
         .with_context(|| format!("cannot listen for gRPC on {grpc_addr}"))?;
@@ -56,8 +61,12 @@ pub async fn run(rls: Arc<Rls>, grpc_addr: SocketAddr, http_addr: SocketAddr, sh
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(RateLimitServiceServer::from_arc(rls.clone()))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), shutdown.clone().wait());
-    let http = axum::serve(http_listener, http::router(rls)).with_graceful_shutdown(shutdown.wait());
+        .serve_with_incoming_shutdown(
+            TcpListenerStream::new(grpc_listener),
+            shutdown.clone().wait(),
+        );
+    let http =
+        axum::serve(http_listener, http::router(rls)).with_graceful_shutdown(shutdown.wait());
 
     let (grpc, http) = tokio::join!(grpc, http);
     grpc.context("gRPC server")?;

@@ -8,12 +8,12 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit, rate_limit,
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::google::protobuf;
 use tonic::{Request, Response, Status};
 
@@ -48,7 +48,12 @@ enum Plan {
 }
 
 impl Rls {
-    pub fn new(rules: Arc<ArcSwap<RuleSet>>, limiter: Limiter, bounds: Bounds, shadow_mode: bool) -> Self {
+    pub fn new(
+        rules: Arc<ArcSwap<RuleSet>>,
+        limiter: Limiter,
+        bounds: Bounds,
+        shadow_mode: bool,
+    ) -> Self {
         Rls {
             rules,
             limiter,
@@ -73,7 +78,10 @@ impl Rls {
             return invalid("rate limit domain must not be empty".into());
         }
         if request.domain.len() > b.max_entry_bytes {
-            return invalid(format!("domain is longer than --max-entry-bytes ({})", b.max_entry_bytes));
+            return invalid(format!(
+                "domain is longer than --max-entry-bytes ({})",
+                b.max_entry_bytes
+            ));
         }
         if request.descriptors.is_empty() {
             return invalid("rate limit descriptor list must not be empty".into());
@@ -110,7 +118,10 @@ impl Rls {
             if let Some(limit) = &d.limit
                 && override_unit(limit.unit).is_none()
             {
-                return invalid(format!("descriptor {i} has a limit override with an unknown unit ({})", limit.unit));
+                return invalid(format!(
+                    "descriptor {i} has a limit override with an unknown unit ({})",
+                    limit.unit
+                ));
             }
             if d.hits_addend.is_some_and(|h| h.value > u64::from(u32::MAX)) {
                 return invalid(format!("descriptor {i} hits_addend exceeds {}", u32::MAX));
@@ -174,13 +185,20 @@ fn plan(rules: &RuleSet, request: &RateLimitRequest) -> (Vec<Plan>, Check) {
     let domain = request.domain.as_str();
     let mut check = Check::default();
     if !rules.has_domain(domain) {
-        return (request.descriptors.iter().map(|_| Plan::Free).collect(), check);
+        return (
+            request.descriptors.iter().map(|_| Plan::Free).collect(),
+            check,
+        );
     }
     let matches: Vec<_> = request
         .descriptors
         .iter()
         .map(|d| {
-            let entries: Vec<(&str, &str)> = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect();
+            let entries: Vec<(&str, &str)> = d
+                .entries
+                .iter()
+                .map(|e| (e.key.as_str(), e.value.as_str()))
+                .collect();
             let m = rules.resolve(domain, &entries);
             (entries, m)
         })
@@ -197,7 +215,11 @@ fn plan(rules: &RuleSet, request: &RateLimitRequest) -> (Vec<Plan>, Check) {
         let hits = hits(request, descriptor);
         let refund = descriptor.is_negative_hits;
         let counted: Vec<(&str, &str)> = match m {
-            Some(m) => entries.iter().zip(&m.counted_values).map(|((k, _), v)| (*k, *v)).collect(),
+            Some(m) => entries
+                .iter()
+                .zip(&m.counted_values)
+                .map(|((k, _), v)| (*k, *v))
+                .collect(),
             None => entries.clone(),
         };
         let start = check.items.len();
@@ -216,7 +238,12 @@ fn plan(rules: &RuleSet, request: &RateLimitRequest) -> (Vec<Plan>, Check) {
                 .as_ref()
                 .and_then(|m| m.node.limits.iter().find_map(|l| l.limit.as_ref()))
                 .map_or(Algorithm::FixedWindow, |l| l.algorithm);
-            let identity = format!("override:{}:{}:{}", algorithm.name(), unit.name(), o.requests_per_unit);
+            let identity = format!(
+                "override:{}:{}:{}",
+                algorithm.name(),
+                unit.name(),
+                o.requests_per_unit
+            );
             let limit = Limit {
                 name: String::new(),
                 requests_per_unit: o.requests_per_unit,
@@ -233,12 +260,21 @@ fn plan(rules: &RuleSet, request: &RateLimitRequest) -> (Vec<Plan>, Check) {
             }
             for rule in kept() {
                 let limit = rule.limit.clone().expect("unlimited handled above");
-                let identity = format!("{}:{}:{}", limit.algorithm.name(), limit.unit.name(), limit.unit_multiplier);
+                let identity = format!(
+                    "{}:{}:{}",
+                    limit.algorithm.name(),
+                    limit.unit.name(),
+                    limit.unit_multiplier
+                );
                 push(limit, identity, m.node.mode);
             }
         }
         let end = check.items.len();
-        plans.push(if end > start { Plan::Limited(start..end) } else { Plan::Free });
+        plans.push(if end > start {
+            Plan::Limited(start..end)
+        } else {
+            Plan::Free
+        });
     }
     (plans, check)
 }
@@ -247,7 +283,12 @@ fn is_replaced(limit: &RuleLimit, replaced: &[&str]) -> bool {
     !limit.name.is_empty() && replaced.contains(&limit.name.as_str())
 }
 
-fn respond(plans: &[Plan], check: &Check, decision: &Decision, shadow_mode: bool) -> RateLimitResponse {
+fn respond(
+    plans: &[Plan],
+    check: &Check,
+    decision: &Decision,
+    shadow_mode: bool,
+) -> RateLimitResponse {
     let mut statuses = Vec::with_capacity(plans.len());
     let mut retry_after = Duration::ZERO;
     for plan in plans {
@@ -262,7 +303,8 @@ fn respond(plans: &[Plan], check: &Check, decision: &Decision, shadow_mode: bool
                 ..Default::default()
             },
             Plan::Limited(range) => {
-                let denying = |i: &usize| decision.usages[*i].over && check.items[*i].mode != Mode::Shadow;
+                let denying =
+                    |i: &usize| decision.usages[*i].over && check.items[*i].mode != Mode::Shadow;
                 // The status names the limit that denied, else the one closest to denying.
                 let shown = range
                     .clone()

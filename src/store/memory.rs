@@ -4,7 +4,7 @@
 //! the store runs every second, and at once in a shard that is full.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -57,9 +57,7 @@ impl MemoryStore {
     }
 
     fn shard_of(&self, key: &CounterKey) -> usize {
-        let mut h = self.hasher.build_hasher();
-        key.hash(&mut h);
-        (h.finish() % SHARDS as u64) as usize
+        (self.hasher.hash_one(key) % SHARDS as u64) as usize
     }
 
     pub fn apply(&self, check: &Check) -> Result<Decision, StoreError> {
@@ -75,7 +73,11 @@ impl MemoryStore {
             .iter()
             .map(|&s| (s, self.shards[s].lock().unwrap_or_else(|e| e.into_inner())))
             .collect();
-        let slot = |shard: usize| order.binary_search(&shard).expect("every home shard is locked");
+        let slot = |shard: usize| {
+            order
+                .binary_search(&shard)
+                .expect("every home shard is locked")
+        };
 
         // Items are evaluated in order against the stored state updated by the items before
         // them, so a request naming one counter twice is counted twice.
@@ -164,7 +166,10 @@ impl MemoryStore {
 
     fn sweep_at(&self, now_ms: u64) {
         for shard in self.shards.iter() {
-            shard.lock().unwrap_or_else(|e| e.into_inner()).sweep(now_ms);
+            shard
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .sweep(now_ms);
         }
     }
 
@@ -253,7 +258,10 @@ mod tests {
         store.apply_at(&check(vec![item("a", 10, 1)]), NOW).unwrap();
         let mut refused = 0;
         for v in 0..200 {
-            if store.apply_at(&check(vec![item(&v.to_string(), 10, 1)]), NOW).is_err() {
+            if store
+                .apply_at(&check(vec![item(&v.to_string(), 10, 1)]), NOW)
+                .is_err()
+            {
                 refused += 1;
             }
         }

@@ -54,7 +54,10 @@ impl fmt::Display for StoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             StoreError::Full { max_keys } => {
-                write!(f, "the embedded counter store is full ({max_keys} live counters, see --max-keys)")
+                write!(
+                    f,
+                    "the embedded counter store is full ({max_keys} live counters, see --max-keys)"
+                )
             }
         }
     }

@@ -1,0 +1,149 @@
+//! Bad requests get INVALID_ARGUMENT with a message naming what is wrong, and the server keeps
+//! serving; the request bounds are set by flags.
+
+mod common;
+
+use common::{OK, Sluice, descriptor, request};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::google::protobuf::UInt64Value;
+use tonic::Code;
+
+const RULES: &str = "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 20}\n";
+
+async fn rejected(sluice: &Sluice, request: RateLimitRequest, mentions: &str) {
+    let status = sluice
+        .client()
+        .await
+        .should_rate_limit(request)
+        .await
+        .expect_err("the request is rejected");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().contains(mentions),
+        "message {:?} should mention {mentions:?}",
+        status.message()
+    );
+}
+
+#[tokio::test]
+async fn every_bad_request_is_invalid_argument_and_the_server_keeps_serving() {
+    let mut sluice = Sluice::start_with(
+        &[("rules.yaml", RULES)],
+        &[
+            "--max-descriptors",
+            "3",
+            "--max-entries",
+            "2",
+            "--max-entry-bytes",
+            "16",
+        ],
+    )
+    .await;
+
+    rejected(
+        &sluice,
+        request("", &[&[("user", "a")]]),
+        "domain must not be empty",
+    )
+    .await;
+    rejected(
+        &sluice,
+        request("web", &[]),
+        "descriptor list must not be empty",
+    )
+    .await;
+    let four: &[&[(&str, &str)]] = &[
+        &[("user", "a")],
+        &[("user", "b")],
+        &[("user", "c")],
+        &[("user", "d")],
+    ];
+    rejected(&sluice, request("web", four), "--max-descriptors (3)").await;
+    rejected(
+        &sluice,
+        request("web", &[&[]]),
+        "descriptor 0 has no entries",
+    )
+    .await;
+    rejected(
+        &sluice,
+        request("web", &[&[("a", "1"), ("b", "2"), ("c", "3")]]),
+        "--max-entries (2)",
+    )
+    .await;
+    rejected(&sluice, request("web", &[&[("", "x")]]), "empty key").await;
+    rejected(
+        &sluice,
+        request("web", &[&[("user", "a-value-longer-than-16")]]),
+        "--max-entry-bytes (16)",
+    )
+    .await;
+    rejected(
+        &sluice,
+        request("a-domain-longer-than-16", &[&[("user", "a")]]),
+        "--max-entry-bytes (16)",
+    )
+    .await;
+
+    let mut bad_unit = request("web", &[&[("user", "a")]]);
+    bad_unit.descriptors[0].limit = Some(RateLimitOverride {
+        requests_per_unit: 1,
+        unit: 0,
+    });
+    rejected(&sluice, bad_unit, "unknown unit").await;
+
+    let mut huge = request("web", &[&[("user", "a")]]);
+    huge.descriptors[0].hits_addend = Some(UInt64Value { value: 1 << 40 });
+    rejected(&sluice, huge, "hits_addend exceeds").await;
+
+    assert!(sluice.alive(), "the server is still up");
+    let fine = sluice
+        .ask(request(
+            "web",
+            &[&[("user", "a")], &[("user", "b")], &[("user", "c")]],
+        ))
+        .await;
+    assert_eq!(fine.overall_code, OK);
+    assert_eq!(
+        fine.statuses[0].limit_remaining, 19,
+        "rejected requests consumed nothing"
+    );
+}
+
+#[tokio::test]
+async fn the_default_bounds_admit_ordinary_envoy_requests() {
+    let sluice = Sluice::start(RULES).await;
+    let mut r = request("web", &[]);
+    for i in 0..10 {
+        r.descriptors.push(descriptor(&[
+            ("user", &format!("u{i}")),
+            ("path", "/a/long/enough/path"),
+        ]));
+    }
+    assert_eq!(sluice.ask(r).await.overall_code, OK);
+}
+
+#[tokio::test]
+async fn a_full_embedded_store_answers_resource_exhausted_and_keeps_known_counters() {
+    let sluice = Sluice::start_with(&[("rules.yaml", RULES)], &["--max-keys", "1"]).await;
+    let mut client = sluice.client().await;
+    let mut exhausted = None;
+    for i in 0..500 {
+        let result = client
+            .should_rate_limit(request("web", &[&[("user", &format!("u{i}"))]]))
+            .await;
+        if let Err(status) = result {
+            exhausted = Some(status);
+            break;
+        }
+    }
+    let status = exhausted.expect("the store fills up");
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert!(status.message().contains("--max-keys"), "{status:?}");
+    let known = sluice.ask(request("web", &[&[("user", "u0")]])).await;
+    assert_eq!(
+        known.statuses[0].limit_remaining, 18,
+        "an existing counter still counts"
+    );
+}

@@ -1,0 +1,447 @@
+//! Black-box specification of `ShouldRateLimit`: the real binary over gRPC, on its embedded store.
+//! Each test starts its own sluice with the rules it needs.
+
+mod common;
+
+use common::{OK, OVER_LIMIT, Sluice, descriptor, request};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::google::protobuf::UInt64Value;
+
+const RULES: &str = r#"
+domain: web
+descriptors:
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 20, name: per_user}
+  - key: tier
+    value: free
+    rate_limit: {unit: minute, requests_per_unit: 2, name: free_tier}
+  - key: tier
+    value: gold
+    rate_limit: {unit: minute, requests_per_unit: 1000, replaces: [{name: free_tier}, {name: per_user}]}
+  - key: internal
+    rate_limit: {unlimited: true}
+  - key: canary
+    shadow_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: path
+    value: /api/*
+    rate_limit: {unit: minute, requests_per_unit: 3}
+  - key: path
+    rate_limit: {unit: minute, requests_per_unit: 30}
+  - key: client
+    descriptors:
+      - key: method
+        value: POST
+        rate_limit: {unit: hour, requests_per_unit: 4}
+      - key: method
+        rate_limit: {unit: hour, requests_per_unit: 40}
+  - key: a_b
+    value: c
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: a
+    value: b_c
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: window
+    rate_limit: {unit: second, requests_per_unit: 5, unit_multiplier: 10, algorithm: sliding_window}
+"#;
+
+fn remaining(
+    r: &envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse,
+    i: usize,
+) -> u32 {
+    r.statuses[i].limit_remaining
+}
+
+#[tokio::test]
+async fn a_20_per_minute_rule_counts_down_then_denies() {
+    let sluice = Sluice::start(RULES).await;
+    for expected in (0..20).rev() {
+        let r = sluice.ask(request("web", &[&[("user", "alice")]])).await;
+        assert_eq!(r.overall_code, OK);
+        assert_eq!(r.statuses[0].code, OK);
+        assert_eq!(remaining(&r, 0), expected);
+        let limit = r.statuses[0]
+            .current_limit
+            .as_ref()
+            .expect("current_limit is set");
+        assert_eq!(
+            (limit.requests_per_unit, limit.unit, limit.name.as_str()),
+            (20, 2, "per_user")
+        );
+        let reset = r.statuses[0]
+            .duration_until_reset
+            .expect("duration_until_reset is set");
+        assert!((0..=60).contains(&reset.seconds));
+    }
+    let r = sluice.ask(request("web", &[&[("user", "alice")]])).await;
+    assert_eq!(r.overall_code, OVER_LIMIT);
+    assert_eq!(r.statuses[0].code, OVER_LIMIT);
+    assert_eq!(remaining(&r, 0), 0);
+    assert!(
+        r.response_headers_to_add
+            .iter()
+            .any(|h| h.key == "retry-after"),
+        "an OVER_LIMIT answer says when to retry"
+    );
+    let other = sluice.ask(request("web", &[&[("user", "bob")]])).await;
+    assert_eq!(
+        (other.overall_code, remaining(&other, 0)),
+        (OK, 19),
+        "each value has its own counter"
+    );
+}
+
+#[tokio::test]
+async fn an_unknown_domain_or_unmatched_descriptor_is_ok_without_a_limit() {
+    let sluice = Sluice::start(RULES).await;
+    let r = sluice.ask(request("nope", &[&[("user", "alice")]])).await;
+    assert_eq!(r.overall_code, OK);
+    assert_eq!(r.statuses.len(), 1);
+    assert!(r.statuses[0].current_limit.is_none());
+    let r = sluice.ask(request("web", &[&[("nothing", "here")]])).await;
+    assert_eq!((r.overall_code, r.statuses[0].code), (OK, OK));
+    assert!(r.statuses[0].current_limit.is_none());
+}
+
+#[tokio::test]
+async fn unlimited_is_ok_with_the_largest_remaining() {
+    let sluice = Sluice::start(RULES).await;
+    for _ in 0..3 {
+        let r = sluice.ask(request("web", &[&[("internal", "x")]])).await;
+        assert_eq!(r.overall_code, OK);
+        assert_eq!(remaining(&r, 0), u32::MAX);
+        assert!(r.statuses[0].current_limit.is_none());
+    }
+}
+
+#[tokio::test]
+async fn a_shadow_mode_rule_is_ok_while_its_counter_moves() {
+    let sluice = Sluice::start(RULES).await;
+    let first = sluice.ask(request("web", &[&[("canary", "c")]])).await;
+    assert_eq!((first.overall_code, remaining(&first, 0)), (OK, 0));
+    for _ in 0..3 {
+        let r = sluice.ask(request("web", &[&[("canary", "c")]])).await;
+        assert_eq!(r.overall_code, OK, "shadow mode never denies");
+        assert_eq!(r.statuses[0].code, OK);
+        assert_eq!(remaining(&r, 0), 0, "the counter is over its limit");
+    }
+}
+
+#[tokio::test]
+async fn global_shadow_mode_answers_ok_but_reports_over_limit_descriptors() {
+    let sluice = Sluice::start_with(&[("rules.yaml", RULES)], &["--shadow-mode"]).await;
+    for _ in 0..2 {
+        sluice.ask(request("web", &[&[("tier", "free")]])).await;
+    }
+    let r = sluice.ask(request("web", &[&[("tier", "free")]])).await;
+    assert_eq!(r.overall_code, OK);
+    assert_eq!(r.statuses[0].code, OVER_LIMIT);
+}
+
+#[tokio::test]
+async fn replaces_drops_the_replaced_limits() {
+    let sluice = Sluice::start(RULES).await;
+    for _ in 0..5 {
+        let r = sluice
+            .ask(request(
+                "web",
+                &[
+                    &[("tier", "free")],
+                    &[("tier", "gold")],
+                    &[("user", "carol")],
+                ],
+            ))
+            .await;
+        assert_eq!(r.overall_code, OK, "free_tier (2/min) no longer applies");
+        assert!(r.statuses[0].current_limit.is_none());
+        assert!(
+            r.statuses[2].current_limit.is_none(),
+            "per_user is replaced too"
+        );
+        assert_eq!(
+            r.statuses[1]
+                .current_limit
+                .as_ref()
+                .unwrap()
+                .requests_per_unit,
+            1000
+        );
+    }
+    let alone = sluice.ask(request("web", &[&[("user", "carol")]])).await;
+    assert_eq!(remaining(&alone, 0), 19, "replaced limits were not counted");
+}
+
+#[tokio::test]
+async fn wildcards_resolve_before_the_key_only_rule() {
+    let sluice = Sluice::start(RULES).await;
+    let api = sluice
+        .ask(request("web", &[&[("path", "/api/users")]]))
+        .await;
+    assert_eq!(
+        api.statuses[0]
+            .current_limit
+            .as_ref()
+            .unwrap()
+            .requests_per_unit,
+        3
+    );
+    let other = sluice.ask(request("web", &[&[("path", "/home")]])).await;
+    assert_eq!(
+        other.statuses[0]
+            .current_limit
+            .as_ref()
+            .unwrap()
+            .requests_per_unit,
+        30
+    );
+    for _ in 0..2 {
+        sluice
+            .ask(request("web", &[&[("path", "/api/users")]]))
+            .await;
+    }
+    let denied = sluice
+        .ask(request("web", &[&[("path", "/api/users")]]))
+        .await;
+    assert_eq!(denied.overall_code, OVER_LIMIT);
+    let sibling = sluice
+        .ask(request("web", &[&[("path", "/api/orders")]]))
+        .await;
+    assert_eq!(
+        sibling.overall_code, OK,
+        "each value matched by a wildcard counts alone"
+    );
+}
+
+#[tokio::test]
+async fn nested_descriptors_take_the_limit_of_the_last_entry() {
+    let sluice = Sluice::start(RULES).await;
+    let post = sluice
+        .ask(request("web", &[&[("client", "x"), ("method", "POST")]]))
+        .await;
+    assert_eq!(
+        post.statuses[0]
+            .current_limit
+            .as_ref()
+            .unwrap()
+            .requests_per_unit,
+        4
+    );
+    assert_eq!(
+        post.statuses[0].current_limit.as_ref().unwrap().unit,
+        3,
+        "HOUR"
+    );
+    let get = sluice
+        .ask(request("web", &[&[("client", "x"), ("method", "GET")]]))
+        .await;
+    assert_eq!(
+        get.statuses[0]
+            .current_limit
+            .as_ref()
+            .unwrap()
+            .requests_per_unit,
+        40
+    );
+    let parent = sluice.ask(request("web", &[&[("client", "x")]])).await;
+    assert!(parent.statuses[0].current_limit.is_none());
+    let deeper = sluice
+        .ask(request(
+            "web",
+            &[&[("client", "x"), ("method", "GET"), ("extra", "1")]],
+        ))
+        .await;
+    assert!(deeper.statuses[0].current_limit.is_none());
+}
+
+#[tokio::test]
+async fn keys_and_values_are_compared_as_pairs() {
+    let sluice = Sluice::start(RULES).await;
+    let a = sluice.ask(request("web", &[&[("a_b", "c")]])).await;
+    let b = sluice.ask(request("web", &[&[("a", "b_c")]])).await;
+    assert_eq!(
+        (a.overall_code, b.overall_code),
+        (OK, OK),
+        "two rules, two counters"
+    );
+    let a = sluice.ask(request("web", &[&[("a_b", "c")]])).await;
+    assert_eq!(a.overall_code, OVER_LIMIT);
+}
+
+#[tokio::test]
+async fn a_descriptor_limit_override_is_used() {
+    let sluice = Sluice::start(RULES).await;
+    let mut with_override = request("web", &[&[("user", "dave")]]);
+    with_override.descriptors[0].limit = Some(RateLimitOverride {
+        requests_per_unit: 2,
+        unit: 2,
+    });
+    for expected in [1, 0] {
+        let r = sluice.ask(with_override.clone()).await;
+        assert_eq!(r.overall_code, OK);
+        assert_eq!(remaining(&r, 0), expected);
+        assert_eq!(
+            r.statuses[0]
+                .current_limit
+                .as_ref()
+                .unwrap()
+                .requests_per_unit,
+            2
+        );
+    }
+    assert_eq!(sluice.ask(with_override).await.overall_code, OVER_LIMIT);
+    let plain = sluice.ask(request("web", &[&[("user", "dave")]])).await;
+    assert_eq!(
+        remaining(&plain, 0),
+        19,
+        "the override counts apart from the rule's limit"
+    );
+}
+
+#[tokio::test]
+async fn a_denied_request_consumes_nothing_from_its_other_descriptors() {
+    let sluice = Sluice::start(RULES).await;
+    for _ in 0..2 {
+        sluice.ask(request("web", &[&[("tier", "free")]])).await;
+    }
+    for _ in 0..5 {
+        let r = sluice
+            .ask(request(
+                "web",
+                &[&[("user", "erin")], &[("tier", "free")], &[("path", "/x")]],
+            ))
+            .await;
+        assert_eq!(r.overall_code, OVER_LIMIT);
+        assert_eq!(
+            r.statuses.iter().map(|s| s.code).collect::<Vec<_>>(),
+            [OK, OVER_LIMIT, OK]
+        );
+        assert_eq!(remaining(&r, 0), 20, "nothing was taken from user=erin");
+        assert_eq!(remaining(&r, 2), 30, "nothing was taken from path=/x");
+    }
+    let r = sluice
+        .ask(request("web", &[&[("user", "erin")], &[("path", "/x")]]))
+        .await;
+    assert_eq!((remaining(&r, 0), remaining(&r, 1)), (19, 29));
+}
+
+#[tokio::test]
+async fn hits_addend_consumes_that_many_and_zero_only_checks() {
+    let sluice = Sluice::start(RULES).await;
+    let mut five = request("web", &[&[("user", "fay")]]);
+    five.hits_addend = 5;
+    assert_eq!(remaining(&sluice.ask(five).await, 0), 15);
+    let mut check_only = request("web", &[&[("user", "fay")]]);
+    check_only.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
+    assert_eq!(remaining(&sluice.ask(check_only.clone()).await, 0), 15);
+    assert_eq!(
+        remaining(&sluice.ask(check_only).await, 0),
+        15,
+        "a check consumes nothing"
+    );
+    let mut too_many = request("web", &[&[("user", "fay")]]);
+    too_many.descriptors[0].hits_addend = Some(UInt64Value { value: 16 });
+    too_many.hits_addend = 1;
+    assert_eq!(
+        sluice.ask(too_many).await.overall_code,
+        OVER_LIMIT,
+        "descriptor hits win"
+    );
+}
+
+#[tokio::test]
+async fn negative_hits_give_capacity_back() {
+    let sluice = Sluice::start(RULES).await;
+    for _ in 0..2 {
+        sluice.ask(request("web", &[&[("tier", "free")]])).await;
+    }
+    assert_eq!(
+        sluice
+            .ask(request("web", &[&[("tier", "free")]]))
+            .await
+            .overall_code,
+        OVER_LIMIT
+    );
+    let mut refund = request("web", &[&[("tier", "free")]]);
+    refund.descriptors[0].is_negative_hits = true;
+    refund.descriptors[0].hits_addend = Some(UInt64Value { value: 1 });
+    let r = sluice.ask(refund).await;
+    assert_eq!((r.overall_code, remaining(&r, 0)), (OK, 1));
+    assert_eq!(
+        sluice
+            .ask(request("web", &[&[("tier", "free")]]))
+            .await
+            .overall_code,
+        OK
+    );
+}
+
+#[tokio::test]
+async fn statuses_follow_the_request_order() {
+    let sluice = Sluice::start(RULES).await;
+    let r = sluice
+        .ask(request(
+            "web",
+            &[
+                &[("internal", "1")],
+                &[("nothing", "x")],
+                &[("user", "gus")],
+                &[("tier", "free")],
+            ],
+        ))
+        .await;
+    assert_eq!(r.statuses.len(), 4);
+    assert_eq!(remaining(&r, 0), u32::MAX);
+    assert!(r.statuses[1].current_limit.is_none());
+    assert_eq!(
+        r.statuses[2]
+            .current_limit
+            .as_ref()
+            .unwrap()
+            .requests_per_unit,
+        20
+    );
+    assert_eq!(
+        r.statuses[3]
+            .current_limit
+            .as_ref()
+            .unwrap()
+            .requests_per_unit,
+        2
+    );
+}
+
+#[tokio::test]
+async fn the_same_descriptor_twice_counts_twice() {
+    let sluice = Sluice::start(RULES).await;
+    let twice: RateLimitRequest = request("web", &[&[("tier", "free")], &[("tier", "free")]]);
+    let r = sluice.ask(twice.clone()).await;
+    assert_eq!(r.overall_code, OK);
+    assert_eq!(r.statuses[1].limit_remaining, 0);
+    assert_eq!(sluice.ask(twice).await.overall_code, OVER_LIMIT);
+}
+
+#[tokio::test]
+async fn a_sliding_window_rule_reports_its_window() {
+    let sluice = Sluice::start(RULES).await;
+    for expected in (0..5).rev() {
+        let r = sluice.ask(request("web", &[&[("window", "w")]])).await;
+        assert_eq!((r.overall_code, remaining(&r, 0)), (OK, expected));
+    }
+    let r = sluice.ask(request("web", &[&[("window", "w")]])).await;
+    assert_eq!(r.overall_code, OVER_LIMIT);
+    let reset = r.statuses[0].duration_until_reset.unwrap();
+    assert!(
+        reset.seconds <= 20,
+        "retry within the 10 s window or the next: {reset:?}"
+    );
+}
+
+#[tokio::test]
+async fn several_descriptors_with_different_values_count_apart() {
+    let sluice = Sluice::start(RULES).await;
+    let mut r = request("web", &[&[("user", "hal")]]);
+    r.descriptors.push(descriptor(&[("user", "ivy")]));
+    let answer = sluice.ask(r).await;
+    assert_eq!((remaining(&answer, 0), remaining(&answer, 1)), (19, 19));
+}
