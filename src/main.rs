@@ -1,4 +1,5 @@
-//! The `sluice` command: `serve` runs the service, `check-config` validates rule files.
+//! The `sluice` command: `serve` runs the service, `check-config` validates rule files and
+//! `health` probes a running server's gRPC health.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -31,6 +32,12 @@ enum Command {
     CheckConfig {
         /// A rule file, or a directory of them.
         path: PathBuf,
+    },
+    /// Ask a running server's gRPC health service; exit 0 when it reports SERVING.
+    Health {
+        /// The gRPC address to ask.
+        #[arg(long, env = "SLUICE_HEALTH_TARGET", default_value = "127.0.0.1:8081")]
+        target: SocketAddr,
     },
 }
 
@@ -67,6 +74,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::CheckConfig { path } => check_config(&path),
+        Command::Health { target } => health(target),
         Command::Serve(args) => {
             sluice::telemetry::init();
             match serve(args) {
@@ -97,6 +105,39 @@ fn check_config(path: &Path) -> ExitCode {
             for e in &errors {
                 println!("{e}");
             }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn health(target: SocketAddr) -> ExitCode {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let ask = async {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{target}"))?
+            .connect()
+            .await?;
+        let reply = HealthClient::new(channel)
+            .check(HealthCheckRequest::default())
+            .await?;
+        anyhow::Ok(reply.into_inner().status())
+    };
+    match tokio::time::timeout(std::time::Duration::from_secs(5), ask).await {
+        Ok(Ok(status)) => {
+            println!("{}", status.as_str_name());
+            if status == ServingStatus::Serving {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Ok(Err(e)) => {
+            println!("UNREACHABLE: {e:#}");
+            ExitCode::FAILURE
+        }
+        Err(_) => {
+            println!("UNREACHABLE: no answer within 5 s");
             ExitCode::FAILURE
         }
     }

@@ -147,3 +147,20 @@ async fn reflection_v1alpha_is_served_too() {
             .any(|s| s.name == "envoy.service.ratelimit.v3.RateLimitService")
     );
 }
+
+#[tokio::test]
+async fn the_health_command_reports_serving_and_fails_when_nothing_answers() {
+    let sluice = Sluice::start(RULES).await;
+    let probe = |target: String| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["health", "--target", &target])
+            .output()
+            .expect("sluice runs")
+    };
+    let up = probe(sluice.grpc.to_string());
+    assert!(up.status.success());
+    assert_eq!(String::from_utf8_lossy(&up.stdout).trim(), "SERVING");
+    let down = probe(format!("127.0.0.1:{}", common::free_port()));
+    assert!(!down.status.success());
+    assert!(String::from_utf8_lossy(&down.stdout).starts_with("UNREACHABLE"));
+}

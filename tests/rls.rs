@@ -445,3 +445,34 @@ async fn several_descriptors_with_different_values_count_apart() {
     let answer = sluice.ask(r).await;
     assert_eq!((remaining(&answer, 0), remaining(&answer, 1)), (19, 19));
 }
+
+const SEVERAL: &str = r#"
+domain: api
+descriptors:
+  - key: client
+    rate_limits:
+      - {unit: minute, requests_per_unit: 5, name: burst}
+      - {unit: hour, requests_per_unit: 3, name: sustained}
+"#;
+
+#[tokio::test]
+async fn several_limits_on_one_descriptor_must_all_pass() {
+    let sluice = Sluice::start(SEVERAL).await;
+    for expected in [2, 1, 0] {
+        let r = sluice.ask(request("api", &[&[("client", "k")]])).await;
+        assert_eq!(r.overall_code, OK);
+        assert_eq!(remaining(&r, 0), expected);
+        let shown = r.statuses[0].current_limit.as_ref().unwrap();
+        assert_eq!(shown.name, "sustained", "the status names the most restrictive limit");
+    }
+    let r = sluice.ask(request("api", &[&[("client", "k")]])).await;
+    assert_eq!(r.overall_code, OVER_LIMIT);
+    assert_eq!(r.statuses[0].current_limit.as_ref().unwrap().name, "sustained");
+    let mut refund = request("api", &[&[("client", "k")]]);
+    refund.descriptors[0].is_negative_hits = true;
+    refund.descriptors[0].hits_addend = Some(UInt64Value { value: 3 });
+    let r = sluice.ask(refund).await;
+    assert_eq!(remaining(&r, 0), 3, "a refund gives back to every limit of the descriptor");
+    let r = sluice.ask(request("api", &[&[("client", "k")]])).await;
+    assert_eq!((r.overall_code, remaining(&r, 0)), (OK, 2));
+}
