@@ -15,7 +15,7 @@ use sluice::limiter::Limiter;
 use sluice::rules::RuleSet;
 use sluice::service::rls::{Bounds, Rls};
 use sluice::service::{self, Shutdown};
-use sluice::store::Store;
+use sluice::store::{RedisStore, Store};
 
 #[derive(Parser)]
 #[command(version, about = "Envoy global rate limit service")]
@@ -52,6 +52,13 @@ struct ServeArgs {
     /// Address of the admin HTTP server (/healthz, /readyz, /json).
     #[arg(long, env = "SLUICE_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     http_addr: SocketAddr,
+    /// Keep counters in Redis: redis://, rediss:// (TLS), redis-cluster://, redis-sentinel://
+    /// (user and password in the URL). Without it, counters live in the embedded store.
+    #[arg(long, env = "SLUICE_REDIS_URL")]
+    redis_url: Option<String>,
+    /// Prefix of every Redis key sluice writes.
+    #[arg(long, env = "SLUICE_REDIS_KEY_PREFIX", default_value = "sluice:")]
+    redis_key_prefix: String,
     /// Count and report, but never deny: every answer is OK.
     #[arg(long, env = "SLUICE_SHADOW_MODE")]
     shadow_mode: bool,
@@ -164,7 +171,17 @@ fn load_rules(path: &Path) -> anyhow::Result<RuleSet> {
 #[tokio::main]
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let rules = Arc::new(ArcSwap::from_pointee(load_rules(&args.config)?));
-    let store = Store::memory(args.max_keys);
+    let store = match &args.redis_url {
+        None => Store::memory(args.max_keys),
+        Some(url) => {
+            let connect = RedisStore::connect(url, &args.redis_key_prefix);
+            let redis = tokio::time::timeout(std::time::Duration::from_secs(10), connect)
+                .await
+                .map_err(|_| anyhow::anyhow!("redis: no connection within 10 s"))??;
+            tracing::info!("counters in redis");
+            Store::Redis(redis)
+        }
+    };
     let bounds = Bounds {
         max_descriptors: args.max_descriptors,
         max_entries: args.max_entries,

@@ -1,12 +1,34 @@
-//! Black-box specification of `ShouldRateLimit`: the real binary over gRPC, on its embedded store.
-//! Each test starts its own sluice with the rules it needs.
+//! Black-box specification of `ShouldRateLimit`: the real binary over gRPC, every test run on the
+//! embedded store, on a standalone Redis and on a Redis Cluster. Each test starts its own sluice
+//! with the rules it needs.
 
 mod common;
 
-use common::{OK, OVER_LIMIT, Sluice, descriptor, request};
+use common::{OK, OVER_LIMIT, Sluice, Store, descriptor, request};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::google::protobuf::UInt64Value;
+
+on_every_store!(
+    a_20_per_minute_rule_counts_down_then_denies,
+    an_unknown_domain_or_unmatched_descriptor_is_ok_without_a_limit,
+    unlimited_is_ok_with_the_largest_remaining,
+    a_shadow_mode_rule_is_ok_while_its_counter_moves,
+    global_shadow_mode_answers_ok_but_reports_over_limit_descriptors,
+    replaces_drops_the_replaced_limits,
+    wildcards_resolve_before_the_key_only_rule,
+    nested_descriptors_take_the_limit_of_the_last_entry,
+    keys_and_values_are_compared_as_pairs,
+    a_descriptor_limit_override_is_used,
+    a_denied_request_consumes_nothing_from_its_other_descriptors,
+    hits_addend_consumes_that_many_and_zero_only_checks,
+    negative_hits_give_capacity_back,
+    statuses_follow_the_request_order,
+    the_same_descriptor_twice_counts_twice,
+    a_sliding_window_rule_reports_its_window,
+    several_descriptors_with_different_values_count_apart,
+    several_limits_on_one_descriptor_must_all_pass,
+);
 
 const RULES: &str = r#"
 domain: web
@@ -53,9 +75,8 @@ fn remaining(
     r.statuses[i].limit_remaining
 }
 
-#[tokio::test]
-async fn a_20_per_minute_rule_counts_down_then_denies() {
-    let sluice = Sluice::start(RULES).await;
+async fn a_20_per_minute_rule_counts_down_then_denies(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
     for expected in (0..20).rev() {
         let r = sluice.ask(request("web", &[&[("user", "alice")]])).await;
         assert_eq!(r.overall_code, OK);
@@ -92,9 +113,8 @@ async fn a_20_per_minute_rule_counts_down_then_denies() {
     );
 }
 
-#[tokio::test]
-async fn an_unknown_domain_or_unmatched_descriptor_is_ok_without_a_limit() {
-    let sluice = Sluice::start(RULES).await;
+async fn an_unknown_domain_or_unmatched_descriptor_is_ok_without_a_limit(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
     let r = sluice.ask(request("nope", &[&[("user", "alice")]])).await;
     assert_eq!(r.overall_code, OK);
     assert_eq!(r.statuses.len(), 1);
@@ -104,9 +124,8 @@ async fn an_unknown_domain_or_unmatched_descriptor_is_ok_without_a_limit() {
     assert!(r.statuses[0].current_limit.is_none());
 }
 
-#[tokio::test]
-async fn unlimited_is_ok_with_the_largest_remaining() {
-    let sluice = Sluice::start(RULES).await;
+async fn unlimited_is_ok_with_the_largest_remaining(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
     for _ in 0..3 {
         let r = sluice.ask(request("web", &[&[("internal", "x")]])).await;
         assert_eq!(r.overall_code, OK);
@@ -115,9 +134,8 @@ async fn unlimited_is_ok_with_the_largest_remaining() {
     }
 }
 
-#[tokio::test]
-async fn a_shadow_mode_rule_is_ok_while_its_counter_moves() {
-    let sluice = Sluice::start(RULES).await;
+async fn a_shadow_mode_rule_is_ok_while_its_counter_moves(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
     let first = sluice.ask(request("web", &[&[("canary", "c")]])).await;
     assert_eq!((first.overall_code, remaining(&first, 0)), (OK, 0));
     for _ in 0..3 {
@@ -128,9 +146,8 @@ async fn a_shadow_mode_rule_is_ok_while_its_counter_moves() {
     }
 }
 
-#[tokio::test]
-async fn global_shadow_mode_answers_ok_but_reports_over_limit_descriptors() {
-    let sluice = Sluice::start_with(&[("rules.yaml", RULES)], &["--shadow-mode"]).await;
+async fn global_shadow_mode_answers_ok_but_reports_over_limit_descriptors(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &["--shadow-mode"]).await;
     for _ in 0..2 {
         sluice.ask(request("web", &[&[("tier", "free")]])).await;
     }
@@ -139,9 +156,8 @@ async fn global_shadow_mode_answers_ok_but_reports_over_limit_descriptors() {
     assert_eq!(r.statuses[0].code, OVER_LIMIT);
 }
 
-#[tokio::test]
-async fn replaces_drops_the_replaced_limits() {
-    let sluice = Sluice::start(RULES).await;
+async fn replaces_drops_the_replaced_limits(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
     for _ in 0..5 {
         let r = sluice
             .ask(request(
@@ -172,9 +188,8 @@ async fn replaces_drops_the_replaced_limits() {
     assert_eq!(remaining(&alone, 0), 19, "replaced limits were not counted");
 }
 
-#[tokio::test]
-async fn wildcards_resolve_before_the_key_only_rule() {
-    let sluice = Sluice::start(RULES).await;
+async fn wildcards_resolve_before_the_key_only_rule(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
     let api = sluice
         .ask(request("web", &[&[("path", "/api/users")]]))
         .await;
@@ -213,9 +228,8 @@ async fn wildcards_resolve_before_the_key_only_rule() {
     );
 }
 
-#[tokio::test]
-async fn nested_descriptors_take_the_limit_of_the_last_entry() {
-    let sluice = Sluice::start(RULES).await;
+async fn nested_descriptors_take_the_limit_of_the_last_entry(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
     let post = sluice
         .ask(request("web", &[&[("client", "x"), ("method", "POST")]]))
         .await;
@@ -254,9 +268,8 @@ async fn nested_descriptors_take_the_limit_of_the_last_entry() {
     assert!(deeper.statuses[0].current_limit.is_none());
 }
 
-#[tokio::test]
-async fn keys_and_values_are_compared_as_pairs() {
-    let sluice = Sluice::start(RULES).await;
+async fn keys_and_values_are_compared_as_pairs(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
     let a = sluice.ask(request("web", &[&[("a_b", "c")]])).await;
     let b = sluice.ask(request("web", &[&[("a", "b_c")]])).await;
     assert_eq!(
@@ -268,9 +281,8 @@ async fn keys_and_values_are_compared_as_pairs() {
     assert_eq!(a.overall_code, OVER_LIMIT);
 }
 
-#[tokio::test]
-async fn a_descriptor_limit_override_is_used() {
-    let sluice = Sluice::start(RULES).await;
+async fn a_descriptor_limit_override_is_used(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
     let mut with_override = request("web", &[&[("user", "dave")]]);
     with_override.descriptors[0].limit = Some(RateLimitOverride {
         requests_per_unit: 2,
@@ -298,9 +310,8 @@ async fn a_descriptor_limit_override_is_used() {
     );
 }
 
-#[tokio::test]
-async fn a_denied_request_consumes_nothing_from_its_other_descriptors() {
-    let sluice = Sluice::start(RULES).await;
+async fn a_denied_request_consumes_nothing_from_its_other_descriptors(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
     for _ in 0..2 {
         sluice.ask(request("web", &[&[("tier", "free")]])).await;
     }
@@ -325,9 +336,8 @@ async fn a_denied_request_consumes_nothing_from_its_other_descriptors() {
     assert_eq!((remaining(&r, 0), remaining(&r, 1)), (19, 29));
 }
 
-#[tokio::test]
-async fn hits_addend_consumes_that_many_and_zero_only_checks() {
-    let sluice = Sluice::start(RULES).await;
+async fn hits_addend_consumes_that_many_and_zero_only_checks(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
     let mut five = request("web", &[&[("user", "fay")]]);
     five.hits_addend = 5;
     assert_eq!(remaining(&sluice.ask(five).await, 0), 15);
@@ -349,9 +359,8 @@ async fn hits_addend_consumes_that_many_and_zero_only_checks() {
     );
 }
 
-#[tokio::test]
-async fn negative_hits_give_capacity_back() {
-    let sluice = Sluice::start(RULES).await;
+async fn negative_hits_give_capacity_back(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
     for _ in 0..2 {
         sluice.ask(request("web", &[&[("tier", "free")]])).await;
     }
@@ -376,9 +385,8 @@ async fn negative_hits_give_capacity_back() {
     );
 }
 
-#[tokio::test]
-async fn statuses_follow_the_request_order() {
-    let sluice = Sluice::start(RULES).await;
+async fn statuses_follow_the_request_order(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
     let r = sluice
         .ask(request(
             "web",
@@ -411,9 +419,8 @@ async fn statuses_follow_the_request_order() {
     );
 }
 
-#[tokio::test]
-async fn the_same_descriptor_twice_counts_twice() {
-    let sluice = Sluice::start(RULES).await;
+async fn the_same_descriptor_twice_counts_twice(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
     let twice: RateLimitRequest = request("web", &[&[("tier", "free")], &[("tier", "free")]]);
     let r = sluice.ask(twice.clone()).await;
     assert_eq!(r.overall_code, OK);
@@ -421,9 +428,8 @@ async fn the_same_descriptor_twice_counts_twice() {
     assert_eq!(sluice.ask(twice).await.overall_code, OVER_LIMIT);
 }
 
-#[tokio::test]
-async fn a_sliding_window_rule_reports_its_window() {
-    let sluice = Sluice::start(RULES).await;
+async fn a_sliding_window_rule_reports_its_window(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
     for expected in (0..5).rev() {
         let r = sluice.ask(request("web", &[&[("window", "w")]])).await;
         assert_eq!((r.overall_code, remaining(&r, 0)), (OK, expected));
@@ -437,9 +443,8 @@ async fn a_sliding_window_rule_reports_its_window() {
     );
 }
 
-#[tokio::test]
-async fn several_descriptors_with_different_values_count_apart() {
-    let sluice = Sluice::start(RULES).await;
+async fn several_descriptors_with_different_values_count_apart(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
     let mut r = request("web", &[&[("user", "hal")]]);
     r.descriptors.push(descriptor(&[("user", "ivy")]));
     let answer = sluice.ask(r).await;
@@ -455,24 +460,33 @@ descriptors:
       - {unit: hour, requests_per_unit: 3, name: sustained}
 "#;
 
-#[tokio::test]
-async fn several_limits_on_one_descriptor_must_all_pass() {
-    let sluice = Sluice::start(SEVERAL).await;
+async fn several_limits_on_one_descriptor_must_all_pass(store: Store) {
+    let sluice = Sluice::on(store, &[("rules.yaml", SEVERAL)], &[]).await;
     for expected in [2, 1, 0] {
         let r = sluice.ask(request("api", &[&[("client", "k")]])).await;
         assert_eq!(r.overall_code, OK);
         assert_eq!(remaining(&r, 0), expected);
         let shown = r.statuses[0].current_limit.as_ref().unwrap();
-        assert_eq!(shown.name, "sustained", "the status names the most restrictive limit");
+        assert_eq!(
+            shown.name, "sustained",
+            "the status names the most restrictive limit"
+        );
     }
     let r = sluice.ask(request("api", &[&[("client", "k")]])).await;
     assert_eq!(r.overall_code, OVER_LIMIT);
-    assert_eq!(r.statuses[0].current_limit.as_ref().unwrap().name, "sustained");
+    assert_eq!(
+        r.statuses[0].current_limit.as_ref().unwrap().name,
+        "sustained"
+    );
     let mut refund = request("api", &[&[("client", "k")]]);
     refund.descriptors[0].is_negative_hits = true;
     refund.descriptors[0].hits_addend = Some(UInt64Value { value: 3 });
     let r = sluice.ask(refund).await;
-    assert_eq!(remaining(&r, 0), 3, "a refund gives back to every limit of the descriptor");
+    assert_eq!(
+        remaining(&r, 0),
+        3,
+        "a refund gives back to every limit of the descriptor"
+    );
     let r = sluice.ask(request("api", &[&[("client", "k")]])).await;
     assert_eq!((r.overall_code, remaining(&r, 0)), (OK, 2));
 }

@@ -2,7 +2,9 @@
 //! request, whether the limit is over, what remains, when it resets and the state to store.
 //! The memory store runs this code; the Redis scripts in `lua/` mirror it line for line.
 
-use super::Algorithm;
+use std::time::Duration;
+
+use super::{Algorithm, Usage};
 
 /// A counter as stored: the index of the window it was last written in (`now / window`), its
 /// count there and, for the sliding window, the count of the window before.
@@ -13,9 +15,9 @@ pub struct State {
     pub previous: u64,
 }
 
-/// The result of evaluating one counter.
+/// What evaluating one counter found; the Redis scripts return the same four numbers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Step {
+pub struct Verdict {
     /// The hits do not fit (for a check-only request, not even one more would).
     pub over: bool,
     /// What remains if the request is admitted and the hits are consumed.
@@ -24,6 +26,27 @@ pub struct Step {
     pub remaining_before: u64,
     /// Milliseconds until the window ends or, when over, until the hits would fit.
     pub reset_ms: u64,
+}
+
+impl Verdict {
+    /// What to report once the request is decided.
+    pub fn usage(&self, admitted: bool) -> Usage {
+        Usage {
+            over: self.over,
+            remaining: match (self.over, admitted) {
+                (true, _) => 0,
+                (false, true) => self.remaining_after,
+                (false, false) => self.remaining_before,
+            },
+            reset: Duration::from_millis(self.reset_ms),
+        }
+    }
+}
+
+/// The result of evaluating one counter, with the state to store if the request is admitted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Step {
+    pub verdict: Verdict,
     /// The state to store when the request is admitted.
     pub next: State,
     /// Milliseconds the stored state must live.
@@ -72,10 +95,12 @@ pub fn evaluate(
         Algorithm::SlidingWindow => to_end + window_ms,
     };
     Step {
-        over,
-        remaining_after: limit.saturating_sub(weighted + after),
-        remaining_before: limit.saturating_sub(used),
-        reset_ms,
+        verdict: Verdict {
+            over,
+            remaining_after: limit.saturating_sub(weighted + after),
+            remaining_before: limit.saturating_sub(used),
+            reset_ms,
+        },
         next: State {
             window: index,
             count: after,
@@ -150,7 +175,7 @@ mod tests {
         let mut admitted = 0;
         for _ in 0..hits {
             let step = evaluate(alg, limit, MIN, now, *state, 1, false);
-            if !step.over {
+            if !step.verdict.over {
                 *state = Some(step.next);
                 admitted += 1;
             }
@@ -164,23 +189,26 @@ mod tests {
         let now = 10 * MIN + 5_000;
         for expected in (0..20).rev() {
             let step = evaluate(FixedWindow, 20, MIN, now, state, 1, false);
-            assert!(!step.over);
-            assert_eq!(step.remaining_after, expected);
+            assert!(!step.verdict.over);
+            assert_eq!(step.verdict.remaining_after, expected);
             state = Some(step.next);
         }
         let step = evaluate(FixedWindow, 20, MIN, now, state, 1, false);
-        assert!(step.over);
-        assert_eq!(step.remaining_before, 0);
-        assert_eq!(step.reset_ms, 55_000);
+        assert!(step.verdict.over);
+        assert_eq!(step.verdict.remaining_before, 0);
+        assert_eq!(step.verdict.reset_ms, 55_000);
     }
 
     #[test]
     fn fixed_windows_are_aligned_to_the_epoch() {
         let step = evaluate(FixedWindow, 5, MIN, 7 * MIN + 59_999, None, 1, false);
-        assert_eq!(step.reset_ms, 1);
+        assert_eq!(step.verdict.reset_ms, 1);
         assert_eq!(step.next.window, 7);
         let later = evaluate(FixedWindow, 5, MIN, 8 * MIN, Some(step.next), 1, false);
-        assert_eq!(later.remaining_after, 4, "a new window starts from zero");
+        assert_eq!(
+            later.verdict.remaining_after, 4,
+            "a new window starts from zero"
+        );
     }
 
     #[test]
@@ -191,16 +219,16 @@ mod tests {
             previous: 0,
         });
         let step = evaluate(FixedWindow, 5, MIN, 3 * MIN, full, 0, false);
-        assert!(step.over);
+        assert!(step.verdict.over);
         let room = Some(State {
             window: 3,
             count: 4,
             previous: 0,
         });
         let step = evaluate(FixedWindow, 5, MIN, 3 * MIN, room, 0, false);
-        assert!(!step.over);
+        assert!(!step.verdict.over);
         assert_eq!(step.next.count, 4);
-        assert_eq!(step.remaining_after, 1);
+        assert_eq!(step.verdict.remaining_after, 1);
     }
 
     #[test]
@@ -211,7 +239,7 @@ mod tests {
             previous: 0,
         });
         let step = evaluate(FixedWindow, 5, MIN, 3 * MIN, state, 2, true);
-        assert!(!step.over);
+        assert!(!step.verdict.over);
         assert_eq!(step.next.count, 3);
         let step = evaluate(FixedWindow, 5, MIN, 3 * MIN, state, 9, true);
         assert_eq!(step.next.count, 0);
@@ -219,8 +247,16 @@ mod tests {
 
     #[test]
     fn a_limit_of_zero_denies_everything() {
-        assert!(evaluate(FixedWindow, 0, MIN, MIN, None, 1, false).over);
-        assert!(evaluate(SlidingWindow, 0, MIN, MIN, None, 1, false).over);
+        assert!(
+            evaluate(FixedWindow, 0, MIN, MIN, None, 1, false)
+                .verdict
+                .over
+        );
+        assert!(
+            evaluate(SlidingWindow, 0, MIN, MIN, None, 1, false)
+                .verdict
+                .over
+        );
     }
 
     #[test]
@@ -252,7 +288,7 @@ mod tests {
             previous: 10,
         });
         let step = evaluate(SlidingWindow, 10, MIN, 5 * MIN, old, 1, false);
-        assert_eq!(step.remaining_after, 9);
+        assert_eq!(step.verdict.remaining_after, 9);
     }
 
     #[test]
@@ -264,10 +300,18 @@ mod tests {
         });
         let now = 5 * MIN + 1_000;
         let step = evaluate(SlidingWindow, 10, MIN, now, state, 1, false);
-        assert!(step.over);
-        let retry = now + step.reset_ms;
-        assert!(!evaluate(SlidingWindow, 10, MIN, retry, state, 1, false).over);
-        assert!(evaluate(SlidingWindow, 10, MIN, retry - 1, state, 1, false).over);
+        assert!(step.verdict.over);
+        let retry = now + step.verdict.reset_ms;
+        assert!(
+            !evaluate(SlidingWindow, 10, MIN, retry, state, 1, false)
+                .verdict
+                .over
+        );
+        assert!(
+            evaluate(SlidingWindow, 10, MIN, retry - 1, state, 1, false)
+                .verdict
+                .over
+        );
     }
 
     #[test]
@@ -279,11 +323,19 @@ mod tests {
         });
         let now = 5 * MIN + 30_000;
         let step = evaluate(SlidingWindow, 10, MIN, now, state, 1, false);
-        assert!(step.over);
-        let retry = now + step.reset_ms;
+        assert!(step.verdict.over);
+        let retry = now + step.verdict.reset_ms;
         assert!(retry > 6 * MIN);
-        assert!(!evaluate(SlidingWindow, 10, MIN, retry, state, 1, false).over);
-        assert!(evaluate(SlidingWindow, 10, MIN, retry - 1, state, 1, false).over);
+        assert!(
+            !evaluate(SlidingWindow, 10, MIN, retry, state, 1, false)
+                .verdict
+                .over
+        );
+        assert!(
+            evaluate(SlidingWindow, 10, MIN, retry - 1, state, 1, false)
+                .verdict
+                .over
+        );
     }
 
     #[test]

@@ -144,6 +144,7 @@ impl RateLimitService for Rls {
 fn store_status(e: StoreError) -> Status {
     match e {
         StoreError::Full { .. } => Status::resource_exhausted(e.to_string()),
+        StoreError::Unavailable(_) | StoreError::Config(_) => Status::unavailable(e.to_string()),
     }
 }
 

@@ -6,11 +6,11 @@
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::StoreError;
 use crate::limiter::window::{self, State, Step};
-use crate::limiter::{Check, CounterKey, Decision, Usage, admits};
+use crate::limiter::{Check, CounterKey, Decision, admits};
 
 const SHARDS: usize = 64;
 
@@ -98,11 +98,14 @@ impl MemoryStore {
                 item.refund,
             ));
         }
-        let admitted = admits(&check.items, |i| steps[i].over);
+        let admitted = admits(&check.items, |i| steps[i].verdict.over);
 
         if admitted {
             self.make_room(check, &homes, &mut guards, &slot, now_ms)?;
             for (i, item) in check.items.iter().enumerate() {
+                if item.hits == 0 {
+                    continue;
+                }
                 let step = &steps[i];
                 guards[slot(homes[i])].1.counters.insert(
                     item.key.clone(),
@@ -114,18 +117,7 @@ impl MemoryStore {
             }
         }
 
-        let usages = steps
-            .iter()
-            .map(|s| Usage {
-                over: s.over,
-                remaining: match (s.over, admitted) {
-                    (true, _) => 0,
-                    (false, true) => s.remaining_after,
-                    (false, false) => s.remaining_before,
-                },
-                reset: Duration::from_millis(s.reset_ms),
-            })
-            .collect();
+        let usages = steps.iter().map(|s| s.verdict.usage(admitted)).collect();
         Ok(Decision { admitted, usages })
     }
 
@@ -141,7 +133,8 @@ impl MemoryStore {
         let mut new_per_slot = vec![0usize; guards.len()];
         for (i, item) in check.items.iter().enumerate() {
             let first = !check.items[..i].iter().any(|o| o.key == item.key);
-            if first && !guards[slot(homes[i])].1.counters.contains_key(&item.key) {
+            if item.hits > 0 && first && !guards[slot(homes[i])].1.counters.contains_key(&item.key)
+            {
                 new_per_slot[slot(homes[i])] += 1;
             }
         }

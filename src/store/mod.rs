@@ -3,18 +3,21 @@
 //! every counter of the request or none.
 
 mod memory;
+mod redis;
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 pub use memory::MemoryStore;
+pub use redis::RedisStore;
 
 use crate::limiter::{Check, Decision};
 
 /// The counter stores sluice can run on.
 pub enum Store {
     Memory(Arc<MemoryStore>),
+    Redis(RedisStore),
 }
 
 impl Store {
@@ -39,6 +42,7 @@ impl Store {
     pub async fn apply(&self, check: &Check) -> Result<Decision, StoreError> {
         match self {
             Store::Memory(memory) => memory.apply(check),
+            Store::Redis(redis) => redis.apply(check).await,
         }
     }
 }
@@ -48,6 +52,10 @@ impl Store {
 pub enum StoreError {
     /// The embedded store holds `--max-keys` live counters and a request needs a new one.
     Full { max_keys: usize },
+    /// Redis did not answer, or answered with an error.
+    Unavailable(String),
+    /// The Redis URL or options are wrong.
+    Config(String),
 }
 
 impl fmt::Display for StoreError {
@@ -59,6 +67,7 @@ impl fmt::Display for StoreError {
                     "the embedded counter store is full ({max_keys} live counters, see --max-keys)"
                 )
             }
+            StoreError::Unavailable(why) | StoreError::Config(why) => f.write_str(why),
         }
     }
 }

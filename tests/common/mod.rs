@@ -2,6 +2,8 @@
 //! waits until gRPC health reports SERVING, and stops it when dropped.
 #![allow(dead_code)]
 
+pub mod redis;
+
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -27,6 +29,62 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// Where a test's sluice keeps its counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Store {
+    Memory,
+    Redis,
+    Cluster,
+}
+
+impl Store {
+    /// The Redis deployment behind this store, if any.
+    pub fn redis(self) -> Option<&'static redis::Redis> {
+        match self {
+            Store::Memory => None,
+            Store::Redis => Some(redis::standalone()),
+            Store::Cluster => Some(redis::cluster()),
+        }
+    }
+
+    /// `serve` flags selecting this store, with a key prefix of its own so that tests sharing
+    /// one Redis never share a counter (unless the test's own `flags` choose one).
+    fn flags(self, flags: &[&str]) -> Vec<String> {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let Some(r) = self.redis() else {
+            return Vec::new();
+        };
+        let mut out = vec!["--redis-url".into(), r.url.clone()];
+        if !flags.contains(&"--redis-key-prefix") {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            out.push("--redis-key-prefix".into());
+            out.push(format!("t{}-{n}:", std::process::id()));
+        }
+        out
+    }
+}
+
+/// Generates, for each named `async fn test(store: Store)`, one `#[tokio::test]` per store:
+/// `memory::test`, `redis::test` and `cluster::test`.
+#[macro_export]
+macro_rules! on_every_store {
+    ($($test:ident),* $(,)?) => {
+        mod memory {
+            $(#[tokio::test(flavor = "multi_thread")]
+            async fn $test() { super::$test($crate::common::Store::Memory).await })*
+        }
+        mod redis {
+            $(#[tokio::test(flavor = "multi_thread")]
+            async fn $test() { super::$test($crate::common::Store::Redis).await })*
+        }
+        mod cluster {
+            $(#[tokio::test(flavor = "multi_thread")]
+            async fn $test() { super::$test($crate::common::Store::Cluster).await })*
+        }
+    };
+}
+
 /// A running `sluice serve`.
 pub struct Sluice {
     child: Child,
@@ -37,14 +95,20 @@ pub struct Sluice {
 }
 
 impl Sluice {
-    /// Starts sluice with one rule file holding `rules`.
+    /// Starts sluice on the embedded store with one rule file holding `rules`.
     pub async fn start(rules: &str) -> Sluice {
-        Sluice::start_with(&[("rules.yaml", rules)], &[]).await
+        Sluice::on(Store::Memory, &[("rules.yaml", rules)], &[]).await
     }
 
-    /// Starts sluice on a directory holding `files` (name, YAML), with extra `serve` flags.
+    /// Starts sluice on the embedded store with rule `files` (name, YAML) and extra flags.
     pub async fn start_with(files: &[(&str, &str)], flags: &[&str]) -> Sluice {
+        Sluice::on(Store::Memory, files, flags).await
+    }
+
+    /// Starts sluice on `store` with rule `files` (name, YAML) and extra `serve` flags.
+    pub async fn on(store: Store, files: &[(&str, &str)], flags: &[&str]) -> Sluice {
         clear_of_minute_boundary().await;
+        let store_flags = store.flags(flags);
         let dir = tempfile::tempdir().expect("a temporary directory");
         let rules = dir.path().join("rules");
         std::fs::create_dir(&rules).expect("rules directory");
@@ -63,6 +127,7 @@ impl Sluice {
                 .arg("--http-addr")
                 .arg(http.to_string())
                 .args(flags)
+                .args(&store_flags)
                 .env("SLUICE_LOG", "warn")
                 .stdin(Stdio::null())
                 .spawn()

@@ -1,0 +1,175 @@
+//! Real Redis for the tests: one standalone `redis-server` and one 3-primary Redis Cluster per
+//! test binary, started on first use on free loopback ports. Each runs under a shell that stops
+//! it when the test binary exits (its stdin, held open by this process, closes).
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// A Redis deployment the tests can point sluice at.
+pub struct Redis {
+    pub url: String,
+    /// The ports of its primaries.
+    pub ports: Vec<u16>,
+}
+
+/// Keeps each supervising shell, and so its stdin, open for the life of the test binary.
+static GUARDS: Mutex<Vec<Child>> = Mutex::new(Vec::new());
+
+const SERVER_FLAGS: &str = "--bind 127.0.0.1 --save '' --appendonly no --protected-mode no";
+
+/// The standalone server the tests of this binary share.
+pub fn standalone() -> &'static Redis {
+    static STANDALONE: OnceLock<Redis> = OnceLock::new();
+    STANDALONE.get_or_init(dedicated)
+}
+
+/// A standalone server of its own, for a test that reads server-wide statistics.
+pub fn dedicated() -> Redis {
+    let port = low_free_ports(1)[0];
+    supervise("", &[format!("redis-server --port {port} {SERVER_FLAGS}")]);
+    wait_for(
+        || cli(port, &["PING"]).trim() == "PONG",
+        "redis-server answers PING",
+    );
+    Redis {
+        url: format!("redis://127.0.0.1:{port}"),
+        ports: vec![port],
+    }
+}
+
+/// The 3-primary cluster the tests of this binary share.
+pub fn cluster() -> &'static Redis {
+    static CLUSTER: OnceLock<Redis> = OnceLock::new();
+    CLUSTER.get_or_init(dedicated_cluster)
+}
+
+/// A 3-primary cluster of its own, for a test that reads server-wide statistics.
+pub fn dedicated_cluster() -> Redis {
+    let dir = tempfile::tempdir()
+        .expect("a directory for cluster state")
+        .keep();
+    let ports = low_free_ports(3);
+    let servers: Vec<String> = ports
+        .iter()
+        .map(|p| {
+            format!(
+                "redis-server --port {p} {SERVER_FLAGS} --cluster-enabled yes \
+                 --cluster-config-file nodes-{p}.conf --dir {}",
+                dir.display()
+            )
+        })
+        .collect();
+    supervise(&format!("trap 'rm -rf {}' EXIT;", dir.display()), &servers);
+    for &p in &ports {
+        wait_for(
+            || cli(p, &["PING"]).trim() == "PONG",
+            "cluster node answers PING",
+        );
+    }
+    let nodes: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let created = Command::new("redis-cli")
+        .args(["--cluster", "create"])
+        .args(&nodes)
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("redis-cli runs");
+    assert!(
+        created.status.success(),
+        "cluster create: {}",
+        String::from_utf8_lossy(&created.stdout)
+    );
+    for &p in &ports {
+        wait_for(
+            || cli(p, &["CLUSTER", "INFO"]).contains("cluster_state:ok"),
+            "cluster state ok",
+        );
+    }
+    Redis {
+        url: format!(
+            "redis-cluster://{}?node={}&node={}",
+            nodes[0], nodes[1], nodes[2]
+        ),
+        ports,
+    }
+}
+
+/// Runs `redis-cli -p port args…` and returns its output.
+pub fn cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("redis-cli runs (install redis-tools)");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// How many times `EVALSHA` ran on these primaries, from `INFO commandstats`.
+pub fn evalsha_calls(ports: &[u16]) -> u64 {
+    ports
+        .iter()
+        .map(|&p| {
+            cli(p, &["INFO", "commandstats"])
+                .lines()
+                .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+                .and_then(|rest| rest.split(',').next())
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or(0)
+        })
+        .sum()
+}
+
+/// Starts `servers` in the background of an `sh`, which stops them once its stdin closes.
+fn supervise(prelude: &str, servers: &[String]) {
+    let background: String = servers
+        .iter()
+        .map(|s| format!("{s} & pids=\"$pids $!\"; "))
+        .collect();
+    let child = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "{prelude} {background} cat >/dev/null; kill $pids; wait"
+        ))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("sh starts");
+    GUARDS.lock().unwrap().push(child);
+}
+
+/// `n` distinct free loopback ports below 55536, so that each cluster bus port (port + 10000)
+/// exists and is free too.
+fn low_free_ports(n: usize) -> Vec<u16> {
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos() as u64
+        + u64::from(std::process::id()) * 7_919;
+    let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
+    let mut ports = Vec::with_capacity(n);
+    for i in 0..5_000u64 {
+        let port = 20_000 + ((seed + i * 104_729) % 30_000) as u16;
+        if !ports.contains(&port) && free(port) && free(port + 10_000) {
+            ports.push(port);
+            if ports.len() == n {
+                return ports;
+            }
+        }
+    }
+    panic!("no {n} free loopback port pairs below 55536");
+}
+
+fn wait_for(ready: impl Fn() -> bool, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if ready() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("timed out waiting until {what}");
+}

@@ -1,0 +1,250 @@
+//! What the Redis store adds: exact admission across replicas, one script call per request, key
+//! safety, surviving a flushed script cache, and the sliding window at a window boundary.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use common::{OK, OVER_LIMIT, Sluice, Store, request};
+
+fn rules(yaml: &str) -> [(&str, &str); 1] {
+    [("rules.yaml", yaml)]
+}
+
+const HUNDRED: &str = "domain: race\ndescriptors:\n  - key: run\n    rate_limit: {unit: minute, requests_per_unit: 100}\n";
+
+/// 64 callers over 3 sluice processes sharing one Redis race for a limit of 100, 5 runs in a row.
+async fn replicas_admit_exactly_the_limit(store: Store) {
+    let prefix = format!("race-{}-{store:?}:", std::process::id());
+    let flags = ["--redis-key-prefix", prefix.as_str()];
+    let replicas = [
+        Sluice::on(store, &rules(HUNDRED), &flags).await,
+        Sluice::on(store, &rules(HUNDRED), &flags).await,
+        Sluice::on(store, &rules(HUNDRED), &flags).await,
+    ];
+    for run in 0..5 {
+        common::clear_of_minute_boundary().await;
+        let admitted = Arc::new(AtomicU32::new(0));
+        let mut callers = Vec::new();
+        for caller in 0..64 {
+            let mut client = replicas[caller % 3].client().await;
+            let admitted = admitted.clone();
+            callers.push(tokio::spawn(async move {
+                for _ in 0..3 {
+                    let value = run.to_string();
+                    let r = client
+                        .should_rate_limit(request("race", &[&[("run", value.as_str())]]))
+                        .await
+                        .expect("no request fails");
+                    if r.get_ref().overall_code == OK {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }));
+        }
+        for c in callers {
+            c.await.unwrap();
+        }
+        assert_eq!(
+            admitted.load(Ordering::Relaxed),
+            100,
+            "run {run}: 192 attempts, limit 100"
+        );
+    }
+}
+
+/// Four descriptors, one `EVALSHA` on a standalone Redis. The deployment is the test's own, so
+/// that no other test's calls show in its statistics.
+async fn a_request_is_one_script_call(store: Store) {
+    let yaml = "domain: rt\ndescriptors:\n  - key: a\n    rate_limit: {unit: hour, requests_per_unit: 9}\n  - key: b\n    rate_limits:\n      - {unit: hour, requests_per_unit: 9}\n      - {unit: minute, requests_per_unit: 9}\n";
+    let own = match store {
+        Store::Redis => common::redis::dedicated(),
+        _ => common::redis::dedicated_cluster(),
+    };
+    let sluice = Sluice::on(
+        Store::Memory,
+        &rules(yaml),
+        &["--redis-url", own.url.as_str()],
+    )
+    .await;
+    let ports = &own.ports;
+    let four = request(
+        "rt",
+        &[&[("a", "1")], &[("a", "2")], &[("b", "3")], &[("b", "4")]],
+    );
+    sluice.ask(four.clone()).await;
+    for _ in 0..5 {
+        let before = common::redis::evalsha_calls(ports);
+        let r = sluice.ask(four.clone()).await;
+        let calls = common::redis::evalsha_calls(ports) - before;
+        assert_eq!(r.overall_code, OK);
+        match store {
+            Store::Redis => assert_eq!(calls, 1, "one round trip for 4 descriptors"),
+            _ => assert!(
+                (1..=4).contains(&calls),
+                "at most one call per slot: {calls}"
+            ),
+        }
+    }
+}
+
+/// Values full of separators never make two descriptors share a counter.
+async fn awkward_bytes_never_share_a_counter(store: Store) {
+    let yaml = "domain: keys\ndescriptors:\n  - key: a_b\n    rate_limit: {unit: hour, requests_per_unit: 1}\n  - key: a\n    rate_limit: {unit: hour, requests_per_unit: 1}\n  - key: v\n    rate_limit: {unit: hour, requests_per_unit: 1}\n";
+    let sluice = Sluice::on(store, &rules(yaml), &[]).await;
+    let split: [&[(&str, &str)]; 2] = [&[("a_b", "c")], &[("a", "b_c")]];
+    for d in split {
+        assert_eq!(
+            sluice.ask(request("keys", &[d])).await.overall_code,
+            OK,
+            "{d:?}"
+        );
+    }
+    let values = [
+        "{", "}", "{x}", ":", "a:b", "\n", "", " ", "}{", "{{}}", "1:v",
+    ];
+    for v in values {
+        let r = sluice.ask(request("keys", &[&[("v", v)]])).await;
+        assert_eq!(r.overall_code, OK, "{v:?} has a counter of its own");
+    }
+    for v in values {
+        let r = sluice.ask(request("keys", &[&[("v", v)]])).await;
+        assert_eq!(r.overall_code, OVER_LIMIT, "{v:?} was counted once");
+    }
+}
+
+/// `SCRIPT FLUSH` while requests flow: none fails and none is counted twice.
+async fn a_flushed_script_cache_is_reloaded_without_errors(store: Store) {
+    let yaml = "domain: flush\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 1000000}\n";
+    let sluice = Sluice::on(store, &rules(yaml), &[]).await;
+    let ports = store.redis().unwrap().ports.clone();
+    let flusher = tokio::task::spawn_blocking(move || {
+        for _ in 0..40 {
+            for &p in &ports {
+                common::redis::cli(p, &["SCRIPT", "FLUSH"]);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+    let mut callers = Vec::new();
+    for _ in 0..8 {
+        let mut client = sluice.client().await;
+        callers.push(tokio::spawn(async move {
+            for _ in 0..50 {
+                client
+                    .should_rate_limit(request("flush", &[&[("k", "x")]]))
+                    .await
+                    .expect("no error reaches the client");
+            }
+        }));
+    }
+    for c in callers {
+        c.await.unwrap();
+    }
+    flusher.await.unwrap();
+    let r = sluice.ask(request("flush", &[&[("k", "x")]])).await;
+    assert_eq!(
+        r.statuses[0].limit_remaining,
+        1_000_000 - 401,
+        "400 requests, each counted once"
+    );
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+async fn sleep_until_ms(at: u64) {
+    let now = now_ms();
+    if at > now {
+        tokio::time::sleep(Duration::from_millis(at - now)).await;
+    }
+}
+
+/// L requests at the end of one window and L at the start of the next: the fixed window admits
+/// 2L, the sliding window about L (L plus the share of L the new window has already covered).
+async fn the_sliding_window_smooths_a_window_boundary(store: Store) {
+    const L: u64 = 10;
+    let yaml = "domain: edge\ndescriptors:\n  - key: fixed\n    rate_limit: {unit: second, requests_per_unit: 10}\n  - key: sliding\n    rate_limit: {unit: second, requests_per_unit: 10, algorithm: sliding_window}\n";
+    let sluice = Sluice::on(store, &rules(yaml), &[]).await;
+    let mut client = sluice.client().await;
+    for key in ["fixed", "sliding"] {
+        let boundary = (now_ms() / 1000 + 2) * 1000;
+        let mut admitted = 0;
+        sleep_until_ms(boundary - 300).await;
+        for _ in 0..L {
+            let r = client
+                .should_rate_limit(request("edge", &[&[(key, "x")]]))
+                .await
+                .unwrap();
+            admitted += u64::from(r.get_ref().overall_code == OK);
+        }
+        assert!(
+            now_ms() < boundary,
+            "the first burst ended inside its window"
+        );
+        sleep_until_ms(boundary + 20).await;
+        for _ in 0..L {
+            let r = client
+                .should_rate_limit(request("edge", &[&[(key, "x")]]))
+                .await
+                .unwrap();
+            admitted += u64::from(r.get_ref().overall_code == OK);
+        }
+        let covered = (now_ms() - boundary) as f64 / 1000.0;
+        if key == "fixed" {
+            assert_eq!(admitted, 2 * L);
+        } else {
+            let bound = L + (L as f64 * covered).ceil() as u64 + 1;
+            assert!(
+                admitted <= bound,
+                "sliding admitted {admitted}, bound {bound}"
+            );
+            assert!(admitted >= L, "the first burst fits: {admitted}");
+        }
+    }
+}
+
+mod redis_store {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn replicas_sharing_a_standalone_redis_admit_exactly_the_limit() {
+        replicas_admit_exactly_the_limit(Store::Redis).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn replicas_sharing_a_cluster_admit_exactly_the_limit() {
+        replicas_admit_exactly_the_limit(Store::Cluster).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn four_descriptors_cost_one_evalsha_on_standalone_redis() {
+        a_request_is_one_script_call(Store::Redis).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn four_descriptors_cost_one_evalsha_per_slot_on_a_cluster() {
+        a_request_is_one_script_call(Store::Cluster).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn script_flush_on_standalone_redis_loses_nothing() {
+        a_flushed_script_cache_is_reloaded_without_errors(Store::Redis).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn script_flush_on_every_cluster_node_loses_nothing() {
+        a_flushed_script_cache_is_reloaded_without_errors(Store::Cluster).await;
+    }
+}
+
+on_every_store!(
+    awkward_bytes_never_share_a_counter,
+    the_sliding_window_smooths_a_window_boundary
+);
