@@ -9,13 +9,15 @@
 //!   apply, with envoyproxy/ratelimit's exact / wildcard / key-only precedence.
 //! - [`limiter`] — what a limit is (`Limit`, `Algorithm`, `Mode`), the window math shared by every
 //!   store, counter identities (`CounterKey`), and the all-or-nothing `Check` → `Decision`.
-//! - [`store`] — where counters live: the embedded in-process store.
+//! - [`store`] — where counters live: the embedded in-process store, or Redis through one Lua
+//!   script per request (`lua/check.lua`).
 //!
-//! Beside the path: [`config`] reads and validates rule files into typed structs at the edge, and
-//! [`telemetry`] sets up logging.
+//! Beside the path: [`config`] reads and validates rule files into typed structs at the edge,
+//! [`telemetry`] sets up logging, and [`load`] is the client-side load generator of `sluice load`.
 
 pub mod config;
 pub mod limiter;
+pub mod load;
 pub mod rules;
 pub mod service;
 pub mod store;

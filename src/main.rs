@@ -1,5 +1,5 @@
-//! The `sluice` command: `serve` runs the service, `check-config` validates rule files and
-//! `health` probes a running server's gRPC health.
+//! The `sluice` command: `serve` runs the service, `check-config` validates rule files, `load`
+//! measures a running service and `health` probes its gRPC health.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -33,6 +33,8 @@ enum Command {
         /// A rule file, or a directory of them.
         path: PathBuf,
     },
+    /// Load a rate limit service (sluice or another) and report throughput and latency.
+    Load(sluice::load::Options),
     /// Ask a running server's gRPC health service; exit 0 when it reports SERVING.
     Health {
         /// The gRPC address to ask.
@@ -82,6 +84,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::CheckConfig { path } => check_config(&path),
         Command::Health { target } => health(target),
+        Command::Load(options) => load(options),
         Command::Serve(args) => {
             sluice::telemetry::init();
             match serve(args) {
@@ -112,6 +115,28 @@ fn check_config(path: &Path) -> ExitCode {
             for e in &errors {
                 println!("{e}");
             }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[tokio::main]
+async fn load(options: sluice::load::Options) -> ExitCode {
+    let json = options.json;
+    match sluice::load::run(options).await {
+        Ok(report) if json => {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&report).expect("a report serializes")
+            );
+            ExitCode::SUCCESS
+        }
+        Ok(report) => {
+            print!("{}", report.render());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("sluice load: {e:#}");
             ExitCode::FAILURE
         }
     }

@@ -1,4 +1,7 @@
-//! Logging: `tracing` events to stderr, filtered by `SLUICE_LOG` (or `RUST_LOG`), `info` by default.
+//! Logging: `tracing` events to stderr (coloured only on a terminal), filtered by `SLUICE_LOG`
+//! (or `RUST_LOG`), `info` by default.
+
+use std::io::IsTerminal;
 
 use tracing_subscriber::EnvFilter;
 
@@ -9,5 +12,6 @@ pub fn init() {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
 }
