@@ -17,6 +17,11 @@ use sluice::service::rls::{Bounds, Rls};
 use sluice::service::{self, Shutdown};
 use sluice::store::{RedisStore, Store};
 
+/// mimalloc: measurably less CPU per request than the system allocator on the request path, and
+/// less memory held for the embedded store's many small counters.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(version, about = "Envoy global rate limit service")]
 struct Cli {
@@ -74,6 +79,9 @@ struct ServeArgs {
     /// Most entries in one descriptor.
     #[arg(long, env = "SLUICE_MAX_ENTRIES", default_value_t = 32)]
     max_entries: usize,
+    /// Worker threads answering requests (default: one per CPU).
+    #[arg(long, env = "SLUICE_THREADS")]
+    threads: Option<usize>,
     /// Longest domain, entry key or entry value, in bytes.
     #[arg(long, env = "SLUICE_MAX_ENTRY_BYTES", default_value_t = 1024)]
     max_entry_bytes: usize,
@@ -193,8 +201,15 @@ fn load_rules(path: &Path) -> anyhow::Result<RuleSet> {
     }
 }
 
-#[tokio::main]
-async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = args.threads {
+        runtime.worker_threads(threads);
+    }
+    runtime.enable_all().build()?.block_on(run(args))
+}
+
+async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let rules = Arc::new(ArcSwap::from_pointee(load_rules(&args.config)?));
     let store = match &args.redis_url {
         None => Store::memory(args.max_keys),

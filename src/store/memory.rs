@@ -1,12 +1,16 @@
 //! The embedded store: counters in sharded in-process maps, with the same window math as the
 //! Redis scripts. A check locks the shards it touches in index order, so concurrent checks are
-//! exact and never deadlock. Expired counters are ignored when read and swept by `sweep`, which
+//! exact and never deadlock. Counters are indexed by a 128-bit SipHash of their `CounterKey`,
+//! keyed at random per process: 40 bytes a counter, and a collision between two of a billion
+//! counters has a probability under 10⁻²⁰ that no input can raise. Expired counters are ignored when read and swept by `sweep`, which
 //! the store runs every second, and at once in a shard that is full.
 
 use std::collections::HashMap;
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
+
+use siphasher::sip128::{Hasher128, SipHasher13};
 
 use super::StoreError;
 use crate::limiter::window::{self, State, Step};
@@ -18,30 +22,80 @@ pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,
     per_shard: usize,
     max_keys: usize,
-    hasher: std::hash::RandomState,
+    keys: (u64, u64),
 }
+
+/// A counter's identity in this store: the keyed 128-bit hash of its `CounterKey`.
+type Id = u128;
 
 #[derive(Default)]
 struct Shard {
-    counters: HashMap<CounterKey, Counter>,
+    counters: HashMap<Id, Counter, BuildHasherDefault<IdHasher>>,
 }
 
+/// The ids are uniform hashes already: the map uses their bits as they are.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u128(&mut self, id: u128) {
+        self.0 = id as u64;
+    }
+}
+
+/// A stored `State`, compacted: window indexes and expiry seconds fit 32 bits until 2106,
+/// since every window is at least a second long.
 #[derive(Clone, Copy)]
 struct Counter {
-    state: State,
-    expires_ms: u64,
+    count: u64,
+    previous: u64,
+    window: u32,
+    expires_s: u32,
+}
+
+impl Counter {
+    fn new(state: State, expires_ms: u64) -> Self {
+        Counter {
+            count: state.count,
+            previous: state.previous,
+            window: u32::try_from(state.window).unwrap_or(u32::MAX),
+            expires_s: u32::try_from(expires_ms.div_ceil(1000)).unwrap_or(u32::MAX),
+        }
+    }
+
+    fn live(&self, now_ms: u64) -> bool {
+        u64::from(self.expires_s) * 1000 > now_ms
+    }
+
+    fn state(&self) -> State {
+        State {
+            window: u64::from(self.window),
+            count: self.count,
+            previous: self.previous,
+        }
+    }
 }
 
 impl Shard {
-    fn live(&self, key: &CounterKey, now_ms: u64) -> Option<State> {
+    fn live(&self, id: Id, now_ms: u64) -> Option<State> {
         self.counters
-            .get(key)
-            .filter(|c| c.expires_ms > now_ms)
-            .map(|c| c.state)
+            .get(&id)
+            .filter(|c| c.live(now_ms))
+            .map(Counter::state)
     }
 
     fn sweep(&mut self, now_ms: u64) {
-        self.counters.retain(|_, c| c.expires_ms > now_ms);
+        self.counters.retain(|_, c| c.live(now_ms));
     }
 }
 
@@ -52,12 +106,21 @@ impl MemoryStore {
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             per_shard: max_keys.div_ceil(SHARDS).max(1),
             max_keys,
-            hasher: std::hash::RandomState::new(),
+            keys: (
+                std::hash::RandomState::new().hash_one(0u8),
+                std::hash::RandomState::new().hash_one(1u8),
+            ),
         }
     }
 
-    fn shard_of(&self, key: &CounterKey) -> usize {
-        (self.hasher.hash_one(key) % SHARDS as u64) as usize
+    fn id(&self, key: &CounterKey) -> Id {
+        let mut h = SipHasher13::new_with_keys(self.keys.0, self.keys.1);
+        h.write(key.as_bytes());
+        h.finish128().as_u128()
+    }
+
+    fn shard_of(id: Id) -> usize {
+        ((id >> 64) as u64 % SHARDS as u64) as usize
     }
 
     pub fn apply(&self, check: &Check) -> Result<Decision, StoreError> {
@@ -65,7 +128,8 @@ impl MemoryStore {
     }
 
     fn apply_at(&self, check: &Check, now_ms: u64) -> Result<Decision, StoreError> {
-        let homes: Vec<usize> = check.items.iter().map(|i| self.shard_of(&i.key)).collect();
+        let ids: Vec<Id> = check.items.iter().map(|i| self.id(&i.key)).collect();
+        let homes: Vec<usize> = ids.iter().map(|&id| Self::shard_of(id)).collect();
         let mut order = homes.clone();
         order.sort_unstable();
         order.dedup();
@@ -83,10 +147,10 @@ impl MemoryStore {
         // them, so a request naming one counter twice is counted twice.
         let mut steps: Vec<Step> = Vec::with_capacity(check.items.len());
         for (i, item) in check.items.iter().enumerate() {
-            let earlier = (0..i).rev().find(|&j| check.items[j].key == item.key);
+            let earlier = (0..i).rev().find(|&j| ids[j] == ids[i]);
             let stored = match earlier {
                 Some(j) => Some(steps[j].next),
-                None => guards[slot(homes[i])].1.live(&item.key, now_ms),
+                None => guards[slot(homes[i])].1.live(ids[i], now_ms),
             };
             steps.push(window::evaluate(
                 item.limit.algorithm,
@@ -101,19 +165,16 @@ impl MemoryStore {
         let admitted = admits(&check.items, |i| steps[i].verdict.over);
 
         if admitted {
-            self.make_room(check, &homes, &mut guards, &slot, now_ms)?;
+            self.make_room(check, &ids, &homes, &mut guards, &slot, now_ms)?;
             for (i, item) in check.items.iter().enumerate() {
                 if item.hits == 0 {
                     continue;
                 }
                 let step = &steps[i];
-                guards[slot(homes[i])].1.counters.insert(
-                    item.key.clone(),
-                    Counter {
-                        state: step.next,
-                        expires_ms: now_ms + step.ttl_ms,
-                    },
-                );
+                guards[slot(homes[i])]
+                    .1
+                    .counters
+                    .insert(ids[i], Counter::new(step.next, now_ms + step.ttl_ms));
             }
         }
 
@@ -125,6 +186,7 @@ impl MemoryStore {
     fn make_room(
         &self,
         check: &Check,
+        ids: &[Id],
         homes: &[usize],
         guards: &mut [(usize, MutexGuard<'_, Shard>)],
         slot: &impl Fn(usize) -> usize,
@@ -132,9 +194,8 @@ impl MemoryStore {
     ) -> Result<(), StoreError> {
         let mut new_per_slot = vec![0usize; guards.len()];
         for (i, item) in check.items.iter().enumerate() {
-            let first = !check.items[..i].iter().any(|o| o.key == item.key);
-            if item.hits > 0 && first && !guards[slot(homes[i])].1.counters.contains_key(&item.key)
-            {
+            let first = !ids[..i].contains(&ids[i]);
+            if item.hits > 0 && first && !guards[slot(homes[i])].1.counters.contains_key(&ids[i]) {
                 new_per_slot[slot(homes[i])] += 1;
             }
         }
