@@ -3,6 +3,7 @@
 //! per hash slot, sent together, with a compensating refund when a slot admits and another denies.
 
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::time::Duration;
 
 use fred::prelude::*;
@@ -67,10 +68,9 @@ impl RedisStore {
         let mut key = Vec::with_capacity(self.prefix.len() + 18 + counter.len());
         key.extend_from_slice(&self.prefix);
         key.push(b'{');
-        key.extend_from_slice(format!("{:016x}", fnv1a(item.key.descriptor())).as_bytes());
-        key.push(b'}');
+        write!(key, "{:016x}}}", fnv1a(item.key.descriptor())).expect("writing to a Vec succeeds");
         key.extend_from_slice(counter);
-        Key::from(key.as_slice())
+        Key::from(bytes::Bytes::from(key))
     }
 
     pub async fn apply(&self, check: &Check) -> Result<Decision, StoreError> {
@@ -156,20 +156,20 @@ async fn run(
 ) -> Result<(bool, Vec<Verdict>), StoreError> {
     let group_keys: Vec<Key> = at.iter().map(|&i| keys[i].clone()).collect();
     let mut args: Vec<Value> = Vec::with_capacity(1 + at.len() * ARGS_PER_ITEM);
-    args.push(Value::from(if quota_here { "1" } else { "0" }));
+    args.push(flag(quota_here));
     for &i in at {
         let item = &check.items[i];
         let refund = item.refund != undo;
         let mode = if undo { Mode::Shadow } else { item.mode };
-        args.push(Value::from(match item.limit.algorithm {
+        args.push(Value::from_static_str(match item.limit.algorithm {
             Algorithm::FixedWindow => "f",
             Algorithm::SlidingWindow => "s",
         }));
         args.push(Value::from(i64::from(item.limit.requests_per_unit)));
         args.push(Value::from(item.limit.window_ms() as i64));
         args.push(Value::from(item.hits as i64));
-        args.push(Value::from(if refund { "1" } else { "0" }));
-        args.push(Value::from(match mode {
+        args.push(flag(refund));
+        args.push(Value::from_static_str(match mode {
             Mode::Enforce => "e",
             Mode::Shadow => "s",
             Mode::Quota => "q",
@@ -188,6 +188,10 @@ async fn run(
     }
     .map_err(unavailable)?;
     parse_reply(&reply, at.len())
+}
+
+fn flag(on: bool) -> Value {
+    Value::from_static_str(if on { "1" } else { "0" })
 }
 
 fn parse_reply(reply: &[i64], items: usize) -> Result<(bool, Vec<Verdict>), StoreError> {
