@@ -11,7 +11,7 @@ use anyhow::Context;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 
 use rls::Rls;
 
@@ -62,7 +62,7 @@ pub async fn run(
         .add_service(reflection_v1alpha)
         .add_service(RateLimitServiceServer::from_arc(rls.clone()))
         .serve_with_incoming_shutdown(
-            TcpListenerStream::new(grpc_listener),
+            TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
             shutdown.clone().wait(),
         );
     let http =
