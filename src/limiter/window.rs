@@ -291,51 +291,36 @@ mod tests {
         assert_eq!(step.verdict.remaining_after, 9);
     }
 
+    /// Asserts that an over-limit sliding window's reset names the first millisecond at which
+    /// one more hit fits (limit 10), and returns that moment.
+    fn exact_retry(state: State, now: u64) -> u64 {
+        let over = |at: u64| evaluate(SlidingWindow, 10, MIN, at, Some(state), 1, false).verdict;
+        let step = over(now);
+        assert!(step.over);
+        let retry = now + step.reset_ms;
+        assert!(!over(retry).over, "one more fits at the reset");
+        assert!(over(retry - 1).over, "and not a millisecond before");
+        retry
+    }
+
     #[test]
     fn sliding_window_retry_is_when_one_more_fits() {
-        let state = Some(State {
+        let state = State {
             window: 5,
             count: 1,
             previous: 10,
-        });
-        let now = 5 * MIN + 1_000;
-        let step = evaluate(SlidingWindow, 10, MIN, now, state, 1, false);
-        assert!(step.verdict.over);
-        let retry = now + step.verdict.reset_ms;
-        assert!(
-            !evaluate(SlidingWindow, 10, MIN, retry, state, 1, false)
-                .verdict
-                .over
-        );
-        assert!(
-            evaluate(SlidingWindow, 10, MIN, retry - 1, state, 1, false)
-                .verdict
-                .over
-        );
+        };
+        assert!(exact_retry(state, 5 * MIN + 1_000) < 6 * MIN);
     }
 
     #[test]
     fn sliding_window_retry_can_fall_in_the_next_window() {
-        let state = Some(State {
+        let state = State {
             window: 5,
             count: 10,
             previous: 0,
-        });
-        let now = 5 * MIN + 30_000;
-        let step = evaluate(SlidingWindow, 10, MIN, now, state, 1, false);
-        assert!(step.verdict.over);
-        let retry = now + step.verdict.reset_ms;
-        assert!(retry > 6 * MIN);
-        assert!(
-            !evaluate(SlidingWindow, 10, MIN, retry, state, 1, false)
-                .verdict
-                .over
-        );
-        assert!(
-            evaluate(SlidingWindow, 10, MIN, retry - 1, state, 1, false)
-                .verdict
-                .over
-        );
+        };
+        assert!(exact_retry(state, 5 * MIN + 30_000) > 6 * MIN);
     }
 
     #[test]
