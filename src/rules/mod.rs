@@ -33,7 +33,6 @@ struct Branches {
 pub struct Node {
     pub limits: Vec<RuleLimit>,
     pub mode: Mode,
-    pub metadata: Option<serde_json::Value>,
     share_threshold: bool,
     children: Level,
 }
@@ -138,7 +137,6 @@ impl Level {
             let node = Node {
                 limits: d.limits,
                 mode: d.mode,
-                metadata: d.metadata,
                 share_threshold: d.share_threshold,
                 children: Level::build(d.descriptors),
             };

@@ -5,7 +5,6 @@
 pub mod redis;
 
 use std::net::{SocketAddr, TcpListener};
-use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -90,7 +89,6 @@ pub struct Sluice {
     child: Child,
     pub grpc: SocketAddr,
     pub http: SocketAddr,
-    pub rules: PathBuf,
     _dir: tempfile::TempDir,
 }
 
@@ -137,7 +135,6 @@ impl Sluice {
                     child,
                     grpc,
                     http,
-                    rules,
                     _dir: dir,
                 };
             }
@@ -173,14 +170,6 @@ impl Sluice {
     /// Whether the process is still running.
     pub fn alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
-    }
-
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    pub fn rules_dir(&self) -> &Path {
-        &self.rules
     }
 }
 
