@@ -176,7 +176,7 @@ async fn the_sliding_window_smooths_a_window_boundary(store: Store) {
     for key in ["fixed", "sliding"] {
         let boundary = (now_ms() / 1000 + 2) * 1000;
         let mut admitted = 0;
-        sleep_until_ms(boundary - 300).await;
+        sleep_until_ms(boundary - 600).await;
         for _ in 0..L {
             let r = client
                 .should_rate_limit(request("edge", &[&[(key, "x")]]))
