@@ -210,8 +210,45 @@ async fn the_sliding_window_smooths_a_window_boundary(store: Store) {
     }
 }
 
+/// Through Sentinel, sluice finds the primary and counts there.
+async fn sentinel_leads_to_the_primary() {
+    let redis = common::redis::sentinel();
+    let yaml =
+        "domain: s\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 3}\n";
+    let sluice = Sluice::on(
+        Store::Memory,
+        &rules(yaml),
+        &["--redis-url", redis.url.as_str()],
+    )
+    .await;
+    for expected in [2, 1, 0] {
+        let r = sluice.ask(request("s", &[&[("k", "v")]])).await;
+        assert_eq!(
+            (r.overall_code, r.statuses[0].limit_remaining),
+            (OK, expected)
+        );
+    }
+    assert_eq!(
+        sluice
+            .ask(request("s", &[&[("k", "v")]]))
+            .await
+            .overall_code,
+        OVER_LIMIT
+    );
+    assert_eq!(
+        common::redis::evalsha_calls(&redis.ports),
+        4,
+        "the primary ran every check"
+    );
+}
+
 mod redis_store {
     use super::*;
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_sentinel_url_counts_on_the_primary_it_names() {
+        sentinel_leads_to_the_primary().await;
+    }
 
     #[tokio::test(flavor = "multi_thread")]
     async fn replicas_sharing_a_standalone_redis_admit_exactly_the_limit() {

@@ -96,6 +96,46 @@ pub fn dedicated_cluster() -> Redis {
     }
 }
 
+/// A standalone primary watched by one Sentinel, addressed through the Sentinel as
+/// `redis-sentinel://…?sentinelServiceName=primary`; `ports` holds the primary's port.
+pub fn sentinel() -> Redis {
+    let dir = tempfile::tempdir()
+        .expect("a directory for the sentinel's config")
+        .keep();
+    let [primary, sentinel] = low_free_ports(2)[..] else {
+        unreachable!("two ports were asked for")
+    };
+    let conf = dir.join("sentinel.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "port {sentinel}\nbind 127.0.0.1\nsentinel monitor primary 127.0.0.1 {primary} 1\n"
+        ),
+    )
+    .expect("sentinel.conf written");
+    supervise(
+        &format!("trap 'rm -rf {}' EXIT;", dir.display()),
+        &[
+            format!("redis-server --port {primary} {SERVER_FLAGS}"),
+            format!("redis-server {} --sentinel", conf.display()),
+        ],
+    );
+    wait_for(
+        || {
+            cli(
+                sentinel,
+                &["SENTINEL", "get-master-addr-by-name", "primary"],
+            )
+            .contains(&primary.to_string())
+        },
+        "the sentinel knows the primary",
+    );
+    Redis {
+        url: format!("redis-sentinel://127.0.0.1:{sentinel}?sentinelServiceName=primary"),
+        ports: vec![primary],
+    }
+}
+
 /// Runs `redis-cli -p port args…` and returns its output.
 pub fn cli(port: u16, args: &[&str]) -> String {
     let out = Command::new("redis-cli")
