@@ -75,22 +75,15 @@ impl RedisStore {
 
     pub async fn apply(&self, check: &Check) -> Result<Decision, StoreError> {
         let keys: Vec<Key> = check.items.iter().map(|i| self.key(i)).collect();
-        if !self.clustered {
-            let all: Vec<usize> = (0..check.items.len()).collect();
+        let groups = self.slot_groups(&keys);
+        if let [all] = groups.as_slice() {
+            // One slot: the script applies the whole admission rule and writes all or nothing.
             let (admitted, verdicts) =
-                run(&self.client, &self.script, check, &keys, &all, true, false).await?;
+                run(&self.client, &self.script, check, &keys, all, true, false).await?;
             let usages = verdicts.iter().map(|v| v.usage(admitted)).collect();
             return Ok(Decision { admitted, usages });
         }
 
-        let mut groups: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
-        for (i, key) in keys.iter().enumerate() {
-            groups
-                .entry(fred::util::redis_keyslot(key.as_bytes()))
-                .or_default()
-                .push(i);
-        }
-        let groups: Vec<Vec<usize>> = groups.into_values().collect();
         let replies = futures_util::future::join_all(
             groups
                 .iter()
@@ -127,6 +120,21 @@ impl RedisStore {
             .map(|v| v.expect("every group answered").usage(admitted))
             .collect();
         Ok(Decision { admitted, usages })
+    }
+
+    /// The items grouped by the Cluster slot of their keys; one group outside a Cluster.
+    fn slot_groups(&self, keys: &[Key]) -> Vec<Vec<usize>> {
+        if !self.clustered {
+            return vec![(0..keys.len()).collect()];
+        }
+        let mut groups: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
+        for (i, key) in keys.iter().enumerate() {
+            groups
+                .entry(fred::util::redis_keyslot(key.as_bytes()))
+                .or_default()
+                .push(i);
+        }
+        groups.into_values().collect()
     }
 
     /// Gives back, off the response path, what groups consumed for a request that was denied.
