@@ -110,7 +110,12 @@ impl RedisStore {
             && admits(&check.items, |i| verdicts[i].is_some_and(|v| v.over))
             && committed.len() == groups.len();
         if !admitted && !committed.is_empty() {
-            self.compensate(check, &keys, committed.into_iter().cloned().collect());
+            let mut refund = Box::pin(self.refund(check, &keys, committed));
+            // The first poll queues every refund on its node's connection, ahead of any later
+            // command of this process on those slots; the replies are awaited off the response path.
+            if futures_util::poll!(refund.as_mut()).is_pending() {
+                tokio::spawn(refund);
+            }
         }
         if let Some(e) = failure {
             return Err(e);
@@ -137,18 +142,26 @@ impl RedisStore {
         groups.into_values().collect()
     }
 
-    /// Gives back, off the response path, what groups consumed for a request that was denied.
-    fn compensate(&self, check: &Check, keys: &[Key], groups: Vec<Vec<usize>>) {
+    /// Gives back what the `groups` consumed for a request that was denied, all groups at once.
+    fn refund(
+        &self,
+        check: &Check,
+        keys: &[Key],
+        groups: Vec<&Vec<usize>>,
+    ) -> impl Future<Output = ()> + Send + 'static {
         let (client, script) = (self.client.clone(), self.script.clone());
-        let check = check.clone();
-        let keys = keys.to_vec();
-        tokio::spawn(async move {
-            for group in groups {
-                if let Err(e) = run(&client, &script, &check, &keys, &group, false, true).await {
+        let (check, keys) = (check.clone(), keys.to_vec());
+        let groups: Vec<Vec<usize>> = groups.into_iter().cloned().collect();
+        async move {
+            let refunds = groups
+                .iter()
+                .map(|g| run(&client, &script, &check, &keys, g, false, true));
+            for reply in futures_util::future::join_all(refunds).await {
+                if let Err(e) = reply {
                     tracing::warn!("refunding a request denied across cluster slots: {e}");
                 }
             }
-        });
+        }
     }
 }
 
