@@ -90,6 +90,51 @@ async fn a_request_is_one_script_call(store: Store) {
     }
 }
 
+/// Concurrent requests to one sluice ride in shared script calls, each still decided exactly:
+/// 64 callers, 4 requests each, limit 100 → 100 admitted, fewer `EVALSHA` than requests.
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_requests_share_script_calls_and_stay_exact() {
+    let own = common::redis::dedicated();
+    let sluice = Sluice::on(
+        Store::Memory,
+        &rules(HUNDRED),
+        &["--redis-url", own.url.as_str()],
+    )
+    .await;
+    common::clear_of_minute_boundary().await;
+    let before = common::redis::evalsha_calls(&own.ports);
+    let admitted = Arc::new(AtomicU32::new(0));
+    let mut callers = Vec::new();
+    for _ in 0..64 {
+        let mut client = sluice.client().await;
+        let admitted = admitted.clone();
+        callers.push(tokio::spawn(async move {
+            for _ in 0..4 {
+                let r = client
+                    .should_rate_limit(request("race", &[&[("run", "shared")]]))
+                    .await
+                    .expect("no request fails");
+                if r.get_ref().overall_code == OK {
+                    admitted.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for c in callers {
+        c.await.unwrap();
+    }
+    let calls = common::redis::evalsha_calls(&own.ports) - before;
+    assert_eq!(
+        admitted.load(Ordering::Relaxed),
+        100,
+        "256 attempts, limit 100"
+    );
+    assert!(
+        (1..256).contains(&calls),
+        "256 concurrent requests took {calls} script calls"
+    );
+}
+
 /// Values full of separators never make two descriptors share a counter.
 async fn awkward_bytes_never_share_a_counter(store: Store) {
     let yaml = "domain: keys\ndescriptors:\n  - key: a_b\n    rate_limit: {unit: hour, requests_per_unit: 1}\n  - key: a\n    rate_limit: {unit: hour, requests_per_unit: 1}\n  - key: v\n    rate_limit: {unit: hour, requests_per_unit: 1}\n";

@@ -1,6 +1,8 @@
-//! The Redis store: counters in Redis hashes, updated by `lua/check.lua` through fred. One request
-//! is one `EVALSHA` on a standalone server or behind Sentinel; on a Cluster it is one `EVALSHA`
-//! per hash slot, sent together, with a compensating refund when a slot admits and another denies.
+//! The Redis store: counters in Redis hashes, updated by `lua/check.lua` through fred. On a
+//! standalone server or behind Sentinel, requests that arrive while the script calls before them
+//! are in flight are decided together by the next call, each all-or-nothing and in order: one
+//! `EVALSHA` per request at most. On a Cluster a request is one `EVALSHA` per hash slot, sent
+//! together, with a compensating refund when a slot admits and another denies.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -8,6 +10,7 @@ use std::time::Duration;
 
 use fred::prelude::*;
 use fred::types::scripts::Script;
+use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use super::StoreError;
 use crate::limiter::window::Verdict;
@@ -15,12 +18,24 @@ use crate::limiter::{Algorithm, Check, Decision, Item, Mode, admits};
 
 const CHECK_LUA: &str = include_str!("../../lua/check.lua");
 const ARGS_PER_ITEM: usize = 6;
+/// Script calls in flight at once from the batcher; requests arriving meanwhile wait for the next.
+const CALLS_IN_FLIGHT: usize = 2;
+/// Counters one batched call may carry, so that one call keeps Redis busy for a bounded time.
+const COUNTERS_PER_CALL: usize = 256;
 
 pub struct RedisStore {
     client: Client,
     script: Script,
     prefix: Vec<u8>,
-    clustered: bool,
+    /// Where requests wait to be batched; `None` on a Cluster, where each request calls per slot.
+    batcher: Option<mpsc::UnboundedSender<Pending>>,
+}
+
+/// One request's encoded counters, waiting for a batched call.
+struct Pending {
+    keys: Vec<Key>,
+    args: Vec<Value>,
+    reply: oneshot::Sender<Result<(bool, Vec<Verdict>), StoreError>>,
 }
 
 impl RedisStore {
@@ -53,11 +68,16 @@ impl RedisStore {
                 Ok(())
             }
         });
+        let batcher = (!clustered).then(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            tokio::spawn(batch(client.clone(), script.clone(), rx));
+            tx
+        });
         Ok(RedisStore {
             client,
             script,
             prefix: prefix.as_bytes().to_vec(),
-            clustered,
+            batcher,
         })
     }
 
@@ -75,7 +95,24 @@ impl RedisStore {
 
     pub async fn apply(&self, check: &Check) -> Result<Decision, StoreError> {
         let keys: Vec<Key> = check.items.iter().map(|i| self.key(i)).collect();
-        let groups = self.slot_groups(&keys);
+        if let Some(batcher) = &self.batcher {
+            let all: Vec<usize> = (0..keys.len()).collect();
+            let (reply, answer) = oneshot::channel();
+            let pending = Pending {
+                keys,
+                args: encode(check, &all, false),
+                reply,
+            };
+            batcher
+                .send(pending)
+                .map_err(|_| StoreError::Unavailable("the Redis store has stopped".into()))?;
+            let (admitted, verdicts) = answer
+                .await
+                .map_err(|_| StoreError::Unavailable("the Redis store has stopped".into()))??;
+            let usages = verdicts.iter().map(|v| v.usage(admitted)).collect();
+            return Ok(Decision { admitted, usages });
+        }
+        let groups = slot_groups(&keys);
         if let [all] = groups.as_slice() {
             // One slot: the script applies the whole admission rule and writes all or nothing.
             let (admitted, verdicts) =
@@ -127,21 +164,6 @@ impl RedisStore {
         Ok(Decision { admitted, usages })
     }
 
-    /// The items grouped by the Cluster slot of their keys; one group outside a Cluster.
-    fn slot_groups(&self, keys: &[Key]) -> Vec<Vec<usize>> {
-        if !self.clustered {
-            return vec![(0..keys.len()).collect()];
-        }
-        let mut groups: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
-        for (i, key) in keys.iter().enumerate() {
-            groups
-                .entry(fred::util::redis_keyslot(key.as_bytes()))
-                .or_default()
-                .push(i);
-        }
-        groups.into_values().collect()
-    }
-
     /// Gives back what the `groups` consumed for a request that was denied, all groups at once.
     fn refund(
         &self,
@@ -165,7 +187,64 @@ impl RedisStore {
     }
 }
 
-/// Runs the script over the items `at`. `undo` reverses each item's hits and never denies.
+/// The items grouped by the Cluster slot of their keys.
+fn slot_groups(keys: &[Key]) -> Vec<Vec<usize>> {
+    let mut groups: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
+    for (i, key) in keys.iter().enumerate() {
+        groups
+            .entry(fred::util::redis_keyslot(key.as_bytes()))
+            .or_default()
+            .push(i);
+    }
+    groups.into_values().collect()
+}
+
+/// Sends the requests waiting in `queue` in batched script calls, at most `CALLS_IN_FLIGHT` at
+/// once: a request that arrives while the calls are busy rides in the next one.
+async fn batch(client: Client, script: Script, mut queue: mpsc::UnboundedReceiver<Pending>) {
+    let calls = std::sync::Arc::new(Semaphore::new(CALLS_IN_FLIGHT));
+    while let Some(first) = queue.recv().await {
+        let Ok(permit) = calls.clone().acquire_owned().await else {
+            return;
+        };
+        let mut counters = first.keys.len();
+        let mut requests = vec![first];
+        while counters < COUNTERS_PER_CALL {
+            let Ok(next) = queue.try_recv() else { break };
+            counters += next.keys.len();
+            requests.push(next);
+        }
+        let (client, script) = (client.clone(), script.clone());
+        tokio::spawn(async move {
+            let mut keys = Vec::with_capacity(counters);
+            let mut args = Vec::with_capacity(1 + requests.len() + counters * ARGS_PER_ITEM);
+            args.push(flag(true));
+            let mut replies = Vec::with_capacity(requests.len());
+            for request in requests {
+                replies.push((request.keys.len(), request.reply));
+                keys.extend(request.keys);
+                args.extend(request.args);
+            }
+            match call(&client, &script, keys, args).await {
+                Ok(answers) => {
+                    let mut rest = answers.as_slice();
+                    for (counters, reply) in replies {
+                        let _ = reply.send(take_request(&mut rest, counters));
+                    }
+                }
+                Err(e) => {
+                    for (_, reply) in replies {
+                        let _ = reply.send(Err(e.clone()));
+                    }
+                }
+            }
+            drop(permit);
+        });
+    }
+}
+
+/// Runs the script over the items `at` as one request. `undo` reverses each item's hits and
+/// never denies.
 async fn run(
     client: &Client,
     script: &Script,
@@ -176,8 +255,17 @@ async fn run(
     undo: bool,
 ) -> Result<(bool, Vec<Verdict>), StoreError> {
     let group_keys: Vec<Key> = at.iter().map(|&i| keys[i].clone()).collect();
-    let mut args: Vec<Value> = Vec::with_capacity(1 + at.len() * ARGS_PER_ITEM);
+    let mut args = Vec::with_capacity(2 + at.len() * ARGS_PER_ITEM);
     args.push(flag(quota_here));
+    args.extend(encode(check, at, undo));
+    let answer = call(client, script, group_keys, args).await?;
+    take_request(&mut answer.as_slice(), at.len())
+}
+
+/// The script's arguments for one request made of the items `at`: their count, then each item.
+fn encode(check: &Check, at: &[usize], undo: bool) -> Vec<Value> {
+    let mut args: Vec<Value> = Vec::with_capacity(1 + at.len() * ARGS_PER_ITEM);
+    args.push(Value::from(at.len() as i64));
     for &i in at {
         let item = &check.items[i];
         let refund = item.refund != undo;
@@ -196,33 +284,40 @@ async fn run(
             Mode::Quota => "q",
         }));
     }
-    // NOSCRIPT means the script did not run: send its source instead, which also caches it again.
-    // EVAL cannot answer NOSCRIPT, so a cache flushed again meanwhile does not fail the request.
-    let reply: Vec<i64> = match script
-        .evalsha(client, group_keys.clone(), args.clone())
-        .await
-    {
-        Err(e) if e.details().starts_with("NOSCRIPT") => {
-            client.eval(CHECK_LUA, group_keys, args).await
-        }
+    args
+}
+
+/// One script call. NOSCRIPT means the script did not run: send its source instead, which also
+/// caches it again. EVAL cannot answer NOSCRIPT, so a cache flushed again meanwhile does not fail
+/// the call.
+async fn call(
+    client: &Client,
+    script: &Script,
+    keys: Vec<Key>,
+    args: Vec<Value>,
+) -> Result<Vec<i64>, StoreError> {
+    match script.evalsha(client, keys.clone(), args.clone()).await {
+        Err(e) if e.details().starts_with("NOSCRIPT") => client.eval(CHECK_LUA, keys, args).await,
         other => other,
     }
-    .map_err(unavailable)?;
-    parse_reply(&reply, at.len())
+    .map_err(unavailable)
 }
 
 fn flag(on: bool) -> Value {
     Value::from_static_str(if on { "1" } else { "0" })
 }
 
-fn parse_reply(reply: &[i64], items: usize) -> Result<(bool, Vec<Verdict>), StoreError> {
-    if reply.len() != 1 + 4 * items {
+/// Takes the answer to a request of `counters` counters off the front of a script reply:
+/// admitted, then four numbers per counter.
+fn take_request(reply: &mut &[i64], counters: usize) -> Result<(bool, Vec<Verdict>), StoreError> {
+    let Some((answer, rest)) = reply.split_at_checked(1 + 4 * counters) else {
         return Err(StoreError::Unavailable(format!(
-            "the check script answered {} numbers for {items} counters",
+            "the check script answered {} numbers for {counters} more counters",
             reply.len()
         )));
-    }
-    let verdicts = reply[1..]
+    };
+    *reply = rest;
+    let verdicts = answer[1..]
         .chunks_exact(4)
         .map(|c| Verdict {
             over: c[0] == 1,
@@ -231,7 +326,7 @@ fn parse_reply(reply: &[i64], items: usize) -> Result<(bool, Vec<Verdict>), Stor
             reset_ms: c[3].max(0) as u64,
         })
         .collect();
-    Ok((reply[0] == 1, verdicts))
+    Ok((answer[0] == 1, verdicts))
 }
 
 fn unavailable(e: Error) -> StoreError {
@@ -250,13 +345,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_reply_maps_to_verdicts() {
-        let (admitted, v) = parse_reply(&[1, 0, 4, 5, 1000, 1, 0, 0, 250], 2).unwrap();
+    fn a_batched_reply_splits_into_requests() {
+        let reply = [1, 0, 4, 5, 1000, 1, 0, 0, 250, 0, 1, 0, 0, 30];
+        let mut rest = &reply[..];
+        let (admitted, v) = take_request(&mut rest, 2).unwrap();
         assert!(admitted);
         assert_eq!(v[0].remaining_after, 4);
         assert!(v[1].over);
         assert_eq!(v[1].reset_ms, 250);
-        assert!(parse_reply(&[1, 0], 1).is_err());
+        let (admitted, v) = take_request(&mut rest, 1).unwrap();
+        assert!(!admitted);
+        assert_eq!(v[0].reset_ms, 30);
+        assert!(rest.is_empty());
+        assert!(take_request(&mut &[1, 0][..], 1).is_err());
     }
 
     #[test]
