@@ -8,12 +8,39 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use common::{OK, OVER_LIMIT, Sluice, Store, request};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use tonic::transport::Channel;
 
 fn rules(yaml: &str) -> [(&str, &str); 1] {
     [("rules.yaml", yaml)]
 }
 
 const HUNDRED: &str = "domain: race\ndescriptors:\n  - key: run\n    rate_limit: {unit: minute, requests_per_unit: 100}\n";
+
+/// Every client asks `attempts` times, all at once, for `run=<value>`; returns how many were
+/// admitted.
+async fn race(clients: Vec<RateLimitServiceClient<Channel>>, value: &str, attempts: usize) -> u32 {
+    let admitted = Arc::new(AtomicU32::new(0));
+    let mut callers = Vec::new();
+    for mut client in clients {
+        let (admitted, value) = (admitted.clone(), value.to_string());
+        callers.push(tokio::spawn(async move {
+            for _ in 0..attempts {
+                let r = client
+                    .should_rate_limit(request("race", &[&[("run", value.as_str())]]))
+                    .await
+                    .expect("no request fails");
+                if r.get_ref().overall_code == OK {
+                    admitted.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for c in callers {
+        c.await.unwrap();
+    }
+    admitted.load(Ordering::Relaxed)
+}
 
 /// 64 callers over 3 sluice processes sharing one Redis race for a limit of 100, 5 runs in a row.
 async fn replicas_admit_exactly_the_limit(store: Store) {
@@ -26,32 +53,12 @@ async fn replicas_admit_exactly_the_limit(store: Store) {
     ];
     for run in 0..5 {
         common::clear_of_minute_boundary().await;
-        let admitted = Arc::new(AtomicU32::new(0));
-        let mut callers = Vec::new();
+        let mut clients = Vec::new();
         for caller in 0..64 {
-            let mut client = replicas[caller % 3].client().await;
-            let admitted = admitted.clone();
-            callers.push(tokio::spawn(async move {
-                for _ in 0..3 {
-                    let value = run.to_string();
-                    let r = client
-                        .should_rate_limit(request("race", &[&[("run", value.as_str())]]))
-                        .await
-                        .expect("no request fails");
-                    if r.get_ref().overall_code == OK {
-                        admitted.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            }));
+            clients.push(replicas[caller % 3].client().await);
         }
-        for c in callers {
-            c.await.unwrap();
-        }
-        assert_eq!(
-            admitted.load(Ordering::Relaxed),
-            100,
-            "run {run}: 192 attempts, limit 100"
-        );
+        let admitted = race(clients, &run.to_string(), 3).await;
+        assert_eq!(admitted, 100, "run {run}: 192 attempts, limit 100");
     }
 }
 
@@ -103,32 +110,13 @@ async fn concurrent_requests_share_script_calls_and_stay_exact() {
     .await;
     common::clear_of_minute_boundary().await;
     let before = common::redis::evalsha_calls(&own.ports);
-    let admitted = Arc::new(AtomicU32::new(0));
-    let mut callers = Vec::new();
+    let mut clients = Vec::new();
     for _ in 0..64 {
-        let mut client = sluice.client().await;
-        let admitted = admitted.clone();
-        callers.push(tokio::spawn(async move {
-            for _ in 0..4 {
-                let r = client
-                    .should_rate_limit(request("race", &[&[("run", "shared")]]))
-                    .await
-                    .expect("no request fails");
-                if r.get_ref().overall_code == OK {
-                    admitted.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }));
+        clients.push(sluice.client().await);
     }
-    for c in callers {
-        c.await.unwrap();
-    }
+    let admitted = race(clients, "shared", 4).await;
     let calls = common::redis::evalsha_calls(&own.ports) - before;
-    assert_eq!(
-        admitted.load(Ordering::Relaxed),
-        100,
-        "256 attempts, limit 100"
-    );
+    assert_eq!(admitted, 100, "256 attempts, limit 100");
     assert!(
         (1..256).contains(&calls),
         "256 concurrent requests took {calls} script calls"
