@@ -11,11 +11,10 @@ use arc_swap::ArcSwap;
 use clap::{Args, Parser, Subcommand};
 
 use sluice::config;
-use sluice::limiter::Limiter;
 use sluice::rules::RuleSet;
-use sluice::service::rls::{Bounds, Rls};
-use sluice::service::{self, Shutdown};
-use sluice::store::{RedisStore, Store};
+use sluice::service::rls::Bounds;
+use sluice::service::{self, Setup, Shutdown};
+use sluice::store::Backend;
 
 /// mimalloc: measurably less CPU per request than the system allocator on the request path, and
 /// less memory held for the embedded store's many small counters.
@@ -79,7 +78,8 @@ struct ServeArgs {
     /// Most entries in one descriptor.
     #[arg(long, env = "SLUICE_MAX_ENTRIES", default_value_t = 32)]
     max_entries: usize,
-    /// Worker threads answering requests (default: one per CPU).
+    /// Event loops answering gRPC, one thread each (default: one per CPU). Connections are
+    /// spread over them in turn.
     #[arg(long, env = "SLUICE_THREADS")]
     threads: Option<usize>,
     /// Longest domain, entry key or entry value, in bytes.
@@ -201,45 +201,46 @@ fn load_rules(path: &Path) -> anyhow::Result<RuleSet> {
     }
 }
 
+/// The main thread runs the listener, the admin HTTP server and the embedded store's sweeper; the
+/// gRPC event loops run on threads of their own (see `service`).
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    if let Some(threads) = args.threads {
-        runtime.worker_threads(threads);
-    }
-    runtime.enable_all().build()?.block_on(run(args))
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?
+        .block_on(run(args))
 }
 
 async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let rules = Arc::new(ArcSwap::from_pointee(load_rules(&args.config)?));
-    let store = match &args.redis_url {
-        None => Store::memory(args.max_keys),
-        Some(url) => {
-            let connect = RedisStore::connect(url, &args.redis_key_prefix);
-            let redis = tokio::time::timeout(std::time::Duration::from_secs(10), connect)
-                .await
-                .map_err(|_| anyhow::anyhow!("redis: no connection within 10 s"))??;
-            tracing::info!("counters in redis");
-            Store::Redis(redis)
-        }
+    let backend = match &args.redis_url {
+        None => Backend::memory(args.max_keys),
+        Some(url) => Backend::Redis {
+            url: url.clone(),
+            key_prefix: args.redis_key_prefix.clone(),
+        },
     };
-    let bounds = Bounds {
-        max_descriptors: args.max_descriptors,
-        max_entries: args.max_entries,
-        max_entry_bytes: args.max_entry_bytes,
-    };
-    let rls = Arc::new(Rls::new(
+    let setup = Setup {
         rules,
-        Limiter::new(store),
-        bounds,
-        args.shadow_mode,
-    ));
+        backend,
+        bounds: Bounds {
+            max_descriptors: args.max_descriptors,
+            max_entries: args.max_entries,
+            max_entry_bytes: args.max_entry_bytes,
+        },
+        shadow_mode: args.shadow_mode,
+    };
     let (stop, shutdown) = Shutdown::new();
     tokio::spawn(async move {
         wait_for_signal().await;
         tracing::info!("shutting down: draining in-flight calls");
         let _ = stop.send(true);
     });
-    service::run(rls, args.grpc_addr, args.http_addr, shutdown)
+    let loops = match args.threads {
+        Some(0) => anyhow::bail!("--threads: at least 1"),
+        Some(n) => n,
+        None => std::thread::available_parallelism().map_or(1, usize::from),
+    };
+    service::run(setup, args.grpc_addr, args.http_addr, loops, shutdown)
         .await
         .context("serving")
 }

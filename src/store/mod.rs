@@ -14,16 +14,18 @@ pub use redis::RedisStore;
 
 use crate::limiter::{Check, Decision};
 
-/// The counter stores sluice can run on.
-pub enum Store {
+/// Where the counters are, from which each event loop opens a `Store` of its own: the one
+/// embedded store, shared, or a Redis deployment, reached on the loop's own connections.
+#[derive(Clone)]
+pub enum Backend {
     Memory(Arc<MemoryStore>),
-    Redis(RedisStore),
+    Redis { url: String, key_prefix: String },
 }
 
-impl Store {
+impl Backend {
     /// The embedded store, holding at most `max_keys` live counters. Sweeps expired counters
     /// every second from a task that ends with the store; call it inside a Tokio runtime.
-    pub fn memory(max_keys: usize) -> Store {
+    pub fn memory(max_keys: usize) -> Backend {
         let store = Arc::new(MemoryStore::new(max_keys));
         let weak = Arc::downgrade(&store);
         tokio::spawn(async move {
@@ -36,9 +38,33 @@ impl Store {
                 }
             }
         });
-        Store::Memory(store)
+        Backend::Memory(store)
     }
 
+    /// A store for the calling runtime. Redis gets 10 s to answer.
+    pub async fn open(&self) -> Result<Store, StoreError> {
+        match self {
+            Backend::Memory(store) => Ok(Store::Memory(store.clone())),
+            Backend::Redis { url, key_prefix } => {
+                let connect = RedisStore::connect(url, key_prefix);
+                tokio::time::timeout(Duration::from_secs(10), connect)
+                    .await
+                    .map_err(|_| {
+                        StoreError::Unavailable("redis: no connection within 10 s".into())
+                    })?
+                    .map(Store::Redis)
+            }
+        }
+    }
+}
+
+/// The counter stores sluice can run on.
+pub enum Store {
+    Memory(Arc<MemoryStore>),
+    Redis(RedisStore),
+}
+
+impl Store {
     pub async fn apply(&self, check: &Check) -> Result<Decision, StoreError> {
         match self {
             Store::Memory(memory) => memory.apply(check),
