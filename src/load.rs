@@ -108,24 +108,25 @@ impl Tally {
             errors: BTreeMap::new(),
         }
     }
+
+    fn add(&mut self, other: Tally) -> anyhow::Result<()> {
+        self.latency.add(&other.latency)?;
+        self.ok += other.ok;
+        self.over_limit += other.over_limit;
+        for (code, n) in other.errors {
+            *self.errors.entry(code).or_default() += n;
+        }
+        Ok(())
+    }
 }
 
+/// Runs the load: each connection and its callers on a single-threaded runtime of its own
+/// thread, so that the generator spends little CPU per request.
 pub async fn run(options: Options) -> anyhow::Result<Report> {
     let connections = options
         .connections
-        .unwrap_or(options.concurrency.clamp(1, 4));
-    let mut channels = Vec::with_capacity(connections);
-    for _ in 0..connections {
-        let endpoint = Endpoint::from_shared(format!("http://{}", options.target))?
-            .tcp_nodelay(true)
-            .connect_timeout(Duration::from_secs(5));
-        channels.push(
-            endpoint
-                .connect()
-                .await
-                .with_context(|| format!("connecting to {}", options.target))?,
-        );
-    }
+        .unwrap_or(options.concurrency.clamp(1, 4))
+        .clamp(1, options.concurrency.max(1));
     let duration = match (options.duration, options.requests) {
         (Some(d), _) => Some(d),
         (None, None) => Some(Duration::from_secs(10)),
@@ -156,28 +157,34 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
         })
     });
 
-    let callers: Vec<_> = (0..options.concurrency)
-        .map(|i| {
-            let client = RateLimitServiceClient::new(channels[i % channels.len()].clone());
-            tokio::spawn(caller(
-                client,
-                options.clone(),
-                i,
-                deadline,
-                sent.clone(),
-                done.clone(),
-            ))
-        })
-        .collect();
+    let mut connections_done = Vec::with_capacity(connections);
+    for connection in 0..connections {
+        let (finished, tally) = tokio::sync::oneshot::channel();
+        let (options, sent, done) = (options.clone(), sent.clone(), done.clone());
+        std::thread::Builder::new()
+            .name(format!("load-{connection}"))
+            .spawn(move || {
+                let tally = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(anyhow::Error::from)
+                    .and_then(|runtime| {
+                        runtime.block_on(connection_load(
+                            options,
+                            connection,
+                            connections,
+                            deadline,
+                            sent,
+                            done,
+                        ))
+                    });
+                let _ = finished.send(tally);
+            })?;
+        connections_done.push(tally);
+    }
     let mut total = Tally::new();
-    for c in callers {
-        let t = c.await?;
-        total.latency.add(&t.latency)?;
-        total.ok += t.ok;
-        total.over_limit += t.over_limit;
-        for (code, n) in t.errors {
-            *total.errors.entry(code).or_default() += n;
-        }
+    for tally in connections_done {
+        total.add(tally.await??)?;
     }
     let seconds = start.elapsed().as_secs_f64();
     if let Some(p) = progress {
@@ -202,6 +209,41 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
         over_limit: total.over_limit,
         errors: total.errors,
     })
+}
+
+/// One connection and the callers numbered `connection`, `connection + connections`, …
+async fn connection_load(
+    options: Arc<Options>,
+    connection: usize,
+    connections: usize,
+    deadline: Option<Instant>,
+    sent: Arc<AtomicU64>,
+    done: Arc<AtomicU64>,
+) -> anyhow::Result<Tally> {
+    let channel = Endpoint::from_shared(format!("http://{}", options.target))?
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {}", options.target))?;
+    let callers: Vec<_> = (connection..options.concurrency)
+        .step_by(connections)
+        .map(|i| {
+            tokio::spawn(caller(
+                RateLimitServiceClient::new(channel.clone()),
+                options.clone(),
+                i,
+                deadline,
+                sent.clone(),
+                done.clone(),
+            ))
+        })
+        .collect();
+    let mut total = Tally::new();
+    for c in callers {
+        total.add(c.await?)?;
+    }
+    Ok(total)
 }
 
 async fn caller(
