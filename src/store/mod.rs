@@ -68,7 +68,9 @@ impl Store {
     pub async fn apply(&self, check: &Check) -> Result<Decision, StoreError> {
         match self {
             Store::Memory(memory) => memory.apply(check),
-            Store::Redis(redis) => redis.apply(check).await,
+            // Boxed: the Redis call's state is kilobytes, which would otherwise be moved with
+            // every request's future, on either store.
+            Store::Redis(redis) => Box::pin(redis.apply(check)).await,
         }
     }
 }
