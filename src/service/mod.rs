@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use anyhow::Context;
+use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use futures_util::StreamExt;
 use tokio::net::{TcpListener, TcpStream};
@@ -21,7 +22,6 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 
-use arc_swap::ArcSwap;
 use rls::{Bounds, Rls};
 
 use crate::limiter::Limiter;
