@@ -1,12 +1,64 @@
-//! Compiles `proto/` into one file descriptor set, embedded in the binary for gRPC server
-//! reflection and for the protobuf JSON mapping of the admin `/json` endpoint.
+//! Compiles `proto/` twice. As written upstream, into one file descriptor set embedded in the
+//! binary for gRPC server reflection and for the protobuf JSON mapping of the admin `/json`
+//! endpoint. And into the Rust types and server of `envoy.service.ratelimit.v3`, with the request's
+//! domain and entry keys and values read as `bytes`: protobuf `string` and `bytes` share one wire
+//! encoding, so any request decodes, while a `string` field would turn bytes that are not UTF-8
+//! (which Envoy forwards from request headers as they came) into a decode error.
 
 use prost::Message;
+use prost_types::DescriptorProto;
+use prost_types::field_descriptor_proto::Type;
+
+const RLS: &str = "envoy/service/ratelimit/v3/rls.proto";
+const DESCRIPTOR: &str = "envoy/extensions/common/ratelimit/v3/ratelimit.proto";
 
 fn main() {
-    let roots = ["proto/envoy/service/ratelimit/v3/rls.proto"];
-    let set = protox::compile(roots, ["proto"]).expect("proto/ compiles");
+    let set = protox::compile([RLS], ["proto"]).expect("proto/ compiles");
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     std::fs::write(out.join("descriptors.bin"), set.encode_to_vec()).expect("OUT_DIR is writable");
+
+    let mut generated = set;
+    for file in &mut generated.file {
+        // No comments: upstream's reStructuredText is not rustdoc.
+        file.source_code_info = None;
+        if file.name() == DESCRIPTOR {
+            // The rest of the file is for Envoy's local rate limit filter.
+            file.message_type
+                .retain(|m| m.name() == "RateLimitDescriptor");
+        }
+        for message in &mut file.message_type {
+            match message.name() {
+                "RateLimitRequest" => as_bytes(message, &["domain"]),
+                "RateLimitDescriptor" => message
+                    .nested_type
+                    .iter_mut()
+                    .filter(|m| m.name() == "Entry")
+                    .for_each(|entry| as_bytes(entry, &["key", "value"])),
+                _ => {}
+            }
+        }
+    }
+    tonic_prost_build::configure()
+        .build_client(false)
+        .include_file("rls.rs")
+        .compile_well_known_types(true)
+        .extern_path(".google.protobuf", "::envoy_types::pb::google::protobuf")
+        .extern_path(".envoy.config", "::envoy_types::pb::envoy::config")
+        .extern_path(".envoy.type", "crate::service::pb::envoy_type")
+        .extern_path(".validate", "::envoy_types::pb::validate")
+        .extern_path(".udpa", "::envoy_types::pb::udpa")
+        .extern_path(".xds", "::envoy_types::pb::xds")
+        .compile_fds(generated)
+        .expect("the rate limit service generates");
     println!("cargo:rerun-if-changed=proto");
+}
+
+/// Declares the named `string` fields of `message` as `bytes`.
+fn as_bytes(message: &mut DescriptorProto, names: &[&str]) {
+    for field in &mut message.field {
+        if names.contains(&field.name()) {
+            assert_eq!(field.r#type(), Type::String, "{} is a string", field.name());
+            field.set_type(Type::Bytes);
+        }
+    }
 }

@@ -10,8 +10,9 @@
 -- then, per request: n, the number of its counters, followed for each counter by: algorithm
 --          ('f' fixed window, 's' sliding window), limit, window in ms, hits, refund ('1' gives
 --          hits back), mode ('e' enforce, 's' shadow, 'q' quota).
--- Reply    per request: admitted (1|0), then per counter: over (1|0), remaining if admitted,
---          remaining if not, ms until reset.
+-- Reply    the time of the call (Redis TIME, in ms), then per request: admitted (1|0), then per
+--          counter: over (1|0), remaining if admitted, remaining if not, ms until reset. A counter
+--          written was written in window floor(time / window): lua/undo.lua takes that index.
 -- Invariant: the clock is Redis TIME; every counter of a request moves or none does; requests
 --          are decided in order, each seeing what the ones before it wrote; a counter named twice
 --          is counted twice; every written key gets a TTL.
@@ -50,7 +51,7 @@ end
 local quota_here = ARGV[1] == '1'
 -- The state of each counter in Redis as this call knows it (false: no such key).
 local disk = {}
-local reply = {}
+local reply = { now }
 
 -- Decides the request whose n counters are KEYS[k + 1 ..] and ARGV[a + 1 ..].
 local function decide(k, a, n)

@@ -4,16 +4,15 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
-use arc_swap::ArcSwap;
 use clap::{Args, Parser, Subcommand};
 
 use sluice::config;
 use sluice::rules::RuleSet;
-use sluice::service::rls::Bounds;
-use sluice::service::{self, Setup, Shutdown};
+use sluice::service::rls::{Bounds, Fallback, OnStoreError};
+use sluice::service::{self, Edges, Rules, Setup, Shutdown};
 use sluice::store::Backend;
 
 /// mimalloc: measurably less CPU per request than the system allocator on the request path, and
@@ -68,8 +67,20 @@ struct ServeArgs {
     /// Count and report, but never deny: every answer is OK.
     #[arg(long, env = "SLUICE_SHADOW_MODE")]
     shadow_mode: bool,
-    /// Most live counters the embedded store holds; a request needing a new one beyond that is
-    /// answered RESOURCE_EXHAUSTED.
+    /// Start with no rules (an empty rules directory) instead of refusing to: not ready until a
+    /// reload (SIGHUP) finds some.
+    #[arg(long, env = "SLUICE_ALLOW_EMPTY_CONFIG")]
+    allow_empty_config: bool,
+    /// The longest a request waits for the counter store (e.g. 10ms, 1s); a caller's own
+    /// shorter grpc-timeout shortens it.
+    #[arg(long, env = "SLUICE_STORE_TIMEOUT", default_value = "10ms", value_parser = humantime::parse_duration)]
+    store_timeout: Duration,
+    /// What a request gets when the store cannot decide in time, is marked down, sheds load or
+    /// is full: error (gRPC UNAVAILABLE, so Envoy's failure_mode_deny decides), allow or deny.
+    #[arg(long, env = "SLUICE_ON_STORE_ERROR", value_enum, default_value_t = OnStoreError::Error)]
+    on_store_error: OnStoreError,
+    /// Most live counters the embedded store holds; a request needing a new one beyond that gets
+    /// the --on-store-error answer.
     #[arg(long, env = "SLUICE_MAX_KEYS", default_value_t = 1_000_000)]
     max_keys: usize,
     /// Most descriptors in one request.
@@ -82,9 +93,12 @@ struct ServeArgs {
     /// spread over them in turn.
     #[arg(long, env = "SLUICE_THREADS")]
     threads: Option<usize>,
-    /// Longest domain, entry key or entry value, in bytes.
-    #[arg(long, env = "SLUICE_MAX_ENTRY_BYTES", default_value_t = 1024)]
-    max_entry_bytes: usize,
+    /// Largest gRPC request message or /json body, in bytes.
+    #[arg(long, env = "SLUICE_MAX_REQUEST_BYTES", default_value_t = 256 * 1024)]
+    max_request_bytes: usize,
+    /// Most requests in flight on one gRPC connection.
+    #[arg(long, env = "SLUICE_MAX_CONCURRENT_STREAMS", default_value_t = 1024)]
+    max_concurrent_streams: u32,
 }
 
 fn main() -> ExitCode {
@@ -183,8 +197,45 @@ async fn health(target: SocketAddr) -> ExitCode {
     }
 }
 
-fn load_rules(path: &Path) -> anyhow::Result<RuleSet> {
+/// The longest `--store-timeout`.
+const LONGEST_STORE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Rejects flag values no request could be served with, or whose arithmetic could overflow.
+fn check_bounds(args: &ServeArgs) -> anyhow::Result<()> {
+    let at_least_one = [
+        ("--max-keys", args.max_keys),
+        ("--max-descriptors", args.max_descriptors),
+        ("--max-entries", args.max_entries),
+        ("--max-request-bytes", args.max_request_bytes),
+        (
+            "--max-concurrent-streams",
+            args.max_concurrent_streams as usize,
+        ),
+    ];
+    for (flag, value) in at_least_one {
+        if value == 0 {
+            anyhow::bail!("{flag}: must be at least 1");
+        }
+    }
+    if args.threads == Some(0) {
+        anyhow::bail!("--threads: must be at least 1");
+    }
+    if args.store_timeout.is_zero() || args.store_timeout > LONGEST_STORE_TIMEOUT {
+        anyhow::bail!(
+            "--store-timeout: must be more than 0 and at most {}",
+            humantime::format_duration(LONGEST_STORE_TIMEOUT)
+        );
+    }
+    Ok(())
+}
+
+/// Loads and validates the rules under `path`; none at all is an error unless `allow_empty`.
+fn load_rules(path: &Path, allow_empty: bool) -> anyhow::Result<RuleSet> {
     match config::load(path) {
+        Ok(loaded) if loaded.domains.is_empty() && !allow_empty => anyhow::bail!(
+            "no rules in {}: no .yaml or .yml file with a domain (--allow-empty-config serves anyway, not ready until rules are loaded)",
+            path.display()
+        ),
         Ok(loaded) => {
             for w in &loaded.warnings {
                 tracing::warn!("{w}");
@@ -201,6 +252,22 @@ fn load_rules(path: &Path) -> anyhow::Result<RuleSet> {
     }
 }
 
+/// Reloads the rules on every SIGHUP: valid rules replace those in force at once; invalid ones
+/// are logged with `file:line` and the rules in force stay.
+async fn reload_on_hangup(
+    mut hangup: tokio::signal::unix::Signal,
+    path: PathBuf,
+    allow_empty: bool,
+    rules: Rules,
+) {
+    while hangup.recv().await.is_some() {
+        match load_rules(&path, allow_empty) {
+            Ok(loaded) => rules.replace(loaded),
+            Err(e) => tracing::error!("SIGHUP: {e:#}; the rules in force stay"),
+        }
+    }
+}
+
 /// The main thread runs the listener, the admin HTTP server and the embedded store's sweeper; the
 /// gRPC event loops run on threads of their own (see `service`).
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -211,13 +278,23 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let rules = Arc::new(ArcSwap::from_pointee(load_rules(&args.config)?));
+    use tokio::signal::unix::{SignalKind, signal};
+    // Before anything else: from here on a SIGHUP reloads instead of ending the process.
+    let hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+    check_bounds(&args)?;
+    let rules = Rules::new(load_rules(&args.config, args.allow_empty_config)?);
+    if !rules.loaded() {
+        tracing::warn!("no rules loaded: not ready until a reload (SIGHUP) finds some");
+    }
+    tokio::spawn(reload_on_hangup(
+        hangup,
+        args.config.clone(),
+        args.allow_empty_config,
+        rules.clone(),
+    ));
     let backend = match &args.redis_url {
         None => Backend::memory(args.max_keys),
-        Some(url) => Backend::Redis {
-            url: url.clone(),
-            key_prefix: args.redis_key_prefix.clone(),
-        },
+        Some(url) => Backend::redis(url.clone(), args.redis_key_prefix.clone()),
     };
     let setup = Setup {
         rules,
@@ -225,7 +302,14 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         bounds: Bounds {
             max_descriptors: args.max_descriptors,
             max_entries: args.max_entries,
-            max_entry_bytes: args.max_entry_bytes,
+        },
+        fallback: Fallback {
+            store_timeout: args.store_timeout,
+            on_store_error: args.on_store_error,
+        },
+        edges: Edges {
+            max_request_bytes: args.max_request_bytes,
+            max_concurrent_streams: args.max_concurrent_streams,
         },
         shadow_mode: args.shadow_mode,
     };
@@ -235,11 +319,9 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         tracing::info!("shutting down: draining in-flight calls");
         let _ = stop.send(true);
     });
-    let loops = match args.threads {
-        Some(0) => anyhow::bail!("--threads: at least 1"),
-        Some(n) => n,
-        None => std::thread::available_parallelism().map_or(1, usize::from),
-    };
+    let loops = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
     service::run(setup, args.grpc_addr, args.http_addr, loops, shutdown)
         .await
         .context("serving")

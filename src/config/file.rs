@@ -7,7 +7,7 @@ use marked_yaml::types::{MarkedMappingNode, MarkedScalarNode, MarkedSequenceNode
 use marked_yaml::{LoadError, LoaderOptions, Node};
 
 use super::{ConfigError, DescriptorConfig, DomainConfig, RuleLimit};
-use crate::limiter::{Algorithm, Limit, Mode, Unit};
+use crate::limiter::{Algorithm, LONGEST_WINDOW_SECONDS, Limit, Mode, Unit};
 
 const ROOT_KEYS: &[&str] = &["domain", "descriptors"];
 const DESCRIPTOR_KEYS: &[&str] = &[
@@ -378,6 +378,16 @@ impl Parser<'_> {
                 multiplier_node.unwrap_or(line),
                 "unit_multiplier must be at least 1",
             );
+        } else if unit
+            .is_some_and(|u| u.seconds() * u64::from(unit_multiplier) > LONGEST_WINDOW_SECONDS)
+        {
+            self.error(
+                multiplier_node.unwrap_or(line),
+                format!(
+                    "unit_multiplier {unit_multiplier} makes the window longer than {} days (10 years)",
+                    LONGEST_WINDOW_SECONDS / 86_400
+                ),
+            );
         }
         let algorithm_text = self.string(map, "algorithm");
         let algorithm = match algorithm_text.as_deref() {
@@ -622,6 +632,21 @@ mod tests {
                 "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, unit_multiplier: 0}\n"
             ),
             ["r.yaml:4: unit_multiplier must be at least 1"]
+        );
+        assert_eq!(
+            errors(
+                "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: year\n      unit_multiplier: 4000000000\n"
+            ),
+            [
+                "r.yaml:6: unit_multiplier 4000000000 makes the window longer than 3650 days (10 years)"
+            ]
+        );
+        assert!(
+            errors(
+                "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: year, unit_multiplier: 10}\n"
+            )
+            .is_empty(),
+            "ten years is the longest window"
         );
         assert_eq!(
             errors(

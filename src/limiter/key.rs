@@ -1,11 +1,22 @@
 //! Counter identities. A `CounterKey` encodes (domain, descriptor entries, limit identity) so that
-//! different inputs never share a counter, whatever bytes their keys and values contain.
+//! different inputs never share a counter, whatever bytes their keys and values contain and
+//! however long they are.
 
 use std::fmt;
+use std::fmt::Write as _;
 
-/// The identity of one counter: every field length-prefixed (`<len>:<bytes>`), so the encoding
-/// can be read back unambiguously and is therefore injective. The descriptor part (domain and
-/// entries) comes first; the stores may use it alone to keep one descriptor's counters together.
+use sha2::{Digest, Sha256};
+
+/// Keys, values and domains longer than this many bytes count under their SHA-256 digest, so
+/// that no request can make a counter's identity (and its Redis key) longer than about
+/// `LONGEST_LITERAL` bytes per field.
+pub const LONGEST_LITERAL: usize = 128;
+
+/// The identity of one counter. Every field is either its bytes, length-prefixed
+/// (`<len>:<bytes>`), or, above `LONGEST_LITERAL` bytes, `#` and the 64 hex digits of its SHA-256
+/// (no length starts with `#`). The encoding can be read back unambiguously, so it is injective
+/// up to SHA-256 collisions. The descriptor part (domain and entries) comes first; the stores may
+/// use it alone to keep one descriptor's counters together.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct CounterKey {
     bytes: Box<[u8]>,
@@ -13,20 +24,21 @@ pub struct CounterKey {
 }
 
 impl CounterKey {
-    pub fn new(domain: &str, entries: &[(&str, &str)], limit: &str) -> Self {
+    pub fn new(domain: &[u8], entries: &[(&[u8], &[u8])], limit: &str) -> Self {
+        let field_len = |f: &[u8]| f.len().min(LONGEST_LITERAL) + 8;
         let mut bytes = Vec::with_capacity(
-            16 + domain.len()
+            16 + field_len(domain)
                 + limit.len()
                 + entries
                     .iter()
-                    .map(|(k, v)| k.len() + v.len() + 8)
+                    .map(|(k, v)| field_len(k) + field_len(v))
                     .sum::<usize>(),
         );
-        push_field(&mut bytes, domain.as_bytes());
+        push_field(&mut bytes, domain);
         push_field(&mut bytes, entries.len().to_string().as_bytes());
         for (key, value) in entries {
-            push_field(&mut bytes, key.as_bytes());
-            push_field(&mut bytes, value.as_bytes());
+            push_field(&mut bytes, key);
+            push_field(&mut bytes, value);
         }
         let descriptor_len = bytes.len();
         push_field(&mut bytes, limit.as_bytes());
@@ -47,6 +59,15 @@ impl CounterKey {
 }
 
 fn push_field(out: &mut Vec<u8>, field: &[u8]) {
+    if field.len() > LONGEST_LITERAL {
+        let mut digest = String::with_capacity(65);
+        digest.push('#');
+        for b in Sha256::digest(field) {
+            write!(digest, "{b:02x}").expect("writing to a String succeeds");
+        }
+        out.extend_from_slice(digest.as_bytes());
+        return;
+    }
     out.extend_from_slice(field.len().to_string().as_bytes());
     out.push(b':');
     out.extend_from_slice(field);
@@ -62,38 +83,92 @@ impl fmt::Debug for CounterKey {
 mod tests {
     use super::*;
 
+    fn key(entries: &[(&str, &str)], limit: &str) -> CounterKey {
+        let entries: Vec<(&[u8], &[u8])> = entries
+            .iter()
+            .map(|(k, v)| (k.as_bytes(), v.as_bytes()))
+            .collect();
+        CounterKey::new(b"d", &entries, limit)
+    }
+
     #[test]
     fn joined_strings_do_not_collide() {
-        let a = CounterKey::new("d", &[("a_b", "c")], "l");
-        let b = CounterKey::new("d", &[("a", "b_c")], "l");
-        assert_ne!(a, b);
+        assert_ne!(key(&[("a_b", "c")], "l"), key(&[("a", "b_c")], "l"));
     }
 
     #[test]
     fn entry_boundaries_do_not_collide() {
-        let one = CounterKey::new("d", &[("k", "v"), ("k2", "")], "l");
-        let two = CounterKey::new("d", &[("k", "v")], "2:k20:");
+        let one = key(&[("k", "v"), ("k2", "")], "l");
+        let two = key(&[("k", "v")], "2:k20:");
         assert_ne!(one, two);
-        let tricky = CounterKey::new("d", &[("k", "1:v")], "l");
-        let plain = CounterKey::new("d", &[("k", "")], "1:v1:l");
+        let tricky = key(&[("k", "1:v")], "l");
+        let plain = key(&[("k", "")], "1:v1:l");
         assert_ne!(tricky, plain);
     }
 
     #[test]
     fn special_bytes_are_kept_apart() {
-        let values = ["", "{", "}", ":", "\n", " ", "a:b", "{x}"];
+        let values: [&[u8]; 10] = [
+            b"",
+            b"{",
+            b"}",
+            b":",
+            b"\n",
+            b" ",
+            b"a:b",
+            b"{x}",
+            b"\xff",
+            b"\xfe\xff",
+        ];
         let keys: std::collections::HashSet<_> = values
             .iter()
-            .map(|v| CounterKey::new("d", &[("k", v)], "l"))
+            .map(|v| CounterKey::new(b"d", &[(b"k", v)], "l"))
             .collect();
         assert_eq!(keys.len(), values.len());
     }
 
     #[test]
     fn limits_of_one_descriptor_share_the_descriptor_part() {
-        let a = CounterKey::new("d", &[("k", "v")], "fixed_window:second:1");
-        let b = CounterKey::new("d", &[("k", "v")], "sliding_window:hour:1");
+        let a = key(&[("k", "v")], "fixed_window:second:1");
+        let b = key(&[("k", "v")], "sliding_window:hour:1");
         assert_ne!(a, b);
         assert_eq!(a.descriptor(), b.descriptor());
+    }
+
+    #[test]
+    fn long_values_count_under_a_bounded_digest() {
+        let long = "x".repeat(40 * 1024);
+        let mut other = long.clone();
+        other.pop();
+        other.push('y');
+        let a = key(&[("k", &long)], "l");
+        let b = key(&[("k", &other)], "l");
+        assert_ne!(a, b, "values differing in their last byte count apart");
+        assert_eq!(
+            a,
+            key(&[("k", &long)], "l"),
+            "the same value, the same counter"
+        );
+        assert!(a.as_bytes().len() < 100, "{a:?}");
+    }
+
+    #[test]
+    fn a_digest_never_equals_a_literal_value() {
+        let long = "v".repeat(LONGEST_LITERAL + 1);
+        let digested = key(&[("k", &long)], "l");
+        let text = String::from_utf8_lossy(digested.as_bytes()).into_owned();
+        let digest = text
+            .split("1:k")
+            .nth(1)
+            .and_then(|rest| rest.strip_suffix("1:l"))
+            .expect("the digest sits between the key and the limit")
+            .to_owned();
+        assert!(digest.starts_with('#'));
+        assert_ne!(digested, key(&[("k", &digest)], "l"));
+        let at_bound = "v".repeat(LONGEST_LITERAL);
+        assert!(
+            String::from_utf8_lossy(key(&[("k", &at_bound)], "l").as_bytes()).contains(&at_bound),
+            "a value of exactly the bound is kept as it is"
+        );
     }
 }

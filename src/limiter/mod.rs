@@ -9,7 +9,7 @@ use std::time::Duration;
 
 pub use key::CounterKey;
 
-use crate::store::{Store, StoreError};
+use crate::store::{Deadline, Store, StoreError};
 
 /// The time unit of a limit. Months are 30 days and years 365 days, as envoyproxy/ratelimit has it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -100,7 +100,12 @@ pub struct Limit {
     pub algorithm: Algorithm,
 }
 
+/// The longest window a limit may have (`unit` × `unit_multiplier`): ten years, which keeps every
+/// window and expiry far inside the ranges both stores compute in.
+pub const LONGEST_WINDOW_SECONDS: u64 = 10 * 365 * 86_400;
+
 impl Limit {
+    /// The window in ms; rule files and overrides keep it within `LONGEST_WINDOW_SECONDS`.
     pub fn window_ms(&self) -> u64 {
         self.unit.seconds() * 1000 * u64::from(self.unit_multiplier)
     }
@@ -184,14 +189,16 @@ impl Limiter {
         Limiter { store }
     }
 
-    pub async fn decide(&self, check: &Check) -> Result<Decision, StoreError> {
+    /// Decides `check`; the store must answer by `deadline`. A check without items is admitted
+    /// without asking the store.
+    pub async fn decide(&self, check: &Check, deadline: Deadline) -> Result<Decision, StoreError> {
         if check.items.is_empty() {
             return Ok(Decision {
                 admitted: true,
                 usages: Vec::new(),
             });
         }
-        self.store.apply(check).await
+        self.store.apply(check, deadline).await
     }
 }
 
@@ -201,7 +208,7 @@ mod tests {
 
     fn item(mode: Mode) -> Item {
         Item {
-            key: CounterKey::new("d", &[("k", "v")], "l"),
+            key: CounterKey::new(b"d", &[(b"k", b"v")], "l"),
             limit: Limit {
                 name: String::new(),
                 requests_per_unit: 1,

@@ -77,12 +77,13 @@ pub fn evaluate(
         Algorithm::FixedWindow => 0,
         Algorithm::SlidingWindow => weigh(previous, window_ms - elapsed, window_ms),
     };
-    let used = weighted + current;
-    let over = !refund && used + need > limit;
+    // Saturating: counts only grow past the limit in shadow mode, where they stop mattering.
+    let used = weighted.saturating_add(current);
+    let over = !refund && used.saturating_add(need) > limit;
     let after = if refund {
         current.saturating_sub(hits)
     } else {
-        current + hits
+        current.saturating_add(hits)
     };
     let reset_ms = match algorithm {
         Algorithm::SlidingWindow if over => {
@@ -97,7 +98,7 @@ pub fn evaluate(
     Step {
         verdict: Verdict {
             over,
-            remaining_after: limit.saturating_sub(weighted + after),
+            remaining_after: limit.saturating_sub(weighted.saturating_add(after)),
             remaining_before: limit.saturating_sub(used),
             reset_ms,
         },
@@ -130,7 +131,7 @@ fn sliding_retry_ms(
     if need > limit {
         return to_end + window_ms;
     }
-    let (base, previous, current) = if current + need <= limit {
+    let (base, previous, current) = if current.saturating_add(need) <= limit {
         (0, previous, current)
     } else {
         (to_end, current, 0)

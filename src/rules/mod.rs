@@ -2,9 +2,12 @@
 //! request descriptor. Matching follows envoyproxy/ratelimit: at each level an entry first matches
 //! its exact (key, value), then the first `*` pattern of that key in file order, then the key alone;
 //! the limits are those of the node matched by the last entry. Keys and values are compared as
-//! pairs, never as a joined `key_value` string.
+//! pairs of bytes (a request's may be any bytes, not only UTF-8), never as a joined `key_value`
+//! string.
 
 use std::collections::HashMap;
+
+use memchr::memmem;
 
 use crate::config::{DescriptorConfig, DomainConfig, RuleLimit};
 use crate::limiter::Mode;
@@ -12,18 +15,18 @@ use crate::limiter::Mode;
 /// Every loaded domain, ready to match.
 #[derive(Debug, Default)]
 pub struct RuleSet {
-    domains: HashMap<String, Level>,
+    domains: HashMap<Vec<u8>, Level>,
 }
 
 /// The children of one node, grouped by entry key.
 #[derive(Debug, Default)]
 struct Level {
-    by_key: HashMap<String, Branches>,
+    by_key: HashMap<Vec<u8>, Branches>,
 }
 
 #[derive(Debug, Default)]
 struct Branches {
-    exact: HashMap<String, Node>,
+    exact: HashMap<Vec<u8>, Node>,
     patterns: Vec<(Pattern, Node)>,
     any: Option<Box<Node>>,
 }
@@ -40,34 +43,34 @@ pub struct Node {
 /// A value with `*` wildcards, each matching any run of bytes.
 #[derive(Debug)]
 struct Pattern {
-    text: String,
-    parts: Vec<String>,
+    text: Vec<u8>,
+    parts: Vec<Vec<u8>>,
 }
 
 impl Pattern {
     fn new(text: &str) -> Self {
         Pattern {
-            text: text.to_owned(),
-            parts: text.split('*').map(str::to_owned).collect(),
+            text: text.as_bytes().to_vec(),
+            parts: text.split('*').map(|p| p.as_bytes().to_vec()).collect(),
         }
     }
 
-    fn matches(&self, value: &str) -> bool {
+    fn matches(&self, value: &[u8]) -> bool {
         let (first, rest) = self
             .parts
             .split_first()
             .expect("split yields one part at least");
-        let Some(mut tail) = value.strip_prefix(first.as_str()) else {
+        let Some(mut tail) = value.strip_prefix(first.as_slice()) else {
             return false;
         };
         let (last, middle) = rest.split_last().expect("a pattern has a '*'");
         for part in middle {
-            match tail.find(part.as_str()) {
+            match memmem::find(tail, part) {
                 Some(at) => tail = &tail[at + part.len()..],
                 None => return false,
             }
         }
-        tail.len() >= last.len() && tail.ends_with(last.as_str())
+        tail.len() >= last.len() && tail.ends_with(last)
     }
 }
 
@@ -77,7 +80,7 @@ pub struct Match<'a> {
     pub node: &'a Node,
     /// The values to count under, one per entry: the request's value, or the matched pattern
     /// where that node has `share_threshold` (all matching values share one counter).
-    pub counted_values: Vec<&'a str>,
+    pub counted_values: Vec<&'a [u8]>,
 }
 
 impl RuleSet {
@@ -85,20 +88,25 @@ impl RuleSet {
         RuleSet {
             domains: domains
                 .into_iter()
-                .map(|d| (d.domain, Level::build(d.descriptors)))
+                .map(|d| (d.domain.into_bytes(), Level::build(d.descriptors)))
                 .collect(),
         }
     }
 
-    pub fn has_domain(&self, domain: &str) -> bool {
+    pub fn has_domain(&self, domain: &[u8]) -> bool {
         self.domains.contains_key(domain)
+    }
+
+    /// How many domains are loaded.
+    pub fn domains(&self) -> usize {
+        self.domains.len()
     }
 
     /// The node matched by the descriptor's last entry, if every entry matched.
     pub fn resolve<'a>(
         &'a self,
-        domain: &str,
-        entries: &[(&'a str, &'a str)],
+        domain: &[u8],
+        entries: &[(&'a [u8], &'a [u8])],
     ) -> Option<Match<'a>> {
         let mut level = self.domains.get(domain)?;
         let mut counted_values = Vec::with_capacity(entries.len());
@@ -111,7 +119,7 @@ impl RuleSet {
                 (
                     n,
                     if n.share_threshold {
-                        p.text.as_str()
+                        p.text.as_slice()
                     } else {
                         *value
                     },
@@ -140,12 +148,12 @@ impl Level {
                 share_threshold: d.share_threshold,
                 children: Level::build(d.descriptors),
             };
-            let branches = level.by_key.entry(d.key).or_default();
+            let branches = level.by_key.entry(d.key.into_bytes()).or_default();
             match d.value {
                 None => branches.any = Some(Box::new(node)),
                 Some(v) if v.contains('*') => branches.patterns.push((Pattern::new(&v), node)),
                 Some(v) => {
-                    branches.exact.insert(v, node);
+                    branches.exact.insert(v.into_bytes(), node);
                 }
             }
         }
@@ -163,8 +171,16 @@ mod tests {
         RuleSet::new(vec![domain])
     }
 
+    fn resolve<'a>(set: &'a RuleSet, entries: &[(&'a str, &'a str)]) -> Option<Match<'a>> {
+        let entries: Vec<(&[u8], &[u8])> = entries
+            .iter()
+            .map(|(k, v)| (k.as_bytes(), v.as_bytes()))
+            .collect();
+        set.resolve(b"d", &entries)
+    }
+
     fn limit_of(set: &RuleSet, entries: &[(&str, &str)]) -> Option<u32> {
-        let m = set.resolve("d", entries)?;
+        let m = resolve(set, entries)?;
         m.node
             .limits
             .first()?
@@ -217,15 +233,15 @@ descriptors:
             limit_of(&set, &[("path", "/v2/users/42/avatar.png")]),
             Some(4)
         );
-        assert!(Pattern::new("a*a").matches("aa"));
-        assert!(!Pattern::new("ab*ba").matches("aba"));
+        assert!(Pattern::new("a*a").matches(b"aa"));
+        assert!(!Pattern::new("ab*ba").matches(b"aba"));
     }
 
     #[test]
     fn pairs_are_never_compared_as_joined_strings() {
         let set = rules(TREE);
         assert_eq!(limit_of(&set, &[("a_b", "c")]), Some(5));
-        assert!(set.resolve("d", &[("a", "b_c")]).is_none());
+        assert!(resolve(&set, &[("a", "b_c")]).is_none());
     }
 
     #[test]
@@ -240,13 +256,9 @@ descriptors:
             None,
             "the parent has no limit"
         );
+        assert!(resolve(&set, &[("client", "x"), ("method", "POST")]).is_none());
         assert!(
-            set.resolve("d", &[("client", "x"), ("method", "POST")])
-                .is_none()
-        );
-        assert!(
-            set.resolve("d", &[("path", "/exact"), ("extra", "1")])
-                .is_none(),
+            resolve(&set, &[("path", "/exact"), ("extra", "1")]).is_none(),
             "more entries than the tree is deep match nothing"
         );
     }
@@ -254,21 +266,36 @@ descriptors:
     #[test]
     fn share_threshold_counts_every_match_under_the_pattern() {
         let set = rules(TREE);
-        let m = set.resolve("d", &[("files", "a.txt")]).unwrap();
-        assert_eq!(m.counted_values, ["*"]);
-        let m = set.resolve("d", &[("path", "/api/x")]).unwrap();
+        let m = resolve(&set, &[("files", "a.txt")]).unwrap();
+        assert_eq!(m.counted_values, [b"*"]);
+        let m = resolve(&set, &[("path", "/api/x")]).unwrap();
         assert_eq!(
             m.counted_values,
-            ["/api/x"],
+            [b"/api/x"],
             "without share_threshold each value counts alone"
+        );
+    }
+
+    #[test]
+    fn values_that_are_not_utf8_match_patterns_and_key_only_rules() {
+        let set = rules(TREE);
+        let m = set.resolve(b"d", &[(b"path", b"/api/\xff\xfe")]).unwrap();
+        assert_eq!(
+            m.node.limits[0].limit.as_ref().unwrap().requests_per_unit,
+            2
+        );
+        let m = set.resolve(b"d", &[(b"path", b"\xc3\x28")]).unwrap();
+        assert_eq!(
+            m.node.limits[0].limit.as_ref().unwrap().requests_per_unit,
+            4
         );
     }
 
     #[test]
     fn unknown_domains_and_keys_match_nothing() {
         let set = rules(TREE);
-        assert!(set.resolve("other", &[("path", "/exact")]).is_none());
-        assert!(set.resolve("d", &[("nope", "x")]).is_none());
-        assert!(set.has_domain("d"));
+        assert!(set.resolve(b"other", &[(b"path", b"/exact")]).is_none());
+        assert!(resolve(&set, &[("nope", "x")]).is_none());
+        assert!(set.has_domain(b"d"));
     }
 }

@@ -1,18 +1,20 @@
 //! The admin HTTP surface: liveness, readiness and `/json`, which answers a RateLimitRequest
-//! posted as protobuf JSON with 200 (OK), 429 (over limit) or 400 (invalid request).
+//! posted as protobuf JSON with 200 (OK), 429 (over limit), 400 (invalid request), 413 (body over
+//! `--max-request-bytes`) or 503 (the store could not decide, under `--on-store-error error`).
 
 use std::sync::{Arc, LazyLock};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
-use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor};
 
+use super::Readiness;
+use super::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use super::rls::Rls;
 
 static POOL: LazyLock<DescriptorPool> = LazyLock::new(|| {
@@ -24,11 +26,23 @@ fn message(name: &str) -> MessageDescriptor {
         .expect("the descriptor set holds the rate limit service")
 }
 
-pub fn router(rls: Arc<Rls>) -> Router {
+pub fn router(rls: Arc<Rls>, readiness: Readiness, max_body: usize) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(|| async { "ready\n" }))
+        .route(
+            "/readyz",
+            get(move || async move {
+                match readiness.problem() {
+                    None => (StatusCode::OK, "ready\n".to_owned()),
+                    Some(why) => (
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!("not ready: {why}\n"),
+                    ),
+                }
+            }),
+        )
         .route("/json", post(json))
+        .layer(DefaultBodyLimit::max(max_body))
         .with_state(rls)
 }
 
@@ -37,19 +51,19 @@ async fn json(State(rls): State<Arc<Rls>>, body: Bytes) -> Response {
         Ok(r) => r,
         Err(message) => return (StatusCode::BAD_REQUEST, message).into_response(),
     };
-    match rls.answer(&request).await {
+    match rls.answer(&request, None).await {
         Ok(response) => {
             let status = if response.overall_code == Code::OverLimit as i32 {
                 StatusCode::TOO_MANY_REQUESTS
             } else {
                 StatusCode::OK
             };
-            (
-                status,
-                [(header::CONTENT_TYPE, "application/json")],
-                encode(&response),
-            )
-                .into_response()
+            match encode(&response) {
+                Ok(json) => {
+                    (status, [(header::CONTENT_TYPE, "application/json")], json).into_response()
+                }
+                Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e).into_response(),
+            }
         }
         Err(s) if s.code() == tonic::Code::InvalidArgument => {
             (StatusCode::BAD_REQUEST, format!("{}\n", s.message())).into_response()
@@ -75,12 +89,13 @@ fn decode(body: &[u8]) -> Result<RateLimitRequest, String> {
         .map_err(|e| format!("invalid RateLimitRequest: {e}\n"))
 }
 
-fn encode(response: &RateLimitResponse) -> String {
+fn encode(response: &RateLimitResponse) -> Result<String, String> {
     let mut dynamic = DynamicMessage::new(message("envoy.service.ratelimit.v3.RateLimitResponse"));
     dynamic
         .transcode_from(response)
-        .expect("a response the service built fits its own descriptor");
-    let mut text = serde_json::to_string(&dynamic).expect("a protobuf message serializes to JSON");
+        .map_err(|e| format!("cannot encode the response: {e}\n"))?;
+    let mut text = serde_json::to_string(&dynamic)
+        .map_err(|e| format!("cannot encode the response as JSON: {e}\n"))?;
     text.push('\n');
-    text
+    Ok(text)
 }

@@ -1,5 +1,5 @@
 //! The network surface: the gRPC server (rate limit service, health, reflection) and the admin
-//! HTTP server, started together and stopped together.
+//! HTTP server, started together and stopped together, and the readiness they both report.
 //!
 //! gRPC connections are served by event loops, one single-threaded runtime per thread; the
 //! listener hands each new connection to the next loop in turn and the connection stays there.
@@ -7,26 +7,30 @@
 //! work-stealing runtime would wake the connection, and write to the socket, once per answer.
 
 mod http;
+mod pb;
 pub mod rls;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use arc_swap::ArcSwap;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use futures_util::StreamExt;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 
-use rls::{Bounds, Rls};
+use pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+use rls::{Bounds, Fallback, Rls};
 
 use crate::limiter::Limiter;
 use crate::rules::RuleSet;
 use crate::store::{Backend, StoreError};
+use crate::telemetry::Throttle;
 
 /// The compiled `proto/` descriptor set (see build.rs).
 pub(crate) const DESCRIPTORS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/descriptors.bin"));
@@ -46,31 +50,118 @@ impl Shutdown {
     }
 }
 
+/// The rules in force, swapped whole by a reload.
+#[derive(Clone, Default)]
+pub struct Rules {
+    current: Arc<ArcSwap<RuleSet>>,
+    changed: Arc<Notify>,
+}
+
+impl Rules {
+    pub fn new(rules: RuleSet) -> Self {
+        Rules {
+            current: Arc::new(ArcSwap::from_pointee(rules)),
+            changed: Arc::default(),
+        }
+    }
+
+    /// Puts `rules` in force for every request that starts from now on.
+    pub fn replace(&self, rules: RuleSet) {
+        self.current.store(Arc::new(rules));
+        self.changed.notify_one();
+    }
+
+    /// Whether any domain is loaded.
+    pub fn loaded(&self) -> bool {
+        self.current.load().domains() > 0
+    }
+}
+
+/// Bounds on what a client can make the server hold before a request is even decoded.
+#[derive(Clone, Copy, Debug)]
+pub struct Edges {
+    /// The largest gRPC message or `/json` body.
+    pub max_request_bytes: usize,
+    /// Requests in flight on one HTTP/2 connection.
+    pub max_concurrent_streams: u32,
+}
+
 /// What a rate limit service is made of; each event loop makes its own from it.
 #[derive(Clone)]
 pub struct Setup {
-    pub rules: Arc<ArcSwap<RuleSet>>,
+    pub rules: Rules,
     pub backend: Backend,
     pub bounds: Bounds,
+    pub fallback: Fallback,
+    pub edges: Edges,
     pub shadow_mode: bool,
 }
 
 impl Setup {
-    /// A rate limit service for the calling runtime (on Redis, with connections of its own).
-    pub async fn rls(&self) -> Result<Arc<Rls>, StoreError> {
-        let store = self.backend.open().await?;
+    /// A rate limit service for the calling runtime (on Redis, with connections of its own,
+    /// made in the background).
+    fn rls(&self) -> Result<Arc<Rls>, StoreError> {
+        let store = self.backend.open()?;
         Ok(Arc::new(Rls::new(
-            self.rules.clone(),
+            self.rules.current.clone(),
             Limiter::new(store),
             self.bounds,
+            self.fallback,
             self.shadow_mode,
         )))
     }
 }
 
+/// Whether sluice can answer from its rules and its store: rules are loaded and the store is
+/// reachable. Reported by `/readyz` and by gRPC health.
+#[derive(Clone)]
+pub struct Readiness {
+    rules: Rules,
+    backend: Backend,
+}
+
+impl Readiness {
+    /// `None` when ready, else why not.
+    pub fn problem(&self) -> Option<&'static str> {
+        if !self.rules.loaded() {
+            Some("no rules loaded")
+        } else if !self.backend.reachable() {
+            Some("the counter store is unreachable")
+        } else {
+            None
+        }
+    }
+
+    /// Keeps gRPC health in step with readiness, for the empty service name and the rate limit
+    /// service.
+    async fn report(self, health: HealthReporter) {
+        let mut last = None;
+        loop {
+            let status = match self.problem() {
+                None => ServingStatus::Serving,
+                Some(_) => ServingStatus::NotServing,
+            };
+            if last != Some(status) {
+                health.set_service_status("", status).await;
+                health
+                    .set_service_status(
+                        <RateLimitServiceServer<Rls> as tonic::server::NamedService>::NAME,
+                        status,
+                    )
+                    .await;
+                last = Some(status);
+            }
+            tokio::select! {
+                () = self.rules.changed.notified() => {}
+                () = self.backend.changed() => {}
+            }
+        }
+    }
+}
+
 /// Serves gRPC on `grpc_addr` with `loops` event loops and admin HTTP on `http_addr` until
-/// `shutdown` fires, then lets in-flight calls finish. Fails before serving anything when the
-/// store cannot be reached.
+/// `shutdown` fires, then lets in-flight calls finish. Serves at once, whether or not the store
+/// is reachable yet.
 pub async fn run(
     setup: Setup,
     grpc_addr: SocketAddr,
@@ -87,8 +178,11 @@ pub async fn run(
     tracing::info!(grpc = %grpc_listener.local_addr()?, http = %http_listener.local_addr()?, loops, "serving");
 
     let health = HealthReporter::new();
-    health.set_serving::<RateLimitServiceServer<Rls>>().await;
-    let rls = setup.rls().await?;
+    let readiness = Readiness {
+        rules: setup.rules.clone(),
+        backend: setup.backend.clone(),
+    };
+    let rls = setup.rls()?;
     let mut connections = Vec::with_capacity(loops);
     let mut finished = Vec::with_capacity(loops);
     for n in 0..loops {
@@ -110,10 +204,11 @@ pub async fn run(
         connections.push(to_loop);
         finished.push(loop_finished);
     }
+    tokio::spawn(readiness.clone().report(health));
 
     let accept = hand_out(grpc_listener, connections, shutdown.clone());
-    let http =
-        axum::serve(http_listener, http::router(rls)).with_graceful_shutdown(shutdown.wait());
+    let router = http::router(rls, readiness, setup.edges.max_request_bytes);
+    let http = axum::serve(http_listener, router).with_graceful_shutdown(shutdown.wait());
     let (accept, http) = tokio::join!(accept, http);
     accept.context("accepting gRPC connections")?;
     http.context("HTTP server")?;
@@ -126,26 +221,43 @@ pub async fn run(
     Ok(())
 }
 
+/// The longest pause after a failed accept.
+const ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
+
 /// Accepts gRPC connections until `shutdown` fires and hands them to the event loops in turn.
+/// A failed accept (out of file descriptors, a connection reset while queued) is logged at most
+/// once a second and followed by a pause, doubling from 5 ms to `ACCEPT_BACKOFF` while it lasts,
+/// so that a lasting one does not spin.
 async fn hand_out(
     listener: TcpListener,
     loops: Vec<mpsc::UnboundedSender<std::net::TcpStream>>,
     shutdown: Shutdown,
 ) -> anyhow::Result<()> {
+    static FAILED: Throttle = Throttle::new();
     let stop = shutdown.wait();
     tokio::pin!(stop);
-    for next in (0..loops.len()).cycle() {
-        let stream = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    // A connection that failed while queued (reset, out of descriptors) is not
-                    // the listener's end.
-                    tracing::warn!("accepting a gRPC connection: {e}");
-                    continue;
-                }
-            },
+    let mut next = 0;
+    let mut pause = Duration::ZERO;
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
             () = &mut stop => return Ok(()),
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => {
+                pause = Duration::ZERO;
+                stream
+            }
+            Err(e) => {
+                if let Some(n) = FAILED.hit() {
+                    tracing::warn!("{n} failed accept(s) of gRPC connections: {e}");
+                }
+                pause = (pause * 2).clamp(Duration::from_millis(5), ACCEPT_BACKOFF);
+                tokio::select! {
+                    () = tokio::time::sleep(pause) => continue,
+                    () = &mut stop => return Ok(()),
+                }
+            }
         };
         match stream.set_nodelay(true).and_then(|()| stream.into_std()) {
             Ok(stream) => loops[next]
@@ -153,8 +265,8 @@ async fn hand_out(
                 .map_err(|_| anyhow::anyhow!("event loop {next} has stopped"))?,
             Err(e) => tracing::warn!("setting up a gRPC connection: {e}"),
         }
+        next = (next + 1) % loops.len();
     }
-    unreachable!("the loops cycle forever")
 }
 
 /// What one event loop serves.
@@ -176,7 +288,7 @@ impl Grpc {
             .enable_all()
             .build()?;
         runtime.block_on(async move {
-            let rls = match self.setup.rls().await {
+            let rls = match self.setup.rls() {
                 Ok(rls) => {
                     let _ = ready.send(Ok(()));
                     rls
@@ -186,16 +298,20 @@ impl Grpc {
                     return Ok(());
                 }
             };
+            let edges = self.setup.edges;
+            let max = edges.max_request_bytes;
             let reflection_v1 = reflection().build_v1().context("reflection v1")?;
             let reflection_v1alpha = reflection().build_v1alpha().context("reflection v1alpha")?;
             let incoming = UnboundedReceiverStream::new(incoming).map(TcpStream::from_std);
             tonic::transport::Server::builder()
-                .add_service(HealthServer::new(HealthService::from_health_reporter(
-                    self.health,
-                )))
-                .add_service(reflection_v1)
-                .add_service(reflection_v1alpha)
-                .add_service(RateLimitServiceServer::from_arc(rls))
+                .max_concurrent_streams(edges.max_concurrent_streams)
+                .add_service(
+                    HealthServer::new(HealthService::from_health_reporter(self.health))
+                        .max_decoding_message_size(max),
+                )
+                .add_service(reflection_v1.max_decoding_message_size(max))
+                .add_service(reflection_v1alpha.max_decoding_message_size(max))
+                .add_service(RateLimitServiceServer::from_arc(rls).max_decoding_message_size(max))
                 .serve_with_incoming_shutdown(incoming, self.shutdown.wait())
                 .await
                 .context("gRPC server")

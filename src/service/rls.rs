@@ -1,33 +1,62 @@
 //! `envoy.service.ratelimit.v3.RateLimitService`: validates a request, resolves each descriptor's
 //! limits and hits, asks the limiter for one all-or-nothing decision and answers with one status
-//! per descriptor, in order.
+//! per descriptor, in order. When the store cannot decide in time, `--on-store-error` answers.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
-    Code, DescriptorStatus, RateLimit, rate_limit,
-};
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
-use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::google::protobuf;
+use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
+use super::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use super::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit, rate_limit,
+};
+use super::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::config::RuleLimit;
-use crate::limiter::{Algorithm, Check, CounterKey, Decision, Item, Limit, Limiter, Mode, Unit};
+use crate::limiter::{
+    Algorithm, Check, CounterKey, Decision, Item, Limit, Limiter, Mode, Unit, Usage, admits,
+};
 use crate::rules::RuleSet;
-use crate::store::StoreError;
+use crate::store::{Deadline, StoreError};
+use crate::telemetry::Throttle;
 
-/// Limits on what one request may carry, so that no caller can make a check unboundedly large.
+/// Limits on the shape of a request, which Envoy's route configuration decides (not its
+/// clients), so that no caller can make a check unboundedly large. Keys and values may be any
+/// bytes of any length (the request's size bounds them).
 #[derive(Clone, Copy, Debug)]
 pub struct Bounds {
     pub max_descriptors: usize,
     pub max_entries: usize,
-    pub max_entry_bytes: usize,
+}
+
+/// Hits above this count as this: more than any limit (at most 4294967295) holds, so such a
+/// request is over every limit, and every sum of hits stays exact in both stores.
+const MOST_HITS: u64 = u32::MAX as u64 + 1;
+
+/// What a request gets when the store cannot decide it in time (`--on-store-error`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnStoreError {
+    /// gRPC UNAVAILABLE (RESOURCE_EXHAUSTED for a full embedded store): Envoy's
+    /// `failure_mode_deny` decides.
+    Error,
+    /// OK, without a limit in the statuses.
+    Allow,
+    /// OVER_LIMIT on every limited descriptor (shadow-mode limits excepted).
+    Deny,
+}
+
+/// How the service answers when the store cannot.
+#[derive(Clone, Copy, Debug)]
+pub struct Fallback {
+    /// The most a request waits for the store.
+    pub store_timeout: Duration,
+    pub on_store_error: OnStoreError,
 }
 
 /// The rate limit service: current rules, the limiter and the request bounds.
@@ -35,6 +64,7 @@ pub struct Rls {
     rules: Arc<ArcSwap<RuleSet>>,
     limiter: Limiter,
     bounds: Bounds,
+    fallback: Fallback,
     shadow_mode: bool,
 }
 
@@ -47,28 +77,92 @@ enum Plan {
     Limited(std::ops::Range<usize>),
 }
 
+impl Plan {
+    /// The status of a descriptor whose counters are not known: a free or unlimited one as
+    /// always, a limited one OK without a limit.
+    fn unknown_status(&self) -> DescriptorStatus {
+        DescriptorStatus {
+            code: Code::Ok as i32,
+            limit_remaining: match self {
+                Plan::Unlimited => u32::MAX,
+                Plan::Free | Plan::Limited(_) => 0,
+            },
+            ..Default::default()
+        }
+    }
+}
+
 impl Rls {
     pub fn new(
         rules: Arc<ArcSwap<RuleSet>>,
         limiter: Limiter,
         bounds: Bounds,
+        fallback: Fallback,
         shadow_mode: bool,
     ) -> Self {
         Rls {
             rules,
             limiter,
             bounds,
+            fallback,
             shadow_mode,
         }
     }
 
-    /// Answers one request; the gRPC method and the admin `/json` endpoint both call this.
-    pub async fn answer(&self, request: &RateLimitRequest) -> Result<RateLimitResponse, Status> {
+    /// Answers one request whose caller gives up after `caller_timeout`, if it said; the gRPC
+    /// method and the admin `/json` endpoint both call this.
+    pub async fn answer(
+        &self,
+        request: &RateLimitRequest,
+        caller_timeout: Option<Duration>,
+    ) -> Result<RateLimitResponse, Status> {
         self.validate(request)?;
         let rules = self.rules.load();
         let (plans, check) = plan(&rules, request);
-        let decision = self.limiter.decide(&check).await.map_err(store_status)?;
-        Ok(respond(&plans, &check, &decision, self.shadow_mode))
+        let deadline = Deadline::new(self.fallback.store_timeout, caller_timeout);
+        match self.limiter.decide(&check, deadline).await {
+            Ok(decision) => Ok(respond(&plans, &check, &decision, self.shadow_mode)),
+            Err(e) => self.undecided(e, &plans, &check),
+        }
+    }
+
+    /// The `--on-store-error` answer to a request the store could not decide.
+    fn undecided(
+        &self,
+        e: StoreError,
+        plans: &[Plan],
+        check: &Check,
+    ) -> Result<RateLimitResponse, Status> {
+        static UNDECIDED: Throttle = Throttle::new();
+        let policy = self.fallback.on_store_error;
+        if let Some(n) = UNDECIDED.hit() {
+            tracing::warn!(
+                "{n} request(s) since the last report answered by --on-store-error={policy:?}: {e}"
+            );
+        }
+        match policy {
+            OnStoreError::Error => Err(match e {
+                StoreError::Full { .. } => Status::resource_exhausted(e.to_string()),
+                _ => Status::unavailable(e.to_string()),
+            }),
+            OnStoreError::Allow => Ok(RateLimitResponse {
+                overall_code: Code::Ok as i32,
+                statuses: plans.iter().map(Plan::unknown_status).collect(),
+                ..Default::default()
+            }),
+            OnStoreError::Deny => {
+                let over = Usage {
+                    over: true,
+                    remaining: 0,
+                    reset: Duration::from_secs(1),
+                };
+                let decision = Decision {
+                    admitted: admits(&check.items, |_| true),
+                    usages: vec![over; check.items.len()],
+                };
+                Ok(respond(plans, check, &decision, self.shadow_mode))
+            }
+        }
     }
 
     fn validate(&self, request: &RateLimitRequest) -> Result<(), Status> {
@@ -76,12 +170,6 @@ impl Rls {
         let invalid = |m: String| Err(Status::invalid_argument(m));
         if request.domain.is_empty() {
             return invalid("rate limit domain must not be empty".into());
-        }
-        if request.domain.len() > b.max_entry_bytes {
-            return invalid(format!(
-                "domain is longer than --max-entry-bytes ({})",
-                b.max_entry_bytes
-            ));
         }
         if request.descriptors.is_empty() {
             return invalid("rate limit descriptor list must not be empty".into());
@@ -108,12 +196,6 @@ impl Rls {
                 if e.key.is_empty() {
                     return invalid(format!("descriptor {i} entry {j} has an empty key"));
                 }
-                if e.key.len() > b.max_entry_bytes || e.value.len() > b.max_entry_bytes {
-                    return invalid(format!(
-                        "descriptor {i} entry {j} has a key or value longer than --max-entry-bytes ({})",
-                        b.max_entry_bytes
-                    ));
-                }
             }
             if let Some(limit) = &d.limit
                 && override_unit(limit.unit).is_none()
@@ -122,9 +204,6 @@ impl Rls {
                     "descriptor {i} has a limit override with an unknown unit ({})",
                     limit.unit
                 ));
-            }
-            if d.hits_addend.is_some_and(|h| h.value > u64::from(u32::MAX)) {
-                return invalid(format!("descriptor {i} hits_addend exceeds {}", u32::MAX));
             }
         }
         Ok(())
@@ -137,15 +216,30 @@ impl RateLimitService for Rls {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        self.answer(request.get_ref()).await.map(Response::new)
+        let caller_timeout = grpc_timeout(request.metadata());
+        self.answer(request.get_ref(), caller_timeout)
+            .await
+            .map(Response::new)
     }
 }
 
-fn store_status(e: StoreError) -> Status {
-    match e {
-        StoreError::Full { .. } => Status::resource_exhausted(e.to_string()),
-        StoreError::Unavailable(_) | StoreError::Config(_) => Status::unavailable(e.to_string()),
+/// The caller's `grpc-timeout` (gRPC over HTTP/2: at most 8 digits, then a unit).
+fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
+    let text = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = text.split_at_checked(text.len().checked_sub(1)?)?;
+    if digits.is_empty() || digits.len() > 8 {
+        return None;
     }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
 }
 
 fn override_unit(unit: i32) -> Option<Unit> {
@@ -173,17 +267,17 @@ fn response_unit(unit: Unit) -> rate_limit::Unit {
 }
 
 /// Hits a descriptor consumes: its own `hits_addend` when set (0 checks only), else the
-/// request's, where 0 means 1.
+/// request's, where 0 means 1; at most `MOST_HITS`.
 fn hits(request: &RateLimitRequest, descriptor: &RateLimitDescriptor) -> u64 {
     match descriptor.hits_addend {
-        Some(h) => h.value,
+        Some(h) => h.value.min(MOST_HITS),
         None => u64::from(request.hits_addend.max(1)),
     }
 }
 
 /// Resolves every descriptor into its limits and gathers them into one check.
 fn plan(rules: &RuleSet, request: &RateLimitRequest) -> (Vec<Plan>, Check) {
-    let domain = request.domain.as_str();
+    let domain = request.domain.as_slice();
     let mut check = Check::default();
     if !rules.has_domain(domain) {
         return (
@@ -195,10 +289,10 @@ fn plan(rules: &RuleSet, request: &RateLimitRequest) -> (Vec<Plan>, Check) {
         .descriptors
         .iter()
         .map(|d| {
-            let entries: Vec<(&str, &str)> = d
+            let entries: Vec<(&[u8], &[u8])> = d
                 .entries
                 .iter()
-                .map(|e| (e.key.as_str(), e.value.as_str()))
+                .map(|e| (e.key.as_slice(), e.value.as_slice()))
                 .collect();
             let m = rules.resolve(domain, &entries);
             (entries, m)
@@ -215,7 +309,7 @@ fn plan(rules: &RuleSet, request: &RateLimitRequest) -> (Vec<Plan>, Check) {
     for (descriptor, (entries, m)) in request.descriptors.iter().zip(&matches) {
         let hits = hits(request, descriptor);
         let refund = descriptor.is_negative_hits;
-        let counted: Vec<(&str, &str)> = match m {
+        let counted: Vec<(&[u8], &[u8])> = match m {
             Some(m) => entries
                 .iter()
                 .zip(&m.counted_values)
@@ -294,15 +388,7 @@ fn respond(
     let mut retry_after = Duration::ZERO;
     for plan in plans {
         statuses.push(match plan {
-            Plan::Free => DescriptorStatus {
-                code: Code::Ok as i32,
-                ..Default::default()
-            },
-            Plan::Unlimited => DescriptorStatus {
-                code: Code::Ok as i32,
-                limit_remaining: u32::MAX,
-                ..Default::default()
-            },
+            Plan::Free | Plan::Unlimited => plan.unknown_status(),
             Plan::Limited(range) => {
                 let denying =
                     |i: &usize| decision.usages[*i].over && check.items[*i].mode != Mode::Shadow;

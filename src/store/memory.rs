@@ -2,8 +2,9 @@
 //! Redis scripts. A check locks the shards it touches in index order, so concurrent checks are
 //! exact and never deadlock. Counters are indexed by a 128-bit SipHash of their `CounterKey`,
 //! keyed at random per process: 40 bytes a counter, and a collision between two of a billion
-//! counters has a probability under 10⁻²⁰ that no input can raise. Expired counters are ignored when read and swept by `sweep`, which
-//! the store runs every second, and at once in a shard that is full.
+//! counters has a probability under 10⁻²⁰ that no input can raise. Expired counters are ignored
+//! when read and dropped by `sweep`, which the store runs every second; a full shard refuses new
+//! counters at once until then, so that no request ever pays for a sweep.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
@@ -165,7 +166,7 @@ impl MemoryStore {
         let admitted = admits(&check.items, |i| steps[i].verdict.over);
 
         if admitted {
-            self.make_room(check, &ids, &homes, &mut guards, &slot, now_ms)?;
+            self.make_room(check, &ids, &homes, &guards, &slot)?;
             for (i, item) in check.items.iter().enumerate() {
                 if item.hits == 0 {
                     continue;
@@ -182,15 +183,15 @@ impl MemoryStore {
         Ok(Decision { admitted, usages })
     }
 
-    /// Fails, before anything is written, when a shard cannot take the new counters.
+    /// Fails, before anything is written, when a shard cannot take the new counters. Constant
+    /// time: it never sweeps (the expired counters of a full shard go at the next `sweep`).
     fn make_room(
         &self,
         check: &Check,
         ids: &[Id],
         homes: &[usize],
-        guards: &mut [(usize, MutexGuard<'_, Shard>)],
+        guards: &[(usize, MutexGuard<'_, Shard>)],
         slot: &impl Fn(usize) -> usize,
-        now_ms: u64,
     ) -> Result<(), StoreError> {
         let mut new_per_slot = vec![0usize; guards.len()];
         for (i, item) in check.items.iter().enumerate() {
@@ -199,16 +200,14 @@ impl MemoryStore {
                 new_per_slot[slot(homes[i])] += 1;
             }
         }
-        for (s, (_, shard)) in guards.iter_mut().enumerate() {
-            if new_per_slot[s] == 0 || shard.counters.len() + new_per_slot[s] <= self.per_shard {
-                continue;
-            }
-            shard.sweep(now_ms);
-            if shard.counters.len() + new_per_slot[s] > self.per_shard {
-                return Err(StoreError::Full {
-                    max_keys: self.max_keys,
-                });
-            }
+        let full = guards
+            .iter()
+            .zip(&new_per_slot)
+            .any(|((_, shard), &new)| new > 0 && shard.counters.len() + new > self.per_shard);
+        if full {
+            return Err(StoreError::Full {
+                max_keys: self.max_keys,
+            });
         }
         Ok(())
     }
@@ -250,7 +249,7 @@ mod tests {
 
     fn item(value: &str, limit: u32, hits: u64) -> Item {
         Item {
-            key: CounterKey::new("d", &[("k", value)], "fixed_window:minute:1"),
+            key: CounterKey::new(b"d", &[(b"k", value.as_bytes())], "fixed_window:minute:1"),
             limit: Limit {
                 name: String::new(),
                 requests_per_unit: limit,
@@ -304,6 +303,21 @@ mod tests {
         assert_eq!(store.len(), 1, "live until the window ends");
         store.sweep_at(NOW + 120_000);
         assert_eq!(store.len(), 0, "the expired counter was swept");
+    }
+
+    #[test]
+    fn a_full_shard_takes_new_counters_again_once_swept() {
+        let store = MemoryStore::new(1);
+        let minute = |v: u32| check(vec![item(&v.to_string(), 10, 1)]);
+        let refused = (0..200)
+            .find(|&v| store.apply_at(&minute(v), NOW).is_err())
+            .expect("some shard fills up");
+        assert!(
+            store.apply_at(&minute(refused), NOW + 60_000).is_err(),
+            "expired counters are only dropped by the sweep"
+        );
+        store.sweep_at(NOW + 60_000);
+        assert!(store.apply_at(&minute(refused), NOW + 60_000).is_ok());
     }
 
     #[test]

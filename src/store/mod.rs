@@ -1,25 +1,38 @@
 //! Where counters live. Every store applies a whole `Check` atomically: it evaluates each counter
 //! with the window math, admits the request only if the limiter's rule allows it, and then moves
-//! every counter of the request or none.
+//! every counter of the request or none. Every call has a `Deadline`: a store that cannot decide
+//! in time says so, and never charges a request whose caller it did not answer.
 
+mod breaker;
 mod memory;
 mod redis;
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
 
 pub use memory::MemoryStore;
 pub use redis::RedisStore;
 
 use crate::limiter::{Check, Decision};
+use breaker::Breaker;
 
 /// Where the counters are, from which each event loop opens a `Store` of its own: the one
 /// embedded store, shared, or a Redis deployment, reached on the loop's own connections.
 #[derive(Clone)]
 pub enum Backend {
     Memory(Arc<MemoryStore>),
-    Redis { url: String, key_prefix: String },
+    Redis {
+        url: String,
+        key_prefix: String,
+        /// The breakers of every store opened on this deployment: it is reachable when all are
+        /// closed.
+        breakers: Arc<Mutex<Vec<Arc<Breaker>>>>,
+        changed: Arc<Notify>,
+    },
 }
 
 impl Backend {
@@ -41,19 +54,56 @@ impl Backend {
         Backend::Memory(store)
     }
 
-    /// A store for the calling runtime. Redis gets 10 s to answer.
-    pub async fn open(&self) -> Result<Store, StoreError> {
+    /// A Redis deployment (see `RedisStore::connect` for the URL forms).
+    pub fn redis(url: String, key_prefix: String) -> Backend {
+        Backend::Redis {
+            url,
+            key_prefix,
+            breakers: Arc::default(),
+            changed: Arc::default(),
+        }
+    }
+
+    /// A store for the calling runtime. It does not wait for Redis: until Redis answers, its
+    /// calls fail at once and the backend is not reachable. Fails only on a malformed URL.
+    pub fn open(&self) -> Result<Store, StoreError> {
         match self {
             Backend::Memory(store) => Ok(Store::Memory(store.clone())),
-            Backend::Redis { url, key_prefix } => {
-                let connect = RedisStore::connect(url, key_prefix);
-                tokio::time::timeout(Duration::from_secs(10), connect)
-                    .await
-                    .map_err(|_| {
-                        StoreError::Unavailable("redis: no connection within 10 s".into())
-                    })?
-                    .map(Store::Redis)
+            Backend::Redis {
+                url,
+                key_prefix,
+                breakers,
+                changed,
+            } => {
+                let breaker = Arc::new(Breaker::new(changed.clone()));
+                let store = RedisStore::connect(url, key_prefix, breaker.clone())?;
+                breakers
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(breaker);
+                Ok(Store::Redis(Box::new(store)))
             }
+        }
+    }
+
+    /// Whether the store can decide now: the embedded store always can; Redis when every
+    /// store opened on it has reached it and its breaker is closed.
+    pub fn reachable(&self) -> bool {
+        match self {
+            Backend::Memory(_) => true,
+            Backend::Redis { breakers, .. } => breakers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .all(|b| !b.is_open()),
+        }
+    }
+
+    /// Woken whenever `reachable` may have changed.
+    pub async fn changed(&self) {
+        match self {
+            Backend::Memory(_) => std::future::pending().await,
+            Backend::Redis { changed, .. } => changed.notified().await,
         }
     }
 }
@@ -61,16 +111,44 @@ impl Backend {
 /// The counter stores sluice can run on.
 pub enum Store {
     Memory(Arc<MemoryStore>),
-    Redis(RedisStore),
+    Redis(Box<RedisStore>),
 }
 
 impl Store {
-    pub async fn apply(&self, check: &Check) -> Result<Decision, StoreError> {
+    pub async fn apply(&self, check: &Check, deadline: Deadline) -> Result<Decision, StoreError> {
         match self {
             Store::Memory(memory) => memory.apply(check),
             // Boxed: the Redis call's state is kilobytes, which would otherwise be moved with
             // every request's future, on either store.
-            Store::Redis(redis) => Box::pin(redis.apply(check)).await,
+            Store::Redis(redis) => Box::pin(redis.apply(check, deadline)).await,
+        }
+    }
+}
+
+/// When a store call must have its answer.
+#[derive(Clone, Copy, Debug)]
+pub struct Deadline {
+    pub at: Instant,
+    /// The store's own timeout set it, rather than a caller that gives up sooner: only then does
+    /// missing it count against the store.
+    pub store_own: bool,
+}
+
+impl Deadline {
+    /// `timeout` from now, or sooner when the caller gives up within `caller`: a fifth of the
+    /// caller's time (at least 1 ms) is kept for the answer to travel back.
+    pub fn new(timeout: Duration, caller: Option<Duration>) -> Deadline {
+        let now = Instant::now();
+        let keep = |c: Duration| c.saturating_sub((c / 5).max(Duration::from_millis(1)));
+        match caller.map(keep) {
+            Some(budget) if budget < timeout => Deadline {
+                at: now + budget,
+                store_own: false,
+            },
+            _ => Deadline {
+                at: now + timeout,
+                store_own: true,
+            },
         }
     }
 }
@@ -80,7 +158,13 @@ impl Store {
 pub enum StoreError {
     /// The embedded store holds `--max-keys` live counters and a request needs a new one.
     Full { max_keys: usize },
-    /// Redis did not answer, or answered with an error.
+    /// No answer before the deadline.
+    Timeout,
+    /// Too many requests already wait for Redis.
+    Shed,
+    /// Redis is marked down after repeated failures, or not reached yet.
+    Down,
+    /// Redis answered with an error, or the connection failed.
     Unavailable(String),
     /// The Redis URL or options are wrong.
     Config(String),
@@ -89,15 +173,41 @@ pub enum StoreError {
 impl fmt::Display for StoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            StoreError::Full { max_keys } => {
-                write!(
-                    f,
-                    "the embedded counter store is full ({max_keys} live counters, see --max-keys)"
-                )
+            StoreError::Full { max_keys } => write!(
+                f,
+                "the embedded counter store is full ({max_keys} live counters, see --max-keys)"
+            ),
+            StoreError::Timeout => {
+                f.write_str("the store did not answer in time (--store-timeout)")
             }
+            StoreError::Shed => f.write_str("too many requests are waiting for Redis"),
+            StoreError::Down => f.write_str("Redis is unreachable (circuit breaker open)"),
             StoreError::Unavailable(why) | StoreError::Config(why) => f.write_str(why),
         }
     }
 }
 
 impl std::error::Error for StoreError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn the_store_timeout_applies_unless_the_caller_gives_up_sooner() {
+        let own = Deadline::new(10 * MS, None);
+        assert!(own.store_own);
+        let patient = Deadline::new(10 * MS, Some(1000 * MS));
+        assert!(patient.store_own);
+        let hasty = Deadline::new(10 * MS, Some(10 * MS));
+        assert!(!hasty.store_own);
+        assert!(
+            hasty.at < own.at,
+            "a fifth of the caller's 10 ms is kept for the way back"
+        );
+        let instant = Deadline::new(10 * MS, Some(Duration::ZERO));
+        assert!(!instant.store_own);
+    }
+}

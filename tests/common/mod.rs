@@ -47,14 +47,19 @@ impl Store {
     }
 
     /// `serve` flags selecting this store, with a key prefix of its own so that tests sharing
-    /// one Redis never share a counter (unless the test's own `flags` choose one).
+    /// one Redis never share a counter (unless the test's own `flags` choose one), and a store
+    /// timeout that a debug build on a busy test machine always meets (unless they choose one).
     fn flags(self, flags: &[&str]) -> Vec<String> {
         use std::sync::atomic::{AtomicUsize, Ordering};
         static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let mut out = Vec::new();
+        if !flags.contains(&"--store-timeout") {
+            out.extend(["--store-timeout".into(), "2s".into()]);
+        }
         let Some(r) = self.redis() else {
-            return Vec::new();
+            return out;
         };
-        let mut out = vec!["--redis-url".into(), r.url.clone()];
+        out.extend(["--redis-url".into(), r.url.clone()]);
         if !flags.contains(&"--redis-key-prefix") {
             let n = NEXT.fetch_add(1, Ordering::Relaxed);
             out.push("--redis-key-prefix".into());

@@ -1,0 +1,113 @@
+//! Batching on a standalone server or behind Sentinel: requests that arrive while the script
+//! calls before them are in flight wait in a bounded queue and are decided together by the next
+//! call, each all-or-nothing and in order: one `EVALSHA` per request at most. A request whose
+//! caller has gone, or whose time has run out, is never sent; one admitted by a call whose answer
+//! came too late is refunded.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use fred::prelude::Value;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use tokio::time::Instant;
+
+use super::{ARGS_PER_ITEM, Answer, Charge, Conn, Undo, encode, flag, take_request};
+use crate::limiter::Check;
+
+/// Script calls in flight at once; requests arriving meanwhile wait for the next.
+const CALLS_IN_FLIGHT: usize = 2;
+/// Counters one batched call may carry, so that one call keeps Redis busy for a bounded time.
+const COUNTERS_PER_CALL: usize = 256;
+
+/// One request's encoded counters, waiting for a batched call.
+pub(super) struct Pending {
+    keys: Vec<Bytes>,
+    args: Vec<Value>,
+    charges: Vec<Charge>,
+    deadline: Instant,
+    reply: oneshot::Sender<Answer>,
+}
+
+impl Pending {
+    pub(super) fn new(
+        check: &Check,
+        keys: Vec<Bytes>,
+        deadline: Instant,
+        reply: oneshot::Sender<Answer>,
+    ) -> Self {
+        let all: Vec<usize> = (0..keys.len()).collect();
+        Pending {
+            args: encode(check, &all),
+            charges: check.items.iter().map(Charge::of).collect(),
+            keys,
+            deadline,
+            reply,
+        }
+    }
+
+    /// Its caller still waits, with time left.
+    fn wanted(&self, now: Instant) -> bool {
+        !self.reply.is_closed() && now < self.deadline
+    }
+}
+
+/// Sends the requests waiting in `queue` in batched script calls, at most `CALLS_IN_FLIGHT` at
+/// once: a request that arrives while the calls are busy rides in the next one.
+pub(super) async fn run(conn: Conn, mut queue: mpsc::Receiver<Pending>) {
+    let calls = Arc::new(Semaphore::new(CALLS_IN_FLIGHT));
+    while let Some(first) = queue.recv().await {
+        let Ok(permit) = calls.clone().acquire_owned().await else {
+            return;
+        };
+        let now = Instant::now();
+        let mut requests = Vec::new();
+        let mut counters = 0;
+        let mut next = Some(first);
+        while let Some(request) = next.take() {
+            if request.wanted(now) {
+                counters += request.keys.len();
+                requests.push(request);
+            }
+            if counters < COUNTERS_PER_CALL {
+                next = queue.try_recv().ok();
+            }
+        }
+        if !requests.is_empty() {
+            tokio::spawn(call(conn.clone(), requests, counters, permit));
+        }
+    }
+}
+
+/// One batched call for `requests`, holding `counters` counters in all.
+async fn call(conn: Conn, requests: Vec<Pending>, counters: usize, _permit: OwnedSemaphorePermit) {
+    let mut keys = Vec::with_capacity(counters);
+    let mut args = Vec::with_capacity(1 + requests.len() + counters * ARGS_PER_ITEM);
+    args.push(flag(true));
+    let mut waiting = Vec::with_capacity(requests.len());
+    for request in requests {
+        keys.extend(request.keys.iter().cloned());
+        args.extend(request.args);
+        waiting.push((request.keys, request.charges, request.reply));
+    }
+    let reply: Vec<i64> = match conn.eval(&conn.check, keys, args).await {
+        Ok(reply) => reply,
+        Err(e) => {
+            for (_, _, reply) in waiting {
+                let _ = reply.send(Err(e.clone()));
+            }
+            return;
+        }
+    };
+    let (now_ms, mut rest) = reply.split_first().map_or((0, &[][..]), |(n, r)| (*n, r));
+    let mut undo = Undo::default();
+    for (keys, charges, reply) in waiting {
+        let answer = take_request(&mut rest, keys.len());
+        let admitted = matches!(answer, Ok((true, _)));
+        if reply.send(answer).is_err() && admitted {
+            for (key, charge) in keys.iter().zip(charges) {
+                undo.add(key, charge, now_ms);
+            }
+        }
+    }
+    conn.undo(undo).await;
+}

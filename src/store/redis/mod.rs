@@ -1,0 +1,418 @@
+//! The Redis store: counters in Redis hashes, decided by `lua/check.lua` through fred. On a
+//! standalone server or behind Sentinel, requests wait in a bounded queue and are decided together
+//! by the next script call (`batch`); on a Cluster a request is one call per hash slot
+//! (`cluster`). Either way each request's calls run in a task of their own, so that they end in a
+//! decision or a refund (`lua/undo.lua`) even when the caller gives up: a request whose answer
+//! did not reach its caller leaves no counter moved.
+//!
+//! Commands are never re-sent (a script re-sent after a broken connection could count a request
+//! twice) and never wait for a reconnection: while the client is not connected they fail at once,
+//! and after `FAILURES_TO_OPEN` failures in a row the breaker answers for Redis until the probe
+//! reaches it again. A connection is dropped only when the network stops acknowledging (TCP user
+//! timeout), never because Redis is slow: a paused Redis answers every call when it resumes, and
+//! what it admitted for callers that have gone is refunded.
+
+mod batch;
+mod cluster;
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use fred::clients::WithOptions;
+use fred::interfaces::ClientLike;
+use fred::prelude::*;
+use fred::socket2::TcpKeepalive;
+use fred::types::scripts::Script;
+use fred::types::{ClusterHash, CustomCommand, FromValue};
+use tokio::sync::{mpsc, oneshot};
+
+use super::breaker::Breaker;
+use super::{Deadline, StoreError};
+use crate::limiter::window::Verdict;
+use crate::limiter::{Algorithm, Check, Decision, Item, Mode};
+use crate::telemetry::Throttle;
+use batch::Pending;
+
+const ARGS_PER_ITEM: usize = 6;
+/// Requests waiting for a batched call, per event loop; past it, requests are shed.
+const QUEUE_BOUND: usize = 4096;
+/// How often an open breaker's probe tries Redis.
+const PROBE_INTERVAL: Duration = Duration::from_millis(200);
+
+pub struct RedisStore {
+    conn: Conn,
+    prefix: Vec<u8>,
+    breaker: Arc<Breaker>,
+    /// Where requests wait to be batched; `None` on a Cluster, where each request calls per slot.
+    queue: Option<mpsc::Sender<Pending>>,
+}
+
+/// What a request gets from its script calls: admitted, and what each counter found.
+type Answer = Result<(bool, Vec<Verdict>), StoreError>;
+
+impl RedisStore {
+    /// A store on `url` (`redis://`, `rediss://`, `redis-cluster://`, `redis-sentinel://`). It
+    /// connects in the background, retrying with backoff, and its breaker stays open until the
+    /// probe has loaded the scripts on every primary. Fails only on a malformed URL.
+    pub fn connect(url: &str, prefix: &str, breaker: Arc<Breaker>) -> Result<Self, StoreError> {
+        let config_error = |e: Error| StoreError::Config(format!("--redis-url: {e}"));
+        let mut config = Config::from_url(url).map_err(config_error)?;
+        // The first connection follows the reconnect policy too: sluice serves before Redis.
+        config.fail_fast = false;
+        let clustered = config.server.is_clustered();
+        let client = Builder::from_config(config)
+            .with_connection_config(|c| {
+                c.max_command_attempts = 1;
+                c.connection_timeout = Duration::from_secs(2);
+                c.internal_command_timeout = Duration::from_secs(2);
+                c.tcp = TcpConfig {
+                    nodelay: Some(true),
+                    keepalive: Some(
+                        TcpKeepalive::new()
+                            .with_time(Duration::from_secs(5))
+                            .with_interval(Duration::from_secs(1)),
+                    ),
+                    user_timeout: Some(Duration::from_secs(5)),
+                    ..Default::default()
+                };
+            })
+            .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2))
+            .build()
+            .map_err(config_error)?;
+        client.connect();
+        let conn = Conn::new(client);
+        tokio::spawn(probe(conn.clone(), breaker.clone()));
+        let queue = (!clustered).then(|| {
+            let (tx, rx) = mpsc::channel(QUEUE_BOUND);
+            tokio::spawn(batch::run(conn.clone(), rx));
+            tx
+        });
+        Ok(RedisStore {
+            conn,
+            prefix: prefix.as_bytes().to_vec(),
+            breaker,
+            queue,
+        })
+    }
+
+    /// The Redis key of a counter: prefix, a hash tag derived from the descriptor (so all limits
+    /// of one descriptor share a slot), then the injective counter encoding.
+    fn key(&self, key: &crate::limiter::CounterKey) -> Bytes {
+        let counter = key.as_bytes();
+        let mut out = Vec::with_capacity(self.prefix.len() + 18 + counter.len());
+        out.extend_from_slice(&self.prefix);
+        out.push(b'{');
+        write!(out, "{:016x}}}", fnv1a(key.descriptor())).expect("writing to a Vec succeeds");
+        out.extend_from_slice(counter);
+        Bytes::from(out)
+    }
+
+    pub async fn apply(&self, check: &Check, deadline: Deadline) -> Result<Decision, StoreError> {
+        if self.breaker.is_open() {
+            return Err(StoreError::Down);
+        }
+        let keys: Vec<Bytes> = check.items.iter().map(|i| self.key(&i.key)).collect();
+        let (reply, answer) = oneshot::channel();
+        match &self.queue {
+            Some(queue) => queue
+                .try_send(Pending::new(check, keys, deadline.at, reply))
+                .map_err(|e| match e {
+                    mpsc::error::TrySendError::Full(_) => StoreError::Shed,
+                    mpsc::error::TrySendError::Closed(_) => {
+                        StoreError::Unavailable("the Redis store has stopped".into())
+                    }
+                })?,
+            None => {
+                tokio::spawn(cluster::decide(
+                    self.conn.clone(),
+                    check.clone(),
+                    keys,
+                    reply,
+                ));
+            }
+        }
+        let answer = match tokio::time::timeout_at(deadline.at, answer).await {
+            Ok(Ok(answer)) => answer,
+            // No answer in time, or dropped from the queue once its time had run out.
+            Ok(Err(_)) | Err(_) => Err(StoreError::Timeout),
+        };
+        match &answer {
+            Ok(_) => self.breaker.success(),
+            Err(StoreError::Timeout) if !deadline.store_own => {}
+            Err(e) => self.breaker.failure(e),
+        }
+        let (admitted, verdicts) = answer?;
+        let usages = verdicts.iter().map(|v| v.usage(admitted)).collect();
+        Ok(Decision { admitted, usages })
+    }
+}
+
+/// While the breaker is open, loads the scripts on every primary, every `PROBE_INTERVAL`; once
+/// that succeeds, closes it. A load waits while the client reconnects, and for a paused Redis to
+/// resume, so it succeeds as soon as Redis answers again.
+async fn probe(conn: Conn, breaker: Arc<Breaker>) {
+    static FAILED: Throttle = Throttle::new();
+    let mut tick = tokio::time::interval(PROBE_INTERVAL);
+    loop {
+        tick.tick().await;
+        if !breaker.is_open() {
+            continue;
+        }
+        match conn.load().await {
+            Ok(()) => breaker.close(),
+            Err(e) => {
+                if let Some(n) = FAILED.hit() {
+                    tracing::warn!("Redis is not reachable ({n} tries since the last report): {e}");
+                }
+            }
+        }
+    }
+}
+
+/// A Redis client and the scripts it runs.
+#[derive(Clone)]
+struct Conn {
+    client: Client,
+    /// The same client, failing commands at once while it is not connected rather than holding
+    /// them until it reconnects, where they would arrive after their caller gave up.
+    at_once: WithOptions<Client>,
+    check: Lua,
+    undo: Lua,
+}
+
+/// A script: its source, for `EVAL` after a `NOSCRIPT`, and its SHA-1.
+#[derive(Clone)]
+struct Lua {
+    source: &'static str,
+    script: Script,
+}
+
+impl Lua {
+    fn new(source: &'static str) -> Self {
+        Lua {
+            source,
+            script: Script::from_lua(source),
+        }
+    }
+}
+
+/// What one script call decided for a group of counters taken as one request.
+struct Ran {
+    /// Redis' clock when the script ran, in ms: a charged counter was charged in window
+    /// `now_ms / window`.
+    now_ms: i64,
+    admitted: bool,
+    verdicts: Vec<Verdict>,
+}
+
+impl Conn {
+    fn new(client: Client) -> Self {
+        let at_once = client.with_options(&Options {
+            fail_fast: true,
+            ..Default::default()
+        });
+        Conn {
+            client,
+            at_once,
+            check: Lua::new(include_str!("../../../lua/check.lua")),
+            undo: Lua::new(include_str!("../../../lua/undo.lua")),
+        }
+    }
+
+    /// Loads both scripts on every primary.
+    async fn load(&self) -> Result<(), Error> {
+        self.check.script.load(&self.client).await?;
+        self.undo.script.load(&self.client).await
+    }
+
+    /// One script call. NOSCRIPT means the script did not run: send its source instead, which
+    /// also caches it again. EVAL cannot answer NOSCRIPT, so a cache flushed again meanwhile does
+    /// not fail the call.
+    async fn eval<R: FromValue>(
+        &self,
+        lua: &Lua,
+        keys: Vec<Bytes>,
+        args: Vec<Value>,
+    ) -> Result<R, StoreError> {
+        // The keys share a slot (one call per slot on a Cluster), which picks the node.
+        let slot = ClusterHash::Custom(keys.first().map_or(0, |k| fred::util::redis_keyslot(k)));
+        let mut command = Vec::with_capacity(2 + keys.len() + args.len());
+        command.push(Value::from(lua.script.sha1().clone()));
+        command.push(Value::from(keys.len() as i64));
+        command.extend(keys.into_iter().map(Value::Bytes));
+        command.extend(args);
+        let evalsha = CustomCommand::new_static("EVALSHA", slot.clone(), false);
+        match self.at_once.custom(evalsha, command.clone()).await {
+            Err(e) if e.details().starts_with("NOSCRIPT") => {
+                command[0] = Value::from_static_str(lua.source);
+                let eval = CustomCommand::new_static("EVAL", slot, false);
+                self.at_once.custom(eval, command).await
+            }
+            other => other,
+        }
+        .map_err(|e| StoreError::Unavailable(format!("redis: {e}")))
+    }
+
+    /// Runs the check script over the items `at` of `check` as one request. With `quota_here`
+    /// the script applies the quota rule itself (the items are the whole request).
+    async fn run(
+        &self,
+        check: &Check,
+        keys: &[Bytes],
+        at: &[usize],
+        quota_here: bool,
+    ) -> Result<Ran, StoreError> {
+        let mut args = Vec::with_capacity(2 + at.len() * ARGS_PER_ITEM);
+        args.push(flag(quota_here));
+        args.extend(encode(check, at));
+        let group_keys = at.iter().map(|&i| keys[i].clone()).collect();
+        let reply: Vec<i64> = self.eval(&self.check, group_keys, args).await?;
+        let Some((&now_ms, mut rest)) = reply.split_first() else {
+            return Err(StoreError::Unavailable(
+                "the check script answered nothing".into(),
+            ));
+        };
+        let (admitted, verdicts) = take_request(&mut rest, at.len())?;
+        Ok(Ran {
+            now_ms,
+            admitted,
+            verdicts,
+        })
+    }
+
+    /// Sends `undo` (one call: its counters must share a Cluster slot); a failure is logged.
+    async fn undo(&self, undo: Undo) {
+        static FAILED: Throttle = Throttle::new();
+        if undo.keys.is_empty() {
+            return;
+        }
+        if let Err(e) = self.eval::<i64>(&self.undo, undo.keys, undo.args).await
+            && let Some(n) = FAILED.hit()
+        {
+            tracing::warn!("{n} refund(s) of requests nobody was answered for failed: {e}");
+        }
+    }
+}
+
+/// What admitting a request moves on one of its counters.
+#[derive(Clone, Copy)]
+struct Charge {
+    window_ms: u64,
+    /// Hits added (0 for a check-only or refunding item).
+    hits: u64,
+}
+
+impl Charge {
+    fn of(item: &Item) -> Self {
+        Charge {
+            window_ms: item.limit.window_ms(),
+            hits: if item.refund { 0 } else { item.hits },
+        }
+    }
+}
+
+/// Refunds for admitted requests: the counters they charged and, for each, the window it was
+/// charged in and the hits, as `lua/undo.lua` takes them.
+#[derive(Default)]
+struct Undo {
+    keys: Vec<Bytes>,
+    args: Vec<Value>,
+}
+
+impl Undo {
+    /// Adds what `charge` moved on `key` in a call that ran at `now_ms`.
+    fn add(&mut self, key: &Bytes, charge: Charge, now_ms: i64) {
+        if charge.hits == 0 {
+            return;
+        }
+        self.keys.push(key.clone());
+        self.args
+            .push(Value::from(now_ms / charge.window_ms as i64));
+        self.args.push(Value::from(charge.hits as i64));
+    }
+}
+
+/// The script's arguments for one request made of the items `at`: their count, then each item.
+fn encode(check: &Check, at: &[usize]) -> Vec<Value> {
+    let mut args: Vec<Value> = Vec::with_capacity(1 + at.len() * ARGS_PER_ITEM);
+    args.push(Value::from(at.len() as i64));
+    for &i in at {
+        let item = &check.items[i];
+        args.push(Value::from_static_str(match item.limit.algorithm {
+            Algorithm::FixedWindow => "f",
+            Algorithm::SlidingWindow => "s",
+        }));
+        args.push(Value::from(i64::from(item.limit.requests_per_unit)));
+        args.push(Value::from(item.limit.window_ms() as i64));
+        args.push(Value::from(item.hits as i64));
+        args.push(flag(item.refund));
+        args.push(Value::from_static_str(match item.mode {
+            Mode::Enforce => "e",
+            Mode::Shadow => "s",
+            Mode::Quota => "q",
+        }));
+    }
+    args
+}
+
+fn flag(on: bool) -> Value {
+    Value::from_static_str(if on { "1" } else { "0" })
+}
+
+/// Takes the answer to a request of `counters` counters off the front of a script reply:
+/// admitted, then four numbers per counter.
+fn take_request(reply: &mut &[i64], counters: usize) -> Answer {
+    let Some((answer, rest)) = reply.split_at_checked(1 + 4 * counters) else {
+        return Err(StoreError::Unavailable(format!(
+            "the check script answered {} numbers for {counters} more counters",
+            reply.len()
+        )));
+    };
+    *reply = rest;
+    let verdicts = answer[1..]
+        .chunks_exact(4)
+        .map(|c| Verdict {
+            over: c[0] == 1,
+            remaining_after: c[1].max(0) as u64,
+            remaining_before: c[2].max(0) as u64,
+            reset_ms: c[3].max(0) as u64,
+        })
+        .collect();
+    Ok((answer[0] == 1, verdicts))
+}
+
+/// FNV-1a, 64 bits: a stable hash, the same in every replica, for the key's hash tag.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batched_reply_splits_into_requests() {
+        let reply = [1, 0, 4, 5, 1000, 1, 0, 0, 250, 0, 1, 0, 0, 30];
+        let mut rest = &reply[..];
+        let (admitted, v) = take_request(&mut rest, 2).unwrap();
+        assert!(admitted);
+        assert_eq!(v[0].remaining_after, 4);
+        assert!(v[1].over);
+        assert_eq!(v[1].reset_ms, 250);
+        let (admitted, v) = take_request(&mut rest, 1).unwrap();
+        assert!(!admitted);
+        assert_eq!(v[0].reset_ms, 30);
+        assert!(rest.is_empty());
+        assert!(take_request(&mut &[1, 0][..], 1).is_err());
+    }
+
+    #[test]
+    fn the_hash_tag_is_stable() {
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+    }
+}
