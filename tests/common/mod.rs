@@ -5,6 +5,7 @@
 pub mod redis;
 
 use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -89,12 +90,24 @@ macro_rules! on_every_store {
     };
 }
 
-/// A running `sluice serve`.
+/// A running `sluice serve`. Its log (stderr) goes to a file, printed when a test fails.
 pub struct Sluice {
     child: Child,
     pub grpc: SocketAddr,
     pub http: SocketAddr,
+    /// The rules directory given as `--config`.
+    pub rules: PathBuf,
+    log: PathBuf,
     _dir: tempfile::TempDir,
+}
+
+/// What `Sluice::spawn` waits for before returning.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    /// gRPC health reports SERVING: rules loaded and the store reached.
+    Serving,
+    /// The admin HTTP server answers `/healthz`, ready or not.
+    Live,
 }
 
 impl Sluice {
@@ -108,20 +121,50 @@ impl Sluice {
         Sluice::on(Store::Memory, files, flags).await
     }
 
-    /// Starts sluice on `store` with rule `files` (name, YAML) and extra `serve` flags.
+    /// Starts sluice on `store` with rule `files` (name, YAML) and extra `serve` flags, and waits
+    /// until it reports SERVING.
     pub async fn on(store: Store, files: &[(&str, &str)], flags: &[&str]) -> Sluice {
         clear_of_minute_boundary().await;
         let store_flags = store.flags(flags);
+        let flags: Vec<&str> = flags
+            .iter()
+            .copied()
+            .chain(store_flags.iter().map(String::as_str))
+            .collect();
+        Sluice::spawn(files, &flags, None, Wait::Serving).await
+    }
+
+    /// Starts `sluice serve` with rule `files` and exactly `flags` (plus its addresses), through
+    /// `sh -c "<wrapper> exec sluice …"` when a shell `wrapper` is given (e.g. `ulimit -n 64;`),
+    /// and waits as `wait` says, for at most 15 s.
+    pub async fn spawn(
+        files: &[(&str, &str)],
+        flags: &[&str],
+        wrapper: Option<&str>,
+        wait: Wait,
+    ) -> Sluice {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let rules = dir.path().join("rules");
         std::fs::create_dir(&rules).expect("rules directory");
         for (name, yaml) in files {
             std::fs::write(rules.join(name), yaml).expect("rule file written");
         }
+        let log = dir.path().join("sluice.log");
         for _ in 0..3 {
             let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
             let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-            let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+            let binary = env!("CARGO_BIN_EXE_sluice");
+            let mut command = match wrapper {
+                None => Command::new(binary),
+                Some(prelude) => {
+                    let mut sh = Command::new("sh");
+                    sh.arg("-c")
+                        .arg(format!("{prelude} exec \"$0\" \"$@\""))
+                        .arg(binary);
+                    sh
+                }
+            };
+            let mut child = command
                 .arg("serve")
                 .arg("--config")
                 .arg(&rules)
@@ -130,16 +173,22 @@ impl Sluice {
                 .arg("--http-addr")
                 .arg(http.to_string())
                 .args(flags)
-                .args(&store_flags)
                 .env("SLUICE_LOG", "warn")
                 .stdin(Stdio::null())
+                .stderr(std::fs::File::create(&log).expect("log file"))
                 .spawn()
                 .expect("the sluice binary starts");
-            if wait_serving(&mut child, grpc).await {
+            let up = match wait {
+                Wait::Serving => wait_serving(&mut child, grpc).await,
+                Wait::Live => wait_live(&mut child, http).await,
+            };
+            if up {
                 return Sluice {
                     child,
                     grpc,
                     http,
+                    rules,
+                    log,
                     _dir: dir,
                 };
             }
@@ -147,7 +196,20 @@ impl Sluice {
             let _ = child.kill();
             let _ = child.wait();
         }
-        panic!("sluice did not report SERVING on loopback");
+        panic!(
+            "sluice did not start on loopback; its log:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// What it has logged so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_else(|e| format!("(no log: {e})"))
     }
 
     pub async fn channel(&self) -> Channel {
@@ -181,13 +243,20 @@ impl Sluice {
 /// Waits, when a minute is about to end, until the next one starts, so that a test counting
 /// against per-minute windows never straddles two of them.
 pub async fn clear_of_minute_boundary() {
+    clear_of_window_end(Duration::from_secs(60), Duration::from_secs(10)).await;
+}
+
+/// Waits, when less than `margin` is left of the current epoch-aligned `window`, until the next
+/// window starts.
+pub async fn clear_of_window_end(window: Duration, margin: Duration) {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_millis() as u64;
-    let into_minute = now % 60_000;
-    if into_minute > 50_000 {
-        tokio::time::sleep(Duration::from_millis(60_000 - into_minute + 100)).await;
+    let window = window.as_millis() as u64;
+    let left = window - now % window;
+    if left < margin.as_millis() as u64 {
+        tokio::time::sleep(Duration::from_millis(left + 100)).await;
     }
 }
 
@@ -221,7 +290,31 @@ impl Drop for Sluice {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("sluice log:\n{}", self.log_text());
+        }
     }
+}
+
+/// Polls `/healthz` until it answers 200, for at most 15 s or until the process exits.
+pub async fn wait_live(child: &mut Child, http_addr: SocketAddr) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return false;
+        }
+        let live = tokio::task::spawn_blocking(move || {
+            std::net::TcpStream::connect_timeout(&http_addr, Duration::from_millis(200)).is_ok()
+                && http(http_addr, "GET", "/healthz", "").0 == 200
+        })
+        .await
+        .unwrap_or(false);
+        if live {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
 }
 
 /// A descriptor from (key, value) pairs.

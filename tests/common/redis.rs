@@ -136,6 +136,107 @@ pub fn sentinel() -> Redis {
     }
 }
 
+/// A standalone `redis-server` owned by one test, which can pause, resume, kill and restart it
+/// on the same port; killed when dropped.
+pub struct Controlled {
+    pub port: u16,
+    pub url: String,
+    child: Option<Child>,
+}
+
+impl Controlled {
+    /// A free port for a server not started yet.
+    pub fn unstarted() -> Controlled {
+        let port = low_free_ports(1)[0];
+        Controlled {
+            port,
+            url: format!("redis://127.0.0.1:{port}"),
+            child: None,
+        }
+    }
+
+    /// A server, started and answering PING.
+    pub fn started() -> Controlled {
+        let mut redis = Controlled::unstarted();
+        redis.start();
+        redis
+    }
+
+    /// Starts the server (again) on its port and waits until it answers PING.
+    pub fn start(&mut self) {
+        assert!(self.child.is_none(), "already running");
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string()])
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(["--protected-mode", "no"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server starts (install redis-server)");
+        self.child = Some(child);
+        let port = self.port;
+        wait_for(
+            || cli(port, &["PING"]).trim() == "PONG",
+            "redis-server answers PING",
+        );
+    }
+
+    /// SIGSTOP: the server keeps its connections but answers nothing.
+    pub fn pause(&self) {
+        signal(self.pid(), "STOP");
+    }
+
+    /// SIGCONT after `pause`.
+    pub fn resume(&self) {
+        signal(self.pid(), "CONT");
+    }
+
+    /// SIGKILL: connections reset, counters lost.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().expect("the server runs").id()
+    }
+
+    /// Runs `redis-cli` against this server.
+    pub fn cli(&self, args: &[&str]) -> String {
+        cli(self.port, args)
+    }
+}
+
+impl Drop for Controlled {
+    fn drop(&mut self) {
+        if let Some(child) = &self.child {
+            signal(child.id(), "CONT");
+        }
+        self.kill();
+    }
+}
+
+/// The process id of the server on `port`, from `INFO server`.
+pub fn pid_of(port: u16) -> u32 {
+    cli(port, &["INFO", "server"])
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("process_id:"))
+        .and_then(|pid| pid.parse().ok())
+        .expect("INFO server names the process id")
+}
+
+/// Sends `SIG<name>` to `pid`.
+pub fn signal(pid: u32, name: &str) {
+    let status = Command::new("kill")
+        .args([format!("-{name}"), pid.to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(status.success(), "kill -{name} {pid}");
+}
+
 /// Runs `redis-cli -p port args…` and returns its output.
 pub fn cli(port: u16, args: &[&str]) -> String {
     let out = Command::new("redis-cli")
