@@ -136,3 +136,52 @@ async fn a_full_embedded_store_answers_resource_exhausted_and_keeps_known_counte
         "an existing counter still counts"
     );
 }
+
+/// Fills a one-counter-per-shard embedded store under `policy` and returns the answer to the
+/// first request that found its shard full, after checking that known counters still count.
+async fn answer_when_full(
+    policy: &str,
+) -> envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse {
+    let sluice = Sluice::start_with(
+        &[("rules.yaml", RULES)],
+        &["--max-keys", "1", "--on-store-error", policy],
+    )
+    .await;
+    let mut client = sluice.client().await;
+    let mut seen: Vec<String> = Vec::new();
+    for i in 0..500 {
+        let value = format!("u{i}");
+        let r = client
+            .should_rate_limit(request("web", &[&[("user", &value)]]))
+            .await
+            .expect("a full store is not an error under this policy")
+            .into_inner();
+        let counted = r.statuses[0].limit_remaining == 19;
+        if !counted {
+            let known = sluice.ask(request("web", &[&[("user", &seen[0])]])).await;
+            assert_eq!(
+                known.statuses[0].limit_remaining, 18,
+                "an existing counter still counts"
+            );
+            return r;
+        }
+        seen.push(value);
+    }
+    panic!("the store never filled up");
+}
+
+#[tokio::test]
+async fn a_full_embedded_store_denies_new_counters_under_on_store_error_deny() {
+    let r = answer_when_full("deny").await;
+    assert_eq!(r.overall_code, OVER_LIMIT);
+    let status = &r.statuses[0];
+    assert_eq!(status.code, OVER_LIMIT);
+    assert_eq!(status.current_limit.as_ref().unwrap().requests_per_unit, 20);
+}
+
+#[tokio::test]
+async fn a_full_embedded_store_allows_new_counters_under_on_store_error_allow() {
+    let r = answer_when_full("allow").await;
+    assert_eq!(r.overall_code, OK);
+    assert_eq!(r.statuses[0].current_limit, None, "nothing was counted");
+}

@@ -1,7 +1,7 @@
-//! The circuit breaker of one Redis store: open after `FAILURES_TO_OPEN` failures in a row, when
-//! requests get the `--on-store-error` answer at once instead of waiting for a store that does not
-//! answer; closed only by the store's background probe. It starts open: a store has to be
-//! reached once before it decides anything.
+//! The circuit breaker of one Redis store: open after `FAILURES_TO_OPEN` failures in a row, or at
+//! once when the store's idle health check fails, when requests get the `--on-store-error` answer
+//! at once instead of waiting for a store that does not answer; closed only by the store's
+//! background probe. It starts open: a store has to be reached once before it decides anything.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -39,10 +39,19 @@ impl Breaker {
 
     pub fn failure(&self, why: &impl std::fmt::Display) {
         let failures = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
-        if failures >= FAILURES_TO_OPEN && !self.open.swap(true, Ordering::Relaxed) {
+        if failures >= FAILURES_TO_OPEN {
+            self.trip(&format_args!(
+                "{failures} failures in a row, the last: {why}"
+            ));
+        }
+    }
+
+    /// Opens the breaker at once: the store is known to be down.
+    pub fn trip(&self, why: &impl std::fmt::Display) {
+        if !self.open.swap(true, Ordering::Relaxed) {
             tracing::warn!(
-                "Redis marked down after {failures} failures in a row ({why}): requests get the \
-                 --on-store-error answer until it answers again"
+                "Redis marked down ({why}): requests get the --on-store-error answer until it \
+                 answers again"
             );
             self.changed.notify_one();
         }
@@ -80,5 +89,7 @@ mod tests {
         assert!(b.is_open(), "a late success does not close it");
         b.close();
         assert!(!b.is_open());
+        b.trip(&"no answer");
+        assert!(b.is_open(), "a failed health check opens it at once");
     }
 }

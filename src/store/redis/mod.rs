@@ -40,6 +40,9 @@ const ARGS_PER_ITEM: usize = 6;
 const QUEUE_BOUND: usize = 4096;
 /// How often an open breaker's probe tries Redis.
 const PROBE_INTERVAL: Duration = Duration::from_millis(200);
+/// How often, and how patiently, a closed breaker's probe pings Redis, so that an outage is
+/// noticed (and reported by readiness) even when no request comes.
+const PING_INTERVAL: Duration = Duration::from_secs(1);
 
 pub struct RedisStore {
     conn: Conn,
@@ -151,21 +154,32 @@ impl RedisStore {
 
 /// While the breaker is open, loads the scripts on every primary, every `PROBE_INTERVAL`; once
 /// that succeeds, closes it. A load waits while the client reconnects, and for a paused Redis to
-/// resume, so it succeeds as soon as Redis answers again.
+/// resume, so it succeeds as soon as Redis answers again. While the breaker is closed, pings
+/// Redis every `PING_INTERVAL` and opens it when no answer comes within that time.
 async fn probe(conn: Conn, breaker: Arc<Breaker>) {
     static FAILED: Throttle = Throttle::new();
     let mut tick = tokio::time::interval(PROBE_INTERVAL);
+    let mut last_ping = tokio::time::Instant::now();
     loop {
         tick.tick().await;
-        if !breaker.is_open() {
-            continue;
-        }
-        match conn.load().await {
-            Ok(()) => breaker.close(),
-            Err(e) => {
-                if let Some(n) = FAILED.hit() {
-                    tracing::warn!("Redis is not reachable ({n} tries since the last report): {e}");
+        if breaker.is_open() {
+            match conn.load().await {
+                Ok(()) => breaker.close(),
+                Err(e) => {
+                    if let Some(n) = FAILED.hit() {
+                        tracing::warn!(
+                            "Redis is not reachable ({n} tries since the last report): {e}"
+                        );
+                    }
                 }
+            }
+        } else if last_ping.elapsed() >= PING_INTERVAL {
+            last_ping = tokio::time::Instant::now();
+            let ping = conn.at_once.ping::<()>(None);
+            match tokio::time::timeout(PING_INTERVAL, ping).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => breaker.trip(&e),
+                Err(_) => breaker.trip(&"no answer to PING within 1 s"),
             }
         }
     }
