@@ -1,9 +1,9 @@
 //! `sluice check-config`: exit 0 for valid rules, else one `file:line: message` per error and a
 //! non-zero exit.
 
-use std::process::Command;
+use std::process::{Command, ExitStatus};
 
-fn check(files: &[(&str, &str)]) -> (bool, String) {
+fn check(files: &[(&str, &str)]) -> (ExitStatus, String) {
     let dir = tempfile::tempdir().unwrap();
     for (name, text) in files {
         std::fs::write(dir.path().join(name), text).unwrap();
@@ -15,28 +15,28 @@ fn check(files: &[(&str, &str)]) -> (bool, String) {
         .expect("sluice runs");
     let text =
         String::from_utf8_lossy(&out.stdout).replace(&format!("{}/", dir.path().display()), "");
-    (out.status.success(), text)
+    (out.status, text)
 }
 
 #[test]
 fn valid_rules_exit_zero() {
-    let (ok, out) = check(&[(
+    let (status, out) = check(&[(
         "a.yaml",
         "domain: a\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
     )]);
-    assert!(ok, "{out}");
+    assert!(status.success(), "{out}");
 }
 
 #[test]
 fn a_broken_file_prints_file_and_line_and_exits_non_zero() {
-    let (ok, out) = check(&[
+    let (status, out) = check(&[
         ("good.yaml", "domain: a\ndescriptors:\n  - key: k\n"),
         (
             "bad.yaml",
             "domain: b\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: fortnight\n",
         ),
     ]);
-    assert!(!ok);
+    assert!(!status.success());
     assert_eq!(
         out.trim(),
         "bad.yaml:5: invalid rate limit unit 'fortnight'"
@@ -45,7 +45,7 @@ fn a_broken_file_prints_file_and_line_and_exits_non_zero() {
 
 #[test]
 fn every_error_of_every_file_is_listed() {
-    let (ok, out) = check(&[
+    let (status, out) = check(&[
         ("one.yaml", "domain: \"\"\n"),
         (
             "two.yaml",
@@ -55,7 +55,7 @@ fn every_error_of_every_file_is_listed() {
         ("four.yaml", "\ndomain: d\n"),
         ("ignored.txt", "not: rules"),
     ]);
-    assert!(!ok);
+    assert!(!status.success());
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(
         lines,
@@ -64,6 +64,42 @@ fn every_error_of_every_file_is_listed() {
             "two.yaml:4: config error, unknown key 'bogus'",
             "two.yaml:5: descriptor has empty key",
             "three.yml:1: duplicate domain 'd' in config file",
+        ]
+    );
+}
+
+#[test]
+fn a_unit_multiplier_making_the_window_longer_than_ten_years_is_an_error_at_its_line() {
+    let (status, out) = check(&[
+        (
+            "long.yaml",
+            "\
+domain: long
+descriptors:
+  - key: days
+    rate_limit:
+      unit: day
+      unit_multiplier: 3651
+  - key: seconds
+    rate_limits:
+      - unit: second
+        requests_per_unit: 1
+        unit_multiplier: 4294967295
+",
+        ),
+        // Exactly ten years is the longest window allowed.
+        (
+            "ten.yaml",
+            "domain: ten\ndescriptors:\n  - key: k\n    rate_limit: {unit: year, unit_multiplier: 10}\n",
+        ),
+    ]);
+    assert_eq!(status.code(), Some(1), "{out}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "long.yaml:6: unit_multiplier 3651 makes the window longer than 3650 days (10 years)",
+            "long.yaml:11: unit_multiplier 4294967295 makes the window longer than 3650 days (10 years)",
         ]
     );
 }

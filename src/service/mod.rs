@@ -209,8 +209,7 @@ pub async fn run(
     let accept = hand_out(grpc_listener, connections, shutdown.clone());
     let router = http::router(rls, readiness, setup.edges.max_request_bytes);
     let http = axum::serve(http_listener, router).with_graceful_shutdown(shutdown.wait());
-    let (accept, http) = tokio::join!(accept, http);
-    accept.context("accepting gRPC connections")?;
+    let ((), http) = tokio::join!(accept, http);
     http.context("HTTP server")?;
     for loop_finished in finished {
         loop_finished
@@ -223,8 +222,11 @@ pub async fn run(
 
 /// The longest pause after a failed accept.
 const ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
+/// How long a new connection may stay silent: one that sends nothing only holds a descriptor.
+const FIRST_BYTES: Duration = Duration::from_secs(10);
 
-/// Accepts gRPC connections until `shutdown` fires and hands them to the event loops in turn.
+/// Accepts gRPC connections until `shutdown` fires and hands them to the event loops in turn,
+/// each once it has sent its first bytes (within `FIRST_BYTES`, or it is closed).
 /// A failed accept (out of file descriptors, a connection reset while queued) is logged at most
 /// once a second and followed by a pause, doubling from 5 ms to `ACCEPT_BACKOFF` while it lasts,
 /// so that a lasting one does not spin.
@@ -232,7 +234,7 @@ async fn hand_out(
     listener: TcpListener,
     loops: Vec<mpsc::UnboundedSender<std::net::TcpStream>>,
     shutdown: Shutdown,
-) -> anyhow::Result<()> {
+) {
     static FAILED: Throttle = Throttle::new();
     let stop = shutdown.wait();
     tokio::pin!(stop);
@@ -241,7 +243,7 @@ async fn hand_out(
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
-            () = &mut stop => return Ok(()),
+            () = &mut stop => return,
         };
         let stream = match accepted {
             Ok((stream, _)) => {
@@ -255,16 +257,22 @@ async fn hand_out(
                 pause = (pause * 2).clamp(Duration::from_millis(5), ACCEPT_BACKOFF);
                 tokio::select! {
                     () = tokio::time::sleep(pause) => continue,
-                    () = &mut stop => return Ok(()),
+                    () = &mut stop => return,
                 }
             }
         };
-        match stream.set_nodelay(true).and_then(|()| stream.into_std()) {
-            Ok(stream) => loops[next]
-                .send(stream)
-                .map_err(|_| anyhow::anyhow!("event loop {next} has stopped"))?,
-            Err(e) => tracing::warn!("setting up a gRPC connection: {e}"),
-        }
+        let to_loop = loops[next].clone();
+        tokio::spawn(async move {
+            let mut first = [0; 1];
+            let peek = stream.peek(&mut first);
+            if let Ok(Ok(_)) = tokio::time::timeout(FIRST_BYTES, peek).await {
+                match stream.set_nodelay(true).and_then(|()| stream.into_std()) {
+                    // Fails only while the loops stop.
+                    Ok(stream) => drop(to_loop.send(stream)),
+                    Err(e) => tracing::warn!("setting up a gRPC connection: {e}"),
+                }
+            }
+        });
         next = (next + 1) % loops.len();
     }
 }

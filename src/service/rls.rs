@@ -136,8 +136,10 @@ impl Rls {
         static UNDECIDED: Throttle = Throttle::new();
         let policy = self.fallback.on_store_error;
         if let Some(n) = UNDECIDED.hit() {
+            let name = clap::ValueEnum::to_possible_value(&policy).expect("no value is skipped");
             tracing::warn!(
-                "{n} request(s) since the last report answered by --on-store-error={policy:?}: {e}"
+                "{n} request(s) since the last report answered by --on-store-error {}: {e}",
+                name.get_name()
             );
         }
         match policy {

