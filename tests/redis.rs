@@ -5,9 +5,9 @@ mod common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use common::{OK, OVER_LIMIT, Sluice, Store, request};
+use common::{OK, OVER_LIMIT, Sluice, Store, request, sleep_until_unix_ms, unix_ms};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use tonic::transport::Channel;
 
@@ -185,20 +185,6 @@ async fn a_flushed_script_cache_is_reloaded_without_errors(store: Store) {
     );
 }
 
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
-
-async fn sleep_until_ms(at: u64) {
-    let now = now_ms();
-    if at > now {
-        tokio::time::sleep(Duration::from_millis(at - now)).await;
-    }
-}
-
 /// L requests at the end of one window and L at the start of the next: the fixed window admits
 /// 2L, the sliding window about L (L plus the share of L the new window has already covered).
 async fn the_sliding_window_smooths_a_window_boundary(store: Store) {
@@ -207,9 +193,9 @@ async fn the_sliding_window_smooths_a_window_boundary(store: Store) {
     let sluice = Sluice::on(store, &rules(yaml), &[]).await;
     let mut client = sluice.client().await;
     for key in ["fixed", "sliding"] {
-        let boundary = (now_ms() / 1000 + 2) * 1000;
+        let boundary = (unix_ms() / 1000 + 2) * 1000;
         let mut admitted = 0;
-        sleep_until_ms(boundary - 600).await;
+        sleep_until_unix_ms(boundary - 600).await;
         for _ in 0..L {
             let r = client
                 .should_rate_limit(request("edge", &[&[(key, "x")]]))
@@ -218,10 +204,10 @@ async fn the_sliding_window_smooths_a_window_boundary(store: Store) {
             admitted += u64::from(r.get_ref().overall_code == OK);
         }
         assert!(
-            now_ms() < boundary,
+            unix_ms() < boundary,
             "the first burst ended inside its window"
         );
-        sleep_until_ms(boundary + 20).await;
+        sleep_until_unix_ms(boundary + 20).await;
         for _ in 0..L {
             let r = client
                 .should_rate_limit(request("edge", &[&[(key, "x")]]))
@@ -229,7 +215,7 @@ async fn the_sliding_window_smooths_a_window_boundary(store: Store) {
                 .unwrap();
             admitted += u64::from(r.get_ref().overall_code == OK);
         }
-        let covered = (now_ms() - boundary) as f64 / 1000.0;
+        let covered = (unix_ms() - boundary) as f64 / 1000.0;
         if key == "fixed" {
             assert_eq!(admitted, 2 * L);
         } else {

@@ -241,6 +241,19 @@ impl Sluice {
     }
 }
 
+/// The wall clock, in ms since the Unix epoch (the clock sluice's windows are aligned to).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// Sleeps until the wall clock reads `at` (ms since the Unix epoch).
+pub async fn sleep_until_unix_ms(at: u64) {
+    tokio::time::sleep(Duration::from_millis(at.saturating_sub(unix_ms()))).await;
+}
+
 /// Waits, when a minute is about to end, until the next one starts, so that a test counting
 /// against per-minute windows never straddles two of them.
 pub async fn clear_of_minute_boundary() {
@@ -250,10 +263,7 @@ pub async fn clear_of_minute_boundary() {
 /// Waits, when less than `margin` is left of the current epoch-aligned `window`, until the next
 /// window starts.
 pub async fn clear_of_window_end(window: Duration, margin: Duration) {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64;
+    let now = unix_ms();
     let window = window.as_millis() as u64;
     let left = window - now % window;
     if left < margin.as_millis() as u64 {

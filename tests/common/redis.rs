@@ -228,6 +228,29 @@ pub fn pid_of(port: u16) -> u32 {
         .expect("INFO server names the process id")
 }
 
+/// A process stopped by SIGSTOP, continued (SIGCONT) by `resume` or when dropped: a failing test
+/// never leaves a server stopped, which its supervising shell could not end.
+pub struct Stopped(u32);
+
+impl Stopped {
+    pub fn new(pid: u32) -> Stopped {
+        signal(pid, "STOP");
+        Stopped(pid)
+    }
+
+    /// SIGCONT, by dropping it.
+    pub fn resume(self) {}
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        // Unchecked: this also runs while a failing test unwinds.
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.0.to_string()])
+            .status();
+    }
+}
+
 /// Sends `SIG<name>` to `pid`.
 pub fn signal(pid: u32, name: &str) {
     let status = Command::new("kill")
