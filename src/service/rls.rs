@@ -439,3 +439,32 @@ fn respond(
     }
     response
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn timeout(value: &str) -> Option<Duration> {
+        let mut metadata = MetadataMap::new();
+        metadata.insert("grpc-timeout", value.parse().unwrap());
+        grpc_timeout(&metadata)
+    }
+
+    #[test]
+    fn the_callers_grpc_timeout_is_read_in_every_unit() {
+        assert_eq!(timeout("20m"), Some(Duration::from_millis(20)));
+        assert_eq!(timeout("1500u"), Some(Duration::from_micros(1500)));
+        assert_eq!(timeout("3S"), Some(Duration::from_secs(3)));
+        assert_eq!(timeout("2M"), Some(Duration::from_secs(120)));
+        assert_eq!(timeout("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(timeout("7n"), Some(Duration::from_nanos(7)));
+        assert_eq!(grpc_timeout(&MetadataMap::new()), None);
+    }
+
+    #[test]
+    fn a_malformed_grpc_timeout_is_ignored() {
+        for bad in ["", "m", "20", "20x", "-1m", "123456789m", "1.5S"] {
+            assert_eq!(timeout(bad), None, "{bad:?}");
+        }
+    }
+}
