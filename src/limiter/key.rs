@@ -24,11 +24,25 @@ pub struct CounterKey {
 }
 
 impl CounterKey {
-    pub fn new(domain: &[u8], entries: &[(&[u8], &[u8])], limit: &str) -> Self {
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// The part that names the descriptor, shared by all of its limits.
+    pub fn descriptor(&self) -> &[u8] {
+        &self.bytes[..self.descriptor_len]
+    }
+}
+
+/// The descriptor part of a `CounterKey` (domain and entries), encoded once for all of the
+/// descriptor's limits: a long value is digested once, not once per limit.
+pub struct DescriptorKey(Vec<u8>);
+
+impl DescriptorKey {
+    pub fn new(domain: &[u8], entries: &[(&[u8], &[u8])]) -> Self {
         let field_len = |f: &[u8]| f.len().min(LONGEST_LITERAL) + 8;
         let mut bytes = Vec::with_capacity(
             16 + field_len(domain)
-                + limit.len()
                 + entries
                     .iter()
                     .map(|(k, v)| field_len(k) + field_len(v))
@@ -40,21 +54,18 @@ impl CounterKey {
             push_field(&mut bytes, key);
             push_field(&mut bytes, value);
         }
-        let descriptor_len = bytes.len();
+        DescriptorKey(bytes)
+    }
+
+    /// The counter of this descriptor under the limit identity `limit`.
+    pub fn counter(&self, limit: &str) -> CounterKey {
+        let mut bytes = Vec::with_capacity(self.0.len() + limit.len() + 8);
+        bytes.extend_from_slice(&self.0);
         push_field(&mut bytes, limit.as_bytes());
         CounterKey {
             bytes: bytes.into_boxed_slice(),
-            descriptor_len,
+            descriptor_len: self.0.len(),
         }
-    }
-
-    pub fn as_bytes(&self) -> &[u8] {
-        &self.bytes
-    }
-
-    /// The part that names the descriptor, shared by all of its limits.
-    pub fn descriptor(&self) -> &[u8] {
-        &self.bytes[..self.descriptor_len]
     }
 }
 
@@ -88,7 +99,7 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.as_bytes(), v.as_bytes()))
             .collect();
-        CounterKey::new(b"d", &entries, limit)
+        DescriptorKey::new(b"d", &entries).counter(limit)
     }
 
     #[test]
@@ -122,7 +133,7 @@ mod tests {
         ];
         let keys: std::collections::HashSet<_> = values
             .iter()
-            .map(|v| CounterKey::new(b"d", &[(b"k", v)], "l"))
+            .map(|v| DescriptorKey::new(b"d", &[(b"k", v)]).counter("l"))
             .collect();
         assert_eq!(keys.len(), values.len());
     }

@@ -7,7 +7,7 @@ pub mod window;
 
 use std::time::Duration;
 
-pub use key::CounterKey;
+pub use key::{CounterKey, DescriptorKey};
 
 use crate::store::{Deadline, Store, StoreError};
 
@@ -208,7 +208,7 @@ mod tests {
 
     fn item(mode: Mode) -> Item {
         Item {
-            key: CounterKey::new(b"d", &[(b"k", b"v")], "l"),
+            key: DescriptorKey::new(b"d", &[(b"k", b"v")]).counter("l"),
             limit: Limit {
                 name: String::new(),
                 requests_per_unit: 1,

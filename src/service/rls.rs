@@ -20,7 +20,7 @@ use super::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLim
 use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::config::RuleLimit;
 use crate::limiter::{
-    Algorithm, Check, CounterKey, Decision, Item, Limit, Limiter, Mode, Unit, Usage, admits,
+    Algorithm, Check, Decision, DescriptorKey, Item, Limit, Limiter, Mode, Unit, Usage, admits,
 };
 use crate::rules::RuleSet;
 use crate::store::{Deadline, StoreError};
@@ -320,9 +320,11 @@ fn plan(rules: &RuleSet, request: &RateLimitRequest) -> (Vec<Plan>, Check) {
             None => entries.clone(),
         };
         let start = check.items.len();
+        let mut descriptor_key = None;
         let mut push = |limit: Limit, identity: String, mode: Mode| {
+            let key = descriptor_key.get_or_insert_with(|| DescriptorKey::new(domain, &counted));
             check.items.push(Item {
-                key: CounterKey::new(domain, &counted, &identity),
+                key: key.counter(&identity),
                 limit,
                 mode,
                 hits,

@@ -245,11 +245,12 @@ fn now_ms() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::{Algorithm, Item, Limit, Mode, Unit};
+    use crate::limiter::{Algorithm, DescriptorKey, Item, Limit, Mode, Unit};
 
     fn item(value: &str, limit: u32, hits: u64) -> Item {
         Item {
-            key: CounterKey::new(b"d", &[(b"k", value.as_bytes())], "fixed_window:minute:1"),
+            key: DescriptorKey::new(b"d", &[(b"k", value.as_bytes())])
+                .counter("fixed_window:minute:1"),
             limit: Limit {
                 name: String::new(),
                 requests_per_unit: limit,
