@@ -9,7 +9,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use common::redis::{Redis, Stopped, cli, dedicated_cluster, pid_of};
-use common::{OK, Sluice, Store, request, sleep_until_unix_ms, unix_ms};
+use common::{OK, Sluice, Store, gather, request, sleep_until_unix_ms, unix_ms};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::DescriptorStatus;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
@@ -132,14 +132,6 @@ async fn callers(
         }));
     }
     callers
-}
-
-async fn gather(callers: Vec<JoinHandle<Vec<Timed>>>) -> Vec<Timed> {
-    let mut all = Vec::new();
-    for caller in callers {
-        all.extend(caller.await.expect("a caller runs to the end"));
-    }
-    all
 }
 
 /// The end (Unix ms) of the window a decided status counted in. The script read Redis' clock (this

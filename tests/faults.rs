@@ -8,7 +8,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use common::redis::Controlled;
-use common::{OK, OVER_LIMIT, Sluice, Store, Wait, http, request};
+use common::{OK, OVER_LIMIT, Sluice, Store, Wait, gather, http, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tokio::task::JoinHandle;
@@ -127,14 +127,6 @@ async fn load(sluice: &Sluice, policy: Policy, stop: Instant) -> Vec<JoinHandle<
         }));
     }
     callers
-}
-
-async fn gather(callers: Vec<JoinHandle<Vec<Answer>>>) -> Vec<Answer> {
-    let mut all = Vec::new();
-    for caller in callers {
-        all.extend(caller.await.expect("a caller runs to the end"));
-    }
-    all
 }
 
 /// Every answer arrived in time and is a decided or a policy answer.

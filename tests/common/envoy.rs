@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::free_port;
+use super::{exchange, free_port, read_log, stop_showing_log};
 
 /// How long Envoy may take to start and route to the upstream.
 const STARTUP: Duration = Duration::from_secs(30);
@@ -238,7 +238,7 @@ impl Envoy {
     }
 
     fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_else(|e| format!("(no log: {e})"))
+        read_log(&self.log)
     }
 }
 
@@ -250,11 +250,7 @@ enum Ready {
 
 impl Drop for Envoy {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("Envoy log:\n{}", self.log_text());
-        }
+        stop_showing_log(&mut self.child, "Envoy", &self.log);
     }
 }
 
@@ -267,16 +263,12 @@ pub fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str
 }
 
 /// A GET of `path` with extra request `headers` whose values are any bytes (not only text),
-/// returning (status, headers, body); the body is read lossily as UTF-8.
+/// returning (status, headers, body).
 pub fn get_with_headers(
     addr: SocketAddr,
     path: &str,
     headers: &[(&str, &[u8])],
 ) -> (u16, Vec<(String, String)>, String) {
-    let mut stream = TcpStream::connect(addr).expect("HTTP connects");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
     let mut head =
         format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n").into_bytes();
     for (name, value) in headers {
@@ -286,22 +278,7 @@ pub fn get_with_headers(
         head.extend_from_slice(b"\r\n");
     }
     head.extend_from_slice(b"\r\n");
-    stream.write_all(&head).expect("the request is sent");
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).expect("an HTTP response");
-    let raw = String::from_utf8_lossy(&raw);
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-    let mut lines = head.lines();
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("an HTTP status line: {head}"));
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    (status, headers, body.to_owned())
+    exchange(addr, &head)
 }
 
 /// A GET that reports failure instead of panicking, for polling; bounded by short timeouts. The

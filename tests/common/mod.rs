@@ -210,7 +210,7 @@ impl Sluice {
 
     /// What it has logged so far.
     pub fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_else(|e| format!("(no log: {e})"))
+        read_log(&self.log)
     }
 
     pub async fn channel(&self) -> Channel {
@@ -239,6 +239,15 @@ impl Sluice {
     pub fn alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
+}
+
+/// Waits for every task and returns what they returned, in order.
+pub async fn gather<T>(tasks: Vec<tokio::task::JoinHandle<Vec<T>>>) -> Vec<T> {
+    let mut all = Vec::new();
+    for task in tasks {
+        all.extend(task.await.expect("a task runs to the end"));
+    }
+    all
 }
 
 /// The wall clock, in ms since the Unix epoch (the clock sluice's windows are aligned to).
@@ -299,11 +308,21 @@ pub async fn wait_serving(child: &mut Child, grpc: SocketAddr) -> bool {
 
 impl Drop for Sluice {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("sluice log:\n{}", self.log_text());
-        }
+        stop_showing_log(&mut self.child, "sluice", &self.log);
+    }
+}
+
+/// A log file's text, or why there is none.
+pub fn read_log(path: &std::path::Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| format!("(no log: {e})"))
+}
+
+/// Kills `child` and, when a test is failing, prints its log.
+pub fn stop_showing_log(child: &mut Child, name: &str, log: &std::path::Path) {
+    let _ = child.kill();
+    let _ = child.wait();
+    if std::thread::panicking() {
+        eprintln!("{name} log:\n{}", read_log(log));
     }
 }
 
@@ -358,26 +377,32 @@ pub fn http(
     path: &str,
     body: &str,
 ) -> (u16, Vec<(String, String)>, String) {
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    exchange(addr, request.as_bytes())
+}
+
+/// Sends the raw HTTP/1.1 `request` to `addr` (the server closes after answering) and returns
+/// (status, headers, body); the body is read lossily as UTF-8.
+pub fn exchange(addr: SocketAddr, request: &[u8]) -> (u16, Vec<(String, String)>, String) {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(addr).expect("HTTP connects");
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw).expect("HTTP response");
+    stream.write_all(request).expect("the request is sent");
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).expect("an HTTP response");
+    let raw = String::from_utf8_lossy(&raw);
     let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
     let mut lines = head.lines();
     let status = lines
         .next()
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|s| s.parse().ok())
-        .expect("an HTTP status line");
+        .unwrap_or_else(|| panic!("an HTTP status line: {head}"));
     let headers = lines
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
