@@ -2,7 +2,7 @@
 //! measures a running service and `health` probes its gRPC health.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -10,10 +10,11 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
 use sluice::config;
-use sluice::rules::RuleSet;
-use sluice::service::rls::{Bounds, Fallback, OnStoreError};
-use sluice::service::{self, Edges, Rules, Setup, Shutdown};
+use sluice::limiter::OverLimitCache;
+use sluice::service::rls::{Answering, Bounds, Fallback, OnStoreError};
+use sluice::service::{self, Addrs, Edges, JsonAt, Rules, Setup, Shutdown, reload};
 use sluice::store::Backend;
+use sluice::telemetry::LogFormat;
 
 /// mimalloc: measurably less CPU per request than the system allocator on the request path, and
 /// less memory held for the embedded store's many small counters.
@@ -54,9 +55,14 @@ struct ServeArgs {
     /// Address of the gRPC server (rate limit service, health, reflection).
     #[arg(long, env = "SLUICE_GRPC_ADDR", default_value = "0.0.0.0:8081")]
     grpc_addr: SocketAddr,
-    /// Address of the admin HTTP server (/healthz, /readyz, /json).
+    /// Address of the admin HTTP server (/healthz, /readyz, /metrics, /config, /rlconfig, and
+    /// /json unless --json-addr moves it).
     #[arg(long, env = "SLUICE_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     http_addr: SocketAddr,
+    /// Where /json (which moves counters) is served: an address of its own, or `off`. Without
+    /// it, /json is served on --http-addr.
+    #[arg(long, env = "SLUICE_JSON_ADDR", value_parser = parse_json_addr)]
+    json_addr: Option<JsonAt>,
     /// Keep counters in Redis: redis://, rediss:// (TLS), redis-cluster://, redis-sentinel://
     /// (user and password in the URL). Without it, counters live in the embedded store.
     #[arg(long, env = "SLUICE_REDIS_URL")]
@@ -67,6 +73,13 @@ struct ServeArgs {
     /// Count and report, but never deny: every answer is OK.
     #[arg(long, env = "SLUICE_SHADOW_MODE")]
     shadow_mode: bool,
+    /// The share of a limit past which hits are counted as near it (metrics only).
+    #[arg(long, env = "SLUICE_NEAR_LIMIT_RATIO", default_value_t = 0.8)]
+    near_limit_ratio: f64,
+    /// Most counters the local over-limit cache holds (denying requests that counters known to
+    /// be full would deny, without a store call, until they free up); 0 switches it off.
+    #[arg(long, env = "SLUICE_LOCAL_CACHE_SIZE", default_value_t = 65_536)]
+    local_cache_size: usize,
     /// Start with no rules (an empty rules directory) instead of refusing to: not ready until a
     /// reload (SIGHUP) finds some.
     #[arg(long, env = "SLUICE_ALLOW_EMPTY_CONFIG")]
@@ -99,6 +112,27 @@ struct ServeArgs {
     /// Most requests in flight on one gRPC connection.
     #[arg(long, env = "SLUICE_MAX_CONCURRENT_STREAMS", default_value_t = 1024)]
     max_concurrent_streams: u32,
+    /// How long SIGTERM waits for in-flight calls before exiting anyway.
+    #[arg(long, env = "SLUICE_SHUTDOWN_GRACE", default_value = "10s", value_parser = humantime::parse_duration)]
+    shutdown_grace: Duration,
+    /// How log lines are written: text, or json (one object per line).
+    #[arg(long, env = "SLUICE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    /// A level (error, warn, info, debug, trace: sluice's own events; its libraries' stay at
+    /// info) or a full filter such as `info,sluice::store=debug`. Without it, SLUICE_LOG or
+    /// RUST_LOG, else info.
+    #[arg(long, env = "SLUICE_LOG_LEVEL")]
+    log_level: Option<String>,
+}
+
+fn parse_json_addr(value: &str) -> Result<JsonAt, String> {
+    if value == "off" {
+        return Ok(JsonAt::Off);
+    }
+    value
+        .parse()
+        .map(JsonAt::Addr)
+        .map_err(|e| format!("{e}: an address such as 127.0.0.1:8082, or `off`"))
 }
 
 fn main() -> ExitCode {
@@ -108,7 +142,7 @@ fn main() -> ExitCode {
         Command::Health { target } => health(target),
         Command::Load(options) => load(options),
         Command::Serve(args) => {
-            sluice::telemetry::init();
+            sluice::telemetry::init(args.log_format, args.log_level.as_deref());
             match serve(args) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
@@ -120,7 +154,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn check_config(path: &Path) -> ExitCode {
+fn check_config(path: &std::path::Path) -> ExitCode {
     match config::load(path) {
         Ok(loaded) => {
             for w in &loaded.warnings {
@@ -220,6 +254,9 @@ fn check_bounds(args: &ServeArgs) -> anyhow::Result<()> {
     if args.threads == Some(0) {
         anyhow::bail!("--threads: must be at least 1");
     }
+    if !(args.near_limit_ratio > 0.0 && args.near_limit_ratio <= 1.0) {
+        anyhow::bail!("--near-limit-ratio: must be more than 0 and at most 1");
+    }
     if args.store_timeout.is_zero() || args.store_timeout > LONGEST_STORE_TIMEOUT {
         anyhow::bail!(
             "--store-timeout: must be more than 0 and at most {}",
@@ -227,45 +264,6 @@ fn check_bounds(args: &ServeArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-/// Loads and validates the rules under `path`; none at all is an error unless `allow_empty`.
-fn load_rules(path: &Path, allow_empty: bool) -> anyhow::Result<RuleSet> {
-    match config::load(path) {
-        Ok(loaded) if loaded.domains.is_empty() && !allow_empty => anyhow::bail!(
-            "no rules in {}: no .yaml or .yml file with a domain (--allow-empty-config serves anyway, not ready until rules are loaded)",
-            path.display()
-        ),
-        Ok(loaded) => {
-            for w in &loaded.warnings {
-                tracing::warn!("{w}");
-            }
-            tracing::info!(domains = loaded.domains.len(), path = %path.display(), "rules loaded");
-            Ok(RuleSet::new(loaded.domains))
-        }
-        Err(errors) => {
-            for e in &errors {
-                tracing::error!("{e}");
-            }
-            anyhow::bail!("{} error(s) in {}", errors.len(), path.display())
-        }
-    }
-}
-
-/// Reloads the rules on every SIGHUP: valid rules replace those in force at once; invalid ones
-/// are logged with `file:line` and the rules in force stay.
-async fn reload_on_hangup(
-    mut hangup: tokio::signal::unix::Signal,
-    path: PathBuf,
-    allow_empty: bool,
-    rules: Rules,
-) {
-    while hangup.recv().await.is_some() {
-        match load_rules(&path, allow_empty) {
-            Ok(loaded) => rules.replace(loaded),
-            Err(e) => tracing::error!("SIGHUP: {e:#}; the rules in force stay"),
-        }
-    }
 }
 
 /// The main thread runs the listener, the admin HTTP server and the embedded store's sweeper; the
@@ -282,15 +280,17 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
     // Before anything else: from here on a SIGHUP reloads instead of ending the process.
     let hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     check_bounds(&args)?;
-    let rules = Rules::new(load_rules(&args.config, args.allow_empty_config)?);
+    let first = reload::load(&args.config, args.allow_empty_config)?;
+    reload::first(&first);
+    let rules = Rules::new(first);
     if !rules.loaded() {
-        tracing::warn!("no rules loaded: not ready until a reload (SIGHUP) finds some");
+        tracing::warn!("no rules loaded: not ready until a reload finds some");
     }
-    tokio::spawn(reload_on_hangup(
-        hangup,
+    tokio::spawn(reload::watch(
+        rules.clone(),
         args.config.clone(),
         args.allow_empty_config,
-        rules.clone(),
+        hangup,
     ));
     let backend = match &args.redis_url {
         None => Backend::memory(args.max_keys),
@@ -311,20 +311,42 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
             max_request_bytes: args.max_request_bytes,
             max_concurrent_streams: args.max_concurrent_streams,
         },
-        shadow_mode: args.shadow_mode,
+        answering: Answering {
+            shadow_mode: args.shadow_mode,
+            near_limit_ratio: args.near_limit_ratio,
+        },
+        cache: (args.local_cache_size > 0)
+            .then(|| std::sync::Arc::new(OverLimitCache::new(args.local_cache_size))),
     };
     let (stop, shutdown) = Shutdown::new();
+    let grace = args.shutdown_grace;
     tokio::spawn(async move {
         wait_for_signal().await;
-        tracing::info!("shutting down: draining in-flight calls");
+        tracing::info!(
+            "shutting down: not ready, not accepting, draining in-flight calls (at most {})",
+            humantime::format_duration(grace)
+        );
         let _ = stop.send(true);
+        // Drained or not, the process ends within the grace period.
+        std::thread::spawn(move || {
+            std::thread::sleep(grace);
+            tracing::warn!("in-flight calls still running after --shutdown-grace: exiting");
+            std::process::exit(0);
+        });
     });
     let loops = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
-    service::run(setup, args.grpc_addr, args.http_addr, loops, shutdown)
+    let addrs = Addrs {
+        grpc: args.grpc_addr,
+        http: args.http_addr,
+        json: args.json_addr.unwrap_or(JsonAt::Http),
+    };
+    let served = service::run(setup, addrs, loops, shutdown)
         .await
-        .context("serving")
+        .context("serving");
+    tracing::info!("stopped");
+    served
 }
 
 async fn wait_for_signal() {

@@ -75,11 +75,20 @@ async fn on_different_nodes(cluster: &Redis) -> Split {
     panic!("100 values of b all on the node of a={A}");
 }
 
+/// sluice on `cluster`, without the local over-limit cache: these tests follow each request's
+/// script calls and refunds, which a request denied locally never makes.
 async fn sluice_on(cluster: &Redis, rules: &str, prefix: &str) -> Sluice {
     Sluice::on(
         Store::Memory,
         &[("rules.yaml", rules)],
-        &["--redis-url", &cluster.url, "--redis-key-prefix", prefix],
+        &[
+            "--redis-url",
+            &cluster.url,
+            "--redis-key-prefix",
+            prefix,
+            "--local-cache-size",
+            "0",
+        ],
     )
     .await
 }

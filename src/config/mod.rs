@@ -5,7 +5,10 @@
 mod file;
 
 use std::fmt;
+use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
 
 pub use file::parse;
 
@@ -66,6 +69,29 @@ impl fmt::Display for ConfigError {
 pub struct Loaded {
     pub domains: Vec<DomainConfig>,
     pub warnings: Vec<ConfigError>,
+    /// Every file read, with the SHA-256 of its bytes (hex).
+    pub files: Vec<(PathBuf, String)>,
+}
+
+impl Loaded {
+    /// The SHA-256 (hex) of every file's name and digest, in order: equal for equal rules.
+    pub fn hash(&self) -> String {
+        let mut h = Sha256::new();
+        for (file, digest) in &self.files {
+            h.update(file.to_string_lossy().as_bytes());
+            h.update([0]);
+            h.update(digest.as_bytes());
+            h.update([0]);
+        }
+        hex(&h.finalize())
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().fold(String::with_capacity(64), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
 }
 
 /// Loads one rule file, or every `.yaml`/`.yml` file directly inside a directory (hidden entries,
@@ -81,7 +107,14 @@ pub fn load(path: &Path) -> Result<Loaded, Vec<ConfigError>> {
     let mut loaded = Loaded::default();
     let mut errors = Vec::new();
     for file in files {
-        match std::fs::read_to_string(&file) {
+        let text = std::fs::read(&file).and_then(|bytes| {
+            loaded
+                .files
+                .push((file.clone(), hex(&Sha256::digest(&bytes))));
+            String::from_utf8(bytes)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+        });
+        match text {
             Ok(text) => match parse(&file, &text) {
                 Ok((domain, warnings)) => {
                     loaded.warnings.extend(warnings);

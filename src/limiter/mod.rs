@@ -2,14 +2,20 @@
 //! gathers every counter a request touches, and the `Limiter` that hands a check to the store and
 //! returns its all-or-nothing `Decision`.
 
+mod cache;
 mod key;
 pub mod window;
 
+use std::sync::Arc;
 use std::time::Duration;
 
-pub use key::{CounterKey, DescriptorKey};
+use tokio::time::Instant;
+
+pub use cache::OverLimitCache;
+pub use key::{CounterKey, DescriptorKey, LONGEST_LITERAL};
 
 use crate::store::{Deadline, Store, StoreError};
+use crate::telemetry::metrics::METRICS;
 
 /// The time unit of a limit. Months are 30 days and years 365 days, as envoyproxy/ratelimit has it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -150,6 +156,33 @@ pub struct Usage {
     pub remaining: u64,
     /// Time until the counter frees up: the end of the window, or when one more hit fits.
     pub reset: Duration,
+    /// Not one more hit fits until `reset`.
+    pub full: bool,
+    pub source: Source,
+}
+
+/// Where a `Usage` comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The store evaluated the counter.
+    Store,
+    /// The local over-limit cache knew the counter full.
+    LocalCache,
+    /// Nobody looked: another counter denied the request from the local cache.
+    Unknown,
+}
+
+impl Usage {
+    /// The usage of a counter nobody looked at.
+    pub fn unknown() -> Self {
+        Usage {
+            over: false,
+            remaining: 0,
+            reset: Duration::ZERO,
+            full: false,
+            source: Source::Unknown,
+        }
+    }
 }
 
 /// The all-or-nothing verdict over a whole check.
@@ -179,18 +212,20 @@ pub fn admits(items: &[Item], over: impl Fn(usize) -> bool) -> bool {
     quotas == 0 || quotas_over < quotas
 }
 
-/// Decides checks against a store.
+/// Decides checks against a store, denying from the local over-limit cache when it can.
 pub struct Limiter {
     store: Store,
+    cache: Option<Arc<OverLimitCache>>,
 }
 
 impl Limiter {
-    pub fn new(store: Store) -> Self {
-        Limiter { store }
+    pub fn new(store: Store, cache: Option<Arc<OverLimitCache>>) -> Self {
+        Limiter { store, cache }
     }
 
     /// Decides `check`; the store must answer by `deadline`. A check without items is admitted
-    /// without asking the store.
+    /// without asking the store, and one that counters known to be full deny is denied without
+    /// asking it.
     pub async fn decide(&self, check: &Check, deadline: Deadline) -> Result<Decision, StoreError> {
         if check.items.is_empty() {
             return Ok(Decision {
@@ -198,7 +233,18 @@ impl Limiter {
                 usages: Vec::new(),
             });
         }
-        self.store.apply(check, deadline).await
+        let asked = Instant::now();
+        if let Some(denied) = self.cache.as_ref().and_then(|c| c.deny(check, asked)) {
+            return Ok(denied);
+        }
+        let decided = self.store.apply(check, deadline).await;
+        METRICS
+            .store_call_seconds
+            .observe(asked.elapsed().as_secs_f64());
+        if let (Some(cache), Ok(decision)) = (&self.cache, &decided) {
+            cache.learn(check, decision, asked);
+        }
+        decided
     }
 }
 

@@ -29,16 +29,20 @@ pub struct Verdict {
 }
 
 impl Verdict {
-    /// What to report once the request is decided.
-    pub fn usage(&self, admitted: bool) -> Usage {
+    /// What to report once the request is decided, for a counter of `algorithm` asked for
+    /// `hits`.
+    pub fn usage(&self, admitted: bool, algorithm: Algorithm, hits: u64) -> Usage {
+        let after = if admitted {
+            self.remaining_after
+        } else {
+            self.remaining_before
+        };
         Usage {
             over: self.over,
-            remaining: match (self.over, admitted) {
-                (true, _) => 0,
-                (false, true) => self.remaining_after,
-                (false, false) => self.remaining_before,
-            },
+            remaining: if self.over { 0 } else { after },
             reset: Duration::from_millis(self.reset_ms),
+            full: super::cache::full(algorithm, hits, self.over, self.remaining_before, after),
+            source: super::Source::Store,
         }
     }
 }

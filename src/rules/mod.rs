@@ -4,27 +4,61 @@
 //! the limits are those of the node matched by the last entry. Keys and values are compared as
 //! pairs of bytes (a request's may be any bytes, not only UTF-8), never as a joined `key_value`
 //! string.
+//!
+//! Each rule holds its metric counters, named as envoyproxy/ratelimit names its stats: the rule's
+//! path of `key_value` (or `key` alone) steps joined by dots.
 
-use std::collections::HashMap;
+mod dump;
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::SystemTime;
 
 use memchr::memmem;
 
-use crate::config::{DescriptorConfig, DomainConfig, RuleLimit};
-use crate::limiter::Mode;
+use crate::config::{DescriptorConfig, DomainConfig, Loaded, RuleLimit};
+use crate::limiter::{LONGEST_LITERAL, Mode};
+use crate::telemetry::metrics::{METRICS, RuleStats};
 
 /// Every loaded domain, ready to match.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct RuleSet {
     domains: HashMap<Vec<u8>, Level>,
+    /// Every (domain, rule path), for pruning the metrics of rules a reload removed.
+    paths: HashSet<(String, String)>,
+    /// The domains as the files declare them, for the dumps.
+    configs: Vec<DomainConfig>,
+    origin: Origin,
+}
+
+/// Where a rule set comes from.
+#[derive(Clone, Debug)]
+pub struct Origin {
+    /// Every file read, with the SHA-256 (hex) of its bytes.
+    pub files: Vec<(PathBuf, String)>,
+    /// One hash of them all: equal for equal rules.
+    pub hash: String,
+    pub loaded_at: SystemTime,
+}
+
+impl Default for Origin {
+    fn default() -> Self {
+        Origin {
+            files: Vec::new(),
+            hash: String::new(),
+            loaded_at: SystemTime::now(),
+        }
+    }
 }
 
 /// The children of one node, grouped by entry key.
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Level {
     by_key: HashMap<Vec<u8>, Branches>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Branches {
     exact: HashMap<Vec<u8>, Node>,
     patterns: Vec<(Pattern, Node)>,
@@ -32,11 +66,19 @@ struct Branches {
 }
 
 /// One rule of the tree.
-#[derive(Debug)]
 pub struct Node {
     pub limits: Vec<RuleLimit>,
     pub mode: Mode,
     share_threshold: bool,
+    /// The rule's path, `key_value.key…`, as envoyproxy/ratelimit names the rule's stats.
+    pub path: String,
+    /// The counters of the rule's metrics.
+    pub stats: Arc<RuleStats>,
+    /// The series is named from the request's values (`detailed_metric` here, or
+    /// `value_to_metric` on the way here): see `RuleSet::metric_name`.
+    pub named_by_request: bool,
+    detailed_metric: bool,
+    value_to_metric: bool,
     children: Level,
 }
 
@@ -75,7 +117,6 @@ impl Pattern {
 }
 
 /// What a request descriptor resolved to.
-#[derive(Debug)]
 pub struct Match<'a> {
     pub node: &'a Node,
     /// The values to count under, one per entry: the request's value, or the matched pattern
@@ -85,12 +126,43 @@ pub struct Match<'a> {
 
 impl RuleSet {
     pub fn new(domains: Vec<DomainConfig>) -> Self {
+        let mut paths = HashSet::new();
+        let configs = domains.clone();
+        let domains = domains
+            .into_iter()
+            .map(|d| {
+                let level = Level::build(&d.domain, "", false, d.descriptors, &mut paths);
+                (d.domain.into_bytes(), level)
+            })
+            .collect();
         RuleSet {
-            domains: domains
-                .into_iter()
-                .map(|d| (d.domain.into_bytes(), Level::build(d.descriptors)))
-                .collect(),
+            domains,
+            paths,
+            configs,
+            origin: Origin::default(),
         }
+    }
+
+    /// The rules of loaded files, with where they come from.
+    pub fn from_loaded(loaded: Loaded) -> Self {
+        let origin = Origin {
+            hash: loaded.hash(),
+            files: loaded.files,
+            loaded_at: SystemTime::now(),
+        };
+        RuleSet {
+            origin,
+            ..RuleSet::new(loaded.domains)
+        }
+    }
+
+    pub fn origin(&self) -> &Origin {
+        &self.origin
+    }
+
+    /// Whether `domain` has a rule at `path`.
+    pub fn has_rule(&self, domain: &str, path: &str) -> bool {
+        self.paths.contains(&(domain.to_owned(), path.to_owned()))
     }
 
     pub fn has_domain(&self, domain: &[u8]) -> bool {
@@ -136,17 +208,95 @@ impl RuleSet {
             counted_values,
         })
     }
+
+    /// The metric name of a matched descriptor whose rule is `named_by_request`, as
+    /// envoyproxy/ratelimit builds it: with `detailed_metric`, every entry as `key_value` with
+    /// the request's value (a `share_threshold` pattern's entries keep the pattern); else each
+    /// entry as its rule names it, with the request's value where that rule has
+    /// `value_to_metric`. Values are cut to `LONGEST_LITERAL` bytes.
+    pub fn metric_name(&self, domain: &[u8], entries: &[(&[u8], &[u8])], leaf: &Node) -> String {
+        let mut name = String::new();
+        let Some(mut level) = self.domains.get(domain) else {
+            return name;
+        };
+        for (i, (key, value)) in entries.iter().enumerate() {
+            let Some(branches) = level.by_key.get(*key) else {
+                break;
+            };
+            let bytes = *value;
+            let key = String::from_utf8_lossy(key);
+            let value = text_of(bytes);
+            let (node, shown) = if let Some(n) = branches.exact.get(bytes) {
+                (n, Some(value))
+            } else if let Some((p, n)) = branches.patterns.iter().find(|(p, _)| p.matches(bytes)) {
+                let pattern = String::from_utf8_lossy(&p.text).into_owned();
+                let shown = if n.share_threshold {
+                    pattern
+                } else if leaf.detailed_metric || n.value_to_metric {
+                    value
+                } else {
+                    pattern
+                };
+                (n, Some(shown))
+            } else if let Some(n) = branches.any.as_deref() {
+                let shown = (leaf.detailed_metric || n.value_to_metric).then_some(value);
+                (n, shown)
+            } else {
+                break;
+            };
+            if i > 0 {
+                name.push('.');
+            }
+            name.push_str(&key);
+            if let Some(v) = shown.filter(|v| !v.is_empty() || leaf.detailed_metric) {
+                name.push('_');
+                name.push_str(&v);
+            }
+            level = &node.children;
+        }
+        name
+    }
+}
+
+/// A request value as text for a metric name: lossy UTF-8, at most `LONGEST_LITERAL` bytes.
+fn text_of(value: &[u8]) -> String {
+    let text = String::from_utf8_lossy(&value[..value.len().min(LONGEST_LITERAL)]);
+    text.trim_end_matches('\u{fffd}').to_owned()
 }
 
 impl Level {
-    fn build(descriptors: Vec<DescriptorConfig>) -> Self {
+    /// The level under the rule at `parent` (empty at the top); `value_to_metric_above`: a rule
+    /// on the way here has `value_to_metric`.
+    fn build(
+        domain: &str,
+        parent: &str,
+        value_to_metric_above: bool,
+        descriptors: Vec<DescriptorConfig>,
+        paths: &mut HashSet<(String, String)>,
+    ) -> Self {
         let mut level = Level::default();
         for d in descriptors {
+            let step = match &d.value {
+                Some(v) => format!("{}_{v}", d.key),
+                None => d.key.clone(),
+            };
+            let path = if parent.is_empty() {
+                step
+            } else {
+                format!("{parent}.{step}")
+            };
+            let value_to_metric = value_to_metric_above || d.value_to_metric;
+            paths.insert((domain.to_owned(), path.clone()));
             let node = Node {
                 limits: d.limits,
                 mode: d.mode,
                 share_threshold: d.share_threshold,
-                children: Level::build(d.descriptors),
+                stats: METRICS.rule(domain, &path),
+                named_by_request: d.detailed_metric || value_to_metric,
+                detailed_metric: d.detailed_metric,
+                value_to_metric: d.value_to_metric,
+                children: Level::build(domain, &path, value_to_metric, d.descriptors, paths),
+                path,
             };
             let branches = level.by_key.entry(d.key.into_bytes()).or_default();
             match d.value {

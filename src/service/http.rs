@@ -1,6 +1,8 @@
-//! The admin HTTP surface: liveness, readiness and `/json`, which answers a RateLimitRequest
-//! posted as protobuf JSON with 200 (OK), 429 (over limit), 400 (invalid request), 413 (body over
-//! `--max-request-bytes`) or 503 (the store could not decide, under `--on-store-error error`).
+//! The admin HTTP surface: liveness, readiness, Prometheus `/metrics`, the rules in force
+//! (`/config` as JSON, `/rlconfig` as envoyproxy/ratelimit's text) and `/json`, which answers a
+//! RateLimitRequest posted as protobuf JSON with 200 (OK), 429 (over limit), 400 (invalid
+//! request), 413 (body over `--max-request-bytes`) or 503 (the store could not decide, under
+//! `--on-store-error error`). `/json` moves counters, so it can be served apart or not at all.
 
 use std::sync::{Arc, LazyLock};
 
@@ -12,10 +14,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor};
 
-use super::Readiness;
+use super::gauges::Gauges;
 use super::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use super::rls::Rls;
+use super::{Readiness, Rules};
 
 static POOL: LazyLock<DescriptorPool> = LazyLock::new(|| {
     DescriptorPool::decode(super::DESCRIPTORS).expect("build.rs writes a valid descriptor set")
@@ -26,9 +29,41 @@ fn message(name: &str) -> MessageDescriptor {
         .expect("the descriptor set holds the rate limit service")
 }
 
-pub fn router(rls: Arc<Rls>, readiness: Readiness, max_body: usize) -> Router {
+/// The admin routes: probes, metrics and the rules in force.
+pub fn admin(readiness: Readiness, rules: Rules, gauges: Gauges) -> Router {
+    let config = rules.clone();
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/metrics",
+            get(move || async move {
+                match gauges.encode() {
+                    Ok(text) => (
+                        StatusCode::OK,
+                        [(
+                            header::CONTENT_TYPE,
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )],
+                        text,
+                    )
+                        .into_response(),
+                    Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+                }
+            }),
+        )
+        .route(
+            "/config",
+            get(move || async move {
+                let json = config.current.load().dump_json();
+                let mut text = serde_json::to_string_pretty(&json).unwrap_or_default();
+                text.push('\n');
+                ([(header::CONTENT_TYPE, "application/json")], text)
+            }),
+        )
+        .route(
+            "/rlconfig",
+            get(move || async move { rules.current.load().dump_text() }),
+        )
         .route(
             "/readyz",
             get(move || async move {
@@ -41,6 +76,11 @@ pub fn router(rls: Arc<Rls>, readiness: Readiness, max_body: usize) -> Router {
                 }
             }),
         )
+}
+
+/// The `/json` route, bounded to `max_body` bytes.
+pub fn json_route(rls: Arc<Rls>, max_body: usize) -> Router {
+    Router::new()
         .route("/json", post(json))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(rls)

@@ -6,8 +6,10 @@
 //! On one loop, the answers to the requests that arrived together are written together, where a
 //! work-stealing runtime would wake the connection, and write to the socket, once per answer.
 
+mod gauges;
 mod http;
 mod pb;
+pub mod reload;
 pub mod rls;
 
 use std::net::SocketAddr;
@@ -25,9 +27,9 @@ use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 
 use pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
-use rls::{Bounds, Fallback, Rls};
+use rls::{Answering, Bounds, Fallback, Rls};
 
-use crate::limiter::Limiter;
+use crate::limiter::{Limiter, OverLimitCache};
 use crate::rules::RuleSet;
 use crate::store::{Backend, StoreError};
 use crate::telemetry::Throttle;
@@ -43,6 +45,11 @@ impl Shutdown {
     pub fn new() -> (watch::Sender<bool>, Shutdown) {
         let (tx, rx) = watch::channel(false);
         (tx, Shutdown(rx))
+    }
+
+    /// Whether it has fired.
+    pub fn fired(&self) -> bool {
+        *self.0.borrow()
     }
 
     pub async fn wait(mut self) {
@@ -65,7 +72,8 @@ impl Rules {
         }
     }
 
-    /// Puts `rules` in force for every request that starts from now on.
+    /// Puts `rules` in force for every request that starts from now on (see `reload` for
+    /// loading them).
     pub fn replace(&self, rules: RuleSet) {
         self.current.store(Arc::new(rules));
         self.changed.notify_one();
@@ -94,7 +102,9 @@ pub struct Setup {
     pub bounds: Bounds,
     pub fallback: Fallback,
     pub edges: Edges,
-    pub shadow_mode: bool,
+    pub answering: Answering,
+    /// The local over-limit cache, shared by every event loop; `None` when switched off.
+    pub cache: Option<Arc<OverLimitCache>>,
 }
 
 impl Setup {
@@ -104,26 +114,29 @@ impl Setup {
         let store = self.backend.open()?;
         Ok(Arc::new(Rls::new(
             self.rules.current.clone(),
-            Limiter::new(store),
+            Limiter::new(store, self.cache.clone()),
             self.bounds,
             self.fallback,
-            self.shadow_mode,
+            self.answering,
         )))
     }
 }
 
-/// Whether sluice can answer from its rules and its store: rules are loaded and the store is
-/// reachable. Reported by `/readyz` and by gRPC health.
+/// Whether sluice can answer from its rules and its store: rules are loaded, the store is
+/// reachable and it is not shutting down. Reported by `/readyz` and by gRPC health.
 #[derive(Clone)]
 pub struct Readiness {
     rules: Rules,
     backend: Backend,
+    shutdown: Shutdown,
 }
 
 impl Readiness {
     /// `None` when ready, else why not.
     pub fn problem(&self) -> Option<&'static str> {
-        if !self.rules.loaded() {
+        if self.shutdown.fired() {
+            Some("shutting down")
+        } else if !self.rules.loaded() {
             Some("no rules loaded")
         } else if !self.backend.reachable() {
             Some("the counter store is unreachable")
@@ -151,36 +164,67 @@ impl Readiness {
                     .await;
                 last = Some(status);
             }
+            if status == ServingStatus::NotServing && self.shutdown.fired() {
+                return;
+            }
             tokio::select! {
                 () = self.rules.changed.notified() => {}
                 () = self.backend.changed() => {}
+                () = self.shutdown.clone().wait() => {}
             }
         }
     }
 }
 
-/// Serves gRPC on `grpc_addr` with `loops` event loops and admin HTTP on `http_addr` until
-/// `shutdown` fires, then lets in-flight calls finish. Serves at once, whether or not the store
-/// is reachable yet.
+/// Where the admin `/json` endpoint (which moves counters) is served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JsonAt {
+    /// With the other admin endpoints, on the HTTP address.
+    Http,
+    /// On an address of its own.
+    Addr(SocketAddr),
+    /// Nowhere.
+    Off,
+}
+
+/// The addresses sluice serves on.
+#[derive(Clone, Copy, Debug)]
+pub struct Addrs {
+    pub grpc: SocketAddr,
+    pub http: SocketAddr,
+    pub json: JsonAt,
+}
+
+/// Serves gRPC with `loops` event loops and the admin HTTP server (and `/json` where `addrs`
+/// says) until `shutdown` fires, then lets in-flight calls finish. Serves at once, whether or
+/// not the store is reachable yet.
 pub async fn run(
     setup: Setup,
-    grpc_addr: SocketAddr,
-    http_addr: SocketAddr,
+    addrs: Addrs,
     loops: usize,
     shutdown: Shutdown,
 ) -> anyhow::Result<()> {
-    let grpc_listener = TcpListener::bind(grpc_addr)
+    let grpc_listener = TcpListener::bind(addrs.grpc)
         .await
-        .with_context(|| format!("cannot listen for gRPC on {grpc_addr}"))?;
-    let http_listener = TcpListener::bind(http_addr)
+        .with_context(|| format!("cannot listen for gRPC on {}", addrs.grpc))?;
+    let http_listener = TcpListener::bind(addrs.http)
         .await
-        .with_context(|| format!("cannot listen for HTTP on {http_addr}"))?;
-    tracing::info!(grpc = %grpc_listener.local_addr()?, http = %http_listener.local_addr()?, loops, "serving");
+        .with_context(|| format!("cannot listen for HTTP on {}", addrs.http))?;
+    let json_listener = match addrs.json {
+        JsonAt::Addr(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen for /json on {addr}"))?,
+        ),
+        JsonAt::Http | JsonAt::Off => None,
+    };
+    tracing::info!(grpc = %grpc_listener.local_addr()?, http = %http_listener.local_addr()?, json = ?addrs.json, loops, "serving");
 
     let health = HealthReporter::new();
     let readiness = Readiness {
         rules: setup.rules.clone(),
         backend: setup.backend.clone(),
+        shutdown: shutdown.clone(),
     };
     let rls = setup.rls()?;
     let mut connections = Vec::with_capacity(loops);
@@ -207,10 +251,28 @@ pub async fn run(
     tokio::spawn(readiness.clone().report(health));
 
     let accept = hand_out(grpc_listener, connections, shutdown.clone());
-    let router = http::router(rls, readiness, setup.edges.max_request_bytes);
-    let http = axum::serve(http_listener, router).with_graceful_shutdown(shutdown.wait());
-    let ((), http) = tokio::join!(accept, http);
+    let gauges = gauges::Gauges {
+        backend: setup.backend.clone(),
+        cache: setup.cache.clone(),
+    };
+    let mut admin = http::admin(readiness, setup.rules.clone(), gauges);
+    let json = http::json_route(rls, setup.edges.max_request_bytes);
+    if addrs.json == JsonAt::Http {
+        admin = admin.merge(json.clone());
+    }
+    let http = axum::serve(http_listener, admin).with_graceful_shutdown(shutdown.clone().wait());
+    let json = async {
+        match json_listener {
+            Some(listener) => axum::serve(listener, json)
+                .with_graceful_shutdown(shutdown.clone().wait())
+                .await
+                .context("/json server"),
+            None => Ok(()),
+        }
+    };
+    let ((), http, json) = tokio::join!(accept, http, json);
     http.context("HTTP server")?;
+    json?;
     for loop_finished in finished {
         loop_finished
             .await

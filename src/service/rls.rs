@@ -3,7 +3,7 @@
 //! per descriptor, in order. When the store cannot decide in time, `--on-store-error` answers.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
@@ -20,11 +20,13 @@ use super::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLim
 use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::config::RuleLimit;
 use crate::limiter::{
-    Algorithm, Check, Decision, DescriptorKey, Item, Limit, Limiter, Mode, Unit, Usage, admits,
+    Algorithm, Check, Decision, DescriptorKey, Item, Limit, Limiter, Mode, Source, Unit, Usage,
+    admits,
 };
-use crate::rules::RuleSet;
+use crate::rules::{Match, RuleSet};
 use crate::store::{Deadline, StoreError};
 use crate::telemetry::Throttle;
+use crate::telemetry::metrics::{METRICS, Outcome, RuleStats, StoreErrorKind};
 
 /// Limits on the shape of a request, which Envoy's route configuration decides (not its
 /// clients), so that no caller can make a check unboundedly large. Keys and values may be any
@@ -59,25 +61,55 @@ pub struct Fallback {
     pub on_store_error: OnStoreError,
 }
 
+/// How requests are answered beyond the rules: `--shadow-mode` and `--near-limit-ratio`.
+#[derive(Clone, Copy, Debug)]
+pub struct Answering {
+    /// Count and report, but never deny.
+    pub shadow_mode: bool,
+    /// The share of a limit past which hits count as near it, in the metrics.
+    pub near_limit_ratio: f64,
+}
+
 /// The rate limit service: current rules, the limiter and the request bounds.
 pub struct Rls {
     rules: Arc<ArcSwap<RuleSet>>,
     limiter: Limiter,
     bounds: Bounds,
     fallback: Fallback,
-    shadow_mode: bool,
+    answering: Answering,
 }
 
 /// What one request descriptor turned into.
-enum Plan {
+enum Plan<'a> {
     /// No rule applies (unknown domain, no match, or every limit replaced).
     Free,
     Unlimited,
-    /// These items of the check are this descriptor's limits.
-    Limited(std::ops::Range<usize>),
+    /// These items of the check are this descriptor's limits, counted in `stats` (none for a
+    /// limit override no rule matched).
+    Limited {
+        items: std::ops::Range<usize>,
+        stats: Option<Stats<'a>>,
+    },
 }
 
-impl Plan {
+/// The metric counters a descriptor's hits go to.
+enum Stats<'a> {
+    /// Its rule's own.
+    Rule(&'a RuleStats),
+    /// A series named from the request's values.
+    Request(Arc<RuleStats>),
+}
+
+impl Stats<'_> {
+    fn get(&self) -> &RuleStats {
+        match self {
+            Stats::Rule(s) => s,
+            Stats::Request(s) => s,
+        }
+    }
+}
+
+impl Plan<'_> {
     /// The status of a descriptor whose counters are not known: a free or unlimited one as
     /// always, a limited one OK without a limit.
     fn unknown_status(&self) -> DescriptorStatus {
@@ -85,7 +117,7 @@ impl Plan {
             code: Code::Ok as i32,
             limit_remaining: match self {
                 Plan::Unlimited => u32::MAX,
-                Plan::Free | Plan::Limited(_) => 0,
+                Plan::Free | Plan::Limited { .. } => 0,
             },
             ..Default::default()
         }
@@ -98,14 +130,14 @@ impl Rls {
         limiter: Limiter,
         bounds: Bounds,
         fallback: Fallback,
-        shadow_mode: bool,
+        answering: Answering,
     ) -> Self {
         Rls {
             rules,
             limiter,
             bounds,
             fallback,
-            shadow_mode,
+            answering,
         }
     }
 
@@ -120,9 +152,24 @@ impl Rls {
         let rules = self.rules.load();
         let (plans, check) = plan(&rules, request);
         let deadline = Deadline::new(self.fallback.store_timeout, caller_timeout);
+        let shadow_mode = self.answering.shadow_mode;
         match self.limiter.decide(&check, deadline).await {
-            Ok(decision) => Ok(respond(&plans, &check, &decision, self.shadow_mode)),
-            Err(e) => self.undecided(e, &plans, &check),
+            Ok(decision) => {
+                count(&plans, &check, &decision, &self.answering);
+                let response = respond(&plans, &check, &decision, shadow_mode);
+                tracing::debug!(
+                    domain = %String::from_utf8_lossy(&request.domain),
+                    descriptors = request.descriptors.len(),
+                    code = ?Code::try_from(response.overall_code).unwrap_or(Code::Unknown),
+                    local_cache = decision.usages.iter().any(|u| u.source == Source::LocalCache),
+                    "decided"
+                );
+                Ok(response)
+            }
+            Err(e) => {
+                tracing::debug!(domain = %String::from_utf8_lossy(&request.domain), "undecided: {e}");
+                self.undecided(e, &plans, &check)
+            }
         }
     }
 
@@ -135,11 +182,22 @@ impl Rls {
     ) -> Result<RateLimitResponse, Status> {
         static UNDECIDED: Throttle = Throttle::new();
         let policy = self.fallback.on_store_error;
+        METRICS.store_error(match e {
+            StoreError::Full { .. } => StoreErrorKind::Full,
+            StoreError::Timeout => StoreErrorKind::Timeout,
+            StoreError::Shed => StoreErrorKind::Shed,
+            StoreError::Down => StoreErrorKind::Down,
+            StoreError::Unavailable(_) | StoreError::Config(_) => StoreErrorKind::Unavailable,
+        });
+        let name = match policy {
+            OnStoreError::Error => "error",
+            OnStoreError::Allow => "allow",
+            OnStoreError::Deny => "deny",
+        };
+        METRICS.policy_answer(name);
         if let Some(n) = UNDECIDED.hit() {
-            let name = clap::ValueEnum::to_possible_value(&policy).expect("no value is skipped");
             tracing::warn!(
-                "{n} request(s) since the last report answered by --on-store-error {}: {e}",
-                name.get_name()
+                "{n} request(s) since the last report answered by --on-store-error {name}: {e}"
             );
         }
         match policy {
@@ -157,12 +215,14 @@ impl Rls {
                     over: true,
                     remaining: 0,
                     reset: Duration::from_secs(1),
+                    full: false,
+                    source: Source::Store,
                 };
                 let decision = Decision {
                     admitted: admits(&check.items, |_| true),
                     usages: vec![over; check.items.len()],
                 };
-                Ok(respond(plans, check, &decision, self.shadow_mode))
+                Ok(respond(plans, check, &decision, self.answering.shadow_mode))
             }
         }
     }
@@ -218,10 +278,14 @@ impl RateLimitService for Rls {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
+        let started = Instant::now();
         let caller_timeout = grpc_timeout(request.metadata());
-        self.answer(request.get_ref(), caller_timeout)
-            .await
-            .map(Response::new)
+        let answer = self.answer(request.get_ref(), caller_timeout).await;
+        METRICS
+            .request_seconds
+            .observe(started.elapsed().as_secs_f64());
+        METRICS.requests.inc();
+        answer.map(Response::new)
     }
 }
 
@@ -278,10 +342,11 @@ fn hits(request: &RateLimitRequest, descriptor: &RateLimitDescriptor) -> u64 {
 }
 
 /// Resolves every descriptor into its limits and gathers them into one check.
-fn plan(rules: &RuleSet, request: &RateLimitRequest) -> (Vec<Plan>, Check) {
+fn plan<'a>(rules: &'a RuleSet, request: &'a RateLimitRequest) -> (Vec<Plan<'a>>, Check) {
     let domain = request.domain.as_slice();
     let mut check = Check::default();
     if !rules.has_domain(domain) {
+        METRICS.unknown_domain.inc();
         return (
             request.descriptors.iter().map(|_| Plan::Free).collect(),
             check,
@@ -370,12 +435,90 @@ fn plan(rules: &RuleSet, request: &RateLimitRequest) -> (Vec<Plan>, Check) {
         }
         let end = check.items.len();
         plans.push(if end > start {
-            Plan::Limited(start..end)
+            Plan::Limited {
+                items: start..end,
+                stats: m.as_ref().map(|m| stats_of(rules, domain, entries, m)),
+            }
         } else {
             Plan::Free
         });
     }
     (plans, check)
+}
+
+/// Where a matched descriptor's hits are counted: its rule's series, or one named from the
+/// request's values when the rule says so (while `DETAILED_SERIES` allows).
+fn stats_of<'a>(
+    rules: &'a RuleSet,
+    domain: &[u8],
+    entries: &[(&[u8], &[u8])],
+    m: &Match<'a>,
+) -> Stats<'a> {
+    let node = m.node;
+    if !node.named_by_request {
+        return Stats::Rule(&node.stats);
+    }
+    let name = rules.metric_name(domain, entries, node);
+    let domain = String::from_utf8_lossy(domain);
+    match METRICS.detailed(&domain, &name, &node.path) {
+        Some(s) => Stats::Request(s),
+        None => Stats::Rule(&node.stats),
+    }
+}
+
+/// Counts each decided descriptor's hits in its rule's metrics.
+fn count(plans: &[Plan], check: &Check, decision: &Decision, answering: &Answering) {
+    if answering.shadow_mode && !decision.admitted {
+        METRICS.global_shadow_mode.inc();
+    }
+    for plan in plans {
+        let Plan::Limited {
+            items,
+            stats: Some(stats),
+        } = plan
+        else {
+            continue;
+        };
+        let Some(shown) = shown(items, check, decision) else {
+            continue;
+        };
+        let usage = &decision.usages[shown];
+        let item = &check.items[shown];
+        let outcome = match (usage.over, item.mode) {
+            (true, Mode::Shadow) => Outcome::Shadow,
+            (true, _) => Outcome::Over {
+                from_cache: usage.source == Source::LocalCache,
+            },
+            (false, _) => {
+                let limit = u64::from(item.limit.requests_per_unit);
+                Outcome::Within {
+                    limit,
+                    used: limit.saturating_sub(usage.remaining),
+                }
+            }
+        };
+        stats
+            .get()
+            .count(item.hits, outcome, answering.near_limit_ratio);
+    }
+}
+
+/// The item a descriptor's status reports: the limit that denied, else the one closest to
+/// denying, among those evaluated (none when the local cache denied the request on another's
+/// account).
+fn shown(items: &std::ops::Range<usize>, check: &Check, decision: &Decision) -> Option<usize> {
+    let usages = &decision.usages;
+    let denying = |i: &usize| usages[*i].over && check.items[*i].mode != Mode::Shadow;
+    items
+        .clone()
+        .filter(denying)
+        .max_by_key(|&i| usages[i].reset)
+        .or_else(|| {
+            items
+                .clone()
+                .filter(|&i| usages[i].source != Source::Unknown)
+                .min_by_key(|&i| usages[i].remaining)
+        })
 }
 
 fn is_replaced(limit: &RuleLimit, replaced: &[&str]) -> bool {
@@ -393,18 +536,13 @@ fn respond(
     for plan in plans {
         statuses.push(match plan {
             Plan::Free | Plan::Unlimited => plan.unknown_status(),
-            Plan::Limited(range) => {
-                let denying =
-                    |i: &usize| decision.usages[*i].over && check.items[*i].mode != Mode::Shadow;
-                // The status names the limit that denied, else the one closest to denying.
-                let shown = range
-                    .clone()
-                    .filter(denying)
-                    .max_by_key(|&i| decision.usages[i].reset)
-                    .or_else(|| range.clone().min_by_key(|&i| decision.usages[i].remaining))
-                    .expect("a limited plan has items");
+            Plan::Limited { items, .. } => {
+                let Some(shown) = shown(items, check, decision) else {
+                    statuses.push(plan.unknown_status());
+                    continue;
+                };
                 let usage = &decision.usages[shown];
-                let over = denying(&shown);
+                let over = usage.over && check.items[shown].mode != Mode::Shadow;
                 if over && !decision.admitted {
                     retry_after = retry_after.max(usage.reset);
                 }

@@ -179,7 +179,11 @@ impl MemoryStore {
             }
         }
 
-        let usages = steps.iter().map(|s| s.verdict.usage(admitted)).collect();
+        let usages = steps
+            .iter()
+            .zip(&check.items)
+            .map(|(s, item)| s.verdict.usage(admitted, item.limit.algorithm, item.hits))
+            .collect();
         Ok(Decision { admitted, usages })
     }
 
@@ -210,6 +214,14 @@ impl MemoryStore {
             });
         }
         Ok(())
+    }
+
+    /// Counters held, expired ones not swept yet included.
+    pub fn counters(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).counters.len())
+            .sum()
     }
 
     /// Drops expired counters, one shard at a time.

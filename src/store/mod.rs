@@ -99,6 +99,29 @@ impl Backend {
         }
     }
 
+    /// Redis breakers open now; `None` on the embedded store.
+    pub fn open_breakers(&self) -> Option<usize> {
+        match self {
+            Backend::Memory(_) => None,
+            Backend::Redis { breakers, .. } => Some(
+                breakers
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .iter()
+                    .filter(|b| b.is_open())
+                    .count(),
+            ),
+        }
+    }
+
+    /// Live counters in the embedded store; `None` on Redis.
+    pub fn live_counters(&self) -> Option<usize> {
+        match self {
+            Backend::Memory(store) => Some(store.counters()),
+            Backend::Redis { .. } => None,
+        }
+    }
+
     /// Woken whenever `reachable` may have changed.
     pub async fn changed(&self) {
         match self {

@@ -13,6 +13,7 @@ use tokio::time::Instant;
 
 use super::{ARGS_PER_ITEM, Answer, Charge, Conn, Undo, encode, flag, take_request};
 use crate::limiter::Check;
+use crate::telemetry::metrics::METRICS;
 
 /// Script calls in flight at once; requests arriving meanwhile wait for the next.
 const CALLS_IN_FLIGHT: usize = 2;
@@ -84,6 +85,7 @@ async fn call(conn: Conn, requests: Vec<Pending>, counters: usize, _permit: Owne
     let mut args = Vec::with_capacity(1 + requests.len() + counters * ARGS_PER_ITEM);
     args.push(flag(true));
     let mut waiting = Vec::with_capacity(requests.len());
+    METRICS.batch_requests.observe(requests.len() as f64);
     for request in requests {
         keys.extend(request.keys.iter().cloned());
         args.extend(request.args);

@@ -147,7 +147,11 @@ impl RedisStore {
             Err(e) => self.breaker.failure(e),
         }
         let (admitted, verdicts) = answer?;
-        let usages = verdicts.iter().map(|v| v.usage(admitted)).collect();
+        let usages = verdicts
+            .iter()
+            .zip(&check.items)
+            .map(|(v, item)| v.usage(admitted, item.limit.algorithm, item.hits))
+            .collect();
         Ok(Decision { admitted, usages })
     }
 }

@@ -1,6 +1,8 @@
-//! Logging: `tracing` events to stderr (coloured only on a terminal), filtered by `SLUICE_LOG`
-//! (or `RUST_LOG`), `info` by default; and `Throttle`, which keeps an event that every request
-//! (or a spinning loop) can hit from flooding the log.
+//! Logs and metrics. Logging: `tracing` events to stderr, as text (coloured only on a terminal)
+//! or one JSON object per line, `info` by default; `Throttle` keeps an event that every request
+//! (or a spinning loop) can hit from flooding the log. Metrics: see `metrics`.
+
+pub mod metrics;
 
 use std::io::IsTerminal;
 use std::sync::Mutex;
@@ -8,15 +10,33 @@ use std::time::{Duration, Instant};
 
 use tracing_subscriber::EnvFilter;
 
-pub fn init() {
-    let filter = EnvFilter::try_from_env("SLUICE_LOG")
-        .or_else(|_| EnvFilter::try_from_default_env())
-        .unwrap_or_else(|_| EnvFilter::new("info"));
-    tracing_subscriber::fmt()
+/// How log lines are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// One human-readable line per event.
+    Text,
+    /// One JSON object per event (`timestamp`, `level`, `target`, `fields`).
+    Json,
+}
+
+/// Starts logging. `level` (`--log-level`) is a level (`debug`: sluice's own events at debug,
+/// its libraries' at info) or a full filter (`info,sluice=trace`); without it, `SLUICE_LOG`,
+/// then `RUST_LOG`, else `info`.
+pub fn init(format: LogFormat, level: Option<&str>) {
+    let filter = match level {
+        Some(l) if l.contains(['=', ',']) => EnvFilter::new(l),
+        Some(l) => EnvFilter::new(format!("info,sluice={l}")),
+        None => EnvFilter::try_from_env("SLUICE_LOG")
+            .or_else(|_| EnvFilter::try_from_default_env())
+            .unwrap_or_else(|_| EnvFilter::new("info")),
+    };
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => builder.json().with_current_span(false).init(),
+    }
 }
 
 /// Counts occurrences of one event and lets it be logged at most once a second.

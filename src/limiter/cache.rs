@@ -1,0 +1,141 @@
+//! The local over-limit cache: counters the store found full, each with the instant until which
+//! not one more hit fits. A request that such a counter would deny on its own is denied here,
+//! without a store call, until that instant: under abuse the store hears from one hot key about
+//! once per window, not once per request. Bounded (`--local-cache-size` entries, least useful
+//! evicted first); one per process, shared by every event loop.
+
+use std::hash::{BuildHasher, Hasher};
+
+use siphasher::sip128::{Hasher128, SipHasher13};
+use tokio::time::Instant;
+
+use super::{Algorithm, Check, Decision, Item, Mode, Usage, admits};
+
+pub struct OverLimitCache {
+    /// Counter (keyed hash of its key and limit) → until when it is full.
+    full: quick_cache::sync::Cache<u128, Instant, quick_cache::UnitWeighter, IdentityHash>,
+    keys: (u64, u64),
+}
+
+impl OverLimitCache {
+    /// A cache of at most `entries` counters (at least 1).
+    pub fn new(entries: usize) -> Self {
+        OverLimitCache {
+            full: quick_cache::sync::Cache::with(
+                entries.max(1),
+                entries.max(1) as u64,
+                quick_cache::UnitWeighter,
+                IdentityHash,
+                quick_cache::sync::DefaultLifecycle::default(),
+            ),
+            keys: (rand_u64(), rand_u64()),
+        }
+    }
+
+    /// Counters held.
+    pub fn entries(&self) -> usize {
+        self.full.len()
+    }
+
+    /// The counter of `item`: its key and its limit, so that a changed limit is a new entry.
+    fn id(&self, item: &Item) -> u128 {
+        let mut h = SipHasher13::new_with_keys(self.keys.0, self.keys.1);
+        h.write(item.key.as_bytes());
+        h.write_u32(item.limit.requests_per_unit);
+        h.finish128().as_u128()
+    }
+
+    /// The denial of `check` when counters known to be full deny it on their own, else `None`.
+    /// A check that gives hits back is never answered here.
+    pub fn deny(&self, check: &Check, now: Instant) -> Option<Decision> {
+        if check.items.iter().any(|i| i.refund) {
+            return None;
+        }
+        let mut until = Vec::new();
+        for (i, item) in check.items.iter().enumerate() {
+            if item.mode == Mode::Shadow {
+                continue;
+            }
+            if let Some(at) = self.full.get(&self.id(item)).filter(|at| *at > now) {
+                until.push((i, at));
+            }
+        }
+        if until.is_empty() || admits(&check.items, |i| until.iter().any(|(j, _)| *j == i)) {
+            return None;
+        }
+        let usages = (0..check.items.len())
+            .map(|i| match until.iter().find(|(j, _)| *j == i) {
+                Some((_, at)) => Usage {
+                    over: true,
+                    remaining: 0,
+                    reset: *at - now,
+                    full: true,
+                    source: super::Source::LocalCache,
+                },
+                None => Usage::unknown(),
+            })
+            .collect();
+        Some(Decision {
+            admitted: false,
+            usages,
+        })
+    }
+
+    /// Learns from the store's `decision` on `check`, asked at `asked`: a counter it found full
+    /// is full until `asked` plus its reset (no later than the store's own instant), and a
+    /// counter given hits back is no longer known to be full.
+    pub fn learn(&self, check: &Check, decision: &Decision, asked: Instant) {
+        for (item, usage) in check.items.iter().zip(&decision.usages) {
+            if item.refund {
+                self.full.remove(&self.id(item));
+            } else if usage.full && item.mode != Mode::Shadow && !usage.reset.is_zero() {
+                self.full.insert(self.id(item), asked + usage.reset);
+            }
+        }
+    }
+}
+
+/// Whether, after this verdict, not one more hit fits in the counter until its reset: it was
+/// full before the request, or a fixed window the request filled. (A sliding window's reset is
+/// when `hits` fit, so it says when one fits only for a request of one hit.)
+pub fn full(algorithm: Algorithm, hits: u64, over: bool, before: u64, after: u64) -> bool {
+    match algorithm {
+        Algorithm::FixedWindow => (over && before == 0) || (!over && after == 0 && hits > 0),
+        Algorithm::SlidingWindow => over && before == 0 && hits <= 1,
+    }
+}
+
+fn rand_u64() -> u64 {
+    std::collections::hash_map::RandomState::new().hash_one(0u64)
+}
+
+/// The ids are keyed hashes already: the cache uses their bits as they are.
+#[derive(Clone, Default)]
+struct IdentityHash;
+
+impl BuildHasher for IdentityHash {
+    type Hasher = IdentityHasher;
+
+    fn build_hasher(&self) -> IdentityHasher {
+        IdentityHasher(0)
+    }
+}
+
+#[derive(Default)]
+struct IdentityHasher(u64);
+
+impl Hasher for IdentityHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u128(&mut self, id: u128) {
+        self.0 = id as u64 ^ (id >> 64) as u64;
+    }
+}

@@ -1,0 +1,171 @@
+//! The rules in force, written out for operators: as JSON (`/config`: every domain and rule with
+//! its source file and line, the files' hashes and the load time) and as text, one line per
+//! limit, in envoyproxy/ratelimit's `/rlconfig` format.
+
+use std::time::UNIX_EPOCH;
+
+use serde_json::{Value, json};
+
+use super::RuleSet;
+use crate::config::{DescriptorConfig, RuleLimit};
+use crate::limiter::{Algorithm, Mode};
+
+impl RuleSet {
+    /// The rules as JSON.
+    pub fn dump_json(&self) -> Value {
+        let origin = &self.origin;
+        let loaded_at = origin
+            .loaded_at
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        let mut domains: Vec<_> = self.configs.iter().collect();
+        domains.sort_by(|a, b| a.domain.cmp(&b.domain));
+        json!({
+            "hash": origin.hash,
+            "loaded_at": humantime::format_rfc3339_millis(origin.loaded_at).to_string(),
+            "loaded_at_unix": loaded_at.as_secs_f64(),
+            "files": origin.files.iter().map(|(path, sha256)| json!({
+                "path": path.display().to_string(),
+                "sha256": sha256,
+            })).collect::<Vec<_>>(),
+            "domains": domains.iter().map(|d| json!({
+                "domain": d.domain,
+                "file": d.file.display().to_string(),
+                "line": d.line,
+                "descriptors": d.descriptors.iter().map(descriptor_json).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
+        })
+    }
+
+    /// The rules as envoyproxy/ratelimit's `/rlconfig` text: per limit,
+    /// `domain.path: unit=MINUTE requests_per_unit=10, shadow_mode: false, quota_mode: false`,
+    /// followed by what that format cannot say (`name`, `unit_multiplier`, `algorithm`) when set.
+    pub fn dump_text(&self) -> String {
+        let mut domains: Vec<_> = self.configs.iter().collect();
+        domains.sort_by(|a, b| a.domain.cmp(&b.domain));
+        let mut out = String::new();
+        for d in domains {
+            for descriptor in &d.descriptors {
+                text_lines(&d.domain, descriptor, &mut out);
+            }
+        }
+        out
+    }
+}
+
+fn descriptor_json(d: &DescriptorConfig) -> Value {
+    let mut node = json!({ "key": d.key, "line": d.line });
+    let fields = node.as_object_mut().expect("an object");
+    if let Some(v) = &d.value {
+        fields.insert("value".into(), json!(v));
+    }
+    if !d.limits.is_empty() {
+        fields.insert(
+            "rate_limits".into(),
+            d.limits.iter().map(limit_json).collect(),
+        );
+    }
+    let mode = match d.mode {
+        Mode::Enforce => None,
+        Mode::Shadow => Some("shadow_mode"),
+        Mode::Quota => Some("quota_mode"),
+    };
+    if let Some(mode) = mode {
+        fields.insert(mode.into(), json!(true));
+    }
+    for (flag, on) in [
+        ("share_threshold", d.share_threshold),
+        ("detailed_metric", d.detailed_metric),
+        ("value_to_metric", d.value_to_metric),
+    ] {
+        if on {
+            fields.insert(flag.into(), json!(true));
+        }
+    }
+    if let Some(m) = &d.metadata {
+        fields.insert("metadata".into(), m.clone());
+    }
+    if !d.descriptors.is_empty() {
+        fields.insert(
+            "descriptors".into(),
+            d.descriptors.iter().map(descriptor_json).collect(),
+        );
+    }
+    node
+}
+
+fn limit_json(l: &RuleLimit) -> Value {
+    let mut limit = match &l.limit {
+        None => json!({ "unlimited": true }),
+        Some(limit) => json!({
+            "unit": limit.unit.name(),
+            "requests_per_unit": limit.requests_per_unit,
+            "unit_multiplier": limit.unit_multiplier,
+            "algorithm": limit.algorithm.name(),
+        }),
+    };
+    let fields = limit.as_object_mut().expect("an object");
+    if !l.name.is_empty() {
+        fields.insert("name".into(), json!(l.name));
+    }
+    if !l.replaces.is_empty() {
+        fields.insert("replaces".into(), json!(l.replaces));
+    }
+    limit
+}
+
+fn text_lines(parent: &str, d: &DescriptorConfig, out: &mut String) {
+    let path = match &d.value {
+        Some(v) => format!("{parent}.{}_{v}", d.key),
+        None => format!("{parent}.{}", d.key),
+    };
+    for l in &d.limits {
+        let (unit, requests) = match &l.limit {
+            Some(limit) => (
+                limit.unit.name().to_ascii_uppercase(),
+                limit.requests_per_unit,
+            ),
+            None => ("UNKNOWN".to_owned(), 0),
+        };
+        out.push_str(&format!(
+            "{path}: unit={unit} requests_per_unit={requests}, shadow_mode: {}, quota_mode: {}",
+            d.mode == Mode::Shadow,
+            d.mode == Mode::Quota
+        ));
+        if !l.name.is_empty() {
+            out.push_str(&format!(", name: {}", l.name));
+        }
+        if let Some(limit) = &l.limit {
+            if limit.unit_multiplier != 1 {
+                out.push_str(&format!(", unit_multiplier: {}", limit.unit_multiplier));
+            }
+            if limit.algorithm != Algorithm::FixedWindow {
+                out.push_str(&format!(", algorithm: {}", limit.algorithm.name()));
+            }
+        }
+        out.push('\n');
+    }
+    for child in &d.descriptors {
+        text_lines(&path, child, out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    #[test]
+    fn rlconfig_lists_every_limit_as_envoy_ratelimit_does() {
+        let yaml = "domain: d\ndescriptors:\n  - key: k\n    value: v\n    rate_limit: {unit: minute, requests_per_unit: 10}\n    descriptors:\n      - key: c\n        shadow_mode: true\n        rate_limits:\n          - {unit: second, requests_per_unit: 1, name: a}\n          - {unit: hour, requests_per_unit: 5, unit_multiplier: 2, algorithm: sliding_window}\n";
+        let (domain, _) = crate::config::parse(Path::new("t.yaml"), yaml).unwrap();
+        let text = RuleSet::new(vec![domain]).dump_text();
+        assert_eq!(
+            text,
+            "d.k_v: unit=MINUTE requests_per_unit=10, shadow_mode: false, quota_mode: false\n\
+             d.k_v.c: unit=SECOND requests_per_unit=1, shadow_mode: true, quota_mode: false, name: a\n\
+             d.k_v.c: unit=HOUR requests_per_unit=5, shadow_mode: true, quota_mode: false, unit_multiplier: 2, algorithm: sliding_window\n"
+        );
+    }
+}

@@ -1,0 +1,99 @@
+//! What `/metrics` reads at scrape time rather than counting on the request path: the store's
+//! state (breakers, live counters), the local cache's size and the process's own resources.
+
+use std::sync::Arc;
+
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
+
+use crate::limiter::OverLimitCache;
+use crate::store::Backend;
+use crate::telemetry::metrics::METRICS;
+
+/// The handles a scrape reads.
+#[derive(Clone)]
+pub struct Gauges {
+    pub backend: Backend,
+    pub cache: Option<Arc<OverLimitCache>>,
+}
+
+impl Gauges {
+    /// Every metric, in the OpenMetrics text format.
+    pub fn encode(&self) -> Result<String, std::fmt::Error> {
+        let mut r = Registry::default();
+        let reachable = i64::from(self.backend.reachable());
+        r.register(
+            "sluice_store_reachable",
+            "1 when the counter store can decide (Redis: every breaker closed), else 0",
+            ConstGauge::new(reachable),
+        );
+        if let Some(open) = self.backend.open_breakers() {
+            r.register(
+                "sluice_store_breakers_open",
+                "Redis circuit breakers open (one per event loop): requests get --on-store-error",
+                ConstGauge::new(open as i64),
+            );
+        }
+        if let Some(live) = self.backend.live_counters() {
+            r.register(
+                "sluice_memory_counters",
+                "Live counters in the embedded store",
+                ConstGauge::new(live as i64),
+            );
+        }
+        if let Some(cache) = &self.cache {
+            r.register(
+                "sluice_local_cache_entries",
+                "Counters the local over-limit cache holds as full",
+                ConstGauge::new(cache.entries() as i64),
+            );
+        }
+        process(&mut r);
+        METRICS.encode(&r)
+    }
+}
+
+/// The process's CPU time, memory and open files, from /proc (Linux), under the names every
+/// Prometheus client library uses.
+fn process(r: &mut Registry) {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return;
+    };
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let Some((_, rest)) = stat.rsplit_once(") ") else {
+        return;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
+    // Clock ticks are 100 a second on every Linux Rust supports.
+    const TICKS: f64 = 100.0;
+    if let (Some(user), Some(system)) = (field(14), field(15)) {
+        r.register(
+            "process_cpu_seconds",
+            "User and system CPU time spent",
+            ConstCounter::new((user + system) as f64 / TICKS),
+        );
+    }
+    if let Some(virtual_bytes) = field(23) {
+        r.register(
+            "process_virtual_memory_bytes",
+            "Virtual memory size",
+            ConstGauge::new(virtual_bytes as i64),
+        );
+    }
+    if let Some(pages) = field(24) {
+        r.register(
+            "process_resident_memory_bytes",
+            "Resident memory size",
+            ConstGauge::new((pages * 4096) as i64),
+        );
+    }
+    if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
+        r.register(
+            "process_open_fds",
+            "Open file descriptors",
+            ConstGauge::new(fds.count() as i64),
+        );
+    }
+}

@@ -1,0 +1,153 @@
+//! Rule loading and hot reload. The rules under `--config` are reloaded on `SIGHUP` and on any
+//! change under that path (a file written in place, renamed, added or removed, a Kubernetes
+//! ConfigMap's `..data` symlink swapped), once the changes have settled for `SETTLE`. Every file
+//! is validated before anything changes; then the new rules replace the old ones at once. A bad
+//! file is logged with `file:line`, counted, and the rules in force stay. Counters live in the
+//! store, keyed by what a limit counts, so every limit a reload leaves unchanged keeps its count.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use notify::event::{AccessKind, AccessMode, ModifyKind};
+use notify::{EventKind, RecursiveMode, Watcher};
+use tokio::signal::unix::Signal;
+use tokio::sync::Notify;
+
+use super::Rules;
+use crate::config;
+use crate::rules::RuleSet;
+use crate::telemetry::metrics::METRICS;
+
+/// How long changes must stop before a reload: an editor's or kubelet's several writes make one.
+const SETTLE: Duration = Duration::from_millis(200);
+
+/// Loads and validates the rules under `path`; none at all is an error unless `allow_empty`.
+/// Errors are logged, one per line, as `file:line: message`.
+pub fn load(path: &Path, allow_empty: bool) -> anyhow::Result<RuleSet> {
+    match config::load(path) {
+        Ok(loaded) if loaded.domains.is_empty() && !allow_empty => anyhow::bail!(
+            "no rules in {}: no .yaml or .yml file with a domain (--allow-empty-config serves anyway, not ready until rules are loaded)",
+            path.display()
+        ),
+        Ok(loaded) => {
+            for w in &loaded.warnings {
+                tracing::warn!("{w}");
+            }
+            Ok(RuleSet::from_loaded(loaded))
+        }
+        Err(errors) => {
+            for e in &errors {
+                tracing::error!("{e}");
+            }
+            anyhow::bail!("{} error(s) in {}", errors.len(), path.display())
+        }
+    }
+}
+
+/// Puts the first rules in force: counted and logged as a load, not a reload.
+pub fn first(rules: &RuleSet) {
+    let origin = rules.origin();
+    METRICS.rules_loaded(&origin.hash, false);
+    tracing::info!(
+        domains = rules.domains(),
+        hash = %origin.hash,
+        "rules loaded"
+    );
+}
+
+/// Reloads `rules` from `path` on every SIGHUP (`hangup`) and file change, until the process
+/// ends. Without a file watcher (one could not be set up), SIGHUP still reloads.
+pub async fn watch(rules: Rules, path: PathBuf, allow_empty: bool, mut hangup: Signal) {
+    let changed = Arc::new(Notify::new());
+    let _watcher = match watcher(&path, changed.clone()) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            tracing::warn!(
+                "cannot watch {} for changes ({e}): rules reload on SIGHUP only",
+                path.display()
+            );
+            None
+        }
+    };
+    loop {
+        tokio::select! {
+            signal = hangup.recv() => {
+                if signal.is_none() {
+                    return;
+                }
+                reload(&rules, &path, allow_empty, "SIGHUP");
+            }
+            () = changed.notified() => {
+                while tokio::time::timeout(SETTLE, changed.notified()).await.is_ok() {}
+                reload(&rules, &path, allow_empty, "file change");
+            }
+        }
+    }
+}
+
+/// A watcher telling `changed` of every write, creation, removal or rename of a rule file
+/// (`.yaml`, `.yml`) or a hidden entry (a ConfigMap's `..data`) under `path` (its directory, for
+/// a single file). Reads and metadata changes (a read can move the access time) are ignored:
+/// reloading reads the files; so are other files, such as a log written beside the rules.
+fn watcher(path: &Path, changed: Arc<Notify>) -> notify::Result<notify::RecommendedWatcher> {
+    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        let relevant = match event {
+            Ok(e) => {
+                let kind = match e.kind {
+                    EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
+                    EventKind::Access(_) | EventKind::Modify(ModifyKind::Metadata(_)) => false,
+                    _ => true,
+                };
+                kind && e.paths.iter().any(|p| is_rules_entry(p))
+            }
+            // An overflowed queue lost events: look again.
+            Err(_) => true,
+        };
+        if relevant {
+            changed.notify_one();
+        }
+    })?;
+    if path.is_dir() {
+        watcher.watch(path, RecursiveMode::Recursive)?;
+    } else {
+        let parent = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        watcher.watch(parent, RecursiveMode::NonRecursive)?;
+    }
+    Ok(watcher)
+}
+
+fn is_rules_entry(path: &Path) -> bool {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    name.starts_with("..") || name.ends_with(".yaml") || name.ends_with(".yml")
+}
+
+/// Loads the rules again; puts them in force when they are valid and differ from those in force.
+fn reload(rules: &Rules, path: &Path, allow_empty: bool, trigger: &str) {
+    match load(path, allow_empty) {
+        Ok(loaded) => {
+            let hash = loaded.origin().hash.clone();
+            if rules.current.load().origin().hash == hash {
+                if trigger == "SIGHUP" {
+                    tracing::info!(%hash, "{trigger}: rules unchanged");
+                }
+                return;
+            }
+            METRICS.rules_loaded(&hash, true);
+            METRICS.retain_rules(|domain, rule| loaded.has_rule(domain, rule));
+            let domains = loaded.domains();
+            rules.replace(loaded);
+            tracing::info!(domains, %hash, "{trigger}: rules reloaded");
+        }
+        Err(e) => {
+            METRICS.reload_failed();
+            tracing::error!("{trigger}: {e:#}; the rules in force stay");
+        }
+    }
+}
