@@ -5,18 +5,21 @@
 //! - [`service`] — the network surface: the gRPC `RateLimitService` (plus health and reflection)
 //!   and the admin HTTP server, with the bounds of each edge and the readiness both report. It
 //!   validates requests, resolves hits, turns one decision into one status per descriptor, and
-//!   answers by `--on-store-error` when the store cannot decide.
+//!   answers by `--on-store-error` when the store cannot decide; it loads and hot-reloads the
+//!   rules and serves metrics and the rules in force on the admin HTTP server.
 //! - [`rules`] — the matcher built from rule files: (domain, descriptor entries) → the limits that
 //!   apply, with envoyproxy/ratelimit's exact / wildcard / key-only precedence.
 //! - [`limiter`] — what a limit is (`Limit`, `Algorithm`, `Mode`), the window math shared by every
-//!   store, counter identities (`CounterKey`), and the all-or-nothing `Check` → `Decision`.
+//!   store, counter identities (`CounterKey`), the all-or-nothing `Check` → `Decision`, and the
+//!   local over-limit cache that denies without a store call.
 //! - [`store`] — where counters live: the embedded in-process store, or Redis through one Lua
 //!   script per request (`lua/check.lua`), behind a deadline per call, a bounded queue and a
 //!   circuit breaker, refunding (`lua/undo.lua`) what it admitted for callers it did not answer.
 //!
 //! Beside the path: [`config`] reads and validates rule files into typed structs at the edge,
-//! [`telemetry`] sets up logging (and keeps events every request can hit from flooding it), and
-//! [`load`] is the client-side load generator of `sluice load`.
+//! [`telemetry`] sets up logging (and keeps events every request can hit from flooding it) and
+//! holds the Prometheus metrics every layer counts into, and [`load`] is the client-side load
+//! generator of `sluice load`.
 
 pub mod config;
 pub mod limiter;
