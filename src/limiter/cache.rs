@@ -4,17 +4,14 @@
 //! once per window, not once per request. Bounded (`--local-cache-size` entries, least useful
 //! evicted first); one per process, shared by every event loop.
 
-use std::hash::{BuildHasher, Hasher};
-
-use siphasher::sip128::{Hasher128, SipHasher13};
 use tokio::time::Instant;
 
-use super::{Algorithm, Check, Decision, Item, Mode, Usage, admits};
+use super::{Algorithm, Check, CounterIds, Decision, IdHasher, Item, Mode, Usage, admits};
 
 pub struct OverLimitCache {
     /// Counter (keyed hash of its key and limit) → until when it is full.
-    full: quick_cache::sync::Cache<u128, Instant, quick_cache::UnitWeighter, IdentityHash>,
-    keys: (u64, u64),
+    full: quick_cache::sync::Cache<u128, Instant, quick_cache::UnitWeighter, IdHasher>,
+    ids: CounterIds,
 }
 
 impl OverLimitCache {
@@ -25,10 +22,10 @@ impl OverLimitCache {
                 entries.max(1),
                 entries.max(1) as u64,
                 quick_cache::UnitWeighter,
-                IdentityHash,
+                IdHasher::default(),
                 quick_cache::sync::DefaultLifecycle::default(),
             ),
-            keys: (rand_u64(), rand_u64()),
+            ids: CounterIds::new(),
         }
     }
 
@@ -39,10 +36,7 @@ impl OverLimitCache {
 
     /// The counter of `item`: its key and its limit, so that a changed limit is a new entry.
     fn id(&self, item: &Item) -> u128 {
-        let mut h = SipHasher13::new_with_keys(self.keys.0, self.keys.1);
-        h.write(item.key.as_bytes());
-        h.write_u32(item.limit.requests_per_unit);
-        h.finish128().as_u128()
+        self.ids.id(&item.key, item.limit.requests_per_unit)
     }
 
     /// The denial of `check` when counters known to be full deny it on their own, else `None`.
@@ -102,40 +96,5 @@ pub fn full(algorithm: Algorithm, hits: u64, over: bool, before: u64, after: u64
     match algorithm {
         Algorithm::FixedWindow => (over && before == 0) || (!over && after == 0 && hits > 0),
         Algorithm::SlidingWindow => over && before == 0 && hits <= 1,
-    }
-}
-
-fn rand_u64() -> u64 {
-    std::collections::hash_map::RandomState::new().hash_one(0u64)
-}
-
-/// The ids are keyed hashes already: the cache uses their bits as they are.
-#[derive(Clone, Default)]
-struct IdentityHash;
-
-impl BuildHasher for IdentityHash {
-    type Hasher = IdentityHasher;
-
-    fn build_hasher(&self) -> IdentityHasher {
-        IdentityHasher(0)
-    }
-}
-
-#[derive(Default)]
-struct IdentityHasher(u64);
-
-impl Hasher for IdentityHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
-        }
-    }
-
-    fn write_u128(&mut self, id: u128) {
-        self.0 = id as u64 ^ (id >> 64) as u64;
     }
 }

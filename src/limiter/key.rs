@@ -4,8 +4,10 @@
 
 use std::fmt;
 use std::fmt::Write as _;
+use std::hash::{BuildHasher, Hasher};
 
 use sha2::{Digest, Sha256};
+use siphasher::sip128::{Hasher128, SipHasher13};
 
 /// Keys, values and domains longer than this many bytes count under their SHA-256 digest, so
 /// that no request can make a counter's identity (and its Redis key) longer than about
@@ -181,5 +183,67 @@ mod tests {
             String::from_utf8_lossy(key(&[("k", &at_bound)], "l").as_bytes()).contains(&at_bound),
             "a value of exactly the bound is kept as it is"
         );
+    }
+}
+
+/// Keyed 128-bit ids of counters (SipHash-1-3 with keys chosen at random per process): no input
+/// can make two counters collide, and a billion of them collide by chance with a probability
+/// under 10⁻²⁰.
+pub struct CounterIds {
+    keys: (u64, u64),
+}
+
+impl CounterIds {
+    pub fn new() -> Self {
+        CounterIds {
+            keys: (
+                std::hash::RandomState::new().hash_one(0u8),
+                std::hash::RandomState::new().hash_one(1u8),
+            ),
+        }
+    }
+
+    /// The id of `key`, told apart further by `salt`.
+    pub fn id(&self, key: &CounterKey, salt: u32) -> u128 {
+        let mut h = SipHasher13::new_with_keys(self.keys.0, self.keys.1);
+        h.write(key.as_bytes());
+        if salt != 0 {
+            h.write_u32(salt);
+        }
+        h.finish128().as_u128()
+    }
+}
+
+impl Default for CounterIds {
+    fn default() -> Self {
+        CounterIds::new()
+    }
+}
+
+/// Hashes a map of counter ids by their own bits: they are uniform hashes already.
+#[derive(Clone, Copy, Default)]
+pub struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u128(&mut self, id: u128) {
+        self.0 = id as u64;
+    }
+}
+
+impl BuildHasher for IdHasher {
+    type Hasher = IdHasher;
+
+    fn build_hasher(&self) -> IdHasher {
+        IdHasher(0)
     }
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 pub use cache::OverLimitCache;
-pub use key::{CounterKey, DescriptorKey, LONGEST_LITERAL};
+pub use key::{CounterIds, CounterKey, DescriptorKey, IdHasher, LONGEST_LITERAL};
 
 use crate::store::{Deadline, Store, StoreError};
 use crate::telemetry::metrics::METRICS;

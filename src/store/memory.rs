@@ -7,15 +7,12 @@
 //! counters at once until then, so that no request ever pays for a sweep.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use siphasher::sip128::{Hasher128, SipHasher13};
-
 use super::StoreError;
 use crate::limiter::window::{self, State, Step};
-use crate::limiter::{Check, CounterKey, Decision, admits};
+use crate::limiter::{Check, CounterIds, CounterKey, Decision, IdHasher, admits};
 
 const SHARDS: usize = 64;
 
@@ -23,7 +20,7 @@ pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,
     per_shard: usize,
     max_keys: usize,
-    keys: (u64, u64),
+    ids: CounterIds,
 }
 
 /// A counter's identity in this store: the keyed 128-bit hash of its `CounterKey`.
@@ -31,27 +28,7 @@ type Id = u128;
 
 #[derive(Default)]
 struct Shard {
-    counters: HashMap<Id, Counter, BuildHasherDefault<IdHasher>>,
-}
-
-/// The ids are uniform hashes already: the map uses their bits as they are.
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
-        }
-    }
-
-    fn write_u128(&mut self, id: u128) {
-        self.0 = id as u64;
-    }
+    counters: HashMap<Id, Counter, IdHasher>,
 }
 
 /// A stored `State`, compacted: window indexes and expiry seconds fit 32 bits until 2106,
@@ -107,17 +84,12 @@ impl MemoryStore {
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             per_shard: max_keys.div_ceil(SHARDS).max(1),
             max_keys,
-            keys: (
-                std::hash::RandomState::new().hash_one(0u8),
-                std::hash::RandomState::new().hash_one(1u8),
-            ),
+            ids: CounterIds::new(),
         }
     }
 
     fn id(&self, key: &CounterKey) -> Id {
-        let mut h = SipHasher13::new_with_keys(self.keys.0, self.keys.1);
-        h.write(key.as_bytes());
-        h.finish128().as_u128()
+        self.ids.id(key, 0)
     }
 
     fn shard_of(id: Id) -> usize {
