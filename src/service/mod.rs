@@ -122,6 +122,11 @@ impl Setup {
     }
 }
 
+/// The rate limit service's name in gRPC health.
+const RLS: &str = <RateLimitServiceServer<Rls> as tonic::server::NamedService>::NAME;
+/// How long Watch streams have to see NOT_SERVING at shutdown before they are ended.
+const WATCHERS_SEE: Duration = Duration::from_millis(100);
+
 /// Whether sluice can answer from its rules and its store: rules are loaded, the store is
 /// reachable and it is not shutting down. Reported by `/readyz` and by gRPC health.
 #[derive(Clone)]
@@ -147,7 +152,7 @@ impl Readiness {
 
     /// Keeps gRPC health in step with readiness, for the empty service name and the rate limit
     /// service.
-    async fn report(self, health: HealthReporter) {
+    async fn report(self, mut health: HealthReporter) {
         let mut last = None;
         loop {
             let status = match self.problem() {
@@ -156,15 +161,15 @@ impl Readiness {
             };
             if last != Some(status) {
                 health.set_service_status("", status).await;
-                health
-                    .set_service_status(
-                        <RateLimitServiceServer<Rls> as tonic::server::NamedService>::NAME,
-                        status,
-                    )
-                    .await;
+                health.set_service_status(RLS, status).await;
                 last = Some(status);
             }
             if status == ServingStatus::NotServing && self.shutdown.fired() {
+                // Watch streams never end on their own: once they have seen NOT_SERVING, end
+                // them, so that the drain waits only for calls.
+                tokio::time::sleep(WATCHERS_SEE).await;
+                health.clear_service_status("").await;
+                health.clear_service_status(RLS).await;
                 return;
             }
             tokio::select! {

@@ -168,6 +168,17 @@ impl Metrics {
                 "Calls the counter store could not decide (envoyproxy/ratelimit's name)",
                 m.redis_errors.clone(),
             );
+        // Every label a counter can take exists from the start, so the first event is an
+        // increase a rate or an alert sees.
+        for kind in ["full", "timeout", "shed", "down", "unavailable"] {
+            drop(m.store_errors.get_or_create(&[("kind", kind)]));
+        }
+        for answer in ["error", "allow", "deny"] {
+            drop(m.policy_answers.get_or_create(&[("answer", answer)]));
+        }
+        for result in ["ok", "failed"] {
+            drop(m.reloads.get_or_create(&[("result", result)]));
+        }
         Metrics { registry, ..m }
     }
 
@@ -440,32 +451,32 @@ const RULE_STATS: [(&str, &str, &str); 6] = [
     (
         "total_hits",
         "sluice_rule_hits",
-        "Hits counted against the rule",
+        "Hits counted against the rule.",
     ),
     (
         "over_limit",
         "sluice_rule_over_limit",
-        "Hits over the rule's limit (shadow-mode and local-cache ones included)",
+        "Hits over the rule's limit (shadow-mode and local-cache ones included).",
     ),
     (
         "near_limit",
         "sluice_rule_near_limit",
-        "Hits within the limit past --near-limit-ratio of it",
+        "Hits within the limit past --near-limit-ratio of it.",
     ),
     (
         "within_limit",
         "sluice_rule_within_limit",
-        "Hits within the rule's limit",
+        "Hits within the rule's limit.",
     ),
     (
         "shadow_mode",
         "sluice_rule_shadow_mode",
-        "Hits over a shadow-mode limit, answered OK",
+        "Hits over a shadow-mode limit, answered OK.",
     ),
     (
         "over_limit_with_local_cache",
         "sluice_rule_over_limit_with_local_cache",
-        "Hits denied from the local over-limit cache, without a store call",
+        "Hits denied from the local over-limit cache, without a store call.",
     ),
 ];
 
@@ -516,7 +527,7 @@ impl Collector for RuleSnapshot {
             let name = format!("ratelimit_service_rate_limit_{stat}");
             let mut family = encoder.encode_descriptor(
                 &name,
-                "envoyproxy/ratelimit's name for the rule counter of the same stat",
+                "envoyproxy/ratelimit's name for the rule counter of the same stat.",
                 None,
                 MetricType::Unknown,
             )?;

@@ -3,10 +3,11 @@
 #![allow(dead_code)]
 
 pub mod envoy;
+pub mod metrics;
 pub mod redis;
 
 use std::net::{SocketAddr, TcpListener};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -125,6 +126,17 @@ impl Sluice {
     /// Starts sluice on `store` with rule `files` (name, YAML) and extra `serve` flags, and waits
     /// until it reports SERVING.
     pub async fn on(store: Store, files: &[(&str, &str)], flags: &[&str]) -> Sluice {
+        Sluice::on_prepared(store, write_files(files), flags).await
+    }
+
+    /// Starts sluice on the embedded store with a rules directory that `prepare` lays out (given
+    /// the empty directory, whose parent belongs to the test too), such as a Kubernetes
+    /// ConfigMap volume's links, and extra flags; waits until it reports SERVING.
+    pub async fn start_prepared(prepare: impl FnOnce(&Path), flags: &[&str]) -> Sluice {
+        Sluice::on_prepared(Store::Memory, prepare, flags).await
+    }
+
+    async fn on_prepared(store: Store, prepare: impl FnOnce(&Path), flags: &[&str]) -> Sluice {
         clear_of_minute_boundary().await;
         let store_flags = store.flags(flags);
         let flags: Vec<&str> = flags
@@ -132,7 +144,7 @@ impl Sluice {
             .copied()
             .chain(store_flags.iter().map(String::as_str))
             .collect();
-        Sluice::spawn(files, &flags, None, Wait::Serving).await
+        Sluice::launch(prepare, &flags, None, Wait::Serving).await
     }
 
     /// Starts `sluice serve` with rule `files` and exactly `flags` (plus its addresses), through
@@ -144,12 +156,20 @@ impl Sluice {
         wrapper: Option<&str>,
         wait: Wait,
     ) -> Sluice {
+        Sluice::launch(write_files(files), flags, wrapper, wait).await
+    }
+
+    /// `spawn`, with the rules directory laid out by `prepare`.
+    async fn launch(
+        prepare: impl FnOnce(&Path),
+        flags: &[&str],
+        wrapper: Option<&str>,
+        wait: Wait,
+    ) -> Sluice {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let rules = dir.path().join("rules");
         std::fs::create_dir(&rules).expect("rules directory");
-        for (name, yaml) in files {
-            std::fs::write(rules.join(name), yaml).expect("rule file written");
-        }
+        prepare(&rules);
         let log = dir.path().join("sluice.log");
         for _ in 0..3 {
             let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
@@ -238,6 +258,30 @@ impl Sluice {
     /// Whether the process is still running.
     pub fn alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Waits, for at most `limit`, until the process exits; its exit status, or `None` if it
+    /// still runs.
+    pub async fn exited_within(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Writes rule `files` (name, YAML) into the rules directory it is given.
+fn write_files<'a>(files: &'a [(&str, &str)]) -> impl FnOnce(&Path) + 'a {
+    move |rules| {
+        for (name, yaml) in files {
+            std::fs::write(rules.join(name), yaml).expect("rule file written");
+        }
     }
 }
 
