@@ -17,7 +17,11 @@
 //! Beside the path: [`config`] reads and validates rule files into typed structs at the edge,
 //! [`telemetry`] sets up logging (and keeps events every request can hit from flooding it), and
 //! [`load`] is the client-side load generator of `sluice load`.
+//!
+//! TLS: [`certs`] reads certificates and keys from PEM files for both edges that speak it, the
+//! gRPC server (`service::tls`, mTLS and reload included) and the connections to Redis.
 
+pub mod certs;
 pub mod config;
 pub mod limiter;
 pub mod load;
