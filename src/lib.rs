@@ -20,7 +20,11 @@
 //! [`telemetry`] sets up logging (and keeps events every request can hit from flooding it) and
 //! holds the Prometheus metrics every layer counts into, and [`load`] is the client-side load
 //! generator of `sluice load`.
+//!
+//! TLS: [`certs`] reads certificates and keys from PEM files for both edges that speak it, the
+//! gRPC server (`service::tls`, mTLS and reload included) and the connections to Redis.
 
+pub mod certs;
 pub mod config;
 pub mod limiter;
 pub mod load;

@@ -9,11 +9,13 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
+use sluice::certs::PemFile;
 use sluice::config;
 use sluice::limiter::OverLimitCache;
 use sluice::service::rls::{Answering, Bounds, Fallback, OnStoreError};
+use sluice::service::tls::{ServerTls, TlsFlags};
 use sluice::service::{self, Addrs, Edges, JsonAt, Rules, Setup, Shutdown, reload};
-use sluice::store::Backend;
+use sluice::store::{Backend, RedisTls, RedisTlsFlags};
 use sluice::telemetry::LogFormat;
 
 /// mimalloc: measurably less CPU per request than the system allocator on the request path, and
@@ -31,7 +33,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve the rate limit service over gRPC, with an admin HTTP server beside it.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Validate rule files: exit 0 when valid, else print `file:line: message` per error.
     CheckConfig {
         /// A rule file, or a directory of them.
@@ -44,6 +46,8 @@ enum Command {
         /// The gRPC address to ask.
         #[arg(long, env = "SLUICE_HEALTH_TARGET", default_value = "127.0.0.1:8081")]
         target: SocketAddr,
+        #[command(flatten)]
+        tls: HealthTls,
     },
 }
 
@@ -123,6 +127,10 @@ struct ServeArgs {
     /// RUST_LOG, else info.
     #[arg(long, env = "SLUICE_LOG_LEVEL")]
     log_level: Option<String>,
+    #[command(flatten)]
+    tls: TlsFlags,
+    #[command(flatten)]
+    redis_tls: RedisTlsFlags,
 }
 
 fn parse_json_addr(value: &str) -> Result<JsonAt, String> {
@@ -135,15 +143,64 @@ fn parse_json_addr(value: &str) -> Result<JsonAt, String> {
         .map_err(|e| format!("{e}: an address such as 127.0.0.1:8082, or `off`"))
 }
 
+/// TLS for `sluice health`.
+#[derive(Args)]
+struct HealthTls {
+    /// Connect over TLS, trusting the CAs of this PEM file.
+    #[arg(long = "tls-ca", env = "SLUICE_HEALTH_TLS_CA")]
+    ca: Option<PathBuf>,
+    /// Present this PEM client certificate, to a server that requires one.
+    #[arg(long = "tls-cert", env = "SLUICE_HEALTH_TLS_CERT", requires_all = ["ca", "key"])]
+    cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long = "tls-key", env = "SLUICE_HEALTH_TLS_KEY", requires = "cert")]
+    key: Option<PathBuf>,
+    /// The name the server's certificate must hold [default: localhost for a loopback target,
+    /// else the target's address].
+    #[arg(
+        long = "tls-server-name",
+        env = "SLUICE_HEALTH_TLS_SERVER_NAME",
+        requires = "ca"
+    )]
+    server_name: Option<String>,
+}
+
+impl HealthTls {
+    /// The gRPC endpoint for `target`: over TLS when a CA is given, else plaintext.
+    fn endpoint(&self, target: SocketAddr) -> anyhow::Result<tonic::transport::Endpoint> {
+        use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+        let Some(ca) = &self.ca else {
+            return Ok(Endpoint::from_shared(format!("http://{target}"))?);
+        };
+        let name = self.server_name.clone().unwrap_or_else(|| {
+            if target.ip().is_loopback() {
+                "localhost".to_owned()
+            } else {
+                target.ip().to_string()
+            }
+        });
+        let ca = PemFile::new("--tls-ca", ca).read()?;
+        let mut config = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(ca))
+            .domain_name(name);
+        if let (Some(cert), Some(key)) = (&self.cert, &self.key) {
+            let cert = PemFile::new("--tls-cert", cert).read()?;
+            let key = PemFile::new("--tls-key", key).read()?;
+            config = config.identity(Identity::from_pem(cert, key));
+        }
+        Ok(Endpoint::from_shared(format!("https://{target}"))?.tls_config(config)?)
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::CheckConfig { path } => check_config(&path),
-        Command::Health { target } => health(target),
+        Command::Health { target, tls } => health(target, tls),
         Command::Load(options) => load(options),
         Command::Serve(args) => {
             sluice::telemetry::init(args.log_format, args.log_level.as_deref());
-            match serve(args) {
+            match serve(*args) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!("{e:#}");
@@ -199,13 +256,11 @@ async fn load(options: sluice::load::Options) -> ExitCode {
 }
 
 #[tokio::main(flavor = "current_thread")]
-async fn health(target: SocketAddr) -> ExitCode {
+async fn health(target: SocketAddr, tls: HealthTls) -> ExitCode {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
     let ask = async {
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{target}"))?
-            .connect()
-            .await?;
+        let channel = tls.endpoint(target)?.connect().await?;
         let reply = HealthClient::new(channel)
             .check(HealthCheckRequest::default())
             .await?;
@@ -294,7 +349,11 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
     ));
     let backend = match &args.redis_url {
         None => Backend::memory(args.max_keys),
-        Some(url) => Backend::redis(url.clone(), args.redis_key_prefix.clone()),
+        Some(url) => Backend::redis(
+            url.clone(),
+            args.redis_key_prefix.clone(),
+            RedisTls::load(url, &args.redis_tls)?,
+        ),
     };
     let setup = Setup {
         rules,
@@ -317,6 +376,7 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         },
         cache: (args.local_cache_size > 0)
             .then(|| std::sync::Arc::new(OverLimitCache::new(args.local_cache_size))),
+        tls: ServerTls::load(&args.tls)?,
     };
     let (stop, shutdown) = Shutdown::new();
     let grace = args.shutdown_grace;

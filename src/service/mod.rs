@@ -11,6 +11,7 @@ mod http;
 mod pb;
 pub mod reload;
 pub mod rls;
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -28,6 +29,7 @@ use tonic_health::server::{HealthReporter, HealthService};
 
 use pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use rls::{Answering, Bounds, Fallback, Rls};
+use tls::ServerTls;
 
 use crate::limiter::{Limiter, OverLimitCache};
 use crate::rules::RuleSet;
@@ -105,6 +107,8 @@ pub struct Setup {
     pub answering: Answering,
     /// The local over-limit cache, shared by every event loop; `None` when switched off.
     pub cache: Option<Arc<OverLimitCache>>,
+    /// gRPC over TLS only; without it, plaintext.
+    pub tls: Option<ServerTls>,
 }
 
 impl Setup {
@@ -254,6 +258,9 @@ pub async fn run(
         finished.push(loop_finished);
     }
     tokio::spawn(readiness.clone().report(health));
+    if let Some(tls) = &setup.tls {
+        tokio::spawn(tls.clone().watch());
+    }
 
     let accept = hand_out(grpc_listener, connections, shutdown.clone());
     let gauges = gauges::Gauges {
@@ -377,8 +384,7 @@ impl Grpc {
             let max = edges.max_request_bytes;
             let reflection_v1 = reflection().build_v1().context("reflection v1")?;
             let reflection_v1alpha = reflection().build_v1alpha().context("reflection v1alpha")?;
-            let incoming = UnboundedReceiverStream::new(incoming).map(TcpStream::from_std);
-            tonic::transport::Server::builder()
+            let server = tonic::transport::Server::builder()
                 .max_concurrent_streams(edges.max_concurrent_streams)
                 .add_service(
                     HealthServer::new(HealthService::from_health_reporter(self.health))
@@ -386,10 +392,19 @@ impl Grpc {
                 )
                 .add_service(reflection_v1.max_decoding_message_size(max))
                 .add_service(reflection_v1alpha.max_decoding_message_size(max))
-                .add_service(RateLimitServiceServer::from_arc(rls).max_decoding_message_size(max))
-                .serve_with_incoming_shutdown(incoming, self.shutdown.wait())
-                .await
-                .context("gRPC server")
+                .add_service(RateLimitServiceServer::from_arc(rls).max_decoding_message_size(max));
+            let stop = self.shutdown.wait();
+            match self.setup.tls {
+                None => {
+                    let incoming = UnboundedReceiverStream::new(incoming).map(TcpStream::from_std);
+                    server.serve_with_incoming_shutdown(incoming, stop).await
+                }
+                Some(tls) => {
+                    let incoming = tls.handshakes(incoming);
+                    server.serve_with_incoming_shutdown(incoming, stop).await
+                }
+            }
+            .context("gRPC server")
         })
     }
 }

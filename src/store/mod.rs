@@ -15,7 +15,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 pub use memory::MemoryStore;
-pub use redis::RedisStore;
+pub use redis::{RedisStore, RedisTls, RedisTlsFlags};
 
 use crate::limiter::{Check, Decision};
 use breaker::Breaker;
@@ -28,6 +28,7 @@ pub enum Backend {
     Redis {
         url: String,
         key_prefix: String,
+        tls: Option<RedisTls>,
         /// The breakers of every store opened on this deployment: it is reachable when all are
         /// closed.
         breakers: Arc<Mutex<Vec<Arc<Breaker>>>>,
@@ -54,11 +55,13 @@ impl Backend {
         Backend::Memory(store)
     }
 
-    /// A Redis deployment (see `RedisStore::connect` for the URL forms).
-    pub fn redis(url: String, key_prefix: String) -> Backend {
+    /// A Redis deployment (see `RedisStore::connect` for the URL forms), reached over TLS as
+    /// `tls` says when the URL asks for TLS.
+    pub fn redis(url: String, key_prefix: String, tls: Option<RedisTls>) -> Backend {
         Backend::Redis {
             url,
             key_prefix,
+            tls,
             breakers: Arc::default(),
             changed: Arc::default(),
         }
@@ -72,11 +75,12 @@ impl Backend {
             Backend::Redis {
                 url,
                 key_prefix,
+                tls,
                 breakers,
                 changed,
             } => {
                 let breaker = Arc::new(Breaker::new(changed.clone()));
-                let store = RedisStore::connect(url, key_prefix, breaker.clone())?;
+                let store = RedisStore::connect(url, key_prefix, tls.as_ref(), breaker.clone())?;
                 breakers
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())

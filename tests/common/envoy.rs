@@ -1,6 +1,6 @@
 //! A real Envoy in front of sluice: a tiny upstream, and Envoy with the global rate limit filter
 //! asking sluice about every request on `/`, with the route's descriptor actions and the filter's
-//! failure mode and timeout chosen by the test.
+//! failure mode and timeout chosen by the test, over plaintext or TLS.
 
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
@@ -142,6 +142,16 @@ pub struct Filter<'a> {
     pub timeout: Duration,
 }
 
+/// How Envoy speaks TLS to the rate limit service.
+pub struct UpstreamTls<'a> {
+    /// The CA certificates it trusts.
+    pub ca: &'a Path,
+    /// The name it asks for (SNI) and requires the service's certificate to hold.
+    pub name: &'a str,
+    /// The client certificate chain and key it presents (mTLS).
+    pub client: Option<(&'a Path, &'a Path)>,
+}
+
 /// A running Envoy with the bootstrap from `bootstrap`; killed when dropped, and its log is
 /// printed when that happens during a failing test.
 pub struct Envoy {
@@ -161,12 +171,33 @@ impl Envoy {
         ratelimit: SocketAddr,
         filter: &Filter,
     ) -> Envoy {
+        Envoy::launch(binary, upstream, ratelimit, filter, None)
+    }
+
+    /// `start`, with Envoy speaking TLS to the rate limit service as `tls` says.
+    pub fn start_tls(
+        binary: &Path,
+        upstream: SocketAddr,
+        ratelimit: SocketAddr,
+        filter: &Filter,
+        tls: &UpstreamTls,
+    ) -> Envoy {
+        Envoy::launch(binary, upstream, ratelimit, filter, Some(tls))
+    }
+
+    fn launch(
+        binary: &Path,
+        upstream: SocketAddr,
+        ratelimit: SocketAddr,
+        filter: &Filter,
+        tls: Option<&UpstreamTls>,
+    ) -> Envoy {
         for _ in 0..3 {
             let dir = tempfile::tempdir().expect("a temporary directory");
             let listener: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
             let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
             let config = dir.path().join("envoy.yaml");
-            let yaml = bootstrap(listener, admin, upstream, ratelimit, filter);
+            let yaml = bootstrap(listener, admin, upstream, ratelimit, filter, tls);
             std::fs::write(&config, yaml).unwrap();
             let log = dir.path().join("envoy.log");
             let child = Command::new(binary)
@@ -222,16 +253,18 @@ impl Envoy {
     /// The rate limit filter's counters for the upstream cluster, by name (`ok`, `over_limit`,
     /// `error`, `failure_mode_allowed`…).
     pub fn ratelimit_stats(&self) -> HashMap<String, u64> {
-        let (status, text) = try_get(
-            self.admin,
-            "/stats?filter=^cluster\\.upstream\\.ratelimit\\.",
-        )
-        .expect("the admin interface answers");
+        self.stats("cluster.upstream.ratelimit.")
+    }
+
+    /// The counters and gauges whose names start with `prefix`, by the rest of their name.
+    pub fn stats(&self, prefix: &str) -> HashMap<String, u64> {
+        let filter = format!("/stats?filter=^{}", prefix.replace('.', "\\."));
+        let (status, text) = try_get(self.admin, &filter).expect("the admin interface answers");
         assert_eq!(status, 200, "{text}");
         text.lines()
             .filter_map(|line| line.split_once(": "))
             .filter_map(|(name, value)| {
-                let name = name.strip_prefix("cluster.upstream.ratelimit.")?;
+                let name = name.strip_prefix(prefix)?;
                 Some((name.to_owned(), value.trim().parse().ok()?))
             })
             .collect()
@@ -320,14 +353,15 @@ fn dechunk(mut rest: &str) -> Option<String> {
 }
 
 /// The Envoy bootstrap: one listener routing to the upstream, with the global rate limit filter
-/// asking sluice as `filter` says for every request on `/`, and `/probe` left unlimited for
-/// readiness checks.
+/// asking sluice as `filter` says (over `tls` when given) for every request on `/`, and `/probe`
+/// left unlimited for readiness checks.
 fn bootstrap(
     listener: SocketAddr,
     admin: SocketAddr,
     upstream: SocketAddr,
     ratelimit: SocketAddr,
     filter: &Filter,
+    tls: Option<&UpstreamTls>,
 ) -> String {
     let actions: String = filter
         .actions
@@ -390,7 +424,7 @@ static_resources:
                     socket_address: {{ address: 127.0.0.1, port_value: {upstream_port} }}
     - name: ratelimit
       type: STATIC
-      connect_timeout: 1s
+      connect_timeout: 1s{transport_socket}
       typed_extension_protocol_options:
         envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
           "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
@@ -411,5 +445,40 @@ static_resources:
         domain = filter.domain,
         failure_mode_deny = filter.failure_mode_deny,
         timeout = filter.timeout.as_secs_f64(),
+        transport_socket = tls.map(transport_socket).unwrap_or_default(),
+    )
+}
+
+/// The ratelimit cluster's `transport_socket`: TLS as `tls` says, checking the name it asks for.
+fn transport_socket(tls: &UpstreamTls) -> String {
+    let certificate = tls
+        .client
+        .map(|(chain, key)| {
+            format!(
+                r#"
+            tls_certificates:
+              - certificate_chain: {{ filename: "{}" }}
+                private_key: {{ filename: "{}" }}"#,
+                chain.display(),
+                key.display()
+            )
+        })
+        .unwrap_or_default();
+    format!(
+        r#"
+      transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+          sni: {name}
+          common_tls_context:
+            alpn_protocols: [h2]
+            validation_context:
+              trusted_ca: {{ filename: "{ca}" }}
+              match_typed_subject_alt_names:
+                - san_type: DNS
+                  matcher: {{ exact: {name} }}{certificate}"#,
+        name = tls.name,
+        ca = tls.ca.display(),
     )
 }

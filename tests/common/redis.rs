@@ -1,8 +1,10 @@
 //! Real Redis for the tests: one standalone `redis-server` and one 3-primary Redis Cluster per
 //! test binary, started on first use on free loopback ports. Each runs under a shell that stops
-//! it when the test binary exits (its stdin, held open by this process, closes).
+//! it when the test binary exits (its stdin, held open by this process, closes). A test may also
+//! own a server, plain or TLS only, stopped when dropped.
 
 use std::net::TcpListener;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -216,6 +218,89 @@ impl Drop for Controlled {
             signal(child.id(), "CONT");
         }
         self.kill();
+    }
+}
+
+/// A standalone `redis-server` owned by one test that speaks TLS only and requires every client
+/// to present a certificate; killed when dropped.
+pub struct TlsRedis {
+    pub port: u16,
+    /// The CA the server's certificate chains to, and a client certificate (chain, key) that it
+    /// accepts, for `redis-cli`.
+    ca: PathBuf,
+    client: (PathBuf, PathBuf),
+    log: PathBuf,
+    child: Child,
+}
+
+impl TlsRedis {
+    /// Starts a server presenting `cert` and `key`, accepting clients whose certificate `ca`
+    /// signed, logging to `log`, and waits until it answers `client` (chain, key).
+    pub fn start(
+        ca: &Path,
+        cert: &Path,
+        key: &Path,
+        client: (&Path, &Path),
+        log: &Path,
+    ) -> TlsRedis {
+        let port = low_free_ports(1)[0];
+        let child = Command::new("redis-server")
+            .args(["--port", "0", "--tls-port", &port.to_string()])
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(["--protected-mode", "no", "--tls-auth-clients", "yes"])
+            .arg("--tls-cert-file")
+            .arg(cert)
+            .arg("--tls-key-file")
+            .arg(key)
+            .arg("--tls-ca-cert-file")
+            .arg(ca)
+            .arg("--logfile")
+            .arg(log)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server starts (install redis-server)");
+        let redis = TlsRedis {
+            port,
+            ca: ca.to_owned(),
+            client: (client.0.to_owned(), client.1.to_owned()),
+            log: log.to_owned(),
+            child,
+        };
+        wait_for(
+            || redis.cli(&["PING"]).trim() == "PONG",
+            "redis-server answers PING over TLS",
+        );
+        redis
+    }
+
+    /// Runs `redis-cli` over TLS, with the client certificate, against this server.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "--tls"])
+            .arg("--cacert")
+            .arg(&self.ca)
+            .arg("--cert")
+            .arg(&self.client.0)
+            .arg("--key")
+            .arg(&self.client.1)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("redis-cli runs (install redis-tools)");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// What the server has logged so far.
+    pub fn log_text(&self) -> String {
+        super::read_log(&self.log)
+    }
+}
+
+impl Drop for TlsRedis {
+    fn drop(&mut self) {
+        super::stop_showing_log(&mut self.child, "redis-server", &self.log);
     }
 }
 

@@ -14,6 +14,7 @@
 
 mod batch;
 mod cluster;
+mod tls;
 
 use std::io::Write;
 use std::sync::Arc;
@@ -34,6 +35,7 @@ use crate::limiter::window::Verdict;
 use crate::limiter::{Algorithm, Check, Decision, Item, Mode};
 use crate::telemetry::Throttle;
 use batch::Pending;
+pub use tls::{RedisTls, RedisTlsFlags};
 
 const ARGS_PER_ITEM: usize = 6;
 /// Requests waiting for a batched call, per event loop; past it, requests are shed.
@@ -58,10 +60,19 @@ type Answer = Result<(bool, Vec<Verdict>), StoreError>;
 impl RedisStore {
     /// A store on `url` (`redis://`, `rediss://`, `redis-cluster://`, `redis-sentinel://`). It
     /// connects in the background, retrying with backoff, and its breaker stays open until the
-    /// probe has loaded the scripts on every primary. Fails only on a malformed URL.
-    pub fn connect(url: &str, prefix: &str, breaker: Arc<Breaker>) -> Result<Self, StoreError> {
+    /// probe has loaded the scripts on every primary. `tls`, given for a TLS URL, replaces the
+    /// client's default (the system's CAs, no client certificate). Fails only on a malformed URL.
+    pub fn connect(
+        url: &str,
+        prefix: &str,
+        tls: Option<&RedisTls>,
+        breaker: Arc<Breaker>,
+    ) -> Result<Self, StoreError> {
         let config_error = |e: Error| StoreError::Config(format!("--redis-url: {e}"));
         let mut config = Config::from_url(url).map_err(config_error)?;
+        if let Some(tls) = tls {
+            config.tls = Some(tls.connector());
+        }
         // The first connection follows the reconnect policy too: sluice serves before Redis.
         config.fail_fast = false;
         let clustered = config.server.is_clustered();

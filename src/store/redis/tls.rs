@@ -1,0 +1,146 @@
+//! TLS to Redis (`rediss://` and the other TLS schemes): the CAs sluice trusts (`--redis-ca`, else
+//! the system's) and the client certificate it presents (`--redis-cert`, `--redis-key`), read once
+//! at start into one rustls configuration that every connection shares.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use fred::types::config::{TlsConfig, TlsConnector};
+use rustls::{ClientConfig, RootCertStore};
+
+use crate::certs::{self, PemFile};
+
+/// The `serve` flags of TLS to Redis (`redis_url` names `serve`'s `--redis-url`, which clap
+/// checks exists).
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct RedisTlsFlags {
+    /// Trust the CAs of this PEM file for Redis' certificate, instead of the system's.
+    #[arg(long, env = "SLUICE_REDIS_CA", requires = "redis_url")]
+    pub redis_ca: Option<PathBuf>,
+    /// Present this PEM client certificate chain to Redis.
+    #[arg(long, env = "SLUICE_REDIS_CERT", requires_all = ["redis_key", "redis_url"])]
+    pub redis_cert: Option<PathBuf>,
+    /// The PEM private key of --redis-cert.
+    #[arg(long, env = "SLUICE_REDIS_KEY", requires = "redis_cert")]
+    pub redis_key: Option<PathBuf>,
+}
+
+/// How sluice speaks TLS to Redis.
+#[derive(Clone)]
+pub struct RedisTls(Arc<ClientConfig>);
+
+impl RedisTls {
+    /// The TLS configuration for `url` from `flags`: trusting the CAs of `--redis-ca` (else the
+    /// system's) and presenting `--redis-cert` when given; `None` for a URL without TLS, which
+    /// takes none of them.
+    pub fn load(url: &str, flags: &RedisTlsFlags) -> anyhow::Result<Option<RedisTls>> {
+        let identity = flags.redis_cert.as_deref().zip(flags.redis_key.as_deref());
+        if !uses_tls(url) {
+            let given = match (&flags.redis_ca, identity) {
+                (Some(_), _) => "--redis-ca",
+                (None, Some(_)) => "--redis-cert and --redis-key",
+                (None, None) => return Ok(None),
+            };
+            anyhow::bail!("{given}: only for a TLS --redis-url (rediss://…)");
+        }
+        let roots = match &flags.redis_ca {
+            Some(path) => {
+                let file = PemFile::new("--redis-ca", path);
+                file.roots(&file.read()?)?
+            }
+            None => system_roots()?,
+        };
+        let builder = ClientConfig::builder_with_provider(certs::provider())
+            .with_safe_default_protocol_versions()
+            .context("the TLS provider")?
+            .with_root_certificates(roots);
+        let config = match identity {
+            None => builder.with_no_client_auth(),
+            Some((cert, key)) => {
+                let (cert, key) = (
+                    PemFile::new("--redis-cert", cert),
+                    PemFile::new("--redis-key", key),
+                );
+                let chain = cert.certificates(&cert.read()?)?;
+                builder
+                    .with_client_auth_cert(chain, key.key(&key.read()?)?)
+                    .map_err(|e| certs::refused_pair(&cert, &key, e))?
+            }
+        };
+        Ok(Some(RedisTls(Arc::new(config))))
+    }
+
+    /// The connector fred makes its TLS connections with.
+    pub(super) fn connector(&self) -> TlsConfig {
+        TlsConnector::from(tokio_rustls::TlsConnector::from(self.0.clone())).into()
+    }
+}
+
+/// Whether fred connects to `url` over TLS: its scheme starts with `rediss` or `valkeys`
+/// (`rediss://`, `rediss-cluster://`, `rediss-sentinel://`…), as fred reads it.
+fn uses_tls(url: &str) -> bool {
+    let scheme = url.split_once("://").map_or("", |(scheme, _)| scheme);
+    let scheme = scheme.to_ascii_lowercase();
+    scheme.starts_with("rediss") || scheme.starts_with("valkeys")
+}
+
+/// The system's trusted CAs; certificates it cannot parse are skipped, as other TLS clients do.
+fn system_roots() -> anyhow::Result<RootCertStore> {
+    let found = rustls_native_certs::load_native_certs();
+    for e in &found.errors {
+        tracing::warn!("reading the system's CA certificates: {e}");
+    }
+    let mut roots = RootCertStore::empty();
+    let (added, _) = roots.add_parsable_certificates(found.certs);
+    if added == 0 {
+        anyhow::bail!(
+            "a TLS --redis-url without --redis-ca: no CA certificates found on the system to trust"
+        );
+    }
+    Ok(roots)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tls_schemes_are_told_from_plain_ones() {
+        for url in [
+            "rediss://h:6379",
+            "rediss-cluster://h:1?node=h:2",
+            "REDISS-SENTINEL://h:26379",
+            "valkeys://h",
+        ] {
+            assert!(uses_tls(url), "{url}");
+        }
+        for url in [
+            "redis://h:6379",
+            "redis-cluster://h:1",
+            "redis-sentinel://h",
+            "h:6379",
+        ] {
+            assert!(!uses_tls(url), "{url}");
+        }
+    }
+
+    #[test]
+    fn tls_files_with_a_plain_url_are_refused() {
+        let ca = RedisTlsFlags {
+            redis_ca: Some("ca.pem".into()),
+            ..Default::default()
+        };
+        let error = RedisTls::load("redis://127.0.0.1:6379", &ca).err().unwrap();
+        assert_eq!(
+            error.to_string(),
+            "--redis-ca: only for a TLS --redis-url (rediss://…)"
+        );
+        let none = RedisTlsFlags::default();
+        assert!(
+            RedisTls::load("redis://127.0.0.1:6379", &none)
+                .unwrap()
+                .is_none()
+        );
+    }
+}
