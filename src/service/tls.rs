@@ -83,8 +83,8 @@ impl ServerTls {
 
     /// Reads the files every `POLL` and puts a set that changed in force once it has stayed the
     /// same for a whole poll (so a certificate written a moment before its key is not logged as a
-    /// mismatch) and is valid: new connections use it. A set that cannot be read or is invalid is logged once, naming the
-    /// file, and the configuration in force stays.
+    /// mismatch) and is valid: new connections use it. A set that cannot be read or is invalid
+    /// is logged once, naming the file, and the configuration in force stays.
     pub(super) async fn watch(self) {
         let mut tick = tokio::time::interval(POLL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
