@@ -6,9 +6,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{OK, OVER_LIMIT, Sluice, Store, descriptor, request};
+use common::{OK, OVER_LIMIT, Sluice, Store, descriptor, request, sleep_until_unix_ms, unix_ms};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::UInt64Value;
 
 on_every_store!(
@@ -30,6 +30,7 @@ on_every_store!(
     a_sliding_window_rule_reports_its_window,
     several_descriptors_with_different_values_count_apart,
     several_limits_on_one_descriptor_must_all_pass,
+    a_second_and_a_minute_limit_deny_by_the_one_that_is_full_and_denials_consume_nothing,
 );
 
 const RULES: &str = r#"
@@ -491,4 +492,64 @@ async fn several_limits_on_one_descriptor_must_all_pass(store: Store) {
     );
     let r = sluice.ask(request("api", &[&[("client", "k")]])).await;
     assert_eq!((r.overall_code, remaining(&r, 0)), (OK, 2));
+}
+
+const PER_SECOND_AND_MINUTE: &str = r#"
+domain: api
+descriptors:
+  - key: client
+    rate_limits:
+      - {unit: second, requests_per_unit: 10, name: per_second}
+      - {unit: minute, requests_per_unit: 20, name: per_minute}
+"#;
+
+/// Starts 50 ms into the next whole second (Unix time), so that a few dozen requests all fall in
+/// that second; `Sluice::on` leaves at least 10 s of the minute.
+async fn at_the_start_of_a_second() {
+    sleep_until_unix_ms((unix_ms() / 1000 + 1) * 1000 + 50).await;
+}
+
+async fn a_second_and_a_minute_limit_deny_by_the_one_that_is_full_and_denials_consume_nothing(
+    store: Store,
+) {
+    let sluice = Sluice::on(store, &[("rules.yaml", PER_SECOND_AND_MINUTE)], &[]).await;
+    let ask = || request("api", &[&[("client", "c")]]);
+    let shown = |r: &RateLimitResponse| r.statuses[0].current_limit.as_ref().unwrap().name.clone();
+    at_the_start_of_a_second().await;
+    for _ in 0..10 {
+        assert_eq!(sluice.ask(ask()).await.overall_code, OK);
+    }
+    let r = sluice.ask(ask()).await;
+    assert_eq!(
+        (r.overall_code, shown(&r)),
+        (OVER_LIMIT, "per_second".into())
+    );
+
+    at_the_start_of_a_second().await;
+    for _ in 0..10 {
+        assert_eq!(sluice.ask(ask()).await.overall_code, OK);
+    }
+    let r = sluice.ask(ask()).await;
+    assert_eq!(
+        (r.overall_code, shown(&r), remaining(&r, 0)),
+        (OVER_LIMIT, "per_minute".into(), 0),
+        "20 in the minute: the minute limit denies"
+    );
+
+    at_the_start_of_a_second().await;
+    for _ in 0..12 {
+        let r = sluice.ask(ask()).await;
+        assert_eq!(
+            (r.overall_code, shown(&r)),
+            (OVER_LIMIT, "per_minute".into())
+        );
+    }
+    let mut refund = ask();
+    refund.descriptors[0].is_negative_hits = true;
+    sluice.ask(refund).await;
+    let r = sluice.ask(ask()).await;
+    assert_eq!(
+        r.overall_code, OK,
+        "the 12 denied requests took nothing from this second's 10"
+    );
 }
