@@ -45,21 +45,22 @@ impl OverLimitCache {
         if check.items.iter().any(|i| i.refund) {
             return None;
         }
-        let mut until = Vec::new();
-        for (i, item) in check.items.iter().enumerate() {
-            if item.mode == Mode::Shadow {
-                continue;
-            }
-            if let Some(at) = self.full.get(&self.id(item)).filter(|at| *at > now) {
-                until.push((i, at));
-            }
-        }
-        if until.is_empty() || admits(&check.items, |i| until.iter().any(|(j, _)| *j == i)) {
+        // Per item, until when it is known to be full.
+        let until: Vec<Option<Instant>> = check
+            .items
+            .iter()
+            .map(|item| {
+                let cached = (item.mode != Mode::Shadow).then(|| self.full.get(&self.id(item)));
+                cached.flatten().filter(|at| *at > now)
+            })
+            .collect();
+        if admits(&check.items, |i| until[i].is_some()) {
             return None;
         }
-        let usages = (0..check.items.len())
-            .map(|i| match until.iter().find(|(j, _)| *j == i) {
-                Some((_, at)) => Usage {
+        let usages = until
+            .iter()
+            .map(|at| match at {
+                Some(at) => Usage {
                     over: true,
                     remaining: 0,
                     reset: *at - now,

@@ -180,33 +180,43 @@ impl RuleSet {
         domain: &[u8],
         entries: &[(&'a [u8], &'a [u8])],
     ) -> Option<Match<'a>> {
-        let mut level = self.domains.get(domain)?;
         let mut counted_values = Vec::with_capacity(entries.len());
-        let mut node = None;
-        for (key, value) in entries {
-            let branches = level.by_key.get(*key)?;
-            let (next, counted) = if let Some(n) = branches.exact.get(*value) {
-                (n, *value)
-            } else if let Some((p, n)) = branches.patterns.iter().find(|(p, _)| p.matches(value)) {
-                (
-                    n,
-                    if n.share_threshold {
-                        p.text.as_slice()
-                    } else {
-                        *value
-                    },
-                )
-            } else {
-                (branches.any.as_deref()?, *value)
-            };
-            counted_values.push(counted);
-            level = &next.children;
-            node = Some(next);
-        }
-        node.map(|node| Match {
+        let node = self.walk(domain, entries, |node, how, _, value| {
+            counted_values.push(match how {
+                Matched::Pattern(pattern) if node.share_threshold => pattern,
+                _ => value,
+            });
+        })?;
+        Some(Match {
             node,
             counted_values,
         })
+    }
+
+    /// Walks the tree along `entries`, telling `visit` each entry's rule, how it matched, and the
+    /// entry's key and value; returns the rule of the last entry if every entry matched.
+    fn walk<'a>(
+        &'a self,
+        domain: &[u8],
+        entries: &[(&'a [u8], &'a [u8])],
+        mut visit: impl FnMut(&'a Node, Matched<'a>, &'a [u8], &'a [u8]),
+    ) -> Option<&'a Node> {
+        let mut level = self.domains.get(domain)?;
+        let mut node = None;
+        for (key, value) in entries {
+            let branches = level.by_key.get(*key)?;
+            let (next, how) = if let Some(n) = branches.exact.get(*value) {
+                (n, Matched::Exact)
+            } else if let Some((p, n)) = branches.patterns.iter().find(|(p, _)| p.matches(value)) {
+                (n, Matched::Pattern(p.text.as_slice()))
+            } else {
+                (branches.any.as_deref()?, Matched::Key)
+            };
+            visit(next, how, key, value);
+            level = &next.children;
+            node = Some(next);
+        }
+        node
     }
 
     /// The metric name of a matched descriptor whose rule is `named_by_request`, as
@@ -215,47 +225,39 @@ impl RuleSet {
     /// entry as its rule names it, with the request's value where that rule has
     /// `value_to_metric`. Values are cut to `LONGEST_LITERAL` bytes.
     pub fn metric_name(&self, domain: &[u8], entries: &[(&[u8], &[u8])], leaf: &Node) -> String {
+        let detailed = leaf.detailed_metric;
         let mut name = String::new();
-        let Some(mut level) = self.domains.get(domain) else {
-            return name;
-        };
-        for (i, (key, value)) in entries.iter().enumerate() {
-            let Some(branches) = level.by_key.get(*key) else {
-                break;
+        self.walk(domain, entries, |node, how, key, value| {
+            let by_request = detailed || node.value_to_metric;
+            let shown = match how {
+                Matched::Exact => Some(text_of(value)),
+                Matched::Pattern(p) if node.share_threshold || !by_request => {
+                    Some(String::from_utf8_lossy(p).into_owned())
+                }
+                Matched::Pattern(_) => Some(text_of(value)),
+                Matched::Key => by_request.then(|| text_of(value)),
             };
-            let bytes = *value;
-            let key = String::from_utf8_lossy(key);
-            let value = text_of(bytes);
-            let (node, shown) = if let Some(n) = branches.exact.get(bytes) {
-                (n, Some(value))
-            } else if let Some((p, n)) = branches.patterns.iter().find(|(p, _)| p.matches(bytes)) {
-                let pattern = String::from_utf8_lossy(&p.text).into_owned();
-                let shown = if n.share_threshold {
-                    pattern
-                } else if leaf.detailed_metric || n.value_to_metric {
-                    value
-                } else {
-                    pattern
-                };
-                (n, Some(shown))
-            } else if let Some(n) = branches.any.as_deref() {
-                let shown = (leaf.detailed_metric || n.value_to_metric).then_some(value);
-                (n, shown)
-            } else {
-                break;
-            };
-            if i > 0 {
+            if !name.is_empty() {
                 name.push('.');
             }
-            name.push_str(&key);
-            if let Some(v) = shown.filter(|v| !v.is_empty() || leaf.detailed_metric) {
+            name.push_str(&String::from_utf8_lossy(key));
+            if let Some(v) = shown.filter(|v| !v.is_empty() || detailed) {
                 name.push('_');
                 name.push_str(&v);
             }
-            level = &node.children;
-        }
+        });
         name
     }
+}
+
+/// How a descriptor entry matched its rule.
+enum Matched<'a> {
+    /// Its exact value.
+    Exact,
+    /// A value with `*` wildcards: this one.
+    Pattern(&'a [u8]),
+    /// The key alone.
+    Key,
 }
 
 /// A request value as text for a metric name: lossy UTF-8, at most `LONGEST_LITERAL` bytes.
@@ -439,6 +441,53 @@ descriptors:
             m.node.limits[0].limit.as_ref().unwrap().requests_per_unit,
             4
         );
+    }
+
+    #[test]
+    fn metric_names_take_request_values_as_envoy_ratelimit_does() {
+        let set = rules(
+            "
+domain: d
+descriptors:
+  - key: ip
+    detailed_metric: true
+    rate_limit: {unit: second, requests_per_unit: 1}
+  - key: user
+    value_to_metric: true
+    descriptors:
+      - key: path
+        value: /api/*
+        rate_limit: {unit: second, requests_per_unit: 1}
+  - key: team
+    descriptors:
+      - key: path
+        value: /v*
+        value_to_metric: true
+        rate_limit: {unit: second, requests_per_unit: 1}
+  - key: files
+    value: '*'
+    share_threshold: true
+    detailed_metric: true
+    rate_limit: {unit: second, requests_per_unit: 1}
+",
+        );
+        let name = |entries: &[(&str, &str)]| {
+            let entries: Vec<(&[u8], &[u8])> = entries
+                .iter()
+                .map(|(k, v)| (k.as_bytes(), v.as_bytes()))
+                .collect();
+            let leaf = set.resolve(b"d", &entries).expect("a match").node;
+            assert!(leaf.named_by_request);
+            set.metric_name(b"d", &entries, leaf)
+        };
+        assert_eq!(name(&[("ip", "10.0.0.1")]), "ip_10.0.0.1");
+        assert_eq!(
+            name(&[("user", "ann"), ("path", "/api/x")]),
+            "user_ann.path_/api/*",
+            "value_to_metric names its own entry's value; the pattern below keeps its text"
+        );
+        assert_eq!(name(&[("team", "t"), ("path", "/v2")]), "team.path_/v2");
+        assert_eq!(name(&[("files", "a.txt")]), "files_*");
     }
 
     #[test]

@@ -26,7 +26,7 @@ use crate::limiter::{
 use crate::rules::{Match, RuleSet};
 use crate::store::{Deadline, StoreError};
 use crate::telemetry::Throttle;
-use crate::telemetry::metrics::{METRICS, Outcome, RuleStats, StoreErrorKind};
+use crate::telemetry::metrics::{METRICS, Outcome, RuleStats};
 
 /// Limits on the shape of a request, which Envoy's route configuration decides (not its
 /// clients), so that no caller can make a check unboundedly large. Keys and values may be any
@@ -182,13 +182,7 @@ impl Rls {
     ) -> Result<RateLimitResponse, Status> {
         static UNDECIDED: Throttle = Throttle::new();
         let policy = self.fallback.on_store_error;
-        METRICS.store_error(match e {
-            StoreError::Full { .. } => StoreErrorKind::Full,
-            StoreError::Timeout => StoreErrorKind::Timeout,
-            StoreError::Shed => StoreErrorKind::Shed,
-            StoreError::Down => StoreErrorKind::Down,
-            StoreError::Unavailable(_) | StoreError::Config(_) => StoreErrorKind::Unavailable,
-        });
+        METRICS.store_error(e.kind());
         let name = match policy {
             OnStoreError::Error => "error",
             OnStoreError::Allow => "allow",
@@ -536,32 +530,31 @@ fn respond(
     for plan in plans {
         statuses.push(match plan {
             Plan::Free | Plan::Unlimited => plan.unknown_status(),
-            Plan::Limited { items, .. } => {
-                let Some(shown) = shown(items, check, decision) else {
-                    statuses.push(plan.unknown_status());
-                    continue;
-                };
-                let usage = &decision.usages[shown];
-                let over = usage.over && check.items[shown].mode != Mode::Shadow;
-                if over && !decision.admitted {
-                    retry_after = retry_after.max(usage.reset);
+            Plan::Limited { items, .. } => match shown(items, check, decision) {
+                None => plan.unknown_status(),
+                Some(shown) => {
+                    let usage = &decision.usages[shown];
+                    let over = usage.over && check.items[shown].mode != Mode::Shadow;
+                    if over && !decision.admitted {
+                        retry_after = retry_after.max(usage.reset);
+                    }
+                    let limit = &check.items[shown].limit;
+                    DescriptorStatus {
+                        code: if over { Code::OverLimit } else { Code::Ok } as i32,
+                        current_limit: Some(RateLimit {
+                            name: limit.name.clone(),
+                            requests_per_unit: limit.requests_per_unit,
+                            unit: response_unit(limit.unit) as i32,
+                        }),
+                        limit_remaining: u32::try_from(usage.remaining).unwrap_or(u32::MAX),
+                        duration_until_reset: Some(protobuf::Duration {
+                            seconds: usage.reset.as_secs() as i64,
+                            nanos: usage.reset.subsec_nanos() as i32,
+                        }),
+                        quota: None,
+                    }
                 }
-                let limit = &check.items[shown].limit;
-                DescriptorStatus {
-                    code: if over { Code::OverLimit } else { Code::Ok } as i32,
-                    current_limit: Some(RateLimit {
-                        name: limit.name.clone(),
-                        requests_per_unit: limit.requests_per_unit,
-                        unit: response_unit(limit.unit) as i32,
-                    }),
-                    limit_remaining: u32::try_from(usage.remaining).unwrap_or(u32::MAX),
-                    duration_until_reset: Some(protobuf::Duration {
-                        seconds: usage.reset.as_secs() as i64,
-                        nanos: usage.reset.subsec_nanos() as i32,
-                    }),
-                    quota: None,
-                }
-            }
+            },
         });
     }
     let denied = !decision.admitted && !shadow_mode;

@@ -214,6 +214,19 @@ impl fmt::Display for StoreError {
     }
 }
 
+impl StoreError {
+    /// The kind, as the metrics label it: full, timeout, shed, down or unavailable.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::Full { .. } => "full",
+            StoreError::Timeout => "timeout",
+            StoreError::Shed => "shed",
+            StoreError::Down => "down",
+            StoreError::Unavailable(_) | StoreError::Config(_) => "unavailable",
+        }
+    }
+}
+
 impl std::error::Error for StoreError {}
 
 #[cfg(test)]

@@ -62,16 +62,6 @@ pub struct Metrics {
     rules: Mutex<RuleSeries>,
 }
 
-/// Why the store could not decide, as a label.
-#[derive(Clone, Copy, Debug)]
-pub enum StoreErrorKind {
-    Full,
-    Timeout,
-    Shed,
-    Down,
-    Unavailable,
-}
-
 pub static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
 
 impl Metrics {
@@ -182,14 +172,8 @@ impl Metrics {
         Metrics { registry, ..m }
     }
 
-    pub fn store_error(&self, kind: StoreErrorKind) {
-        let kind = match kind {
-            StoreErrorKind::Full => "full",
-            StoreErrorKind::Timeout => "timeout",
-            StoreErrorKind::Shed => "shed",
-            StoreErrorKind::Down => "down",
-            StoreErrorKind::Unavailable => "unavailable",
-        };
+    /// A request the store could not decide, for a reason of `kind` (see `StoreError::kind`).
+    pub fn store_error(&self, kind: &'static str) {
         self.store_errors.get_or_create(&[("kind", kind)]).inc();
         self.redis_errors.inc();
     }
