@@ -45,15 +45,21 @@ impl OverLimitCache {
         if check.items.iter().any(|i| i.refund) {
             return None;
         }
-        // Per item, until when it is known to be full.
-        let until: Vec<Option<Instant>> = check
+        let known_full = |item: &Item| {
+            let cached = (item.mode != Mode::Shadow).then(|| self.full.get(&self.id(item)));
+            cached.flatten().filter(|at| *at > now)
+        };
+        // Per item, until when it is known to be full; built only once one is.
+        let (first, at) = check
             .items
             .iter()
-            .map(|item| {
-                let cached = (item.mode != Mode::Shadow).then(|| self.full.get(&self.id(item)));
-                cached.flatten().filter(|at| *at > now)
-            })
-            .collect();
+            .enumerate()
+            .find_map(|(i, item)| known_full(item).map(|at| (i, at)))?;
+        let mut until = vec![None; check.items.len()];
+        until[first] = Some(at);
+        for (i, item) in check.items.iter().enumerate().skip(first + 1) {
+            until[i] = known_full(item);
+        }
         if admits(&check.items, |i| until[i].is_some()) {
             return None;
         }
