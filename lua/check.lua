@@ -1,34 +1,53 @@
 -- check.lua: decides requests one after the other, each with every one of its counters together,
--- and writes a request's counters only if that request is admitted. It mirrors
--- src/limiter/window.rs (`evaluate`) and `admits` in src/limiter/mod.rs.
+-- and writes a request's counters only if that request is admitted. One section per algorithm
+-- module of src/limiter/algorithm/ (window.rs, log.rs, gcra.rs), mirroring it line for line;
+-- `decide` mirrors the embedded store (src/store/memory.rs) and `admits` (src/limiter/mod.rs).
 --
--- KEYS     the counters of every request, request by request; one hash per counter:
---          w = index of the window last written (now / window), c = count in that window,
---          p = count of the window before (sliding window).
+-- KEYS     the counters of every request, request by request.
 -- ARGV[1]  '1': quota limits deny when all of a request's quota limits are over; '0': they never
 --          deny here (a Cluster group, where the caller applies the rule across groups).
--- then, per request: n, the number of its counters, followed for each counter by: algorithm
---          ('f' fixed window, 's' sliding window), limit, window in ms, hits, refund ('1' gives
---          hits back), mode ('e' enforce, 's' shadow, 'q' quota).
+-- then, per request: n, the number of its counters, and the instant it names (ms since the Unix
+--          epoch; '0' for none), followed for each counter by: kind ('f' fixed window, 's'
+--          sliding window, 'l' sliding log, 'b' bucket), limit, window in ms, burst, hits,
+--          refund ('1' gives hits back), mode ('e' enforce, 's' shadow, 'q' quota).
 -- Reply    the time of the call (Redis TIME, in ms), then per request: admitted (1|0), then per
---          counter: over (1|0), remaining if admitted, remaining if not, ms until reset. A counter
---          written was written in window floor(time / window): lua/undo.lua takes that index.
--- Invariant: the clock is Redis TIME; every counter of a request moves or none does; requests
---          are decided in order, each seeing what the ones before it wrote; a counter named twice
---          is counted twice; every written key gets a TTL.
+--          counter: over (1|0), remaining if admitted, remaining if not, ms until reset if
+--          admitted, ms until reset if not. lua/undo.lua takes back what an admitted request
+--          wrote, given this time.
+-- Invariant: the clock is Redis TIME, and a request's instant is never earlier; every counter of
+--          a request moves or none does; requests are decided in order, each seeing what the
+--          ones before it wrote; a counter named twice is counted twice; every written key gets
+--          a TTL; numbers are written with %d, never in a form that loses digits.
 
 -- Locals: every global lookup in a Redis script goes through the protected globals table.
-local call, floor, max, tonumber = redis.call, math.floor, math.max, tonumber
+local call, floor, max, tonumber, format, unpack = redis.call, math.floor, math.max, tonumber,
+  string.format, unpack
 
-local t = call('TIME')
-local now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
+local clock = call('TIME')
+local now = tonumber(clock[1]) * 1000 + floor(tonumber(clock[2]) / 1000)
+local quota_here = ARGV[1] == '1'
+-- What this call knows of each counter in Redis, by key (false: nothing stored).
+local disk = {}
+local reply = { now }
+
+local function int(x)
+  return format('%d', x)
+end
+
+local function ceil_div(a, b)
+  return floor((a + b - 1) / b)
+end
+
+-- Windows (window.rs) ---------------------------------------------------------------------------
+-- A fixed window: a hash field per window index. A sliding window: a hash of w (the window last
+-- written), c (its count), p (the count of the window before).
 
 local function weigh(previous, overlap, window)
   return floor(previous * overlap / window)
 end
 
 -- The first offset into a window at which weigh(previous, window - offset, window) <= room.
-local function first_fit(room, previous, window)
+local function first_offset(room, previous, window)
   local lo, hi = 0, window
   while lo < hi do
     local mid = lo + floor((hi - lo) / 2)
@@ -44,65 +63,344 @@ local function sliding_retry(limit, window, elapsed, previous, current, need)
   if current + need > limit then
     base, start, previous, current = to_end, 0, current, 0
   end
-  local at = max(first_fit(limit - current - need, previous, window), start)
+  local at = max(first_offset(limit - current - need, previous, window), start)
   return base + max(at - start, 1)
 end
 
-local quota_here = ARGV[1] == '1'
--- The state of each counter in Redis as this call knows it (false: no such key).
-local disk = {}
-local reply = { now }
+-- The count of window `index` of a fixed window (false: none).
+local function fixed_load(key, index)
+  local windows = disk[key]
+  if not windows then
+    windows = {}
+    disk[key] = windows
+  end
+  local count = windows[index]
+  if count == nil then
+    count = tonumber(call('HGET', key, int(index))) or false
+    windows[index] = count
+  end
+  return count
+end
 
--- Decides the request whose n counters are KEYS[k + 1 ..] and ARGV[a + 1 ..].
-local function decide(k, a, n)
+-- Writes a fixed window's count; a new window also drops the windows already over and makes the
+-- key live until the latest window it holds ends.
+local function fixed_store(key, state, window)
+  local windows = disk[key]
+  if not windows[state.w] then
+    local current, latest = floor(now / window), state.w
+    local over = {}
+    for _, field in ipairs(call('HKEYS', key)) do
+      local index = tonumber(field)
+      if index == nil or index < current then
+        over[#over + 1] = field
+      elseif index > latest then
+        latest = index
+      end
+    end
+    if #over > 0 then call('HDEL', key, unpack(over)) end
+    call('HSET', key, int(state.w), int(state.c))
+    call('PEXPIRE', key, (latest + 1) * window - now)
+  else
+    call('HSET', key, int(state.w), int(state.c))
+  end
+  windows[state.w] = state.c
+end
+
+local function sliding_load(key)
+  local stored = disk[key]
+  if stored == nil then
+    local h = call('HMGET', key, 'w', 'c', 'p')
+    stored = false
+    if h[1] then stored = { w = tonumber(h[1]), c = tonumber(h[2]) or 0, p = tonumber(h[3]) or 0 } end
+    disk[key] = stored
+  end
+  return stored
+end
+
+local function sliding_store(key, state, ttl)
+  local held = disk[key]
+  if held and held.w == state.w and held.p == state.p then
+    -- Same window: only the count changes; the TTL set with the window still holds.
+    call('HSET', key, 'c', int(state.c))
+  else
+    call('HSET', key, 'w', int(state.w), 'c', int(state.c), 'p', int(state.p))
+    call('PEXPIRE', key, ttl)
+  end
+  disk[key] = state
+end
+
+local function window_step(sliding, key, latest, limit, window, at, hits, refund)
+  local index = floor(at / window)
+  local stored = latest[key]
+  if stored == nil then
+    if sliding then
+      stored = sliding_load(key)
+    else
+      local count = fixed_load(key, index)
+      stored = count and { w = index, c = count, p = 0 }
+    end
+  end
+  local elapsed = at - index * window
+  local to_end = (index + 1) * window - now
+  local need = max(hits, 1)
+  local previous, current = 0, 0
+  if stored then
+    if stored.w == index then
+      previous, current = stored.p, stored.c
+    elseif sliding and stored.w + 1 == index then
+      previous, current = stored.c, 0
+    end
+  end
+  local weighted = 0
+  if sliding then weighted = weigh(previous, window - elapsed, window) end
+  local used = weighted + current
+  local over = (not refund) and used + need > limit
+  local after = current + hits
+  if refund then after = max(current - hits, 0) end
+  local reset = to_end
+  if sliding and over then reset = sliding_retry(limit, window, elapsed, previous, current, need) end
+  local ttl = to_end
+  if sliding then ttl = to_end + window end
+
+  local state = { w = index, c = after, p = previous }
+  latest[key] = state
+  local step = {
+    over = over, after = max(limit - (weighted + after), 0), before = max(limit - used, 0),
+    reset_after = reset, reset_before = reset,
+  }
+  if hits > 0 then
+    if sliding then
+      step.write = function() sliding_store(key, state, ttl) end
+    else
+      step.write = function() fixed_store(key, state, window) end
+    end
+  end
+  return step
+end
+
+-- Sliding log (log.rs) --------------------------------------------------------------------------
+-- A sorted set scored by instant, members '<instant>:<n>' numbering an instant's entries 0001 up.
+
+-- The live entries of a log (those less than a window old), ascending.
+local function log_load(key, window)
+  local entries = disk[key]
+  if entries == nil then
+    entries = {}
+    local found = call('ZRANGEBYSCORE', key, '(' .. int(now - window), '+inf', 'WITHSCORES')
+    for i = 2, #found, 2 do entries[#entries + 1] = tonumber(found[i]) end
+    disk[key] = entries
+  end
+  return entries
+end
+
+-- The most entries any window holding `at` holds.
+local function peak(log, at, window)
+  local best = 0
+  for i = 1, #log do
+    if log[i] >= at and log[i] < at + window then best = best + 1 end
+  end
+  local last = 1
+  for first = 1, #log do
+    local start = log[first]
+    if start > at then break end
+    if start + window > at then
+      if last < first then last = first end
+      while last <= #log and log[last] < start + window do last = last + 1 end
+      if last - first > best then best = last - first end
+    end
+  end
+  return best
+end
+
+-- The earliest instant from `at` at which no window holding it holds more than `room` entries.
+local function first_fit(log, at, window, room)
+  for first = 1, #log - room do
+    local start, last = log[first], log[first + room]
+    if last < start + window and last < at + window and start + window > at then
+      at = start + window
+    end
+  end
+  return at
+end
+
+-- The entries after adding `hits` at `at`, or removing up to `hits` of the newest at or before it.
+local function log_apply(entries, add, at, hits)
+  local out, n = {}, #entries
+  local stop = 0
+  while stop < n and entries[stop + 1] <= at do stop = stop + 1 end
+  local keep_to = stop
+  if not add then keep_to = max(stop - hits, 0) end
+  for i = 1, keep_to do out[#out + 1] = entries[i] end
+  if add then
+    for _ = 1, hits do out[#out + 1] = at end
+  end
+  for i = stop + 1, n do out[#out + 1] = entries[i] end
+  return out
+end
+
+local function member(instant, n)
+  return format('%d:%04d', instant, n)
+end
+
+local function log_store(key, before, after, add, at, hits, window)
+  call('ZREMRANGEBYSCORE', key, '-inf', int(now - window))
+  if add then
+    local base = 0
+    for i = 1, #before do
+      if before[i] == at then base = base + 1 end
+    end
+    local args = {}
+    for n = 1, hits do
+      args[#args + 1] = int(at)
+      args[#args + 1] = member(at, base + n)
+    end
+    call('ZADD', key, unpack(args))
+  else
+    -- The removed entries are `before`'s from #after + 1 - (entries later than `at`) on: each
+    -- is its instant's entry numbered by its rank among that instant's entries.
+    local later = 0
+    for i = 1, #before do
+      if before[i] > at then later = later + 1 end
+    end
+    local gone = {}
+    local rank, previous = 0, nil
+    for i = 1, #before - later do
+      if before[i] == previous then rank = rank + 1 else rank, previous = 1, before[i] end
+      if i > #after - later then gone[#gone + 1] = member(before[i], rank) end
+    end
+    call('ZREM', key, unpack(gone))
+  end
+  if #after == 0 then
+    call('DEL', key)
+  else
+    call('PEXPIRE', key, after[#after] + window - now)
+  end
+  disk[key] = after
+end
+
+local function log_step(key, latest, limit, window, at, hits, refund)
+  local entries = latest[key] or log_load(key, window)
+  local need = max(hits, 1)
+  local fullest = peak(entries, at, window)
+  local never = need > limit
+  local over = (not refund) and (never or fullest + need > limit)
+  local function until_empty(log)
+    if #log == 0 then return 0 end
+    return log[#log] + window - now
+  end
+  local before = max(limit - fullest, 0)
+  local step = {
+    over = over, after = before, before = before,
+    reset_after = until_empty(entries), reset_before = until_empty(entries),
+  }
+  if over then
+    local fits = window
+    if not never then fits = first_fit(entries, at, window, limit - need) - now end
+    step.reset_after, step.reset_before = fits, fits
+    return step
+  end
+  local add = not refund
+  if hits == 0 or (refund and not (#entries > 0 and entries[1] <= at)) then return step end
+  local after = log_apply(entries, add, at, hits)
+  latest[key] = after
+  if add then
+    step.after = max(limit - (fullest + hits), 0)
+    step.reset_after = max(entries[#entries] or at, at) + window - now
+  else
+    step.after = max(limit - peak(after, at, window), 0)
+    step.reset_after = until_empty(after)
+  end
+  step.write = function() log_store(key, entries, after, add, at, hits, window) end
+  return step
+end
+
+-- Buckets (gcra.rs) -----------------------------------------------------------------------------
+-- A hash of t (when the level was measured, ms) and l (the level: a hit weighs `window` units,
+-- `limit` units drain per ms).
+
+local function bucket_step(key, latest, limit, window, burst, hits, refund)
+  local stored = latest[key]
+  if stored == nil then stored = disk[key] end
+  if stored == nil then
+    local h = call('HMGET', key, 't', 'l')
+    stored = false
+    if h[1] then stored = { t = tonumber(h[1]), l = tonumber(h[2]) } end
+    disk[key] = stored
+  end
+  local level = 0
+  if stored then
+    local drained = max(now - stored.t, 0) * limit
+    if stored.l > drained then level = stored.l - drained end
+  end
+  local need = max(hits, 1)
+  local capacity = burst * window
+  local never = limit == 0 or need > burst
+  local over = (not refund) and (never or level + need * window > capacity)
+  local after = level
+  local changed = limit > 0 and (refund or not over) and hits > 0
+  if changed then
+    if not refund then
+      after = level + hits * window
+    elseif hits >= ceil_div(level, window) then
+      after = 0
+    else
+      after = level - hits * window
+    end
+  end
+  local function remaining(l) return max(burst - ceil_div(l, window), 0) end
+  local function until_full(l)
+    if limit == 0 then return window end
+    return ceil_div(l, limit)
+  end
+  local step = {
+    over = over, after = remaining(after), before = remaining(level),
+    reset_after = until_full(after), reset_before = until_full(level),
+  }
+  if over then
+    local fits = window
+    if not never then fits = ceil_div(level + need * window - capacity, limit) end
+    step.reset_after, step.reset_before = fits, fits
+  end
+  if changed then
+    local state = false
+    if after > 0 then state = { t = now, l = after } end
+    latest[key] = state
+    step.write = function()
+      if state then
+        call('HSET', key, 't', int(now), 'l', int(after))
+        call('PEXPIRE', key, ceil_div(after, limit))
+      else
+        call('DEL', key)
+      end
+      disk[key] = state
+    end
+  end
+  return step
+end
+
+-- Requests ---------------------------------------------------------------------------------------
+
+-- Decides the request whose n counters are KEYS[k + 1 ..] and ARGV[a + 1 ..], at instant `at`.
+local function decide(k, a, n, at)
   local latest = {}
   local steps = {}
   for i = 1, n do
-    local at = a + (i - 1) * 6
-    local sliding = ARGV[at + 1] == 's'
-    local limit = tonumber(ARGV[at + 2])
-    local window = tonumber(ARGV[at + 3])
-    local hits = tonumber(ARGV[at + 4])
-    local refund = ARGV[at + 5] == '1'
-    local key = KEYS[k + i]
-
-    local stored = latest[key]
-    if stored == nil then stored = disk[key] end
-    if stored == nil then
-      local h = call('HMGET', key, 'w', 'c', 'p')
-      stored = h[1] and { w = tonumber(h[1]), c = tonumber(h[2]) or 0, p = tonumber(h[3]) or 0 }
-      disk[key] = stored
+    local o = a + (i - 1) * 7
+    local kind, key = ARGV[o + 1], KEYS[k + i]
+    local limit, window = tonumber(ARGV[o + 2]), tonumber(ARGV[o + 3])
+    local hits, refund = tonumber(ARGV[o + 5]), ARGV[o + 6] == '1'
+    local step
+    if kind == 'l' then
+      step = log_step(key, latest, limit, window, at, hits, refund)
+    elseif kind == 'b' then
+      step = bucket_step(key, latest, limit, window, tonumber(ARGV[o + 4]), hits, refund)
+    elseif kind == 'f' then
+      step = window_step(false, key, latest, limit, window, at, hits, refund)
+    else
+      step = window_step(true, key, latest, limit, window, now, hits, refund)
     end
-
-    local index = floor(now / window)
-    local elapsed = now - index * window
-    local to_end = window - elapsed
-    local need = max(hits, 1)
-    local previous, current = 0, 0
-    if stored then
-      if stored.w == index then
-        previous, current = stored.p, stored.c
-      elseif sliding and stored.w + 1 == index then
-        previous, current = stored.c, 0
-      end
-    end
-    local weighted = 0
-    if sliding then weighted = weigh(previous, window - elapsed, window) end
-    local used = weighted + current
-    local over = (not refund) and used + need > limit
-    local after = current + hits
-    if refund then after = max(current - hits, 0) end
-    local reset = to_end
-    if sliding and over then reset = sliding_retry(limit, window, elapsed, previous, current, need) end
-    local ttl = to_end
-    if sliding then ttl = to_end + window end
-
-    local next_state = { w = index, c = after, p = previous }
-    latest[key] = next_state
-    steps[i] = {
-      over = over, mode = ARGV[at + 6], hits = hits, key = key, next = next_state, ttl = ttl,
-      after = max(limit - (weighted + after), 0), before = max(limit - used, 0), reset = reset,
-    }
+    step.mode = ARGV[o + 7]
+    steps[i] = step
   end
 
   local admitted = true
@@ -119,18 +417,7 @@ local function decide(k, a, n)
 
   if admitted then
     for i = 1, n do
-      local s = steps[i]
-      if s.hits > 0 then
-        local held = disk[s.key]
-        if held and held.w == s.next.w and held.p == s.next.p then
-          -- Same window: only the count changes; the TTL set with the window still holds.
-          call('HSET', s.key, 'c', s.next.c)
-        else
-          call('HSET', s.key, 'w', s.next.w, 'c', s.next.c, 'p', s.next.p)
-          call('PEXPIRE', s.key, s.ttl)
-        end
-        disk[s.key] = s.next
-      end
+      if steps[i].write then steps[i].write() end
     end
   end
 
@@ -140,14 +427,15 @@ local function decide(k, a, n)
     reply[#reply + 1] = s.over and 1 or 0
     reply[#reply + 1] = s.after
     reply[#reply + 1] = s.before
-    reply[#reply + 1] = s.reset
+    reply[#reply + 1] = s.reset_after
+    reply[#reply + 1] = s.reset_before
   end
 end
 
 local k, a = 0, 1
 while a < #ARGV do
   local n = tonumber(ARGV[a + 1])
-  decide(k, a + 1, n)
-  k, a = k + n, a + 1 + 6 * n
+  decide(k, a + 2, n, max(tonumber(ARGV[a + 2]), now))
+  k, a = k + n, a + 2 + 7 * n
 end
 return reply

@@ -1,30 +1,65 @@
--- undo.lua: gives back what check.lua charged for an admitted request, in the window it was
--- charged in: for a request whose answer never reached its caller, or that another Cluster slot
--- denied. The embedded store needs no undo: it decides and answers in one step.
+-- undo.lua: gives back what check.lua wrote for an admitted request: for a request whose answer
+-- never reached its caller, or that another Cluster slot denied. The embedded store needs no
+-- undo: it decides and answers in one step.
 --
--- KEYS     the counters the request charged, one hash each as check.lua writes them.
--- ARGV     per counter: the index of the window it was charged in (the call's time / window),
---          then the hits to give back.
+-- KEYS     the counters the request charged, as check.lua writes them.
+-- ARGV     per counter four values: its kind and what the charge was:
+--          'f' (fixed window): the window index, the hits;
+--          's' (sliding window): the window index (the call's time / window), the hits;
+--          'l' (sliding log): the instant the entries were logged at, the hits;
+--          'b' (bucket): the call's time, the units added (hits × window), the limit.
+--          The fourth value is '0' where unused.
 -- Reply    the number of counters written.
--- Invariant: a counter still in that window loses the hits from its count `c`; one window later,
---          from `p` (where the sliding window keeps the window before); later, or gone, nothing.
---          Never below zero, never in another window, the TTL untouched: an undo can only lower
---          a count its own request raised, so it never lets a later request over the limit.
+-- Invariant: an undo only lowers what its own request raised, never more than of it can still
+--          count: never below zero, never in another window, TTLs untouched, so it never lets a
+--          later request over the limit. A bucket's charge is assumed to have drained first,
+--          which is the least of it the level can still hold.
 
-local call, max, tonumber = redis.call, math.max, tonumber
+local call, format, max, tonumber, unpack = redis.call, string.format, math.max, tonumber, unpack
+
+local function int(x)
+  return format('%d', x)
+end
 
 local undone = 0
 for i, key in ipairs(KEYS) do
-  local index = tonumber(ARGV[2 * i - 1])
-  local hits = tonumber(ARGV[2 * i])
-  local h = call('HMGET', key, 'w', 'c', 'p')
-  local w = tonumber(h[1])
-  if w == index then
-    call('HSET', key, 'c', max((tonumber(h[2]) or 0) - hits, 0))
-    undone = undone + 1
-  elseif w == index + 1 then
-    call('HSET', key, 'p', max((tonumber(h[3]) or 0) - hits, 0))
-    undone = undone + 1
+  local kind = ARGV[4 * i - 3]
+  local a, b, c = tonumber(ARGV[4 * i - 2]), tonumber(ARGV[4 * i - 1]), tonumber(ARGV[4 * i])
+  if kind == 'f' then
+    local count = tonumber(call('HGET', key, int(a)))
+    if count then
+      call('HSET', key, int(a), int(max(count - b, 0)))
+      undone = undone + 1
+    end
+  elseif kind == 's' then
+    local h = call('HMGET', key, 'w', 'c', 'p')
+    local w = tonumber(h[1])
+    if w == a then
+      call('HSET', key, 'c', int(max((tonumber(h[2]) or 0) - b, 0)))
+      undone = undone + 1
+    elseif w == a + 1 then
+      call('HSET', key, 'p', int(max((tonumber(h[3]) or 0) - b, 0)))
+      undone = undone + 1
+    end
+  elseif kind == 'l' then
+    -- An instant's members sort by their number: the request's own are the last it logged.
+    local members = call('ZRANGEBYSCORE', key, int(a), int(a))
+    local gone = {}
+    for j = max(#members - b + 1, 1), #members do gone[#gone + 1] = members[j] end
+    if #gone > 0 then
+      call('ZREM', key, unpack(gone))
+      undone = undone + 1
+    end
+  elseif kind == 'b' then
+    local h = call('HMGET', key, 't', 'l')
+    if h[1] then
+      local ours = b - max(tonumber(h[1]) - a, 0) * c
+      if ours > 0 then
+        local level = tonumber(h[2]) - ours
+        if level > 0 then call('HSET', key, 'l', int(level)) else call('DEL', key) end
+        undone = undone + 1
+      end
+    end
   end
 end
 return undone

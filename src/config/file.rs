@@ -7,6 +7,7 @@ use marked_yaml::types::{MarkedMappingNode, MarkedScalarNode, MarkedSequenceNode
 use marked_yaml::{LoadError, LoaderOptions, Node};
 
 use super::{ConfigError, DescriptorConfig, DomainConfig, RuleLimit};
+use crate::limiter::algorithm::{gcra, log};
 use crate::limiter::{Algorithm, LONGEST_WINDOW_SECONDS, Limit, Mode, Unit};
 
 const ROOT_KEYS: &[&str] = &["domain", "descriptors"];
@@ -31,6 +32,7 @@ const LIMIT_KEYS: &[&str] = &[
     "replaces",
     "algorithm",
     "unit_multiplier",
+    "burst",
 ];
 const REPLACES_KEYS: &[&str] = &["name"];
 
@@ -398,9 +400,23 @@ impl Parser<'_> {
             self.error(
                 map.get_node("algorithm").map(line_of).unwrap_or(line),
                 format!(
-                    "invalid algorithm '{}' (expected fixed_window or sliding_window)",
-                    algorithm_text.unwrap_or_default()
+                    "invalid algorithm '{}' (expected {})",
+                    algorithm_text.unwrap_or_default(),
+                    Algorithm::NAMES
                 ),
+            );
+        }
+        let burst_line = map.get_node("burst").map(line_of).unwrap_or(line);
+        let burst = self.number(map, "burst");
+        if let (Some(algorithm), Some(unit)) = (algorithm, unit) {
+            let window_ms = (unit.seconds() * 1000).saturating_mul(u64::from(unit_multiplier));
+            self.algorithm_bounds(
+                algorithm,
+                requests_per_unit,
+                burst,
+                window_ms,
+                line,
+                burst_line,
             );
         }
         if unlimited {
@@ -426,12 +442,58 @@ impl Parser<'_> {
             unit,
             unit_multiplier,
             algorithm: algorithm?,
+            burst: burst.unwrap_or(requests_per_unit),
         };
         (self.errors.len() == errors_before).then_some(RuleLimit {
             name,
             replaces,
             limit: Some(limit),
         })
+    }
+
+    /// What each algorithm bounds: `burst` belongs to buckets, at least 1 and small enough for
+    /// exact bucket arithmetic; a sliding log's limit bounds the entries it keeps.
+    fn algorithm_bounds(
+        &mut self,
+        algorithm: Algorithm,
+        requests_per_unit: u32,
+        burst: Option<u32>,
+        window_ms: u64,
+        line: usize,
+        burst_line: usize,
+    ) {
+        if burst.is_some() && !algorithm.is_bucket() {
+            self.error(
+                burst_line,
+                format!(
+                    "burst applies to token_bucket and leaky_bucket, not {}",
+                    algorithm.name()
+                ),
+            );
+        }
+        if burst == Some(0) {
+            self.error(burst_line, "burst must be at least 1");
+        }
+        let held = u64::from(burst.unwrap_or(requests_per_unit));
+        if algorithm.is_bucket() && held.saturating_mul(window_ms) > gcra::MOST_UNITS {
+            self.error(
+                burst_line,
+                format!(
+                    "a {} holding {held} over a {} s window is beyond exact arithmetic (burst × window in ms must be at most 2^51)",
+                    algorithm.name(),
+                    window_ms / 1000
+                ),
+            );
+        }
+        if algorithm == Algorithm::SlidingLog && requests_per_unit > log::MOST_ENTRIES {
+            self.error(
+                line,
+                format!(
+                    "sliding_log keeps an entry per hit: requests_per_unit must be at most {} (this one is {requests_per_unit})",
+                    log::MOST_ENTRIES
+                ),
+            );
+        }
     }
 }
 
@@ -625,7 +687,9 @@ mod tests {
             errors(
                 "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, algorithm: magic}\n"
             ),
-            ["r.yaml:4: invalid algorithm 'magic' (expected fixed_window or sliding_window)"]
+            [
+                "r.yaml:4: invalid algorithm 'magic' (expected fixed_window, sliding_window, sliding_log, token_bucket or leaky_bucket)"
+            ]
         );
         assert_eq!(
             errors(

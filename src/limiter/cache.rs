@@ -36,13 +36,14 @@ impl OverLimitCache {
 
     /// The counter of `item`: its key and its limit, so that a changed limit is a new entry.
     fn id(&self, item: &Item) -> u128 {
-        self.ids.id(&item.key, item.limit.requests_per_unit)
+        self.ids
+            .id(&item.key, u64::from(item.limit.requests_per_unit))
     }
 
     /// The denial of `check` when counters known to be full deny it on their own, else `None`.
-    /// A check that gives hits back is never answered here.
+    /// A check that gives hits back, or names an instant, is never answered here.
     pub fn deny(&self, check: &Check, now: Instant) -> Option<Decision> {
-        if check.items.iter().any(|i| i.refund) {
+        if check.at.is_some() || check.items.iter().any(|i| i.refund) {
             return None;
         }
         let known_full = |item: &Item| {
@@ -84,8 +85,12 @@ impl OverLimitCache {
 
     /// Learns from the store's `decision` on `check`, asked at `asked`: a counter it found full
     /// is full until `asked` plus its reset (no later than the store's own instant), and a
-    /// counter given hits back is no longer known to be full.
+    /// counter given hits back is no longer known to be full. A check naming an instant
+    /// teaches nothing: its counters are those of that instant.
     pub fn learn(&self, check: &Check, decision: &Decision, asked: Instant) {
+        if check.at.is_some() {
+            return;
+        }
         for (item, usage) in check.items.iter().zip(&decision.usages) {
             if item.refund {
                 self.full.remove(&self.id(item));
@@ -97,11 +102,15 @@ impl OverLimitCache {
 }
 
 /// Whether, after this verdict, not one more hit fits in the counter until its reset: it was
-/// full before the request, or a fixed window the request filled. (A sliding window's reset is
-/// when `hits` fit, so it says when one fits only for a request of one hit.)
+/// full before the request, or a fixed window the request filled. (Elsewhere an over reset is
+/// when `hits` fit, so it says when one fits only for a request of one hit, and an admitted
+/// reset is not when one more fits.)
 pub fn full(algorithm: Algorithm, hits: u64, over: bool, before: u64, after: u64) -> bool {
     match algorithm {
         Algorithm::FixedWindow => (over && before == 0) || (!over && after == 0 && hits > 0),
-        Algorithm::SlidingWindow => over && before == 0 && hits <= 1,
+        Algorithm::SlidingWindow
+        | Algorithm::SlidingLog
+        | Algorithm::TokenBucket
+        | Algorithm::LeakyBucket => over && before == 0 && hits <= 1,
     }
 }

@@ -204,11 +204,11 @@ impl CounterIds {
     }
 
     /// The id of `key`, told apart further by `salt`.
-    pub fn id(&self, key: &CounterKey, salt: u32) -> u128 {
+    pub fn id(&self, key: &CounterKey, salt: u64) -> u128 {
         let mut h = SipHasher13::new_with_keys(self.keys.0, self.keys.1);
         h.write(key.as_bytes());
         if salt != 0 {
-            h.write_u32(salt);
+            h.write_u64(salt);
         }
         h.finish128().as_u128()
     }

@@ -2,15 +2,16 @@
 //! gathers every counter a request touches, and the `Limiter` that hands a check to the store and
 //! returns its all-or-nothing `Decision`.
 
+pub mod algorithm;
 mod cache;
 mod key;
-pub mod window;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+pub use algorithm::Algorithm;
 pub use cache::OverLimitCache;
 pub use key::{CounterIds, CounterKey, DescriptorKey, IdHasher, LONGEST_LITERAL};
 
@@ -69,33 +70,6 @@ impl Unit {
     }
 }
 
-/// How a limit counts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Algorithm {
-    /// A counter per window aligned to the Unix epoch (envoyproxy/ratelimit's behaviour).
-    FixedWindow,
-    /// The previous window's count, weighted by how much of it still overlaps the sliding
-    /// window, plus the current window's count.
-    SlidingWindow,
-}
-
-impl Algorithm {
-    pub fn parse(name: &str) -> Option<Algorithm> {
-        match name {
-            "fixed_window" => Some(Algorithm::FixedWindow),
-            "sliding_window" => Some(Algorithm::SlidingWindow),
-            _ => None,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Algorithm::FixedWindow => "fixed_window",
-            Algorithm::SlidingWindow => "sliding_window",
-        }
-    }
-}
-
 /// One limit: so many requests per window, counted by an algorithm.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Limit {
@@ -104,6 +78,9 @@ pub struct Limit {
     pub unit: Unit,
     pub unit_multiplier: u32,
     pub algorithm: Algorithm,
+    /// What a bucket holds at most (`token_bucket`, `leaky_bucket`); `requests_per_unit`
+    /// unless a rule says otherwise, and unused by other algorithms.
+    pub burst: u32,
 }
 
 /// The longest window a limit may have (`unit` × `unit_multiplier`): ten years, which keeps every
@@ -145,6 +122,10 @@ pub struct Item {
 #[derive(Clone, Debug, Default)]
 pub struct Check {
     pub items: Vec<Item>,
+    /// The instant the request counts at (ms since the Unix epoch), when it names one: only
+    /// `fixed_window` and `sliding_log` limits take it, and an instant already past counts as
+    /// the store's now.
+    pub at: Option<u64>,
 }
 
 /// What the store found for one item.
@@ -261,6 +242,7 @@ mod tests {
                 unit: Unit::Second,
                 unit_multiplier: 1,
                 algorithm: Algorithm::FixedWindow,
+                burst: 1,
             },
             mode,
             hits: 1,

@@ -3,6 +3,8 @@
 //! RateLimitRequest posted as protobuf JSON with 200 (OK), 429 (over limit), 400 (invalid
 //! request), 413 (body over `--max-request-bytes`) or 503 (the store could not decide, under
 //! `--on-store-error error`). `/json` moves counters, so it can be served apart or not at all.
+//! Beside the request's fields, `/json` takes `"at"`: an RFC 3339 instant the request counts at
+//! (a message scheduled for then), which `fixed_window` and `sliding_log` limits honour.
 
 use std::sync::{Arc, LazyLock};
 
@@ -19,6 +21,7 @@ use super::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use super::rls::Rls;
 use super::{Readiness, Rules};
+use crate::limiter::LONGEST_WINDOW_SECONDS;
 
 static POOL: LazyLock<DescriptorPool> = LazyLock::new(|| {
     DescriptorPool::decode(super::DESCRIPTORS).expect("build.rs writes a valid descriptor set")
@@ -87,11 +90,11 @@ pub fn json_route(rls: Arc<Rls>, max_body: usize) -> Router {
 }
 
 async fn json(State(rls): State<Arc<Rls>>, body: Bytes) -> Response {
-    let request = match decode(&body) {
+    let (request, at) = match decode(&body) {
         Ok(r) => r,
         Err(message) => return (StatusCode::BAD_REQUEST, message).into_response(),
     };
-    match rls.answer(&request, None).await {
+    match rls.answer(&request, None, at).await {
         Ok(response) => {
             let status = if response.overall_code == Code::OverLimit as i32 {
                 StatusCode::TOO_MANY_REQUESTS
@@ -116,17 +119,45 @@ async fn json(State(rls): State<Arc<Rls>>, body: Bytes) -> Response {
     }
 }
 
-fn decode(body: &[u8]) -> Result<RateLimitRequest, String> {
-    let mut de = serde_json::Deserializer::from_slice(body);
-    let dynamic = DynamicMessage::deserialize(
-        message("envoy.service.ratelimit.v3.RateLimitRequest"),
-        &mut de,
-    )
-    .and_then(|m| de.end().map(|()| m))
-    .map_err(|e| format!("invalid RateLimitRequest JSON: {e}\n"))?;
-    dynamic
+/// A RateLimitRequest in protobuf JSON and the instant its `"at"` names, if any.
+fn decode(body: &[u8]) -> Result<(RateLimitRequest, Option<u64>), String> {
+    let mut json: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| format!("invalid RateLimitRequest JSON: {e}\n"))?;
+    let at = match json.as_object_mut().and_then(|o| o.remove("at")) {
+        None | Some(serde_json::Value::Null) => None,
+        Some(at) => Some(instant(&at)?),
+    };
+    let dynamic =
+        DynamicMessage::deserialize(message("envoy.service.ratelimit.v3.RateLimitRequest"), json)
+            .map_err(|e| format!("invalid RateLimitRequest JSON: {e}\n"))?;
+    let request = dynamic
         .transcode_to::<RateLimitRequest>()
-        .map_err(|e| format!("invalid RateLimitRequest: {e}\n"))
+        .map_err(|e| format!("invalid RateLimitRequest: {e}\n"))?;
+    Ok((request, at))
+}
+
+/// `"at"`: an RFC 3339 instant, in ms since the Unix epoch, no more than the longest window
+/// ahead.
+fn instant(at: &serde_json::Value) -> Result<u64, String> {
+    let text = at.as_str().ok_or_else(|| {
+        "\"at\" must be an RFC 3339 instant in a string, such as \"2026-11-22T11:11:11Z\"\n"
+            .to_owned()
+    })?;
+    let instant: jiff::Timestamp = text
+        .parse()
+        .map_err(|e| format!("\"at\" is not an RFC 3339 instant: {e}\n"))?;
+    let ms = u64::try_from(instant.as_millisecond())
+        .map_err(|_| "\"at\" is before 1970\n".to_owned())?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    if ms > now + LONGEST_WINDOW_SECONDS * 1000 {
+        return Err(format!(
+            "\"at\" is more than {} days ahead\n",
+            LONGEST_WINDOW_SECONDS / 86_400
+        ));
+    }
+    Ok(ms)
 }
 
 fn encode(response: &RateLimitResponse) -> Result<String, String> {

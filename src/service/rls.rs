@@ -19,6 +19,7 @@ use super::pb::envoy::service::ratelimit::v3::rate_limit_response::{
 use super::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::config::RuleLimit;
+use crate::limiter::algorithm::{gcra, log};
 use crate::limiter::{
     Algorithm, Check, Decision, DescriptorKey, Item, Limit, Limiter, Mode, Source, Unit, Usage,
     admits,
@@ -141,16 +142,31 @@ impl Rls {
         }
     }
 
-    /// Answers one request whose caller gives up after `caller_timeout`, if it said; the gRPC
-    /// method and the admin `/json` endpoint both call this.
+    /// Answers one request whose caller gives up after `caller_timeout`, if it said, counting
+    /// at the instant `at` (ms since the Unix epoch) if it names one; the gRPC method and the
+    /// admin `/json` endpoint both call this.
     pub async fn answer(
         &self,
         request: &RateLimitRequest,
         caller_timeout: Option<Duration>,
+        at: Option<u64>,
     ) -> Result<RateLimitResponse, Status> {
         self.validate(request)?;
         let rules = self.rules.load();
-        let (plans, check) = plan(&rules, request);
+        let (plans, mut check) = plan(&rules, request);
+        if let Some(at) = at {
+            if let Some(item) = check
+                .items
+                .iter()
+                .find(|i| !i.limit.algorithm.schedulable())
+            {
+                return Err(Status::invalid_argument(format!(
+                    "\"at\" names an instant, which only fixed_window and sliding_log limits count at; this request has a {} limit",
+                    item.limit.algorithm.name()
+                )));
+            }
+            check.at = Some(at);
+        }
         let deadline = Deadline::new(self.fallback.store_timeout, caller_timeout);
         let shadow_mode = self.answering.shadow_mode;
         match self.limiter.decide(&check, deadline).await {
@@ -274,7 +290,7 @@ impl RateLimitService for Rls {
     ) -> Result<Response<RateLimitResponse>, Status> {
         let started = Instant::now();
         let caller_timeout = grpc_timeout(request.metadata());
-        let answer = self.answer(request.get_ref(), caller_timeout).await;
+        let answer = self.answer(request.get_ref(), caller_timeout, None).await;
         METRICS
             .request_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -402,12 +418,21 @@ fn plan<'a>(rules: &'a RuleSet, request: &'a RateLimitRequest) -> (Vec<Plan<'a>>
                 unit.name(),
                 o.requests_per_unit
             );
+            // Within what the rule's algorithm can count: a sliding log's entries, a bucket's
+            // exact arithmetic.
+            let window_ms = unit.seconds() * 1000;
+            let requests_per_unit = match algorithm {
+                Algorithm::SlidingLog => o.requests_per_unit.min(log::MOST_ENTRIES),
+                _ => o.requests_per_unit,
+            };
+            let most_burst = u32::try_from(gcra::MOST_UNITS / window_ms).unwrap_or(u32::MAX);
             let limit = Limit {
                 name: String::new(),
-                requests_per_unit: o.requests_per_unit,
+                requests_per_unit,
                 unit,
                 unit_multiplier: 1,
                 algorithm,
+                burst: requests_per_unit.min(most_burst),
             };
             push(limit, identity, Mode::Enforce);
         } else if let Some(m) = m {

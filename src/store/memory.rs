@@ -1,18 +1,22 @@
-//! The embedded store: counters in sharded in-process maps, with the same window math as the
-//! Redis scripts. A check locks the shards it touches in index order, so concurrent checks are
-//! exact and never deadlock. Counters are indexed by a 128-bit SipHash of their `CounterKey`,
-//! keyed at random per process: 40 bytes a counter, and a collision between two of a billion
-//! counters has a probability under 10⁻²⁰ that no input can raise. Expired counters are ignored
-//! when read and dropped by `sweep`, which the store runs every second; a full shard refuses new
-//! counters at once until then, so that no request ever pays for a sweep.
+//! The embedded store: counters in sharded in-process maps, decided by the algorithm modules of
+//! `limiter::algorithm`, which the Redis script mirrors. A check locks the shards it touches in
+//! index order, so concurrent checks are exact and never deadlock. Counters are indexed by a
+//! 128-bit SipHash of their `CounterKey` (and, for a fixed window, the index of the window:
+//! each window is a counter of its own), keyed at random per process, so that a collision
+//! between two of a billion counters has a probability under 10⁻²⁰ that no input can raise.
+//! Expired counters are ignored when read and dropped by `sweep`, which the store runs every
+//! second; a full shard refuses new counters at once until then, so that no request ever pays
+//! for a sweep.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::StoreError;
-use crate::limiter::window::{self, State, Step};
-use crate::limiter::{Check, CounterIds, CounterKey, Decision, IdHasher, admits};
+use crate::limiter::algorithm::{Ask, Verdict, gcra, log, window};
+use crate::limiter::{
+    Algorithm, Check, CounterIds, CounterKey, Decision, IdHasher, Item, Limit, admits,
+};
 
 const SHARDS: usize = 64;
 
@@ -31,51 +35,43 @@ struct Shard {
     counters: HashMap<Id, Counter, IdHasher>,
 }
 
-/// A stored `State`, compacted: window indexes and expiry seconds fit 32 bits until 2106,
-/// since every window is at least a second long.
-#[derive(Clone, Copy)]
+/// What a counter holds, by algorithm.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Stored {
+    /// A fixed window (one counter per window) or a sliding window.
+    Window(window::State),
+    Bucket(gcra::State),
+    /// The instants of a sliding log's entries, ascending.
+    Log(Vec<u64>),
+}
+
+#[derive(Clone)]
 struct Counter {
-    count: u64,
-    previous: u64,
-    window: u32,
-    expires_s: u32,
+    stored: Stored,
+    expires_ms: u64,
 }
 
 impl Counter {
-    fn new(state: State, expires_ms: u64) -> Self {
-        Counter {
-            count: state.count,
-            previous: state.previous,
-            window: u32::try_from(state.window).unwrap_or(u32::MAX),
-            expires_s: u32::try_from(expires_ms.div_ceil(1000)).unwrap_or(u32::MAX),
-        }
-    }
-
     fn live(&self, now_ms: u64) -> bool {
-        u64::from(self.expires_s) * 1000 > now_ms
-    }
-
-    fn state(&self) -> State {
-        State {
-            window: u64::from(self.window),
-            count: self.count,
-            previous: self.previous,
-        }
+        self.expires_ms > now_ms
     }
 }
 
 impl Shard {
-    fn live(&self, id: Id, now_ms: u64) -> Option<State> {
+    fn live(&self, id: Id, now_ms: u64) -> Option<&Stored> {
         self.counters
             .get(&id)
             .filter(|c| c.live(now_ms))
-            .map(Counter::state)
+            .map(|c| &c.stored)
     }
 
     fn sweep(&mut self, now_ms: u64) {
         self.counters.retain(|_, c| c.live(now_ms));
     }
 }
+
+/// What admitting a request does to one counter: store it, or forget it (`None`).
+type Write = (Id, Option<Counter>);
 
 impl MemoryStore {
     /// A store that holds at most `max_keys` live counters.
@@ -88,8 +84,14 @@ impl MemoryStore {
         }
     }
 
-    fn id(&self, key: &CounterKey) -> Id {
-        self.ids.id(key, 0)
+    /// The id of the counter of `key` under `limit` at `at_ms`: a fixed window's counter is
+    /// that of the window holding `at_ms`.
+    fn id(&self, key: &CounterKey, limit: &Limit, at_ms: u64) -> Id {
+        let salt = match limit.algorithm {
+            Algorithm::FixedWindow => at_ms / limit.window_ms() + 1,
+            _ => 0,
+        };
+        self.ids.id(key, salt)
     }
 
     fn shard_of(id: Id) -> usize {
@@ -100,8 +102,14 @@ impl MemoryStore {
         self.apply_at(check, now_ms())
     }
 
-    fn apply_at(&self, check: &Check, now_ms: u64) -> Result<Decision, StoreError> {
-        let ids: Vec<Id> = check.items.iter().map(|i| self.id(&i.key)).collect();
+    /// Decides `check` with the clock at `now_ms` (ms since the Unix epoch).
+    pub fn apply_at(&self, check: &Check, now_ms: u64) -> Result<Decision, StoreError> {
+        let at_ms = check.at.map_or(now_ms, |at| at.max(now_ms));
+        let ids: Vec<Id> = check
+            .items
+            .iter()
+            .map(|i| self.id(&i.key, &i.limit, at_ms))
+            .collect();
         let homes: Vec<usize> = ids.iter().map(|&id| Self::shard_of(id)).collect();
         let mut order = homes.clone();
         order.sort_unstable();
@@ -116,45 +124,46 @@ impl MemoryStore {
                 .expect("every home shard is locked")
         };
 
-        // Items are evaluated in order against the stored state updated by the items before
-        // them, so a request naming one counter twice is counted twice.
-        let mut steps: Vec<Step> = Vec::with_capacity(check.items.len());
+        // Items are evaluated in order, each seeing what the items before it would write, so a
+        // request naming one counter twice is counted twice.
+        let mut verdicts: Vec<Verdict> = Vec::with_capacity(check.items.len());
+        let mut writes: Vec<Write> = Vec::new();
         for (i, item) in check.items.iter().enumerate() {
-            let earlier = (0..i).rev().find(|&j| ids[j] == ids[i]);
-            let stored = match earlier {
-                Some(j) => Some(steps[j].next),
+            let stored = match writes.iter().rev().find(|(id, _)| *id == ids[i]) {
+                Some((_, written)) => written.as_ref().map(|c| &c.stored),
                 None => guards[slot(homes[i])].1.live(ids[i], now_ms),
             };
-            steps.push(window::evaluate(
-                item.limit.algorithm,
-                u64::from(item.limit.requests_per_unit),
-                item.limit.window_ms(),
+            let ask = Ask {
+                limit: u64::from(item.limit.requests_per_unit),
+                window_ms: item.limit.window_ms(),
                 now_ms,
-                stored,
-                item.hits,
-                item.refund,
-            ));
+                at_ms,
+                hits: item.hits,
+                refund: item.refund,
+            };
+            let (verdict, write) = evaluate(item, &ask, stored);
+            verdicts.push(verdict);
+            if let Some(write) = write {
+                writes.push((ids[i], write));
+            }
         }
-        let admitted = admits(&check.items, |i| steps[i].verdict.over);
+        let admitted = admits(&check.items, |i| verdicts[i].over);
 
         if admitted {
-            self.make_room(check, &ids, &homes, &guards, &slot)?;
-            for (i, item) in check.items.iter().enumerate() {
-                if item.hits == 0 {
-                    continue;
-                }
-                let step = &steps[i];
-                guards[slot(homes[i])]
-                    .1
-                    .counters
-                    .insert(ids[i], Counter::new(step.next, now_ms + step.ttl_ms));
+            self.make_room(&writes, &guards, &slot)?;
+            for (id, write) in writes {
+                let shard = &mut guards[slot(Self::shard_of(id))].1;
+                match write {
+                    Some(counter) => shard.counters.insert(id, counter),
+                    None => shard.counters.remove(&id),
+                };
             }
         }
 
-        let usages = steps
+        let usages = verdicts
             .iter()
             .zip(&check.items)
-            .map(|(s, item)| s.verdict.usage(admitted, item.limit.algorithm, item.hits))
+            .map(|(v, item)| v.usage(admitted, item.limit.algorithm, item.hits))
             .collect();
         Ok(Decision { admitted, usages })
     }
@@ -163,17 +172,16 @@ impl MemoryStore {
     /// time: it never sweeps (the expired counters of a full shard go at the next `sweep`).
     fn make_room(
         &self,
-        check: &Check,
-        ids: &[Id],
-        homes: &[usize],
+        writes: &[Write],
         guards: &[(usize, MutexGuard<'_, Shard>)],
         slot: &impl Fn(usize) -> usize,
     ) -> Result<(), StoreError> {
         let mut new_per_slot = vec![0usize; guards.len()];
-        for (i, item) in check.items.iter().enumerate() {
-            let first = !ids[..i].contains(&ids[i]);
-            if item.hits > 0 && first && !guards[slot(homes[i])].1.counters.contains_key(&ids[i]) {
-                new_per_slot[slot(homes[i])] += 1;
+        for (i, (id, write)) in writes.iter().enumerate() {
+            let first = !writes[..i].iter().any(|(earlier, _)| earlier == id);
+            let home = slot(Self::shard_of(*id));
+            if write.is_some() && first && !guards[home].1.counters.contains_key(id) {
+                new_per_slot[home] += 1;
             }
         }
         let full = guards
@@ -186,6 +194,22 @@ impl MemoryStore {
             });
         }
         Ok(())
+    }
+
+    /// What the counter of `key` under `limit` holds at `now_ms` (a fixed window: the window
+    /// holding `at_ms`), if it is live.
+    pub fn stored(
+        &self,
+        key: &CounterKey,
+        limit: &Limit,
+        at_ms: u64,
+        now_ms: u64,
+    ) -> Option<Stored> {
+        let id = self.id(key, limit, at_ms);
+        let shard = self.shards[Self::shard_of(id)]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        shard.live(id, now_ms).cloned()
     }
 
     /// Counters held, expired ones not swept yet included.
@@ -209,13 +233,56 @@ impl MemoryStore {
                 .sweep(now_ms);
         }
     }
+}
 
-    #[cfg(test)]
-    fn len(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).counters.len())
-            .sum()
+/// Evaluates `item` against what its counter holds, by the module of its algorithm: the verdict
+/// and, if admitting the request changes the counter, what it then holds (`None`: nothing).
+fn evaluate(item: &Item, ask: &Ask, stored: Option<&Stored>) -> (Verdict, Option<Option<Counter>>) {
+    let now_ms = ask.now_ms;
+    let counter = |stored: Stored, ttl_ms: u64| Counter {
+        stored,
+        expires_ms: now_ms + ttl_ms,
+    };
+    match item.limit.algorithm {
+        algorithm @ (Algorithm::FixedWindow | Algorithm::SlidingWindow) => {
+            let state = match stored {
+                Some(Stored::Window(s)) => Some(*s),
+                _ => None,
+            };
+            let step = window::evaluate(algorithm, ask, state);
+            let write =
+                (item.hits > 0).then(|| Some(counter(Stored::Window(step.next), step.ttl_ms)));
+            (step.verdict, write)
+        }
+        Algorithm::SlidingLog => {
+            let entries = match stored {
+                Some(Stored::Log(e)) => e.as_slice(),
+                _ => &[],
+            };
+            let (verdict, change) = log::evaluate(ask, entries);
+            let write = (change != log::Change::Keep).then(|| {
+                let mut after = entries.to_vec();
+                log::apply(&mut after, change, now_ms, ask.window_ms);
+                log::ttl_ms(&after, now_ms, ask.window_ms)
+                    .map(|ttl_ms| counter(Stored::Log(after), ttl_ms))
+            });
+            (verdict, write)
+        }
+        Algorithm::TokenBucket | Algorithm::LeakyBucket => {
+            let state = match stored {
+                Some(Stored::Bucket(s)) => Some(*s),
+                _ => None,
+            };
+            let (verdict, write) = gcra::evaluate(ask, u64::from(item.limit.burst), state);
+            let write = match write {
+                gcra::Write::Keep => None,
+                gcra::Write::Set { state, ttl_ms } => {
+                    Some(Some(counter(Stored::Bucket(state), ttl_ms)))
+                }
+                gcra::Write::Delete => Some(None),
+            };
+            (verdict, write)
+        }
     }
 }
 
@@ -229,7 +296,7 @@ fn now_ms() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::{Algorithm, DescriptorKey, Item, Limit, Mode, Unit};
+    use crate::limiter::{DescriptorKey, Mode, Unit};
 
     fn item(value: &str, limit: u32, hits: u64) -> Item {
         Item {
@@ -241,6 +308,7 @@ mod tests {
                 unit: Unit::Minute,
                 unit_multiplier: 1,
                 algorithm: Algorithm::FixedWindow,
+                burst: limit,
             },
             mode: Mode::Enforce,
             hits,
@@ -249,7 +317,7 @@ mod tests {
     }
 
     fn check(items: Vec<Item>) -> Check {
-        Check { items }
+        Check { items, at: None }
     }
 
     // The start of a minute.
@@ -283,26 +351,27 @@ mod tests {
     fn counters_expire_with_their_window() {
         let store = MemoryStore::new(100);
         store.apply_at(&check(vec![item("a", 10, 1)]), NOW).unwrap();
-        assert_eq!(store.len(), 1);
+        assert_eq!(store.counters(), 1);
         store.sweep_at(NOW + 59_999);
-        assert_eq!(store.len(), 1, "live until the window ends");
+        assert_eq!(store.counters(), 1, "live until the window ends");
         store.sweep_at(NOW + 120_000);
-        assert_eq!(store.len(), 0, "the expired counter was swept");
+        assert_eq!(store.counters(), 0, "the expired counter was swept");
     }
 
     #[test]
     fn a_full_shard_takes_new_counters_again_once_swept() {
         let store = MemoryStore::new(1);
         let minute = |v: u32| check(vec![item(&v.to_string(), 10, 1)]);
+        for v in 0..200 {
+            let _ = store.apply_at(&minute(v), NOW);
+        }
+        // A minute later every counter has expired, but a shard holding one is still full.
+        let later = NOW + 60_000;
         let refused = (0..200)
-            .find(|&v| store.apply_at(&minute(v), NOW).is_err())
-            .expect("some shard fills up");
-        assert!(
-            store.apply_at(&minute(refused), NOW + 60_000).is_err(),
-            "expired counters are only dropped by the sweep"
-        );
-        store.sweep_at(NOW + 60_000);
-        assert!(store.apply_at(&minute(refused), NOW + 60_000).is_ok());
+            .find(|&v| store.apply_at(&minute(v), later).is_err())
+            .expect("expired counters are only dropped by the sweep");
+        store.sweep_at(later);
+        assert!(store.apply_at(&minute(refused), later).is_ok());
     }
 
     #[test]
@@ -319,7 +388,7 @@ mod tests {
             }
         }
         assert!(refused > 0);
-        assert!(store.len() <= SHARDS);
+        assert!(store.counters() <= SHARDS);
         assert!(store.apply_at(&check(vec![item("a", 10, 1)]), NOW).is_ok());
     }
 }

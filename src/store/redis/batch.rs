@@ -39,7 +39,11 @@ impl Pending {
         let all: Vec<usize> = (0..keys.len()).collect();
         Pending {
             args: encode(check, &all),
-            charges: check.items.iter().map(Charge::of).collect(),
+            charges: check
+                .items
+                .iter()
+                .map(|i| Charge::of(i, check.at))
+                .collect(),
             keys,
             deadline,
             reply,
@@ -82,7 +86,7 @@ pub(super) async fn run(conn: Conn, mut queue: mpsc::Receiver<Pending>) {
 /// One batched call for `requests`, holding `counters` counters in all.
 async fn call(conn: Conn, requests: Vec<Pending>, counters: usize, _permit: OwnedSemaphorePermit) {
     let mut keys = Vec::with_capacity(counters);
-    let mut args = Vec::with_capacity(1 + requests.len() + counters * ARGS_PER_ITEM);
+    let mut args = Vec::with_capacity(1 + 2 * requests.len() + counters * ARGS_PER_ITEM);
     args.push(flag(true));
     let mut waiting = Vec::with_capacity(requests.len());
     METRICS.batch_requests.observe(requests.len() as f64);
@@ -104,10 +108,15 @@ async fn call(conn: Conn, requests: Vec<Pending>, counters: usize, _permit: Owne
     let mut undo = Undo::default();
     for (keys, charges, reply) in waiting {
         let answer = take_request(&mut rest, keys.len());
-        let admitted = matches!(answer, Ok((true, _)));
-        if reply.send(answer).is_err() && admitted {
-            for (key, charge) in keys.iter().zip(charges) {
-                undo.add(key, charge, now_ms);
+        let verdicts = match &answer {
+            Ok((true, verdicts)) => Some(verdicts.clone()),
+            _ => None,
+        };
+        if reply.send(answer).is_err()
+            && let Some(verdicts) = verdicts
+        {
+            for ((key, charge), verdict) in keys.iter().zip(charges).zip(&verdicts) {
+                undo.add(key, charge, verdict, now_ms);
             }
         }
     }

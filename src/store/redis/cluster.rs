@@ -13,7 +13,7 @@ use futures_util::future::join_all;
 use tokio::sync::oneshot;
 
 use super::{Answer, Charge, Conn, Undo};
-use crate::limiter::window::Verdict;
+use crate::limiter::algorithm::Verdict;
 use crate::limiter::{Check, admits};
 
 /// Decides `check` (whose counters are `keys`) and sends the answer on `reply`; runs to the end
@@ -42,7 +42,7 @@ pub(super) async fn decide(
         match ran {
             Ok(ran) => {
                 if ran.admitted {
-                    committed.push((group, ran.now_ms));
+                    committed.push((group, ran.now_ms, ran.verdicts.clone()));
                 }
                 for (&i, v) in group.iter().zip(ran.verdicts) {
                     verdicts[i] = Some(v);
@@ -64,11 +64,16 @@ pub(super) async fn decide(
                 .collect(),
         )),
     };
-    let refund = |committed: Vec<(&Vec<usize>, i64)>| {
-        join_all(committed.into_iter().map(|(group, now_ms)| {
+    let refund = |committed: Vec<(&Vec<usize>, i64, Vec<Verdict>)>| {
+        join_all(committed.into_iter().map(|(group, now_ms, verdicts)| {
             let mut undo = Undo::default();
-            for &i in group {
-                undo.add(&keys[i], Charge::of(&check.items[i]), now_ms);
+            for (&i, verdict) in group.iter().zip(&verdicts) {
+                undo.add(
+                    &keys[i],
+                    Charge::of(&check.items[i], check.at),
+                    verdict,
+                    now_ms,
+                );
             }
             conn.undo(undo)
         }))

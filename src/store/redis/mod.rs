@@ -31,13 +31,15 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::breaker::Breaker;
 use super::{Deadline, StoreError};
-use crate::limiter::window::Verdict;
+use crate::limiter::algorithm::Verdict;
 use crate::limiter::{Algorithm, Check, Decision, Item, Mode};
 use crate::telemetry::Throttle;
 use batch::Pending;
 pub use tls::{RedisTls, RedisTlsFlags};
 
-const ARGS_PER_ITEM: usize = 6;
+const ARGS_PER_ITEM: usize = 7;
+/// Numbers the check script answers per counter.
+const REPLY_PER_ITEM: usize = 5;
 /// Requests waiting for a batched call, per event loop; past it, requests are shed.
 const QUEUE_BOUND: usize = 4096;
 /// How often an open breaker's probe tries Redis.
@@ -293,7 +295,7 @@ impl Conn {
         at: &[usize],
         quota_here: bool,
     ) -> Result<Ran, StoreError> {
-        let mut args = Vec::with_capacity(2 + at.len() * ARGS_PER_ITEM);
+        let mut args = Vec::with_capacity(3 + at.len() * ARGS_PER_ITEM);
         args.push(flag(quota_here));
         args.extend(encode(check, at));
         let group_keys = at.iter().map(|&i| keys[i].clone()).collect();
@@ -325,25 +327,32 @@ impl Conn {
     }
 }
 
-/// What admitting a request moves on one of its counters.
+/// What admitting a request wrote on one of its counters, as `lua/undo.lua` takes it back.
 #[derive(Clone, Copy)]
 struct Charge {
+    algorithm: Algorithm,
+    limit: u64,
     window_ms: u64,
     /// Hits added (0 for a check-only or refunding item).
     hits: u64,
+    /// The instant the request named, if any.
+    at: Option<u64>,
 }
 
 impl Charge {
-    fn of(item: &Item) -> Self {
+    fn of(item: &Item, at: Option<u64>) -> Self {
         Charge {
+            algorithm: item.limit.algorithm,
+            limit: u64::from(item.limit.requests_per_unit),
             window_ms: item.limit.window_ms(),
             hits: if item.refund { 0 } else { item.hits },
+            at,
         }
     }
 }
 
-/// Refunds for admitted requests: the counters they charged and, for each, the window it was
-/// charged in and the hits, as `lua/undo.lua` takes them.
+/// Refunds for admitted requests: the counters they charged and, for each, what the charge was,
+/// as `lua/undo.lua` takes them.
 #[derive(Default)]
 struct Undo {
     keys: Vec<Bytes>,
@@ -351,30 +360,51 @@ struct Undo {
 }
 
 impl Undo {
-    /// Adds what `charge` moved on `key` in a call that ran at `now_ms`.
-    fn add(&mut self, key: &Bytes, charge: Charge, now_ms: i64) {
-        if charge.hits == 0 {
+    /// Adds what `charge` wrote on `key` in a call that ran at `now_ms` and found `verdict`: a
+    /// sliding log or a bucket records nothing for hits that do not fit.
+    fn add(&mut self, key: &Bytes, charge: Charge, verdict: &Verdict, now_ms: i64) {
+        let recorded = match charge.algorithm {
+            Algorithm::FixedWindow | Algorithm::SlidingWindow => true,
+            Algorithm::SlidingLog | Algorithm::TokenBucket | Algorithm::LeakyBucket => {
+                !verdict.over
+            }
+        };
+        if charge.hits == 0 || !recorded {
             return;
         }
+        let now = now_ms.max(0) as u64;
+        let at = charge.at.map_or(now, |at| at.max(now));
+        let (kind, a, b, c) = match charge.algorithm {
+            Algorithm::FixedWindow => ("f", at / charge.window_ms, charge.hits, 0),
+            Algorithm::SlidingWindow => ("s", now / charge.window_ms, charge.hits, 0),
+            Algorithm::SlidingLog => ("l", at, charge.hits, 0),
+            Algorithm::TokenBucket | Algorithm::LeakyBucket => {
+                ("b", now, charge.hits * charge.window_ms, charge.limit)
+            }
+        };
         self.keys.push(key.clone());
-        self.args
-            .push(Value::from(now_ms / charge.window_ms as i64));
-        self.args.push(Value::from(charge.hits as i64));
+        self.args.push(Value::from_static_str(kind));
+        self.args.extend([a, b, c].map(|n| Value::from(n as i64)));
     }
 }
 
-/// The script's arguments for one request made of the items `at`: their count, then each item.
+/// The script's arguments for one request made of the items `at` of `check`: their count, the
+/// instant it names ('0': none), then each item.
 fn encode(check: &Check, at: &[usize]) -> Vec<Value> {
-    let mut args: Vec<Value> = Vec::with_capacity(1 + at.len() * ARGS_PER_ITEM);
+    let mut args: Vec<Value> = Vec::with_capacity(2 + at.len() * ARGS_PER_ITEM);
     args.push(Value::from(at.len() as i64));
+    args.push(Value::from(check.at.unwrap_or(0) as i64));
     for &i in at {
         let item = &check.items[i];
         args.push(Value::from_static_str(match item.limit.algorithm {
             Algorithm::FixedWindow => "f",
             Algorithm::SlidingWindow => "s",
+            Algorithm::SlidingLog => "l",
+            Algorithm::TokenBucket | Algorithm::LeakyBucket => "b",
         }));
         args.push(Value::from(i64::from(item.limit.requests_per_unit)));
         args.push(Value::from(item.limit.window_ms() as i64));
+        args.push(Value::from(i64::from(item.limit.burst)));
         args.push(Value::from(item.hits as i64));
         args.push(flag(item.refund));
         args.push(Value::from_static_str(match item.mode {
@@ -391,22 +421,24 @@ fn flag(on: bool) -> Value {
 }
 
 /// Takes the answer to a request of `counters` counters off the front of a script reply:
-/// admitted, then four numbers per counter.
+/// admitted, then five numbers per counter.
 fn take_request(reply: &mut &[i64], counters: usize) -> Answer {
-    let Some((answer, rest)) = reply.split_at_checked(1 + 4 * counters) else {
+    let Some((answer, rest)) = reply.split_at_checked(1 + REPLY_PER_ITEM * counters) else {
         return Err(StoreError::Unavailable(format!(
             "the check script answered {} numbers for {counters} more counters",
             reply.len()
         )));
     };
     *reply = rest;
+    let number = |n: i64| n.max(0) as u64;
     let verdicts = answer[1..]
-        .chunks_exact(4)
+        .chunks_exact(REPLY_PER_ITEM)
         .map(|c| Verdict {
             over: c[0] == 1,
-            remaining_after: c[1].max(0) as u64,
-            remaining_before: c[2].max(0) as u64,
-            reset_ms: c[3].max(0) as u64,
+            remaining_after: number(c[1]),
+            remaining_before: number(c[2]),
+            reset_after_ms: number(c[3]),
+            reset_before_ms: number(c[4]),
         })
         .collect();
     Ok((answer[0] == 1, verdicts))
@@ -425,16 +457,17 @@ mod tests {
 
     #[test]
     fn a_batched_reply_splits_into_requests() {
-        let reply = [1, 0, 4, 5, 1000, 1, 0, 0, 250, 0, 1, 0, 0, 30];
+        let reply = [1, 0, 4, 5, 900, 1000, 1, 0, 0, 250, 250, 0, 1, 0, 0, 30, 30];
         let mut rest = &reply[..];
         let (admitted, v) = take_request(&mut rest, 2).unwrap();
         assert!(admitted);
         assert_eq!(v[0].remaining_after, 4);
+        assert_eq!(v[0].reset_after_ms, 900);
         assert!(v[1].over);
-        assert_eq!(v[1].reset_ms, 250);
+        assert_eq!(v[1].reset_before_ms, 250);
         let (admitted, v) = take_request(&mut rest, 1).unwrap();
         assert!(!admitted);
-        assert_eq!(v[0].reset_ms, 30);
+        assert_eq!(v[0].reset_before_ms, 30);
         assert!(rest.is_empty());
         assert!(take_request(&mut &[1, 0][..], 1).is_err());
     }

@@ -1,13 +1,19 @@
-//! The window math, in one place: for a counter's stored state, the clock and the hits of a
-//! request, whether the limit is over, what remains, when it resets and the state to store.
-//! The memory store runs this code; the Redis scripts in `lua/` mirror it line for line.
+//! `fixed_window` and `sliding_window`: a count per window of the limit's length, windows
+//! aligned to the Unix epoch. A fixed window counts the window holding the request's instant; a
+//! sliding window also weighs the window before by how much of it the sliding window still
+//! covers. `remaining` is the limit less the (weighted) count; `reset` is the end of the window
+//! or, for a sliding window that is over, the first millisecond at which the hits fit.
+//! Mirrored by the window section of `lua/check.lua`.
+//!
+//! Stored state. A fixed window keeps one count per window index: a Redis hash field per index
+//! (fields of windows already over are dropped when a new one is written), a counter of its own
+//! per index in the embedded store. A sliding window keeps `State` as a Redis hash of `w`, `c`
+//! and `p`.
 
-use std::time::Duration;
+use super::{Algorithm, Ask, Verdict};
 
-use super::{Algorithm, Usage};
-
-/// A counter as stored: the index of the window it was last written in (`now / window`), its
-/// count there and, for the sliding window, the count of the window before.
+/// A window counter as stored: the index of the window it was last written in (`instant /
+/// window`), its count there and, for the sliding window, the count of the window before.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct State {
     pub window: u64,
@@ -15,39 +21,8 @@ pub struct State {
     pub previous: u64,
 }
 
-/// What evaluating one counter found; the Redis scripts return the same four numbers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Verdict {
-    /// The hits do not fit (for a check-only request, not even one more would).
-    pub over: bool,
-    /// What remains if the request is admitted and the hits are consumed.
-    pub remaining_after: u64,
-    /// What remains if nothing is consumed.
-    pub remaining_before: u64,
-    /// Milliseconds until the window ends or, when over, until the hits would fit.
-    pub reset_ms: u64,
-}
-
-impl Verdict {
-    /// What to report once the request is decided, for a counter of `algorithm` asked for
-    /// `hits`.
-    pub fn usage(&self, admitted: bool, algorithm: Algorithm, hits: u64) -> Usage {
-        let after = if admitted {
-            self.remaining_after
-        } else {
-            self.remaining_before
-        };
-        Usage {
-            over: self.over,
-            remaining: if self.over { 0 } else { after },
-            reset: Duration::from_millis(self.reset_ms),
-            full: super::cache::full(algorithm, hits, self.over, self.remaining_before, after),
-            source: super::Source::Store,
-        }
-    }
-}
-
-/// The result of evaluating one counter, with the state to store if the request is admitted.
+/// The result of evaluating one window counter, with the state to store if the request is
+/// admitted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Step {
     pub verdict: Verdict,
@@ -57,29 +32,33 @@ pub struct Step {
     pub ttl_ms: u64,
 }
 
-/// Evaluates one counter. `hits` 0 checks without consuming and is over when not even one more
-/// hit fits; `refund` gives `hits` back and is never over.
-pub fn evaluate(
-    algorithm: Algorithm,
-    limit: u64,
-    window_ms: u64,
-    now_ms: u64,
-    stored: Option<State>,
-    hits: u64,
-    refund: bool,
-) -> Step {
-    let index = now_ms / window_ms;
-    let elapsed = now_ms - index * window_ms;
-    let to_end = window_ms - elapsed;
-    let need = hits.max(1);
+/// Evaluates one window counter at `ask.at_ms` (the clock or, for a fixed window, a later
+/// instant a request names). `stored` is the counter's state (for a fixed window, that of the
+/// window holding the instant, if any).
+pub fn evaluate(algorithm: Algorithm, ask: &Ask, stored: Option<State>) -> Step {
+    let Ask {
+        limit,
+        window_ms,
+        now_ms,
+        at_ms,
+        hits,
+        refund,
+    } = *ask;
+    let sliding = algorithm == Algorithm::SlidingWindow;
+    let index = at_ms / window_ms;
+    let elapsed = at_ms - index * window_ms;
+    // From now: the instant may lie in a later window.
+    let to_end = (index + 1) * window_ms - now_ms;
+    let need = ask.need();
     let (previous, current) = match stored {
         Some(s) if s.window == index => (s.previous, s.count),
-        Some(s) if algorithm == Algorithm::SlidingWindow && s.window + 1 == index => (s.count, 0),
+        Some(s) if sliding && s.window + 1 == index => (s.count, 0),
         _ => (0, 0),
     };
-    let weighted = match algorithm {
-        Algorithm::FixedWindow => 0,
-        Algorithm::SlidingWindow => weigh(previous, window_ms - elapsed, window_ms),
+    let weighted = if sliding {
+        weigh(previous, window_ms - elapsed, window_ms)
+    } else {
+        0
     };
     // Saturating: counts only grow past the limit in shadow mode, where they stop mattering.
     let used = weighted.saturating_add(current);
@@ -89,29 +68,25 @@ pub fn evaluate(
     } else {
         current.saturating_add(hits)
     };
-    let reset_ms = match algorithm {
-        Algorithm::SlidingWindow if over => {
-            sliding_retry_ms(limit, window_ms, elapsed, previous, current, need)
-        }
-        _ => to_end,
-    };
-    let ttl_ms = match algorithm {
-        Algorithm::FixedWindow => to_end,
-        Algorithm::SlidingWindow => to_end + window_ms,
+    let reset_ms = if sliding && over {
+        sliding_retry_ms(limit, window_ms, elapsed, previous, current, need)
+    } else {
+        to_end
     };
     Step {
         verdict: Verdict {
             over,
             remaining_after: limit.saturating_sub(weighted.saturating_add(after)),
             remaining_before: limit.saturating_sub(used),
-            reset_ms,
+            reset_after_ms: reset_ms,
+            reset_before_ms: reset_ms,
         },
         next: State {
             window: index,
             count: after,
             previous,
         },
-        ttl_ms,
+        ttl_ms: if sliding { to_end + window_ms } else { to_end },
     }
 }
 
@@ -168,6 +143,18 @@ mod tests {
 
     const MIN: u64 = 60_000;
 
+    /// A request at `now` for a window of a minute.
+    fn ask(limit: u64, now: u64, hits: u64, refund: bool) -> Ask {
+        Ask {
+            limit,
+            window_ms: MIN,
+            now_ms: now,
+            at_ms: now,
+            hits,
+            refund,
+        }
+    }
+
     /// Runs `hits` single requests at `now`, storing the state whenever one is admitted, and
     /// returns how many were admitted.
     fn admit_many(
@@ -179,7 +166,7 @@ mod tests {
     ) -> u64 {
         let mut admitted = 0;
         for _ in 0..hits {
-            let step = evaluate(alg, limit, MIN, now, *state, 1, false);
+            let step = evaluate(alg, &ask(limit, now, 1, false), *state);
             if !step.verdict.over {
                 *state = Some(step.next);
                 admitted += 1;
@@ -193,23 +180,23 @@ mod tests {
         let mut state = None;
         let now = 10 * MIN + 5_000;
         for expected in (0..20).rev() {
-            let step = evaluate(FixedWindow, 20, MIN, now, state, 1, false);
+            let step = evaluate(FixedWindow, &ask(20, now, 1, false), state);
             assert!(!step.verdict.over);
             assert_eq!(step.verdict.remaining_after, expected);
             state = Some(step.next);
         }
-        let step = evaluate(FixedWindow, 20, MIN, now, state, 1, false);
+        let step = evaluate(FixedWindow, &ask(20, now, 1, false), state);
         assert!(step.verdict.over);
         assert_eq!(step.verdict.remaining_before, 0);
-        assert_eq!(step.verdict.reset_ms, 55_000);
+        assert_eq!(step.verdict.reset_before_ms, 55_000);
     }
 
     #[test]
     fn fixed_windows_are_aligned_to_the_epoch() {
-        let step = evaluate(FixedWindow, 5, MIN, 7 * MIN + 59_999, None, 1, false);
-        assert_eq!(step.verdict.reset_ms, 1);
+        let step = evaluate(FixedWindow, &ask(5, 7 * MIN + 59_999, 1, false), None);
+        assert_eq!(step.verdict.reset_before_ms, 1);
         assert_eq!(step.next.window, 7);
-        let later = evaluate(FixedWindow, 5, MIN, 8 * MIN, Some(step.next), 1, false);
+        let later = evaluate(FixedWindow, &ask(5, 8 * MIN, 1, false), Some(step.next));
         assert_eq!(
             later.verdict.remaining_after, 4,
             "a new window starts from zero"
@@ -223,14 +210,14 @@ mod tests {
             count: 5,
             previous: 0,
         });
-        let step = evaluate(FixedWindow, 5, MIN, 3 * MIN, full, 0, false);
+        let step = evaluate(FixedWindow, &ask(5, 3 * MIN, 0, false), full);
         assert!(step.verdict.over);
         let room = Some(State {
             window: 3,
             count: 4,
             previous: 0,
         });
-        let step = evaluate(FixedWindow, 5, MIN, 3 * MIN, room, 0, false);
+        let step = evaluate(FixedWindow, &ask(5, 3 * MIN, 0, false), room);
         assert!(!step.verdict.over);
         assert_eq!(step.next.count, 4);
         assert_eq!(step.verdict.remaining_after, 1);
@@ -243,22 +230,22 @@ mod tests {
             count: 5,
             previous: 0,
         });
-        let step = evaluate(FixedWindow, 5, MIN, 3 * MIN, state, 2, true);
+        let step = evaluate(FixedWindow, &ask(5, 3 * MIN, 2, true), state);
         assert!(!step.verdict.over);
         assert_eq!(step.next.count, 3);
-        let step = evaluate(FixedWindow, 5, MIN, 3 * MIN, state, 9, true);
+        let step = evaluate(FixedWindow, &ask(5, 3 * MIN, 9, true), state);
         assert_eq!(step.next.count, 0);
     }
 
     #[test]
     fn a_limit_of_zero_denies_everything() {
         assert!(
-            evaluate(FixedWindow, 0, MIN, MIN, None, 1, false)
+            evaluate(FixedWindow, &ask(0, MIN, 1, false), None)
                 .verdict
                 .over
         );
         assert!(
-            evaluate(SlidingWindow, 0, MIN, MIN, None, 1, false)
+            evaluate(SlidingWindow, &ask(0, MIN, 1, false), None)
                 .verdict
                 .over
         );
@@ -292,17 +279,17 @@ mod tests {
             count: 10,
             previous: 10,
         });
-        let step = evaluate(SlidingWindow, 10, MIN, 5 * MIN, old, 1, false);
+        let step = evaluate(SlidingWindow, &ask(10, 5 * MIN, 1, false), old);
         assert_eq!(step.verdict.remaining_after, 9);
     }
 
     /// Asserts that an over-limit sliding window's reset names the first millisecond at which
     /// one more hit fits (limit 10), and returns that moment.
     fn exact_retry(state: State, now: u64) -> u64 {
-        let over = |at: u64| evaluate(SlidingWindow, 10, MIN, at, Some(state), 1, false).verdict;
+        let over = |at: u64| evaluate(SlidingWindow, &ask(10, at, 1, false), Some(state)).verdict;
         let step = over(now);
         assert!(step.over);
-        let retry = now + step.reset_ms;
+        let retry = now + step.reset_before_ms;
         assert!(!over(retry).over, "one more fits at the reset");
         assert!(over(retry - 1).over, "and not a millisecond before");
         retry
@@ -330,7 +317,7 @@ mod tests {
 
     #[test]
     fn sliding_state_lives_through_the_next_window() {
-        let step = evaluate(SlidingWindow, 10, MIN, 5 * MIN + 20_000, None, 1, false);
+        let step = evaluate(SlidingWindow, &ask(10, 5 * MIN + 20_000, 1, false), None);
         assert_eq!(step.ttl_ms, 40_000 + MIN);
     }
 }
