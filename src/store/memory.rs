@@ -104,6 +104,22 @@ impl MemoryStore {
 
     /// Decides `check` with the clock at `now_ms` (ms since the Unix epoch).
     pub fn apply_at(&self, check: &Check, now_ms: u64) -> Result<Decision, StoreError> {
+        let (admitted, verdicts) = self.decide_at(check, now_ms)?;
+        let usages = verdicts
+            .iter()
+            .zip(&check.items)
+            .map(|(v, item)| v.usage(admitted, item.limit.algorithm, item.hits))
+            .collect();
+        Ok(Decision { admitted, usages })
+    }
+
+    /// Decides `check` with the clock at `now_ms`: admitted, and what each counter found, as the
+    /// check script answers them.
+    pub fn decide_at(
+        &self,
+        check: &Check,
+        now_ms: u64,
+    ) -> Result<(bool, Vec<Verdict>), StoreError> {
         let at_ms = check.at.map_or(now_ms, |at| at.max(now_ms));
         let ids: Vec<Id> = check
             .items
@@ -160,12 +176,7 @@ impl MemoryStore {
             }
         }
 
-        let usages = verdicts
-            .iter()
-            .zip(&check.items)
-            .map(|(v, item)| v.usage(admitted, item.limit.algorithm, item.hits))
-            .collect();
-        Ok(Decision { admitted, usages })
+        Ok((admitted, verdicts))
     }
 
     /// Fails, before anything is written, when a shard cannot take the new counters. Constant
@@ -197,19 +208,23 @@ impl MemoryStore {
     }
 
     /// What the counter of `key` under `limit` holds at `now_ms` (a fixed window: the window
-    /// holding `at_ms`), if it is live.
+    /// holding `at_ms`), if it is live, and when it expires (ms since the Unix epoch).
     pub fn stored(
         &self,
         key: &CounterKey,
         limit: &Limit,
         at_ms: u64,
         now_ms: u64,
-    ) -> Option<Stored> {
+    ) -> Option<(Stored, u64)> {
         let id = self.id(key, limit, at_ms);
         let shard = self.shards[Self::shard_of(id)]
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        shard.live(id, now_ms).cloned()
+        shard
+            .counters
+            .get(&id)
+            .filter(|c| c.live(now_ms))
+            .map(|c| (c.stored.clone(), c.expires_ms))
     }
 
     /// Counters held, expired ones not swept yet included.

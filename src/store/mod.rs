@@ -14,7 +14,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-pub use memory::MemoryStore;
+pub use memory::{MemoryStore, Stored};
 pub use redis::{RedisStore, RedisTls, RedisTlsFlags};
 
 use crate::limiter::{Check, Decision};
