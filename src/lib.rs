@@ -9,9 +9,9 @@
 //!   rules and serves metrics and the rules in force on the admin HTTP server.
 //! - [`rules`] — the matcher built from rule files: (domain, descriptor entries) → the limits that
 //!   apply, with envoyproxy/ratelimit's exact / wildcard / key-only precedence.
-//! - [`limiter`] — what a limit is (`Limit`, `Algorithm`, `Mode`), the window math shared by every
-//!   store, counter identities (`CounterKey`), the all-or-nothing `Check` → `Decision`, and the
-//!   local over-limit cache that denies without a store call.
+//! - [`limiter`] — what a limit is (`Limit`, `Algorithm`, `Mode`), each algorithm's math shared by
+//!   every store, counter identities (`CounterKey`), the all-or-nothing `Check` → `Decision`, and
+//!   the local over-limit cache that denies without a store call.
 //! - [`store`] — where counters live: the embedded in-process store, or Redis through one Lua
 //!   script per request (`lua/check.lua`), behind a deadline per call, a bounded queue and a
 //!   circuit breaker, refunding (`lua/undo.lua`) what it admitted for callers it did not answer.

@@ -105,6 +105,9 @@ fn limit_json(l: &RuleLimit) -> Value {
         }),
     };
     let fields = limit.as_object_mut().expect("an object");
+    if let Some(limit) = l.limit.as_ref().filter(|l| l.algorithm.is_bucket()) {
+        fields.insert("burst".into(), json!(limit.burst));
+    }
     if !l.name.is_empty() {
         fields.insert("name".into(), json!(l.name));
     }
@@ -142,6 +145,9 @@ fn text_lines(parent: &str, d: &DescriptorConfig, out: &mut String) {
             if limit.algorithm != Algorithm::FixedWindow {
                 out.push_str(&format!(", algorithm: {}", limit.algorithm.name()));
             }
+            if limit.algorithm.is_bucket() {
+                out.push_str(&format!(", burst: {}", limit.burst));
+            }
         }
         out.push('\n');
     }
@@ -158,14 +164,15 @@ mod tests {
 
     #[test]
     fn rlconfig_lists_every_limit_as_envoy_ratelimit_does() {
-        let yaml = "domain: d\ndescriptors:\n  - key: k\n    value: v\n    rate_limit: {unit: minute, requests_per_unit: 10}\n    descriptors:\n      - key: c\n        shadow_mode: true\n        rate_limits:\n          - {unit: second, requests_per_unit: 1, name: a}\n          - {unit: hour, requests_per_unit: 5, unit_multiplier: 2, algorithm: sliding_window}\n";
+        let yaml = "domain: d\ndescriptors:\n  - key: k\n    value: v\n    rate_limit: {unit: minute, requests_per_unit: 10}\n    descriptors:\n      - key: c\n        shadow_mode: true\n        rate_limits:\n          - {unit: second, requests_per_unit: 1, name: a}\n          - {unit: hour, requests_per_unit: 5, unit_multiplier: 2, algorithm: sliding_window}\n          - {unit: minute, requests_per_unit: 6, algorithm: token_bucket, burst: 12}\n";
         let (domain, _) = crate::config::parse(Path::new("t.yaml"), yaml).unwrap();
         let text = RuleSet::new(vec![domain]).dump_text();
         assert_eq!(
             text,
             "d.k_v: unit=MINUTE requests_per_unit=10, shadow_mode: false, quota_mode: false\n\
              d.k_v.c: unit=SECOND requests_per_unit=1, shadow_mode: true, quota_mode: false, name: a\n\
-             d.k_v.c: unit=HOUR requests_per_unit=5, shadow_mode: true, quota_mode: false, unit_multiplier: 2, algorithm: sliding_window\n"
+             d.k_v.c: unit=HOUR requests_per_unit=5, shadow_mode: true, quota_mode: false, unit_multiplier: 2, algorithm: sliding_window\n\
+             d.k_v.c: unit=MINUTE requests_per_unit=6, shadow_mode: true, quota_mode: false, algorithm: token_bucket, burst: 12\n"
         );
     }
 }
