@@ -92,6 +92,15 @@ impl Limit {
     pub fn window_ms(&self) -> u64 {
         self.unit.seconds() * 1000 * u64::from(self.unit_multiplier)
     }
+
+    /// The most hits the counter can hold at once: a bucket's `burst`, else the limit.
+    pub fn capacity(&self) -> u32 {
+        if self.algorithm.is_bucket() {
+            self.burst
+        } else {
+            self.requests_per_unit
+        }
+    }
 }
 
 /// How a limit takes part in the decision.

@@ -509,7 +509,7 @@ fn count(plans: &[Plan], check: &Check, decision: &Decision, answering: &Answeri
                 from_cache: usage.source == Source::LocalCache,
             },
             (false, _) => {
-                let limit = u64::from(item.limit.requests_per_unit);
+                let limit = u64::from(item.limit.capacity());
                 Outcome::Within {
                     limit,
                     used: limit.saturating_sub(usage.remaining),
