@@ -113,3 +113,58 @@ fn a_missing_path_is_an_error() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("/nonexistent/rules:0: cannot read"));
 }
+
+/// `burst` belongs to buckets and is at least 1; a bucket holds at most 2^51 units (burst × window
+/// in ms: a day's leaky bucket of 26,062,497 is the largest); a sliding log keeps at most 1,000.
+#[test]
+fn an_algorithms_bounds_are_errors_at_their_lines() {
+    let (status, out) = check(&[(
+        "algorithms.yaml",
+        "\
+domain: algorithms
+descriptors:
+  - key: fixed
+    rate_limit:
+      unit: second
+      requests_per_unit: 5
+      burst: 10
+  - key: empty
+    rate_limit:
+      unit: second
+      requests_per_unit: 5
+      algorithm: token_bucket
+      burst: 0
+  - key: logs
+    rate_limits:
+      - {unit: hour, requests_per_unit: 1000, algorithm: sliding_log}
+      - {unit: day, requests_per_unit: 1001, algorithm: sliding_log}
+  - key: buckets
+    rate_limits:
+      - {unit: day, requests_per_unit: 26062497, algorithm: leaky_bucket}
+      - {unit: hour, requests_per_unit: 1, algorithm: token_bucket, burst: 625499949}
+  - key: huge
+    rate_limit:
+      unit: year
+      requests_per_unit: 4000000000
+      algorithm: token_bucket
+  - key: other
+    rate_limits:
+      - {unit: second, requests_per_unit: 1, algorithm: sliding_window, burst: 2}
+      - {unit: minute, requests_per_unit: 1, algorithm: gcra}
+",
+    )]);
+    assert_eq!(status.code(), Some(1), "{out}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "algorithms.yaml:7: burst applies to token_bucket and leaky_bucket, not fixed_window",
+            "algorithms.yaml:13: burst must be at least 1",
+            "algorithms.yaml:17: sliding_log keeps an entry per hit: requests_per_unit must be at most 1000 (this one is 1001)",
+            "algorithms.yaml:21: a token_bucket holding 625499949 over a 3600 s window is beyond exact arithmetic (burst × window in ms must be at most 2^51)",
+            "algorithms.yaml:25: a token_bucket holding 4000000000 over a 31536000 s window is beyond exact arithmetic (burst × window in ms must be at most 2^51)",
+            "algorithms.yaml:29: burst applies to token_bucket and leaky_bucket, not sliding_window",
+            "algorithms.yaml:30: invalid algorithm 'gcra' (expected fixed_window, sliding_window, sliding_log, token_bucket or leaky_bucket)",
+        ]
+    );
+}

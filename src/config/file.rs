@@ -406,7 +406,11 @@ impl Parser<'_> {
                 ),
             );
         }
-        let burst_line = map.get_node("burst").map(line_of).unwrap_or(line);
+        let requests_line = map
+            .get_node("requests_per_unit")
+            .map(line_of)
+            .unwrap_or(line);
+        let burst_line = map.get_node("burst").map(line_of).unwrap_or(requests_line);
         let burst = self.number(map, "burst");
         if let (Some(algorithm), Some(unit)) = (algorithm, unit) {
             let window_ms = (unit.seconds() * 1000).saturating_mul(u64::from(unit_multiplier));
@@ -415,7 +419,7 @@ impl Parser<'_> {
                 requests_per_unit,
                 burst,
                 window_ms,
-                line,
+                requests_line,
                 burst_line,
             );
         }
@@ -459,7 +463,7 @@ impl Parser<'_> {
         requests_per_unit: u32,
         burst: Option<u32>,
         window_ms: u64,
-        line: usize,
+        requests_line: usize,
         burst_line: usize,
     ) {
         if burst.is_some() && !algorithm.is_bucket() {
@@ -487,7 +491,7 @@ impl Parser<'_> {
         }
         if algorithm == Algorithm::SlidingLog && requests_per_unit > log::MOST_ENTRIES {
             self.error(
-                line,
+                requests_line,
                 format!(
                     "sliding_log keeps an entry per hit: requests_per_unit must be at most {} (this one is {requests_per_unit})",
                     log::MOST_ENTRIES
