@@ -17,7 +17,9 @@
 -- Invariant: the clock is Redis TIME, and a request's instant is never earlier; every counter of
 --          a request moves or none does; requests are decided in order, each seeing what the
 --          ones before it wrote; a counter named twice is counted twice; every written key gets
---          a TTL; numbers are written with %d, never in a form that loses digits.
+--          an expiry, set as an instant on the TIME clock (PEXPIREAT: Redis' own clock for
+--          relative TTLs is the call's start, which may trail TIME by a millisecond and would
+--          end a key early); numbers are written with %d, never in a form that loses digits.
 
 -- Locals: every global lookup in a Redis script goes through the protected globals table.
 local call, floor, max, tonumber, format, unpack = redis.call, math.floor, math.max, tonumber,
@@ -99,7 +101,7 @@ local function fixed_store(key, state, window)
     end
     if #over > 0 then call('HDEL', key, unpack(over)) end
     call('HSET', key, int(state.w), int(state.c))
-    call('PEXPIRE', key, (latest + 1) * window - now)
+    call('PEXPIREAT', key, int((latest + 1) * window))
   else
     call('HSET', key, int(state.w), int(state.c))
   end
@@ -124,7 +126,7 @@ local function sliding_store(key, state, ttl)
     call('HSET', key, 'c', int(state.c))
   else
     call('HSET', key, 'w', int(state.w), 'c', int(state.c), 'p', int(state.p))
-    call('PEXPIRE', key, ttl)
+    call('PEXPIREAT', key, int(now + ttl))
   end
   disk[key] = state
 end
@@ -273,7 +275,7 @@ local function log_store(key, before, after, add, at, hits, window)
   if #after == 0 then
     call('DEL', key)
   else
-    call('PEXPIRE', key, after[#after] + window - now)
+    call('PEXPIREAT', key, int(after[#after] + window))
   end
   disk[key] = after
 end
@@ -368,7 +370,7 @@ local function bucket_step(key, latest, limit, window, burst, hits, refund)
     step.write = function()
       if state then
         call('HSET', key, 't', int(now), 'l', int(after))
-        call('PEXPIRE', key, ceil_div(after, limit))
+        call('PEXPIREAT', key, int(now + ceil_div(after, limit)))
       else
         call('DEL', key)
       end
