@@ -19,7 +19,8 @@
 //! Stored state: the entries' instants in ascending order. Redis: a sorted set scored by instant
 //! whose members are `<instant>:<n>`, `n` numbering the entries of one instant from `0001` up
 //! (zero-padded, so that members sort as their numbers do), which keeps every member unique and
-//! exact. Memory: about 80 bytes per entry in Redis, so `limit` is at most `MOST_ENTRIES`.
+//! exact. Memory: up to about 120 bytes per entry in Redis, so `limit` is at most
+//! `MOST_ENTRIES`.
 //! Mirrored by the log section of `lua/check.lua`.
 
 use super::{Ask, Verdict};
