@@ -182,6 +182,18 @@ pub struct Decision {
     pub usages: Vec<Usage>,
 }
 
+impl Decision {
+    /// What a store's `verdicts` on the items of `check` report, the request `admitted` or not.
+    pub fn of(check: &Check, admitted: bool, verdicts: &[algorithm::Verdict]) -> Decision {
+        let usages = verdicts
+            .iter()
+            .zip(&check.items)
+            .map(|(v, item)| v.usage(admitted, item.limit.algorithm, item.hits))
+            .collect();
+        Decision { admitted, usages }
+    }
+}
+
 /// Whether a request is admitted given which of its items are over: any enforced limit over, or
 /// every quota limit over, denies. The Lua scripts implement the same rule.
 pub fn admits(items: &[Item], over: impl Fn(usize) -> bool) -> bool {

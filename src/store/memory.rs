@@ -105,12 +105,7 @@ impl MemoryStore {
     /// Decides `check` with the clock at `now_ms` (ms since the Unix epoch).
     pub fn apply_at(&self, check: &Check, now_ms: u64) -> Result<Decision, StoreError> {
         let (admitted, verdicts) = self.decide_at(check, now_ms)?;
-        let usages = verdicts
-            .iter()
-            .zip(&check.items)
-            .map(|(v, item)| v.usage(admitted, item.limit.algorithm, item.hits))
-            .collect();
-        Ok(Decision { admitted, usages })
+        Ok(Decision::of(check, admitted, &verdicts))
     }
 
     /// Decides `check` with the clock at `now_ms`: admitted, and what each counter found, as the

@@ -160,12 +160,7 @@ impl RedisStore {
             Err(e) => self.breaker.failure(e),
         }
         let (admitted, verdicts) = answer?;
-        let usages = verdicts
-            .iter()
-            .zip(&check.items)
-            .map(|(v, item)| v.usage(admitted, item.limit.algorithm, item.hits))
-            .collect();
-        Ok(Decision { admitted, usages })
+        Ok(Decision::of(check, admitted, &verdicts))
     }
 }
 
