@@ -270,6 +270,11 @@ async fn killed(policy: Policy) {
     redis.kill();
     let killed_at = Instant::now();
     tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        healthcheck(&sluice),
+        (200, "OK".to_owned()),
+        "envoyproxy/ratelimit's health stays OK through an outage once Redis was reached"
+    );
     let restarted_at = Instant::now();
     redis.start();
     let back_at = Instant::now();
@@ -322,6 +327,12 @@ async fn serving(sluice: &Sluice) -> bool {
     true
 }
 
+/// envoyproxy/ratelimit's health endpoint: its status and body.
+fn healthcheck(sluice: &Sluice) -> (u16, String) {
+    let (status, _, body) = http(sluice.http, "GET", "/healthcheck", "");
+    (status, body)
+}
+
 fn ready(sluice: &Sluice) -> bool {
     http(sluice.http, "GET", "/readyz", "").0 == 200
 }
@@ -334,6 +345,11 @@ async fn redis_starts_late(policy: Policy) {
     let sluice = Sluice::spawn(&files, &flags(&redis, policy), None, Wait::Live).await;
     assert_eq!(http(sluice.http, "GET", "/healthz", "").0, 200);
     assert_eq!(http(sluice.http, "GET", "/readyz", "").0, 503);
+    assert_eq!(
+        healthcheck(&sluice),
+        (500, String::new()),
+        "envoyproxy/ratelimit's health fails until Redis is first reached"
+    );
     for service in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
         assert_eq!(
             health(&sluice, service).await,
@@ -362,6 +378,7 @@ async fn redis_starts_late(policy: Policy) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    assert_eq!(healthcheck(&sluice), (200, "OK".to_owned()));
     let mut after = Vec::new();
     for _ in 0..20 {
         after.push(ask_once(&mut client, policy).await);

@@ -20,6 +20,16 @@ async fn healthz_and_readyz_answer_200() {
     assert_eq!(http(sluice.http, "GET", "/readyz", "").0, 200);
 }
 
+/// envoyproxy/ratelimit's probe path, which Envoy Gateway probes: 200 `OK` to any method.
+#[tokio::test]
+async fn healthcheck_answers_ok_as_envoy_ratelimit_does() {
+    let sluice = Sluice::start(RULES).await;
+    for method in ["GET", "POST"] {
+        let (status, _, body) = http(sluice.http, method, "/healthcheck", "");
+        assert_eq!((status, body.as_str()), (200, "OK"), "{method}");
+    }
+}
+
 #[tokio::test]
 async fn json_answers_200_until_the_limit_then_429() {
     let sluice = Sluice::start(RULES).await;

@@ -1,6 +1,6 @@
-//! The admin HTTP surface: liveness, readiness, Prometheus `/metrics`, the rules in force
-//! (`/config` as JSON, `/rlconfig` as envoyproxy/ratelimit's text) and `/json`, which answers a
-//! RateLimitRequest posted as protobuf JSON with 200 (OK), 429 (over limit), 400 (invalid
+//! The admin HTTP surface: liveness, readiness, `/healthcheck` (envoyproxy/ratelimit's probe
+//! path), Prometheus `/metrics`, the rules in force (`/config` as JSON, `/rlconfig` as
+//! envoyproxy/ratelimit's text) and `/json`, which answers a RateLimitRequest posted as protobuf JSON with 200 (OK), 429 (over limit), 400 (invalid
 //! request), 413 (body over `--max-request-bytes`) or 503 (the store could not decide, under
 //! `--on-store-error error`). `/json` moves counters, so it can be served apart or not at all.
 //! Beside the request's fields, `/json` takes `"at"`: an RFC 3339 instant the request counts at
@@ -13,7 +13,7 @@ use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor};
 
 use super::gauges::Gauges;
@@ -66,6 +66,19 @@ pub fn admin(readiness: Readiness, rules: Rules, gauges: Gauges) -> Router {
         .route(
             "/rlconfig",
             get(move || async move { rules.current.load().dump_text() }),
+        )
+        .route(
+            "/healthcheck",
+            any({
+                let readiness = readiness.clone();
+                move || async move {
+                    if readiness.healthy() {
+                        (StatusCode::OK, "OK")
+                    } else {
+                        (StatusCode::INTERNAL_SERVER_ERROR, "")
+                    }
+                }
+            }),
         )
         .route(
             "/readyz",

@@ -15,6 +15,7 @@ pub mod tls;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -138,6 +139,8 @@ pub struct Readiness {
     rules: Rules,
     backend: Backend,
     shutdown: Shutdown,
+    /// The store has been reachable at least once since the start.
+    reached: Arc<AtomicBool>,
 }
 
 impl Readiness {
@@ -150,8 +153,20 @@ impl Readiness {
         } else if !self.backend.reachable() {
             Some("the counter store is unreachable")
         } else {
+            self.reached.store(true, Ordering::Relaxed);
             None
         }
+    }
+
+    /// Whether envoyproxy/ratelimit's `/healthcheck` would call sluice healthy: rules loaded,
+    /// not shutting down, and the store reached once since the start. A later store outage does
+    /// not fail it (that project's default, and what a liveness probe on it needs: a restart
+    /// cures no Redis outage); `/readyz` reports one.
+    pub fn healthy(&self) -> bool {
+        self.problem().is_none()
+            || (!self.shutdown.fired()
+                && self.rules.loaded()
+                && self.reached.load(Ordering::Relaxed))
     }
 
     /// Keeps gRPC health in step with readiness, for the empty service name and the rate limit
@@ -234,6 +249,7 @@ pub async fn run(
         rules: setup.rules.clone(),
         backend: setup.backend.clone(),
         shutdown: shutdown.clone(),
+        reached: Arc::default(),
     };
     let rls = setup.rls()?;
     let mut connections = Vec::with_capacity(loops);
