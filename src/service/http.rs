@@ -1,8 +1,8 @@
 //! The admin HTTP surface: liveness, readiness, `/healthcheck` (envoyproxy/ratelimit's probe
 //! path), Prometheus `/metrics`, the rules in force (`/config` as JSON, `/rlconfig` as
-//! envoyproxy/ratelimit's text) and `/json`, which answers a RateLimitRequest posted as protobuf JSON with 200 (OK), 429 (over limit), 400 (invalid
-//! request), 413 (body over `--max-request-bytes`) or 503 (the store could not decide, under
-//! `--on-store-error error`). `/json` moves counters, so it can be served apart or not at all.
+//! envoyproxy/ratelimit's text) and `/json`, which answers a RateLimitRequest posted as protobuf
+//! JSON with 200 (OK), 429 (over limit), 400 (invalid request), 413 (body over
+//! `--max-request-bytes`) or 503 (the store could not decide, under `--on-store-error error`). `/json` moves counters, so it can be served apart or not at all.
 //! Beside the request's fields, `/json` takes `"at"`: an RFC 3339 instant the request counts at
 //! (a message scheduled for then), which `fixed_window` and `sliding_log` limits honour.
 
