@@ -168,3 +168,28 @@ descriptors:
         ]
     );
 }
+
+/// The two messages whose wording names more than the offending entry, worded exactly as
+/// envoyproxy/ratelimit's: a composite key from the domain down, a list element as Go prints it.
+#[test]
+fn composite_keys_and_non_map_elements_are_named_as_envoy_ratelimit_names_them() {
+    let (status, out) = check(&[
+        (
+            "duplicate.yaml",
+            "domain: test-domain\ndescriptors:\n  - key: key1\n    value: value1\n  - key: key1\n    value: value1\n",
+        ),
+        (
+            "list.yaml",
+            "domain: list\ndescriptors:\n  - a\n  - [b, c]\n",
+        ),
+    ]);
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        [
+            "duplicate.yaml:5: duplicate descriptor composite key 'test-domain.key1_value1'",
+            "list.yaml:3: config error, yaml file contains list of type other than map: a",
+            "list.yaml:4: config error, yaml file contains list of type other than map: [b c]",
+        ]
+    );
+}

@@ -112,7 +112,8 @@ impl Parser<'_> {
         if domain.is_empty() {
             self.error(line, "config file cannot have empty domain");
         }
-        let descriptors = self.descriptors(map, "");
+        // Composite keys are named from the domain down, as envoyproxy/ratelimit names them.
+        let descriptors = self.descriptors(map, &format!("{domain}."));
         Some(DomainConfig {
             file: self.file.to_path_buf(),
             line,
@@ -224,7 +225,10 @@ impl Parser<'_> {
                 Some(m) => out.push(m),
                 None => self.error(
                     line_of(entry),
-                    "config error, yaml file contains list of type other than map",
+                    format!(
+                        "config error, yaml file contains list of type other than map: {}",
+                        go_value(entry)
+                    ),
                 ),
             }
         }
@@ -501,6 +505,25 @@ impl Parser<'_> {
     }
 }
 
+/// A YAML value as envoyproxy/ratelimit's messages print it (Go's `%v`): a scalar as itself, a
+/// list as `[a b]`, a mapping as `map[k:v]`.
+fn go_value(node: &Node) -> String {
+    if let Some(scalar) = node.as_scalar() {
+        scalar.as_str().to_owned()
+    } else if let Some(list) = node.as_sequence() {
+        let items: Vec<String> = list.iter().map(go_value).collect();
+        format!("[{}]", items.join(" "))
+    } else if let Some(map) = node.as_mapping() {
+        let items: Vec<String> = map
+            .iter()
+            .map(|(k, v)| format!("{}:{}", k.as_str(), go_value(v)))
+            .collect();
+        format!("map[{}]", items.join(" "))
+    } else {
+        String::new()
+    }
+}
+
 fn composite(key: &str, value: Option<&str>) -> String {
     match value {
         Some(v) => format!("{key}_{v}"),
@@ -608,7 +631,7 @@ mod tests {
         );
         assert_eq!(
             errors("domain: d\ndescriptors:\n  - key: k\n    value: v\n  - key: k\n    value: v\n"),
-            ["r.yaml:5: duplicate descriptor composite key 'k_v'"]
+            ["r.yaml:5: duplicate descriptor composite key 'd.k_v'"]
         );
         assert_eq!(
             errors(
@@ -644,7 +667,9 @@ mod tests {
         );
         assert_eq!(
             errors("domain: d\ndescriptors:\n  - key: k\n  - just a string\n"),
-            ["r.yaml:4: config error, yaml file contains list of type other than map"]
+            [
+                "r.yaml:4: config error, yaml file contains list of type other than map: just a string"
+            ]
         );
         assert_eq!(
             errors("domain: d\ndescriptors:\n  - key: k\n    share_threshold: true\n"),
@@ -667,7 +692,7 @@ mod tests {
         let e = errors(
             "domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: b\n      - key: b\n",
         );
-        assert_eq!(e, ["r.yaml:6: duplicate descriptor composite key 'a.b'"]);
+        assert_eq!(e, ["r.yaml:6: duplicate descriptor composite key 'd.a.b'"]);
     }
 
     #[test]
