@@ -4,30 +4,38 @@
 -- `decide` mirrors the embedded store (src/store/memory.rs) and `admits` (src/limiter/mod.rs).
 --
 -- KEYS     the counters of every request, request by request.
--- ARGV[1]  '1': quota limits deny when all of a request's quota limits are over; '0': they never
---          deny here (a Cluster group, where the caller applies the rule across groups).
--- then, per request: n, the number of its counters, and the instant it names (ms since the Unix
---          epoch; '0' for none), followed for each counter by: kind ('f' fixed window, 's'
---          sliding window, 'l' sliding log, 'b' bucket), limit, window in ms, burst, hits,
---          refund ('1' gives hits back), mode ('e' enforce, 's' shadow, 'q' quota).
+-- ARGV     per request: n, the number of its counters; the instant it names (ms since the Unix
+--          epoch; '0' for none); '1' if its quota limits deny when all of them are over, '0' if
+--          they never deny here (a Cluster group, where the caller applies the rule across
+--          groups, or a request where a descriptor passes as a quota); followed for each counter
+--          by: kind ('f' fixed window, 's' sliding window, 'l' sliding log, 'b' bucket), limit,
+--          window in ms, burst, hits, refund ('1' gives hits back), mode ('e' enforce, 's'
+--          shadow, 'q' quota, 'p' shadow and quota: a quota limit never over), counting ('1'
+--          always: charged whatever the answer, over only when the count is above the limit).
 -- Reply    the time of the call (Redis TIME, in ms), then per request: admitted (1|0), then per
 --          counter: over (1|0), remaining if admitted, remaining if not, ms until reset if
---          admitted, ms until reset if not. lua/undo.lua takes back what an admitted request
---          wrote, given this time.
+--          admitted, ms until reset if not, and what its write charges (hits, log entries or
+--          bucket units; 0 for none). lua/undo.lua takes back what a request wrote, given this
+--          time.
 -- Invariant: the clock is Redis TIME, and a request's instant is never earlier; every counter of
---          a request moves or none does; requests are decided in order, each seeing what the
+--          a request moves or none does, except that a counter counted always moves either way;
+--          requests are decided in order, each seeing what the
 --          ones before it wrote; a counter named twice is counted twice; every written key gets
 --          an expiry, set as an instant on the TIME clock (PEXPIREAT: Redis' own clock for
 --          relative TTLs is the call's start, which may trail TIME by a millisecond and would
 --          end a key early); numbers are written with %d, never in a form that loses digits.
 
 -- Locals: every global lookup in a Redis script goes through the protected globals table.
-local call, floor, max, tonumber, format, unpack = redis.call, math.floor, math.max, tonumber,
-  string.format, unpack
+local call, floor, max, min, tonumber, format, unpack = redis.call, math.floor, math.max,
+  math.min, tonumber, string.format, unpack
+
+-- The most a window counts and a bucket holds (limiter::algorithm::MOST_COUNT, gcra::MOST_LEVEL):
+-- past them a charge is clamped, so that every number stays exact in a double.
+local MOST_COUNT = 2 ^ 52
+local MOST_LEVEL = 2 ^ 52
 
 local clock = call('TIME')
 local now = tonumber(clock[1]) * 1000 + floor(tonumber(clock[2]) / 1000)
-local quota_here = ARGV[1] == '1'
 -- What this call knows of each counter in Redis, by key (false: nothing stored).
 local disk = {}
 local reply = { now }
@@ -131,7 +139,7 @@ local function sliding_store(key, state, ttl)
   disk[key] = state
 end
 
-local function window_step(sliding, key, latest, limit, window, at, hits, refund)
+local function window_step(sliding, key, latest, limit, window, at, hits, refund, always)
   local index = floor(at / window)
   local stored = latest[key]
   if stored == nil then
@@ -145,6 +153,7 @@ local function window_step(sliding, key, latest, limit, window, at, hits, refund
   local elapsed = at - index * window
   local to_end = (index + 1) * window - now
   local need = max(hits, 1)
+  if always then need = hits end
   local previous, current = 0, 0
   if stored then
     if stored.w == index then
@@ -157,7 +166,7 @@ local function window_step(sliding, key, latest, limit, window, at, hits, refund
   if sliding then weighted = weigh(previous, window - elapsed, window) end
   local used = weighted + current
   local over = (not refund) and used + need > limit
-  local after = current + hits
+  local after = min(current + hits, MOST_COUNT)
   if refund then after = max(current - hits, 0) end
   local reset = to_end
   if sliding and over then reset = sliding_retry(limit, window, elapsed, previous, current, need) end
@@ -168,8 +177,9 @@ local function window_step(sliding, key, latest, limit, window, at, hits, refund
   latest[key] = state
   local step = {
     over = over, after = max(limit - (weighted + after), 0), before = max(limit - used, 0),
-    reset_after = reset, reset_before = reset,
+    reset_after = reset, reset_before = reset, charged = 0,
   }
+  if not refund then step.charged = after - current end
   if hits > 0 then
     if sliding then
       step.write = function() sliding_store(key, state, ttl) end
@@ -280,9 +290,10 @@ local function log_store(key, before, after, add, at, hits, window)
   disk[key] = after
 end
 
-local function log_step(key, latest, limit, window, at, hits, refund)
+local function log_step(key, latest, limit, window, at, hits, refund, always)
   local entries = latest[key] or log_load(key, window)
   local need = max(hits, 1)
+  if always then need = hits end
   local fullest = peak(entries, at, window)
   local never = need > limit
   local over = (not refund) and (never or fullest + need > limit)
@@ -293,12 +304,22 @@ local function log_step(key, latest, limit, window, at, hits, refund)
   local before = max(limit - fullest, 0)
   local step = {
     over = over, after = before, before = before,
-    reset_after = until_empty(entries), reset_before = until_empty(entries),
+    reset_after = until_empty(entries), reset_before = until_empty(entries), charged = 0,
   }
   if over then
     local fits = window
     if not never then fits = first_fit(entries, at, window, limit - need) - now end
     step.reset_after, step.reset_before = fits, fits
+    -- Counted always, logged anyway, up to one entry past the limit in the fullest window.
+    local logged = 0
+    if always then logged = min(hits, max(limit + 1 - fullest, 0)) end
+    if logged > 0 then
+      local after = log_apply(entries, true, at, logged)
+      latest[key] = after
+      step.after = max(limit - (fullest + logged), 0)
+      step.charged = logged
+      step.write = function() log_store(key, entries, after, true, at, logged, window) end
+    end
     return step
   end
   local add = not refund
@@ -307,6 +328,7 @@ local function log_step(key, latest, limit, window, at, hits, refund)
   latest[key] = after
   if add then
     step.after = max(limit - (fullest + hits), 0)
+    step.charged = hits
     step.reset_after = max(entries[#entries] or at, at) + window - now
   else
     step.after = max(limit - peak(after, at, window), 0)
@@ -320,7 +342,7 @@ end
 -- A hash of t (when the level was measured, ms) and l (the level: a hit weighs `window` units,
 -- `limit` units drain per ms).
 
-local function bucket_step(key, latest, limit, window, burst, hits, refund)
+local function bucket_step(key, latest, limit, window, burst, hits, refund, always)
   local stored = latest[key]
   if stored == nil then stored = disk[key] end
   if stored == nil then
@@ -335,14 +357,15 @@ local function bucket_step(key, latest, limit, window, burst, hits, refund)
     if stored.l > drained then level = stored.l - drained end
   end
   local need = max(hits, 1)
+  if always then need = hits end
   local capacity = burst * window
   local never = limit == 0 or need > burst
   local over = (not refund) and (never or level + need * window > capacity)
   local after = level
-  local changed = limit > 0 and (refund or not over) and hits > 0
+  local changed = limit > 0 and (refund or not over or always) and hits > 0
   if changed then
     if not refund then
-      after = level + hits * window
+      after = min(level + hits * window, MOST_LEVEL)
     elseif hits >= ceil_div(level, window) then
       after = 0
     else
@@ -356,8 +379,9 @@ local function bucket_step(key, latest, limit, window, burst, hits, refund)
   end
   local step = {
     over = over, after = remaining(after), before = remaining(level),
-    reset_after = until_full(after), reset_before = until_full(level),
+    reset_after = until_full(after), reset_before = until_full(level), charged = 0,
   }
+  if not refund then step.charged = after - level end
   if over then
     local fits = window
     if not never then fits = ceil_div(level + need * window - capacity, limit) end
@@ -382,26 +406,29 @@ end
 
 -- Requests ---------------------------------------------------------------------------------------
 
--- Decides the request whose n counters are KEYS[k + 1 ..] and ARGV[a + 1 ..], at instant `at`.
-local function decide(k, a, n, at)
+-- Decides the request whose n counters are KEYS[k + 1 ..] and ARGV[a + 1 ..], at instant `at`;
+-- its quota limits deny when all are over if `quota_here`.
+local function decide(k, a, n, at, quota_here)
   local latest = {}
   local steps = {}
   for i = 1, n do
-    local o = a + (i - 1) * 7
+    local o = a + (i - 1) * 8
     local kind, key = ARGV[o + 1], KEYS[k + i]
     local limit, window = tonumber(ARGV[o + 2]), tonumber(ARGV[o + 3])
     local hits, refund = tonumber(ARGV[o + 5]), ARGV[o + 6] == '1'
+    local always = ARGV[o + 8] == '1'
     local step
     if kind == 'l' then
-      step = log_step(key, latest, limit, window, at, hits, refund)
+      step = log_step(key, latest, limit, window, at, hits, refund, always)
     elseif kind == 'b' then
-      step = bucket_step(key, latest, limit, window, tonumber(ARGV[o + 4]), hits, refund)
+      step = bucket_step(key, latest, limit, window, tonumber(ARGV[o + 4]), hits, refund, always)
     elseif kind == 'f' then
-      step = window_step(false, key, latest, limit, window, at, hits, refund)
+      step = window_step(false, key, latest, limit, window, at, hits, refund, always)
     else
-      step = window_step(true, key, latest, limit, window, now, hits, refund)
+      step = window_step(true, key, latest, limit, window, now, hits, refund, always)
     end
     step.mode = ARGV[o + 7]
+    step.always = always
     steps[i] = step
   end
 
@@ -410,17 +437,14 @@ local function decide(k, a, n, at)
   for i = 1, n do
     local s = steps[i]
     if s.mode == 'e' and s.over then admitted = false end
-    if s.mode == 'q' then
-      quotas = quotas + 1
-      if s.over then quotas_over = quotas_over + 1 end
-    end
+    if s.mode == 'q' or s.mode == 'p' then quotas = quotas + 1 end
+    if s.mode == 'q' and s.over then quotas_over = quotas_over + 1 end
   end
   if quota_here and quotas > 0 and quotas_over == quotas then admitted = false end
 
-  if admitted then
-    for i = 1, n do
-      if steps[i].write then steps[i].write() end
-    end
+  for i = 1, n do
+    local s = steps[i]
+    if s.write and (admitted or s.always) then s.write() end
   end
 
   reply[#reply + 1] = admitted and 1 or 0
@@ -431,13 +455,14 @@ local function decide(k, a, n, at)
     reply[#reply + 1] = s.before
     reply[#reply + 1] = s.reset_after
     reply[#reply + 1] = s.reset_before
+    reply[#reply + 1] = s.charged
   end
 end
 
-local k, a = 0, 1
+local k, a = 0, 0
 while a < #ARGV do
   local n = tonumber(ARGV[a + 1])
-  decide(k, a + 2, n, max(tonumber(ARGV[a + 2]), now))
-  k, a = k + n, a + 2 + 7 * n
+  decide(k, a + 3, n, max(tonumber(ARGV[a + 2]), now), ARGV[a + 3] == '1')
+  k, a = k + n, a + 3 + 8 * n
 end
 return reply

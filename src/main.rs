@@ -11,7 +11,7 @@ use clap::{Args, Parser, Subcommand};
 
 use sluice::certs::PemFile;
 use sluice::config;
-use sluice::limiter::OverLimitCache;
+use sluice::limiter::{Counting, OverLimitCache};
 use sluice::service::rls::{Answering, Bounds, Fallback, OnStoreError};
 use sluice::service::tls::{ServerTls, TlsFlags};
 use sluice::service::{self, Addrs, Edges, JsonAt, Rules, Setup, Shutdown, reload};
@@ -77,6 +77,15 @@ struct ServeArgs {
     /// Count and report, but never deny: every answer is OK.
     #[arg(long, env = "SLUICE_SHADOW_MODE")]
     shadow_mode: bool,
+    /// Treat every limit as a quota limit (envoyproxy/ratelimit's global quota mode): a request
+    /// is denied only when every descriptor it has is over its limit.
+    #[arg(long, env = "SLUICE_QUOTA_MODE")]
+    quota_mode: bool,
+    /// When hits are charged, for rules without `counting`: admitted (only when the whole
+    /// request is admitted, and only if they fit) or always (envoyproxy/ratelimit's counting:
+    /// every charge lands, and a request is over when the count is above the limit).
+    #[arg(long, env = "SLUICE_COUNTING", value_enum, default_value_t = Counting::Admitted)]
+    counting: Counting,
     /// The share of a limit past which hits are counted as near it (metrics only).
     #[arg(long, env = "SLUICE_NEAR_LIMIT_RATIO", default_value_t = 0.8)]
     near_limit_ratio: f64,
@@ -372,6 +381,8 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         },
         answering: Answering {
             shadow_mode: args.shadow_mode,
+            quota_mode: args.quota_mode,
+            counting: args.counting,
             near_limit_ratio: args.near_limit_ratio,
         },
         cache: (args.local_cache_size > 0)

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use sluice::limiter::{Algorithm, Check, DescriptorKey, Item, Limit, Mode, Unit};
+use sluice::limiter::{Algorithm, Check, Counting, DescriptorKey, Item, Limit, Mode, Unit};
 use sluice::store::MemoryStore;
 
 /// A whole second, so that windows start at T0.
@@ -36,8 +36,9 @@ fn table(limit: Limit, rows: &[Row]) {
                 mode: Mode::Enforce,
                 hits,
                 refund: false,
+                counting: Counting::Admitted,
             }],
-            at: None,
+            ..Check::default()
         };
         let decision = store.apply_at(&check, T0 + at).unwrap();
         let usage = decision.usages[0];

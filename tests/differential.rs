@@ -1,8 +1,9 @@
 //! The two stores agree: random requests (every algorithm, limits, hits, check-only requests,
-//! refunds, modes, a counter named twice, scheduled instants) go through `lua/check.lua` on a real
-//! Redis and through the embedded store at the instant the script read from Redis `TIME`; the
-//! answers (admitted, then five numbers per counter) and the stored state after every request
-//! (contents and expiry instants) must be identical.
+//! refunds, modes, both countings, a descriptor passing as a quota, a counter named twice,
+//! scheduled instants) go through `lua/check.lua` on a real Redis and through the embedded store
+//! at the instant the script read from Redis `TIME`; the answers (admitted, then six numbers per
+//! counter) and the stored state after every request (contents and expiry instants) must be
+//! identical.
 
 mod common;
 
@@ -12,7 +13,9 @@ use std::time::Duration;
 use fred::prelude::*;
 use fred::types::CustomCommand;
 use sluice::limiter::algorithm::{Verdict, gcra, window};
-use sluice::limiter::{Algorithm, Check, CounterKey, DescriptorKey, Item, Limit, Mode, Unit};
+use sluice::limiter::{
+    Algorithm, Check, CounterKey, Counting, DescriptorKey, Item, Limit, Mode, Unit,
+};
 use sluice::store::{MemoryStore, Stored};
 
 const CHECK: &str = include_str!("../lua/check.lua");
@@ -102,8 +105,9 @@ fn counters(rng: &mut Rng, seed: u64) -> Vec<Counter> {
 
 /// The check script's arguments for one request, per its header.
 fn args(check: &Check, counters: &[&Counter]) -> Vec<Value> {
-    let mut args: Vec<Value> = vec!["1".into(), (counters.len() as i64).into()];
+    let mut args: Vec<Value> = vec![(counters.len() as i64).into()];
     args.push((check.at.unwrap_or(0) as i64).into());
+    args.push(Value::from(if check.quota_passes { "0" } else { "1" }));
     for item in &check.items {
         let kind = match item.limit.algorithm {
             Algorithm::FixedWindow => "f",
@@ -115,6 +119,7 @@ fn args(check: &Check, counters: &[&Counter]) -> Vec<Value> {
             Mode::Enforce => "e",
             Mode::Shadow => "s",
             Mode::Quota => "q",
+            Mode::ShadowQuota => "p",
         };
         args.extend([
             Value::from(kind),
@@ -124,6 +129,10 @@ fn args(check: &Check, counters: &[&Counter]) -> Vec<Value> {
             (item.hits as i64).into(),
             Value::from(if item.refund { "1" } else { "0" }),
             Value::from(mode),
+            Value::from(match item.counting {
+                Counting::Admitted => "0",
+                Counting::Always => "1",
+            }),
         ]);
     }
     args
@@ -276,16 +285,26 @@ async fn run(client: &Client, seed: u64, steps: usize) {
             .map(|&i| Item {
                 key: counters[i].key.clone(),
                 limit: counters[i].limit.clone(),
-                mode: match rng.below(10) {
+                mode: match rng.below(12) {
                     0 => Mode::Shadow,
                     1 | 2 => Mode::Quota,
+                    3 => Mode::ShadowQuota,
                     _ => Mode::Enforce,
                 },
-                hits: rng.below(4),
+                hits: if rng.chance(5) { 1 << 32 } else { rng.below(4) },
                 refund,
+                counting: if rng.chance(35) {
+                    Counting::Always
+                } else {
+                    Counting::Admitted
+                },
             })
             .collect();
-        let check = Check { items, at };
+        let check = Check {
+            items,
+            at,
+            quota_passes: rng.chance(10),
+        };
         let chosen: Vec<&Counter> = picked.iter().map(|&i| &counters[i]).collect();
         let keys = chosen.iter().map(|c| c.redis.clone()).collect();
         let reply = numbers(eval(client, CHECK, keys, args(&check, &chosen)).await);
@@ -299,6 +318,7 @@ async fn run(client: &Client, seed: u64, steps: usize) {
                 remaining_before,
                 reset_after_ms,
                 reset_before_ms,
+                charged,
             } = *v;
             expected.extend([
                 i64::from(over),
@@ -306,6 +326,7 @@ async fn run(client: &Client, seed: u64, steps: usize) {
                 remaining_before as i64,
                 reset_after_ms as i64,
                 reset_before_ms as i64,
+                charged as i64,
             ]);
         }
         let what = format!("seed {seed} step {step}: {check:?}");

@@ -183,12 +183,13 @@ fn counter(redis: &Controlled) -> usize {
 }
 
 async fn sluice_on(redis: &Controlled, policy: Policy) -> Sluice {
-    Sluice::on(
-        Store::Memory,
-        &[("rules.yaml", RULES)],
-        &flags(redis, policy),
-    )
-    .await
+    sluice_with(redis, policy, &[]).await
+}
+
+async fn sluice_with(redis: &Controlled, policy: Policy, extra: &[&str]) -> Sluice {
+    let mut flags = flags(redis, policy);
+    flags.extend(extra);
+    Sluice::on(Store::Memory, &[("rules.yaml", RULES)], &flags).await
 }
 
 fn flags(redis: &Controlled, policy: Policy) -> Vec<&str> {
@@ -213,8 +214,18 @@ async fn clear_of_the_hour() {
 /// decides again within `RECOVERY`; once the script calls it ran for callers already answered are
 /// refunded, the counter equals the decided OK answers.
 async fn paused(policy: Policy) {
+    paused_with(policy, &[]).await
+}
+
+/// The same, every hit counted `always` (charged whatever the answer): a charge nobody was
+/// answered for is taken back all the same.
+async fn paused_counting_always(policy: Policy) {
+    paused_with(policy, &["--counting", "always"]).await
+}
+
+async fn paused_with(policy: Policy, extra: &[&str]) {
     let redis = Controlled::started();
-    let sluice = sluice_on(&redis, policy).await;
+    let sluice = sluice_with(&redis, policy, extra).await;
     clear_of_the_hour().await;
     let start = Instant::now();
     let callers = load(&sluice, policy, start + Duration::from_secs(6)).await;
@@ -407,6 +418,8 @@ cases! {
         => paused(Allow),
     a_paused_redis_gets_the_deny_answer_then_decides_again_without_phantom_charges
         => paused(Deny),
+    a_paused_redis_leaves_no_phantom_charge_counted_always
+        => paused_counting_always(Error),
     a_killed_redis_gets_the_error_answer_until_restarted_then_counts_only_decided_requests
         => killed(Error),
     a_killed_redis_gets_the_allow_answer_until_restarted_then_counts_only_decided_requests

@@ -8,7 +8,7 @@ use marked_yaml::{LoadError, LoaderOptions, Node};
 
 use super::{ConfigError, DescriptorConfig, DomainConfig, RuleLimit};
 use crate::limiter::algorithm::{gcra, log};
-use crate::limiter::{Algorithm, LONGEST_WINDOW_SECONDS, Limit, Mode, Unit};
+use crate::limiter::{Algorithm, Counting, LONGEST_WINDOW_SECONDS, Limit, Mode, Unit};
 
 const ROOT_KEYS: &[&str] = &["domain", "descriptors"];
 const DESCRIPTOR_KEYS: &[&str] = &[
@@ -23,6 +23,7 @@ const DESCRIPTOR_KEYS: &[&str] = &[
     "value_to_metric",
     "share_threshold",
     "metadata",
+    "counting",
 ];
 const LIMIT_KEYS: &[&str] = &[
     "unit",
@@ -278,16 +279,20 @@ impl Parser<'_> {
                 ),
             );
         }
-        let shadow = self.flag(map, "shadow_mode");
-        let quota = self.flag(map, "quota_mode");
-        if shadow && quota {
-            self.error(line, "shadow_mode and quota_mode cannot both be set");
-        }
-        let mode = match (shadow, quota) {
-            (true, _) => Mode::Shadow,
+        let mode = match (self.flag(map, "shadow_mode"), self.flag(map, "quota_mode")) {
+            (true, true) => Mode::ShadowQuota,
+            (true, false) => Mode::Shadow,
             (false, true) => Mode::Quota,
             (false, false) => Mode::Enforce,
         };
+        let counting = self.string(map, "counting").and_then(|name| {
+            let counting = Counting::parse(&name);
+            if counting.is_none() {
+                let at = map.get_node("counting").map_or(line, line_of);
+                self.error(at, format!("invalid counting '{name}': admitted or always"));
+            }
+            counting
+        });
         let limits = self.limits(map);
         let metadata = map.get_node("metadata").map(yaml_to_json);
         let path = format!("{parent}{}.", composite(&key, value.as_deref()));
@@ -298,6 +303,7 @@ impl Parser<'_> {
             value,
             limits,
             mode,
+            counting,
             share_threshold,
             detailed_metric: self.flag(map, "detailed_metric"),
             value_to_metric: self.flag(map, "value_to_metric"),

@@ -12,7 +12,7 @@ use sha2::{Digest, Sha256};
 
 pub use file::parse;
 
-use crate::limiter::{Limit, Mode};
+use crate::limiter::{Counting, Limit, Mode};
 
 /// One domain, as one rule file declares it.
 #[derive(Clone, Debug, PartialEq)]
@@ -33,6 +33,8 @@ pub struct DescriptorConfig {
     pub value: Option<String>,
     pub limits: Vec<RuleLimit>,
     pub mode: Mode,
+    /// When hits are charged (`counting`), if the rule says; else the service's default.
+    pub counting: Option<Counting>,
     pub share_threshold: bool,
     pub detailed_metric: bool,
     pub value_to_metric: bool,

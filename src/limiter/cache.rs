@@ -6,7 +6,7 @@
 
 use tokio::time::Instant;
 
-use super::{Algorithm, Check, CounterIds, Decision, IdHasher, Item, Mode, Usage, admits};
+use super::{Algorithm, Check, CounterIds, Counting, Decision, IdHasher, Item, Usage, admits};
 
 pub struct OverLimitCache {
     /// Counter (keyed hash of its key and limit) → until when it is full.
@@ -41,13 +41,19 @@ impl OverLimitCache {
     }
 
     /// The denial of `check` when counters known to be full deny it on their own, else `None`.
-    /// A check that gives hits back, or names an instant, is never answered here.
+    /// A check that gives hits back, names an instant, or charges a counter whatever the
+    /// answer (`Counting::Always`), is never answered here: its store call must happen.
     pub fn deny(&self, check: &Check, now: Instant) -> Option<Decision> {
-        if check.at.is_some() || check.items.iter().any(|i| i.refund) {
+        if check.at.is_some()
+            || check
+                .items
+                .iter()
+                .any(|i| i.refund || i.counting == Counting::Always)
+        {
             return None;
         }
         let known_full = |item: &Item| {
-            let cached = (item.mode != Mode::Shadow).then(|| self.full.get(&self.id(item)));
+            let cached = (!item.mode.is_shadow()).then(|| self.full.get(&self.id(item)));
             cached.flatten().filter(|at| *at > now)
         };
         // Per item, until when it is known to be full; built only once one is.
@@ -61,7 +67,7 @@ impl OverLimitCache {
         for (i, item) in check.items.iter().enumerate().skip(first + 1) {
             until[i] = known_full(item);
         }
-        if admits(&check.items, |i| until[i].is_some()) {
+        if admits(check, |i| until[i].is_some()) {
             return None;
         }
         let usages = until
@@ -86,7 +92,8 @@ impl OverLimitCache {
     /// Learns from the store's `decision` on `check`, asked at `asked`: a counter it found full
     /// is full until `asked` plus its reset (no later than the store's own instant), and a
     /// counter given hits back is no longer known to be full. A check naming an instant
-    /// teaches nothing: its counters are those of that instant.
+    /// teaches nothing: its counters are those of that instant. A counter counted `Always` is
+    /// full only above its limit, which its usage does not tell: it is never learned.
     pub fn learn(&self, check: &Check, decision: &Decision, asked: Instant) {
         if check.at.is_some() {
             return;
@@ -94,7 +101,11 @@ impl OverLimitCache {
         for (item, usage) in check.items.iter().zip(&decision.usages) {
             if item.refund {
                 self.full.remove(&self.id(item));
-            } else if usage.full && item.mode != Mode::Shadow && !usage.reset.is_zero() {
+            } else if usage.full
+                && !item.mode.is_shadow()
+                && item.counting == Counting::Admitted
+                && !usage.reset.is_zero()
+            {
                 self.full.insert(self.id(item), asked + usage.reset);
             }
         }

@@ -113,6 +113,56 @@ pub enum Mode {
     /// Denies only when every quota limit of the request is over (envoyproxy/ratelimit's
     /// `quota_mode`).
     Quota,
+    /// Both `shadow_mode` and `quota_mode`, as envoyproxy/ratelimit takes them: reported as in
+    /// shadow mode, and counted among the request's quota limits as one that is never over, so
+    /// that the quota limits of a request holding it never deny.
+    ShadowQuota,
+}
+
+impl Mode {
+    /// Never denies, and is reported as never over.
+    pub fn is_shadow(self) -> bool {
+        matches!(self, Mode::Shadow | Mode::ShadowQuota)
+    }
+
+    /// The mode under global quota mode (`--quota-mode`), where every limit is a quota limit.
+    pub fn as_quota(self) -> Mode {
+        match self {
+            Mode::Enforce | Mode::Quota => Mode::Quota,
+            Mode::Shadow | Mode::ShadowQuota => Mode::ShadowQuota,
+        }
+    }
+}
+
+/// When a request's hits are charged to a limit's counter.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, clap::ValueEnum)]
+pub enum Counting {
+    /// Only when the whole request is admitted, and only if they fit: a check-only request is
+    /// over when not one more hit fits (sluice's all-or-nothing admission).
+    #[default]
+    Admitted,
+    /// Always, admitted or not, fitting or not (a charge past the limit is debt that the window
+    /// or the bucket's drain must clear), and a request is over when the count, its hits added,
+    /// is above the limit: a check-only request at the limit is not over (envoyproxy/ratelimit's
+    /// counting, which response-phase costs such as LLM token budgets rely on).
+    Always,
+}
+
+impl Counting {
+    pub fn parse(name: &str) -> Option<Counting> {
+        match name {
+            "admitted" => Some(Counting::Admitted),
+            "always" => Some(Counting::Always),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Counting::Admitted => "admitted",
+            Counting::Always => "always",
+        }
+    }
 }
 
 /// One counter a request touches.
@@ -125,6 +175,7 @@ pub struct Item {
     pub hits: u64,
     /// Give `hits` back instead of consuming them.
     pub refund: bool,
+    pub counting: Counting,
 }
 
 /// Every counter of one request, decided together.
@@ -135,6 +186,10 @@ pub struct Check {
     /// `fixed_window` and `sliding_log` limits take it, and an instant already past counts as
     /// the store's now.
     pub at: Option<u64>,
+    /// A descriptor outside the check counts as a quota limit that is never over, so the quota
+    /// limits of the check never deny (envoyproxy/ratelimit's global quota mode counts a
+    /// descriptor without a limit so).
+    pub quota_passes: bool,
 }
 
 /// What the store found for one item.
@@ -194,12 +249,12 @@ impl Decision {
     }
 }
 
-/// Whether a request is admitted given which of its items are over: any enforced limit over, or
+/// Whether `check` is admitted given which of its items are over: any enforced limit over, or
 /// every quota limit over, denies. The Lua scripts implement the same rule.
-pub fn admits(items: &[Item], over: impl Fn(usize) -> bool) -> bool {
-    let mut quotas = 0;
+pub fn admits(check: &Check, over: impl Fn(usize) -> bool) -> bool {
+    let mut quotas = usize::from(check.quota_passes);
     let mut quotas_over = 0;
-    for (i, item) in items.iter().enumerate() {
+    for (i, item) in check.items.iter().enumerate() {
         match item.mode {
             Mode::Enforce if over(i) => return false,
             Mode::Quota => {
@@ -208,6 +263,7 @@ pub fn admits(items: &[Item], over: impl Fn(usize) -> bool) -> bool {
                     quotas_over += 1;
                 }
             }
+            Mode::ShadowQuota => quotas += 1,
             Mode::Enforce | Mode::Shadow => {}
         }
     }
@@ -268,27 +324,53 @@ mod tests {
             mode,
             hits: 1,
             refund: false,
+            counting: Counting::Admitted,
+        }
+    }
+
+    fn check(items: Vec<Item>) -> Check {
+        Check {
+            items,
+            ..Check::default()
         }
     }
 
     #[test]
     fn an_enforced_limit_over_denies() {
-        let items = [item(Mode::Enforce), item(Mode::Enforce)];
-        assert!(!admits(&items, |i| i == 1));
-        assert!(admits(&items, |_| false));
+        let both = check(vec![item(Mode::Enforce), item(Mode::Enforce)]);
+        assert!(!admits(&both, |i| i == 1));
+        assert!(admits(&both, |_| false));
     }
 
     #[test]
     fn a_shadow_limit_over_never_denies() {
-        let items = [item(Mode::Shadow), item(Mode::Enforce)];
-        assert!(admits(&items, |i| i == 0));
+        let both = check(vec![item(Mode::Shadow), item(Mode::Enforce)]);
+        assert!(admits(&both, |i| i == 0));
     }
 
     #[test]
     fn quota_limits_deny_only_when_all_are_over() {
-        let items = [item(Mode::Quota), item(Mode::Quota)];
-        assert!(admits(&items, |i| i == 0));
-        assert!(!admits(&items, |_| true));
+        let both = check(vec![item(Mode::Quota), item(Mode::Quota)]);
+        assert!(admits(&both, |i| i == 0));
+        assert!(!admits(&both, |_| true));
+    }
+
+    #[test]
+    fn a_shadow_quota_limit_keeps_the_quota_limits_from_denying() {
+        let both = check(vec![item(Mode::Quota), item(Mode::ShadowQuota)]);
+        assert!(admits(&both, |_| true));
+        let alone = check(vec![item(Mode::ShadowQuota)]);
+        assert!(admits(&alone, |_| true));
+    }
+
+    #[test]
+    fn a_descriptor_that_passes_as_a_quota_keeps_the_quota_limits_from_denying() {
+        let mut quota = check(vec![item(Mode::Quota)]);
+        assert!(!admits(&quota, |_| true));
+        quota.quota_passes = true;
+        assert!(admits(&quota, |_| true));
+        quota.items[0].mode = Mode::Enforce;
+        assert!(!admits(&quota, |_| true), "an enforced limit still denies");
     }
 
     #[test]

@@ -65,13 +65,14 @@ fn descriptor_json(d: &DescriptorConfig) -> Value {
             d.limits.iter().map(limit_json).collect(),
         );
     }
-    let mode = match d.mode {
-        Mode::Enforce => None,
-        Mode::Shadow => Some("shadow_mode"),
-        Mode::Quota => Some("quota_mode"),
-    };
-    if let Some(mode) = mode {
-        fields.insert(mode.into(), json!(true));
+    if d.mode.is_shadow() {
+        fields.insert("shadow_mode".into(), json!(true));
+    }
+    if matches!(d.mode, Mode::Quota | Mode::ShadowQuota) {
+        fields.insert("quota_mode".into(), json!(true));
+    }
+    if let Some(counting) = d.counting {
+        fields.insert("counting".into(), json!(counting.name()));
     }
     for (flag, on) in [
         ("share_threshold", d.share_threshold),
@@ -132,9 +133,12 @@ fn text_lines(parent: &str, d: &DescriptorConfig, out: &mut String) {
         };
         out.push_str(&format!(
             "{path}: unit={unit} requests_per_unit={requests}, shadow_mode: {}, quota_mode: {}",
-            d.mode == Mode::Shadow,
-            d.mode == Mode::Quota
+            d.mode.is_shadow(),
+            matches!(d.mode, Mode::Quota | Mode::ShadowQuota)
         ));
+        if let Some(counting) = d.counting {
+            out.push_str(&format!(", counting: {}", counting.name()));
+        }
         if !l.name.is_empty() {
             out.push_str(&format!(", name: {}", l.name));
         }

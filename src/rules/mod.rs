@@ -18,7 +18,7 @@ use std::time::SystemTime;
 use memchr::memmem;
 
 use crate::config::{DescriptorConfig, DomainConfig, Loaded, RuleLimit};
-use crate::limiter::{LONGEST_LITERAL, Mode};
+use crate::limiter::{Counting, LONGEST_LITERAL, Mode};
 use crate::telemetry::metrics::{METRICS, RuleStats};
 
 /// Every loaded domain, ready to match.
@@ -69,6 +69,8 @@ struct Branches {
 pub struct Node {
     pub limits: Vec<RuleLimit>,
     pub mode: Mode,
+    /// When the rule's hits are charged, if it says (`counting`).
+    pub counting: Option<Counting>,
     share_threshold: bool,
     /// The rule's path, `key_value.key…`, as envoyproxy/ratelimit names the rule's stats.
     pub path: String,
@@ -292,6 +294,7 @@ impl Level {
             let node = Node {
                 limits: d.limits,
                 mode: d.mode,
+                counting: d.counting,
                 share_threshold: d.share_threshold,
                 stats: METRICS.rule(domain, &path),
                 named_by_request: d.detailed_metric || value_to_metric,

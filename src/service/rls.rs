@@ -21,8 +21,8 @@ use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitRespon
 use crate::config::RuleLimit;
 use crate::limiter::algorithm::{gcra, log};
 use crate::limiter::{
-    Algorithm, Check, Decision, DescriptorKey, Item, Limit, Limiter, Mode, Source, Unit, Usage,
-    admits,
+    Algorithm, Check, Counting, Decision, DescriptorKey, Item, Limit, Limiter, Mode, Source, Unit,
+    Usage, admits,
 };
 use crate::rules::{Match, RuleSet};
 use crate::store::{Deadline, StoreError};
@@ -62,11 +62,18 @@ pub struct Fallback {
     pub on_store_error: OnStoreError,
 }
 
-/// How requests are answered beyond the rules: `--shadow-mode` and `--near-limit-ratio`.
+/// How requests are answered beyond the rules: `--shadow-mode`, `--quota-mode`, `--counting`
+/// and `--near-limit-ratio`.
 #[derive(Clone, Copy, Debug)]
 pub struct Answering {
     /// Count and report, but never deny.
     pub shadow_mode: bool,
+    /// Every limit is a quota limit (envoyproxy/ratelimit's global quota mode): a request is
+    /// denied only when all its limited descriptors are over, and a descriptor without a limit
+    /// counts as one that is not.
+    pub quota_mode: bool,
+    /// When hits are charged, for rules that do not say (`counting`).
+    pub counting: Counting,
     /// The share of a limit past which hits count as near it, in the metrics.
     pub near_limit_ratio: f64,
 }
@@ -153,7 +160,7 @@ impl Rls {
     ) -> Result<RateLimitResponse, Status> {
         self.validate(request)?;
         let rules = self.rules.load();
-        let (plans, mut check) = plan(&rules, request);
+        let (plans, mut check) = plan(&rules, request, &self.answering);
         if let Some(at) = at {
             if let Some(item) = check
                 .items
@@ -229,7 +236,7 @@ impl Rls {
                     source: Source::Store,
                 };
                 let decision = Decision {
-                    admitted: admits(&check.items, |_| true),
+                    admitted: admits(check, |_| true),
                     usages: vec![over; check.items.len()],
                 };
                 Ok(respond(plans, check, &decision, self.answering.shadow_mode))
@@ -352,7 +359,11 @@ fn hits(request: &RateLimitRequest, descriptor: &RateLimitDescriptor) -> u64 {
 }
 
 /// Resolves every descriptor into its limits and gathers them into one check.
-fn plan<'a>(rules: &'a RuleSet, request: &'a RateLimitRequest) -> (Vec<Plan<'a>>, Check) {
+fn plan<'a>(
+    rules: &'a RuleSet,
+    request: &'a RateLimitRequest,
+    answering: &Answering,
+) -> (Vec<Plan<'a>>, Check) {
     let domain = request.domain.as_slice();
     let mut check = Check::default();
     if !rules.has_domain(domain) {
@@ -396,14 +407,23 @@ fn plan<'a>(rules: &'a RuleSet, request: &'a RateLimitRequest) -> (Vec<Plan<'a>>
         };
         let start = check.items.len();
         let mut descriptor_key = None;
+        let counting = m
+            .as_ref()
+            .and_then(|m| m.node.counting)
+            .unwrap_or(answering.counting);
         let mut push = |limit: Limit, identity: String, mode: Mode| {
             let key = descriptor_key.get_or_insert_with(|| DescriptorKey::new(domain, &counted));
             check.items.push(Item {
                 key: key.counter(&identity),
                 limit,
-                mode,
+                mode: if answering.quota_mode {
+                    mode.as_quota()
+                } else {
+                    mode
+                },
                 hits,
                 refund,
+                counting,
             });
         };
         if let Some(o) = &descriptor.limit {
@@ -459,6 +479,9 @@ fn plan<'a>(rules: &'a RuleSet, request: &'a RateLimitRequest) -> (Vec<Plan<'a>>
                 stats: m.as_ref().map(|m| stats_of(rules, domain, entries, m)),
             }
         } else {
+            // Under global quota mode, envoyproxy/ratelimit counts a descriptor without a limit
+            // as a quota descriptor within its limit.
+            check.quota_passes |= answering.quota_mode;
             Plan::Free
         });
     }
@@ -503,9 +526,9 @@ fn count(plans: &[Plan], check: &Check, decision: &Decision, answering: &Answeri
         };
         let usage = &decision.usages[shown];
         let item = &check.items[shown];
-        let outcome = match (usage.over, item.mode) {
-            (true, Mode::Shadow) => Outcome::Shadow,
-            (true, _) => Outcome::Over {
+        let outcome = match (usage.over, item.mode.is_shadow()) {
+            (true, true) => Outcome::Shadow,
+            (true, false) => Outcome::Over {
                 from_cache: usage.source == Source::LocalCache,
             },
             (false, _) => {
@@ -527,7 +550,7 @@ fn count(plans: &[Plan], check: &Check, decision: &Decision, answering: &Answeri
 /// account).
 fn shown(items: &std::ops::Range<usize>, check: &Check, decision: &Decision) -> Option<usize> {
     let usages = &decision.usages;
-    let denying = |i: &usize| usages[*i].over && check.items[*i].mode != Mode::Shadow;
+    let denying = |i: &usize| usages[*i].over && !check.items[*i].mode.is_shadow();
     items
         .clone()
         .filter(denying)
@@ -559,7 +582,7 @@ fn respond(
                 None => plan.unknown_status(),
                 Some(shown) => {
                     let usage = &decision.usages[shown];
-                    let over = usage.over && check.items[shown].mode != Mode::Shadow;
+                    let over = usage.over && !check.items[shown].mode.is_shadow();
                     if over && !decision.admitted {
                         retry_after = retry_after.max(usage.reset);
                     }

@@ -15,7 +15,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use super::StoreError;
 use crate::limiter::algorithm::{Ask, Verdict, gcra, log, window};
 use crate::limiter::{
-    Algorithm, Check, CounterIds, CounterKey, Decision, IdHasher, Item, Limit, admits,
+    Algorithm, Check, CounterIds, CounterKey, Counting, Decision, IdHasher, Item, Limit, admits,
 };
 
 const SHARDS: usize = 64;
@@ -138,12 +138,13 @@ impl MemoryStore {
         // Items are evaluated in order, each seeing what the items before it would write, so a
         // request naming one counter twice is counted twice.
         let mut verdicts: Vec<Verdict> = Vec::with_capacity(check.items.len());
-        let mut writes: Vec<Write> = Vec::new();
+        let mut writes: Vec<(Id, Option<Counter>, bool)> = Vec::new();
         for (i, item) in check.items.iter().enumerate() {
-            let stored = match writes.iter().rev().find(|(id, _)| *id == ids[i]) {
-                Some((_, written)) => written.as_ref().map(|c| &c.stored),
+            let stored = match writes.iter().rev().find(|(id, _, _)| *id == ids[i]) {
+                Some((_, written, _)) => written.as_ref().map(|c| &c.stored),
                 None => guards[slot(homes[i])].1.live(ids[i], now_ms),
             };
+            let always = item.counting == Counting::Always;
             let ask = Ask {
                 limit: u64::from(item.limit.requests_per_unit),
                 window_ms: item.limit.window_ms(),
@@ -151,24 +152,29 @@ impl MemoryStore {
                 at_ms,
                 hits: item.hits,
                 refund: item.refund,
+                always,
             };
             let (verdict, write) = evaluate(item, &ask, stored);
             verdicts.push(verdict);
             if let Some(write) = write {
-                writes.push((ids[i], write));
+                writes.push((ids[i], write, always));
             }
         }
-        let admitted = admits(&check.items, |i| verdicts[i].over);
+        let admitted = admits(check, |i| verdicts[i].over);
 
-        if admitted {
-            self.make_room(&writes, &guards, &slot)?;
-            for (id, write) in writes {
-                let shard = &mut guards[slot(Self::shard_of(id))].1;
-                match write {
-                    Some(counter) => shard.counters.insert(id, counter),
-                    None => shard.counters.remove(&id),
-                };
-            }
+        // Counted `always`, a counter's write lands whether the request is admitted or not.
+        let landing: Vec<Write> = writes
+            .into_iter()
+            .filter(|(_, _, always)| admitted || *always)
+            .map(|(id, write, _)| (id, write))
+            .collect();
+        self.make_room(&landing, &guards, &slot)?;
+        for (id, write) in landing {
+            let shard = &mut guards[slot(Self::shard_of(id))].1;
+            match write {
+                Some(counter) => shard.counters.insert(id, counter),
+                None => shard.counters.remove(&id),
+            };
         }
 
         Ok((admitted, verdicts))
@@ -323,11 +329,15 @@ mod tests {
             mode: Mode::Enforce,
             hits,
             refund: false,
+            counting: Counting::Admitted,
         }
     }
 
     fn check(items: Vec<Item>) -> Check {
-        Check { items, at: None }
+        Check {
+            items,
+            ..Check::default()
+        }
     }
 
     // The start of a minute.
@@ -344,6 +354,18 @@ mod tests {
         assert_eq!(denied.usages[0].remaining, 9, "a's hit was not consumed");
         let a = store.apply_at(&check(vec![item("a", 10, 1)]), NOW).unwrap();
         assert_eq!(a.usages[0].remaining, 8);
+    }
+
+    #[test]
+    fn a_denied_check_moves_only_the_counters_counted_always() {
+        let store = MemoryStore::new(100);
+        let mut charged = item("a", 10, 1);
+        charged.counting = Counting::Always;
+        let full = item("b", 0, 1);
+        let denied = store.apply_at(&check(vec![charged, full]), NOW).unwrap();
+        assert!(!denied.admitted);
+        let a = store.apply_at(&check(vec![item("a", 10, 1)]), NOW).unwrap();
+        assert_eq!(a.usages[0].remaining, 8, "a's charge landed");
     }
 
     #[test]

@@ -51,7 +51,8 @@ pub fn envoy_binary() -> PathBuf {
 }
 
 /// A tiny HTTP/1.1 server on loopback answering every request `200 OK`, one request per
-/// connection; it stops when dropped.
+/// connection; it stops when dropped. A request's `x-cost` header comes back as the response's
+/// `x-tokens`, as an LLM backend reports the tokens a call used.
 pub struct Upstream {
     pub addr: SocketAddr,
     served: Arc<AtomicUsize>,
@@ -111,9 +112,17 @@ fn answer(mut stream: TcpStream, served: &AtomicUsize) -> std::io::Result<()> {
         head.extend_from_slice(&buf[..n]);
     }
     served.fetch_add(1, Ordering::SeqCst);
+    let tokens = String::from_utf8_lossy(&head)
+        .lines()
+        .find_map(|line| {
+            let (name, value) = line.split_once(':')?;
+            name.eq_ignore_ascii_case("x-cost")
+                .then(|| format!("x-tokens: {}\r\n", value.trim()))
+        })
+        .unwrap_or_default();
     write!(
         stream,
-        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{UPSTREAM_BODY}",
+        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n{tokens}Connection: close\r\n\r\n{UPSTREAM_BODY}",
         UPSTREAM_BODY.len()
     )?;
     stream.flush()?;
@@ -171,7 +180,9 @@ impl Envoy {
         ratelimit: SocketAddr,
         filter: &Filter,
     ) -> Envoy {
-        Envoy::launch(binary, upstream, ratelimit, filter, None)
+        Envoy::launch(binary, &|listener, admin| {
+            bootstrap(listener, admin, upstream, ratelimit, filter, None)
+        })
     }
 
     /// `start`, with Envoy speaking TLS to the rate limit service as `tls` says.
@@ -182,22 +193,21 @@ impl Envoy {
         filter: &Filter,
         tls: &UpstreamTls,
     ) -> Envoy {
-        Envoy::launch(binary, upstream, ratelimit, filter, Some(tls))
+        Envoy::launch(binary, &|listener, admin| {
+            bootstrap(listener, admin, upstream, ratelimit, filter, Some(tls))
+        })
     }
 
-    fn launch(
-        binary: &Path,
-        upstream: SocketAddr,
-        ratelimit: SocketAddr,
-        filter: &Filter,
-        tls: Option<&UpstreamTls>,
-    ) -> Envoy {
+    /// Starts Envoy with the bootstrap `yaml` makes for its listener and admin addresses, and
+    /// waits until it routes; the bootstrap must route `/probe` to an upstream answering
+    /// `UPSTREAM_BODY`.
+    pub fn launch(binary: &Path, yaml: &dyn Fn(SocketAddr, SocketAddr) -> String) -> Envoy {
         for _ in 0..3 {
             let dir = tempfile::tempdir().expect("a temporary directory");
             let listener: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
             let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
             let config = dir.path().join("envoy.yaml");
-            let yaml = bootstrap(listener, admin, upstream, ratelimit, filter, tls);
+            let yaml = yaml(listener, admin);
             std::fs::write(&config, yaml).unwrap();
             let log = dir.path().join("envoy.log");
             let child = Command::new(binary)

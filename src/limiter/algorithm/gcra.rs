@@ -14,6 +14,8 @@
 //!   told one window.
 //! - Only hits that fit are recorded, in every mode: a shadow or quota limit over its burst
 //!   reports it and stores nothing, so its bucket shows what enforcing it would have done.
+//!   Counted `always`, a charge is recorded whole, past the burst too (up to `MOST_LEVEL`): debt
+//!   that the drain clears before anything fits again.
 //! - A limit of 0 denies everything.
 //!
 //! Stored state: the level and the instant it was measured (Redis: a hash of `t` and `l`),
@@ -25,6 +27,10 @@ use super::{Ask, Verdict};
 /// The most units a bucket may hold (`burst × window_ms`): 2^51, so that a level plus the
 /// hits of one request stays exact below 2^53.
 pub const MOST_UNITS: u64 = 1 << 51;
+
+/// The highest level a bucket records, debt included: a charge past it is clamped, so that a
+/// level stays exact in the script's doubles.
+pub const MOST_LEVEL: u64 = 1 << 52;
 
 /// A bucket as stored: its level in units (a hit is `window_ms` units), measured at `stamp_ms`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,6 +58,7 @@ pub fn evaluate(ask: &Ask, burst: u64, stored: Option<State>) -> (Verdict, Write
         now_ms,
         hits,
         refund,
+        always,
         ..
     } = *ask;
     let level = match stored {
@@ -66,7 +73,7 @@ pub fn evaluate(ask: &Ask, burst: u64, stored: Option<State>) -> (Verdict, Write
     let over = !refund && (never || level + need * window_ms > capacity);
     let mut after = level;
     let mut write = Write::Keep;
-    if limit > 0 && (refund || !over) && hits > 0 {
+    if limit > 0 && (refund || !over || always) && hits > 0 {
         after = if refund {
             if hits >= level.div_ceil(window_ms) {
                 0
@@ -74,7 +81,9 @@ pub fn evaluate(ask: &Ask, burst: u64, stored: Option<State>) -> (Verdict, Write
                 level - hits * window_ms
             }
         } else {
-            level + hits * window_ms
+            level
+                .saturating_add(hits.saturating_mul(window_ms))
+                .min(MOST_LEVEL)
         };
         write = if after == 0 {
             Write::Delete
@@ -113,6 +122,7 @@ pub fn evaluate(ask: &Ask, burst: u64, stored: Option<State>) -> (Verdict, Write
             remaining_before: remaining(level),
             reset_after_ms,
             reset_before_ms,
+            charged: if refund { 0 } else { after - level },
         },
         write,
     )
@@ -143,6 +153,11 @@ mod tests {
 
         /// Asks for `hits` at `at` (ms after `T0`); stores what an admitted request stores.
         fn ask(&mut self, at: u64, hits: u64, refund: bool) -> Verdict {
+            self.ask_counting(at, hits, refund, false)
+        }
+
+        /// The same, counted `always` if `always`: then the write lands over the burst too.
+        fn ask_counting(&mut self, at: u64, hits: u64, refund: bool, always: bool) -> Verdict {
             let ask = Ask {
                 limit: self.limit,
                 window_ms: SECOND,
@@ -150,9 +165,10 @@ mod tests {
                 at_ms: T0 + at,
                 hits,
                 refund,
+                always,
             };
             let (verdict, write) = evaluate(&ask, self.burst, self.state);
-            if !verdict.over {
+            if !verdict.over || always {
                 match write {
                     Write::Keep => {}
                     Write::Set { state, .. } => self.state = Some(state),
@@ -283,6 +299,7 @@ mod tests {
             at_ms: T0,
             hits: 3,
             refund: false,
+            always: false,
         };
         let (_, write) = evaluate(&ask, 4, None);
         assert_eq!(
@@ -295,5 +312,41 @@ mod tests {
                 ttl_ms: 750
             }
         );
+    }
+
+    #[test]
+    fn counted_always_a_charge_past_the_burst_is_debt_the_drain_clears() {
+        // 10 per second, burst 10: 15 charged at once are 5 over; check-only requests are over
+        // until the level is back at the burst (500 ms), and one hit fits 100 ms later.
+        let mut bucket = Bucket::new(10, 10);
+        let v = bucket.ask_counting(0, 15, false, true);
+        assert!(v.over);
+        assert_eq!(v.charged, 15 * SECOND);
+        let v = bucket.ask_counting(0, 0, false, true);
+        assert!(v.over);
+        assert_eq!(v.reset_before_ms, 500);
+        assert!(
+            !bucket.ask_counting(500, 0, false, true).over,
+            "at the burst, not above it"
+        );
+        assert!(bucket.ask_counting(500, 1, false, false).over);
+        assert!(!bucket.ask_counting(600, 1, false, false).over);
+    }
+
+    #[test]
+    fn a_level_is_clamped_where_it_would_stop_being_exact() {
+        let year = 365 * 86_400 * SECOND;
+        let ask = Ask {
+            limit: 1,
+            window_ms: year,
+            now_ms: T0,
+            at_ms: T0,
+            hits: u64::from(u32::MAX) + 1,
+            refund: false,
+            always: true,
+        };
+        let (verdict, write) = evaluate(&ask, 1, None);
+        assert_eq!(verdict.charged, MOST_LEVEL);
+        assert!(matches!(write, Write::Set { state, .. } if state.level == MOST_LEVEL));
     }
 }

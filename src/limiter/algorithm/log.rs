@@ -10,7 +10,10 @@
 //!   over, until the earliest instant from the request's one at which the hits would fit; a
 //!   request for more hits than the limit never fits, and is told one window.
 //! - Only hits that fit are recorded, in every mode: the log holds at most `limit` entries per
-//!   window, so a shadow or quota limit over it reports it and logs nothing.
+//!   window, so a shadow or quota limit over it reports it and logs nothing. Counted `always`,
+//!   a charge is logged over the limit too, but only up to one entry past it in the fullest
+//!   window: enough to keep check-only requests over until an entry leaves, while the log stays
+//!   bounded.
 //! - A refund removes up to its hits of the newest entries at or before its instant.
 //!
 //! Entries older than one window before the clock can no longer matter: reads skip them and
@@ -49,6 +52,7 @@ pub fn evaluate(ask: &Ask, entries: &[u64]) -> (Verdict, Change) {
         at_ms,
         hits,
         refund,
+        always,
     } = *ask;
     let live = live(entries, now_ms, window_ms);
     let need = ask.need();
@@ -62,6 +66,7 @@ pub fn evaluate(ask: &Ask, entries: &[u64]) -> (Verdict, Change) {
         remaining_before: limit.saturating_sub(fullest),
         reset_after_ms: until_empty(live),
         reset_before_ms: until_empty(live),
+        charged: 0,
     };
     if over {
         let fits = if never {
@@ -69,12 +74,27 @@ pub fn evaluate(ask: &Ask, entries: &[u64]) -> (Verdict, Change) {
         } else {
             first_fit(live, at_ms, window_ms, limit - need) - now_ms
         };
+        let logged = if always {
+            hits.min((limit + 1).saturating_sub(fullest))
+        } else {
+            0
+        };
         let verdict = Verdict {
+            remaining_after: limit.saturating_sub(fullest + logged),
             reset_after_ms: fits,
             reset_before_ms: fits,
+            charged: logged,
             ..before
         };
-        return (verdict, Change::Keep);
+        let change = if logged > 0 {
+            Change::Add {
+                at_ms,
+                hits: logged,
+            }
+        } else {
+            Change::Keep
+        };
+        return (verdict, change);
     }
     let change = match (refund, hits) {
         (_, 0) => Change::Keep,
@@ -88,6 +108,7 @@ pub fn evaluate(ask: &Ask, entries: &[u64]) -> (Verdict, Change) {
         Change::Keep => before,
         Change::Add { .. } => Verdict {
             remaining_after: limit.saturating_sub(fullest + hits),
+            charged: hits,
             reset_after_ms: live.last().map_or(at_ms, |&n| n.max(at_ms)) + window_ms - now_ms,
             ..before
         },
@@ -191,6 +212,7 @@ mod tests {
         limit: u64,
         window_ms: u64,
         entries: Vec<u64>,
+        always: bool,
     }
 
     impl Log {
@@ -199,6 +221,7 @@ mod tests {
                 limit,
                 window_ms,
                 entries: Vec::new(),
+                always: false,
             }
         }
 
@@ -211,6 +234,7 @@ mod tests {
                 at_ms: T0 + at.max(now),
                 hits,
                 refund,
+                always: self.always,
             };
             let (verdict, change) = evaluate(&ask, &self.entries);
             apply(&mut self.entries, change, ask.now_ms, self.window_ms);
@@ -344,5 +368,23 @@ mod tests {
         assert!(log.entries.is_empty());
         log.ask(0, 0, 1, false);
         assert!(log.ask(10, 10, 0, false).over);
+    }
+
+    #[test]
+    fn counted_always_a_charge_is_logged_up_to_one_past_the_limit() {
+        let mut log = Log {
+            always: true,
+            ..Log::new(3, SECOND)
+        };
+        let v = log.ask(0, 0, 2, false);
+        assert!(!v.over);
+        assert_eq!(v.charged, 2);
+        let v = log.ask(100, 100, 5, false);
+        assert!(v.over);
+        assert_eq!(v.charged, 2, "logged up to one past the limit");
+        assert_eq!(log.entries.len(), 4);
+        assert!(log.ask(200, 200, 0, false).over, "above the limit");
+        let v = log.ask(1_000, 1_000, 0, false);
+        assert!(!v.over, "the first two left: at the limit, not above it");
     }
 }

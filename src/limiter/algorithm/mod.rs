@@ -83,15 +83,26 @@ pub struct Ask {
     pub hits: u64,
     /// Give `hits` back instead: never over.
     pub refund: bool,
+    /// `Counting::Always`: the hits are charged whatever the answer, and a check-only request is
+    /// over only when the count is above the limit.
+    pub always: bool,
 }
 
 impl Ask {
     /// The hits a decision must find room for: at least one, so that a check-only request is
-    /// over when the counter is full.
+    /// over when the counter is full; counting `always`, the hits alone.
     pub fn need(&self) -> u64 {
-        self.hits.max(1)
+        if self.always {
+            self.hits
+        } else {
+            self.hits.max(1)
+        }
     }
 }
+
+/// The most a window counts: a charge past it is clamped, so that a count stays exact in the
+/// script's doubles. Only a count far above any limit (at most 2^32) gets there.
+pub const MOST_COUNT: u64 = 1 << 52;
 
 /// What evaluating one counter found; the check script returns the same five numbers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,6 +118,10 @@ pub struct Verdict {
     pub reset_after_ms: u64,
     /// The same if nothing is consumed.
     pub reset_before_ms: u64,
+    /// What the counter records of the hits when its write lands (the request admitted, or
+    /// counted `always`), as `lua/undo.lua` takes it back: hits for a window, entries for a
+    /// log, units for a bucket; 0 when nothing is recorded (a refund, or hits that do not fit).
+    pub charged: u64,
 }
 
 impl Verdict {

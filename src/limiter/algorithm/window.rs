@@ -2,7 +2,8 @@
 //! aligned to the Unix epoch. A fixed window counts the window holding the request's instant; a
 //! sliding window also weighs the window before by how much of it the sliding window still
 //! covers. `remaining` is the limit less the (weighted) count; `reset` is the end of the window
-//! or, for a sliding window that is over, the first millisecond at which the hits fit.
+//! or, for a sliding window that is over, the first millisecond at which the hits fit. Counted
+//! `always`, a charge lands whole (up to `MOST_COUNT`), over the limit or not.
 //! Mirrored by the window section of `lua/check.lua`.
 //!
 //! Stored state. A fixed window keeps one count per window index: a Redis hash field per index
@@ -10,7 +11,7 @@
 //! per index in the embedded store. A sliding window keeps `State` as a Redis hash of `w`, `c`
 //! and `p`.
 
-use super::{Algorithm, Ask, Verdict};
+use super::{Algorithm, Ask, MOST_COUNT, Verdict};
 
 /// A window counter as stored: the index of the window it was last written in (`instant /
 /// window`), its count there and, for the sliding window, the count of the window before.
@@ -43,6 +44,7 @@ pub fn evaluate(algorithm: Algorithm, ask: &Ask, stored: Option<State>) -> Step 
         at_ms,
         hits,
         refund,
+        ..
     } = *ask;
     let sliding = algorithm == Algorithm::SlidingWindow;
     let index = at_ms / window_ms;
@@ -60,13 +62,13 @@ pub fn evaluate(algorithm: Algorithm, ask: &Ask, stored: Option<State>) -> Step 
     } else {
         0
     };
-    // Saturating: counts only grow past the limit in shadow mode, where they stop mattering.
+    // Counts grow past the limit in shadow and quota mode and counted `always`.
     let used = weighted.saturating_add(current);
     let over = !refund && used.saturating_add(need) > limit;
     let after = if refund {
         current.saturating_sub(hits)
     } else {
-        current.saturating_add(hits)
+        current.saturating_add(hits).min(MOST_COUNT)
     };
     let reset_ms = if sliding && over {
         sliding_retry_ms(limit, window_ms, elapsed, previous, current, need)
@@ -80,6 +82,7 @@ pub fn evaluate(algorithm: Algorithm, ask: &Ask, stored: Option<State>) -> Step 
             remaining_before: limit.saturating_sub(used),
             reset_after_ms: reset_ms,
             reset_before_ms: reset_ms,
+            charged: if refund { 0 } else { after - current },
         },
         next: State {
             window: index,
@@ -152,6 +155,15 @@ mod tests {
             at_ms: now,
             hits,
             refund,
+            always: false,
+        }
+    }
+
+    /// The same, counted `always`.
+    fn always(limit: u64, now: u64, hits: u64) -> Ask {
+        Ask {
+            always: true,
+            ..ask(limit, now, hits, false)
         }
     }
 
@@ -319,5 +331,39 @@ mod tests {
     fn sliding_state_lives_through_the_next_window() {
         let step = evaluate(SlidingWindow, &ask(10, 5 * MIN + 20_000, 1, false), None);
         assert_eq!(step.ttl_ms, 40_000 + MIN);
+    }
+
+    #[test]
+    fn counted_always_a_charge_lands_past_the_limit_and_check_only_is_over_only_above_it() {
+        let state = |count| {
+            Some(State {
+                window: 3,
+                count,
+                previous: 0,
+            })
+        };
+        let at_limit = evaluate(FixedWindow, &always(2, 3 * MIN, 0), state(2));
+        assert!(
+            !at_limit.verdict.over,
+            "a count at the limit is not above it"
+        );
+        let above = evaluate(FixedWindow, &always(2, 3 * MIN, 0), state(3));
+        assert!(above.verdict.over);
+        let charge = evaluate(FixedWindow, &always(2, 3 * MIN, 5), state(1));
+        assert!(charge.verdict.over);
+        assert_eq!(charge.next.count, 6, "the whole charge is recorded");
+        assert_eq!(charge.verdict.charged, 5);
+    }
+
+    #[test]
+    fn a_count_is_clamped_where_it_would_stop_being_exact() {
+        let huge = Some(State {
+            window: 3,
+            count: MOST_COUNT - 1,
+            previous: 0,
+        });
+        let step = evaluate(FixedWindow, &always(2, 3 * MIN, 1 << 32), huge);
+        assert_eq!(step.next.count, MOST_COUNT);
+        assert_eq!(step.verdict.charged, 1);
     }
 }

@@ -11,7 +11,7 @@ use fred::prelude::Value;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
 
-use super::{ARGS_PER_ITEM, Answer, Charge, Conn, Undo, encode, flag, take_request};
+use super::{ARGS_PER_ITEM, Answer, Charge, Conn, Undo, encode, take_request};
 use crate::limiter::Check;
 use crate::telemetry::metrics::METRICS;
 
@@ -38,7 +38,7 @@ impl Pending {
     ) -> Self {
         let all: Vec<usize> = (0..keys.len()).collect();
         Pending {
-            args: encode(check, &all),
+            args: encode(check, &all, true),
             charges: check
                 .items
                 .iter()
@@ -86,8 +86,7 @@ pub(super) async fn run(conn: Conn, mut queue: mpsc::Receiver<Pending>) {
 /// One batched call for `requests`, holding `counters` counters in all.
 async fn call(conn: Conn, requests: Vec<Pending>, counters: usize, _permit: OwnedSemaphorePermit) {
     let mut keys = Vec::with_capacity(counters);
-    let mut args = Vec::with_capacity(1 + 2 * requests.len() + counters * ARGS_PER_ITEM);
-    args.push(flag(true));
+    let mut args = Vec::with_capacity(3 * requests.len() + counters * ARGS_PER_ITEM);
     let mut waiting = Vec::with_capacity(requests.len());
     METRICS.batch_requests.observe(requests.len() as f64);
     for request in requests {
@@ -108,15 +107,14 @@ async fn call(conn: Conn, requests: Vec<Pending>, counters: usize, _permit: Owne
     let mut undo = Undo::default();
     for (keys, charges, reply) in waiting {
         let answer = take_request(&mut rest, keys.len());
-        let verdicts = match &answer {
-            Ok((true, verdicts)) => Some(verdicts.clone()),
-            _ => None,
-        };
+        let decided = answer.as_ref().ok().cloned();
         if reply.send(answer).is_err()
-            && let Some(verdicts) = verdicts
+            && let Some((admitted, verdicts)) = decided
         {
             for ((key, charge), verdict) in keys.iter().zip(charges).zip(&verdicts) {
-                undo.add(key, charge, verdict, now_ms);
+                if charge.landed(admitted) {
+                    undo.add(key, charge, verdict, now_ms);
+                }
             }
         }
     }

@@ -1,7 +1,8 @@
 //! A request on a Redis Cluster: its counters grouped by hash slot (all limits of one descriptor
 //! share a slot), one script call per group, all at once. When one group denies after another
-//! admitted, or the caller is gone by the time the answer is ready, every admitted group is
-//! refunded in the window it was charged in. The refunds of a denied request are queued on their
+//! admitted, every admitted group is refunded in the window it was charged in (charges counted
+//! `always` excepted: they land whatever the answer); when the caller is gone by the time the
+//! answer is ready, everything the calls wrote is refunded. The refunds of a denied request are queued on their
 //! connections before the answer leaves, so this process's next request on those counters sees
 //! them; until they land, another replica may see a counter a little higher: a Cluster can
 //! briefly under-admit, never over-admit.
@@ -36,14 +37,13 @@ pub(super) async fn decide(
     )
     .await;
     let mut verdicts: Vec<Option<Verdict>> = vec![None; check.items.len()];
-    let mut committed = Vec::new();
+    // Per group that answered: the call's time and whether it admitted its items.
+    let mut wrote = Vec::new();
     let mut failure = None;
     for (group, ran) in groups.iter().zip(ran) {
         match ran {
             Ok(ran) => {
-                if ran.admitted {
-                    committed.push((group, ran.now_ms, ran.verdicts.clone()));
-                }
+                wrote.push((group, ran.now_ms, ran.admitted));
                 for (&i, v) in group.iter().zip(ran.verdicts) {
                     verdicts[i] = Some(v);
                 }
@@ -52,41 +52,49 @@ pub(super) async fn decide(
         }
     }
     let admitted = failure.is_none()
-        && admits(&check.items, |i| verdicts[i].is_some_and(|v| v.over))
-        && committed.len() == groups.len();
+        && admits(&check, |i| verdicts[i].is_some_and(|v| v.over))
+        && wrote.iter().all(|(_, _, admitted)| *admitted);
+    // Takes back the charges that `undone` selects among those each group's call wrote.
+    let refund = |undone: fn(&Charge, bool) -> bool| {
+        join_all(wrote.iter().map(|&(group, now_ms, group_admitted)| {
+            let mut undo = Undo::default();
+            for &i in group {
+                let charge = Charge::of(&check.items[i], check.at);
+                if let Some(verdict) = &verdicts[i]
+                    && undone(&charge, group_admitted)
+                {
+                    undo.add(&keys[i], charge, verdict, now_ms);
+                }
+            }
+            conn.undo(undo)
+        }))
+    };
+    // Denied, a group that admitted its items takes back what the request's admission charged;
+    // charges counted `always` stay. A caller gone takes back everything written.
+    let denial = |c: &Charge, group_admitted: bool| group_admitted && !c.always;
+    let everything = |c: &Charge, group_admitted: bool| c.landed(group_admitted);
     let answer = match failure {
         Some(e) => Err(e),
         None => Ok((
             admitted,
             verdicts
-                .into_iter()
+                .iter()
                 .map(|v| v.expect("every group answered"))
                 .collect(),
         )),
     };
-    let refund = |committed: Vec<(&Vec<usize>, i64, Vec<Verdict>)>| {
-        join_all(committed.into_iter().map(|(group, now_ms, verdicts)| {
-            let mut undo = Undo::default();
-            for (&i, verdict) in group.iter().zip(&verdicts) {
-                undo.add(
-                    &keys[i],
-                    Charge::of(&check.items[i], check.at),
-                    verdict,
-                    now_ms,
-                );
-            }
-            conn.undo(undo)
-        }))
-    };
     if !admitted {
-        let mut refunds = Box::pin(refund(committed));
+        let mut refunds = Box::pin(refund(denial));
         // The first poll queues every refund on its node's connection, ahead of any later
         // command of this process on those slots.
         let _ = futures_util::poll!(refunds.as_mut());
-        let _ = reply.send(answer);
+        let gone = reply.send(answer).is_err();
         refunds.await;
+        if gone {
+            refund(|c, _| c.always).await;
+        }
     } else if reply.send(answer).is_err() {
-        refund(committed).await;
+        refund(everything).await;
     }
 }
 

@@ -32,14 +32,14 @@ use tokio::sync::{mpsc, oneshot};
 use super::breaker::Breaker;
 use super::{Deadline, StoreError};
 use crate::limiter::algorithm::Verdict;
-use crate::limiter::{Algorithm, Check, Decision, Item, Mode};
+use crate::limiter::{Algorithm, Check, Counting, Decision, Item, Mode};
 use crate::telemetry::Throttle;
 use batch::Pending;
 pub use tls::{RedisTls, RedisTlsFlags};
 
-const ARGS_PER_ITEM: usize = 7;
+const ARGS_PER_ITEM: usize = 8;
 /// Numbers the check script answers per counter.
-const REPLY_PER_ITEM: usize = 5;
+const REPLY_PER_ITEM: usize = 6;
 /// Requests waiting for a batched call, per event loop; past it, requests are shed.
 const QUEUE_BOUND: usize = 4096;
 /// How often an open breaker's probe tries Redis.
@@ -290,9 +290,7 @@ impl Conn {
         at: &[usize],
         quota_here: bool,
     ) -> Result<Ran, StoreError> {
-        let mut args = Vec::with_capacity(3 + at.len() * ARGS_PER_ITEM);
-        args.push(flag(quota_here));
-        args.extend(encode(check, at));
+        let args = encode(check, at, quota_here);
         let group_keys = at.iter().map(|&i| keys[i].clone()).collect();
         let reply: Vec<i64> = self.eval(&self.check, group_keys, args).await?;
         let Some((&now_ms, mut rest)) = reply.split_first() else {
@@ -322,16 +320,17 @@ impl Conn {
     }
 }
 
-/// What admitting a request wrote on one of its counters, as `lua/undo.lua` takes it back.
+/// What `lua/undo.lua` needs to take back what a request wrote on one of its counters, beside
+/// what the check script said it charged.
 #[derive(Clone, Copy)]
 struct Charge {
     algorithm: Algorithm,
     limit: u64,
     window_ms: u64,
-    /// Hits added (0 for a check-only or refunding item).
-    hits: u64,
     /// The instant the request named, if any.
     at: Option<u64>,
+    /// Counted `always`: the charge landed whether the request was admitted or not.
+    always: bool,
 }
 
 impl Charge {
@@ -340,9 +339,14 @@ impl Charge {
             algorithm: item.limit.algorithm,
             limit: u64::from(item.limit.requests_per_unit),
             window_ms: item.limit.window_ms(),
-            hits: if item.refund { 0 } else { item.hits },
             at,
+            always: item.counting == Counting::Always,
         }
+    }
+
+    /// Whether the check script wrote this charge for a request `admitted` or not.
+    fn landed(&self, admitted: bool) -> bool {
+        admitted || self.always
     }
 }
 
@@ -355,27 +359,21 @@ struct Undo {
 }
 
 impl Undo {
-    /// Adds what `charge` wrote on `key` in a call that ran at `now_ms` and found `verdict`: a
-    /// sliding log or a bucket records nothing for hits that do not fit.
+    /// Adds what the check script, in a call that ran at `now_ms`, charged to `key` as
+    /// `verdict` says (a sliding log or a bucket records nothing for hits that do not fit,
+    /// unless counted `always`).
     fn add(&mut self, key: &Bytes, charge: Charge, verdict: &Verdict, now_ms: i64) {
-        let recorded = match charge.algorithm {
-            Algorithm::FixedWindow | Algorithm::SlidingWindow => true,
-            Algorithm::SlidingLog | Algorithm::TokenBucket | Algorithm::LeakyBucket => {
-                !verdict.over
-            }
-        };
-        if charge.hits == 0 || !recorded {
+        if verdict.charged == 0 {
             return;
         }
         let now = now_ms.max(0) as u64;
         let at = charge.at.map_or(now, |at| at.max(now));
+        let charged = verdict.charged;
         let (kind, a, b, c) = match charge.algorithm {
-            Algorithm::FixedWindow => ("f", at / charge.window_ms, charge.hits, 0),
-            Algorithm::SlidingWindow => ("s", now / charge.window_ms, charge.hits, 0),
-            Algorithm::SlidingLog => ("l", at, charge.hits, 0),
-            Algorithm::TokenBucket | Algorithm::LeakyBucket => {
-                ("b", now, charge.hits * charge.window_ms, charge.limit)
-            }
+            Algorithm::FixedWindow => ("f", at / charge.window_ms, charged, 0),
+            Algorithm::SlidingWindow => ("s", now / charge.window_ms, charged, 0),
+            Algorithm::SlidingLog => ("l", at, charged, 0),
+            Algorithm::TokenBucket | Algorithm::LeakyBucket => ("b", now, charged, charge.limit),
         };
         self.keys.push(key.clone());
         self.args.push(Value::from_static_str(kind));
@@ -384,11 +382,13 @@ impl Undo {
 }
 
 /// The script's arguments for one request made of the items `at` of `check`: their count, the
-/// instant it names ('0': none), then each item.
-fn encode(check: &Check, at: &[usize]) -> Vec<Value> {
-    let mut args: Vec<Value> = Vec::with_capacity(2 + at.len() * ARGS_PER_ITEM);
+/// instant it names ('0': none), whether its quota limits may deny (`quota_here`, unless a
+/// descriptor outside the check passes as a quota), then each item.
+fn encode(check: &Check, at: &[usize], quota_here: bool) -> Vec<Value> {
+    let mut args: Vec<Value> = Vec::with_capacity(3 + at.len() * ARGS_PER_ITEM);
     args.push(Value::from(at.len() as i64));
     args.push(Value::from(check.at.unwrap_or(0) as i64));
+    args.push(flag(quota_here && !check.quota_passes));
     for &i in at {
         let item = &check.items[i];
         args.push(Value::from_static_str(match item.limit.algorithm {
@@ -406,7 +406,9 @@ fn encode(check: &Check, at: &[usize]) -> Vec<Value> {
             Mode::Enforce => "e",
             Mode::Shadow => "s",
             Mode::Quota => "q",
+            Mode::ShadowQuota => "p",
         }));
+        args.push(flag(item.counting == Counting::Always));
     }
     args
 }
@@ -416,7 +418,7 @@ fn flag(on: bool) -> Value {
 }
 
 /// Takes the answer to a request of `counters` counters off the front of a script reply:
-/// admitted, then five numbers per counter.
+/// admitted, then six numbers per counter.
 fn take_request(reply: &mut &[i64], counters: usize) -> Answer {
     let Some((answer, rest)) = reply.split_at_checked(1 + REPLY_PER_ITEM * counters) else {
         return Err(StoreError::Unavailable(format!(
@@ -434,6 +436,7 @@ fn take_request(reply: &mut &[i64], counters: usize) -> Answer {
             remaining_before: number(c[2]),
             reset_after_ms: number(c[3]),
             reset_before_ms: number(c[4]),
+            charged: number(c[5]),
         })
         .collect();
     Ok((answer[0] == 1, verdicts))
@@ -452,12 +455,15 @@ mod tests {
 
     #[test]
     fn a_batched_reply_splits_into_requests() {
-        let reply = [1, 0, 4, 5, 900, 1000, 1, 0, 0, 250, 250, 0, 1, 0, 0, 30, 30];
+        let reply = [
+            1, 0, 4, 5, 900, 1000, 1, 1, 0, 0, 250, 250, 0, 0, 1, 0, 0, 30, 30, 0,
+        ];
         let mut rest = &reply[..];
         let (admitted, v) = take_request(&mut rest, 2).unwrap();
         assert!(admitted);
         assert_eq!(v[0].remaining_after, 4);
         assert_eq!(v[0].reset_after_ms, 900);
+        assert_eq!(v[0].charged, 1);
         assert!(v[1].over);
         assert_eq!(v[1].reset_before_ms, 250);
         let (admitted, v) = take_request(&mut rest, 1).unwrap();
