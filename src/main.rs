@@ -38,6 +38,9 @@ enum Command {
     CheckConfig {
         /// A rule file, or a directory of them.
         path: PathBuf,
+        /// One domain may span several files (envoyproxy/ratelimit's MERGE_DOMAIN_CONFIG).
+        #[arg(long, env = "SLUICE_MERGE_DOMAINS")]
+        merge_domains: bool,
     },
     /// Load a rate limit service (sluice or another) and report throughput and latency.
     Load(sluice::load::Options),
@@ -97,6 +100,10 @@ struct ServeArgs {
     /// reload (SIGHUP) finds some.
     #[arg(long, env = "SLUICE_ALLOW_EMPTY_CONFIG")]
     allow_empty_config: bool,
+    /// One domain may span several files, their rules joined into one tree (envoyproxy/ratelimit's
+    /// MERGE_DOMAIN_CONFIG); else a domain in two files is an error.
+    #[arg(long, env = "SLUICE_MERGE_DOMAINS")]
+    merge_domains: bool,
     /// The longest a request waits for the counter store (e.g. 10ms, 1s); a caller's own
     /// shorter grpc-timeout shortens it.
     #[arg(long, env = "SLUICE_STORE_TIMEOUT", default_value = "10ms", value_parser = humantime::parse_duration)]
@@ -204,7 +211,13 @@ impl HealthTls {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::CheckConfig { path } => check_config(&path),
+        Command::CheckConfig {
+            path,
+            merge_domains,
+        } => check_config(&config::Source {
+            path,
+            merge_domains,
+        }),
         Command::Health { target, tls } => health(target, tls),
         Command::Load(options) => load(options),
         Command::Serve(args) => {
@@ -220,16 +233,18 @@ fn main() -> ExitCode {
     }
 }
 
-fn check_config(path: &std::path::Path) -> ExitCode {
-    match config::load(path) {
+fn check_config(source: &config::Source) -> ExitCode {
+    match config::load(source) {
         Ok(loaded) => {
             for w in &loaded.warnings {
                 eprintln!("{w} (warning)");
             }
+            let domains: std::collections::HashSet<_> =
+                loaded.domains.iter().map(|d| &d.domain).collect();
             println!(
                 "{}: {} domain(s) valid",
-                path.display(),
-                loaded.domains.len()
+                source.path.display(),
+                domains.len()
             );
             ExitCode::SUCCESS
         }
@@ -344,7 +359,11 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
     // Before anything else: from here on a SIGHUP reloads instead of ending the process.
     let hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     check_bounds(&args)?;
-    let first = reload::load(&args.config, args.allow_empty_config)?;
+    let source = config::Source {
+        path: args.config.clone(),
+        merge_domains: args.merge_domains,
+    };
+    let first = reload::load(&source, args.allow_empty_config)?;
     reload::first(&first);
     let rules = Rules::new(first);
     if !rules.loaded() {
@@ -352,7 +371,7 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     tokio::spawn(reload::watch(
         rules.clone(),
-        args.config.clone(),
+        source,
         args.allow_empty_config,
         hangup,
     ));

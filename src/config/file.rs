@@ -92,7 +92,7 @@ impl Parser<'_> {
         let node = match marked_yaml::parse_yaml_with_options(0, text, options) {
             Ok(node) => node,
             Err(e) => {
-                let (line, message) = describe_load_error(&e);
+                let (line, message) = describe_load_error(&e, text);
                 self.error(line, format!("error loading config file: {message}"));
                 return None;
             }
@@ -246,13 +246,12 @@ impl Parser<'_> {
                 .iter()
                 .any(|o| o.key == descriptor.key && o.value == descriptor.value)
             {
-                let composite = match &descriptor.value {
-                    Some(v) => format!("{parent}{}_{v}", descriptor.key),
-                    None => format!("{parent}{}", descriptor.key),
-                };
                 self.error(
                     descriptor.line,
-                    format!("duplicate descriptor composite key '{composite}'"),
+                    format!(
+                        "duplicate descriptor composite key '{parent}{}'",
+                        composite(&descriptor.key, descriptor.value.as_deref())
+                    ),
                 );
                 continue;
             }
@@ -530,14 +529,17 @@ fn go_value(node: &Node) -> String {
     }
 }
 
-fn composite(key: &str, value: Option<&str>) -> String {
+/// A rule's step in envoyproxy/ratelimit's composite keys: `key_value`, or `key` alone.
+pub(super) fn composite(key: &str, value: Option<&str>) -> String {
     match value {
         Some(v) => format!("{key}_{v}"),
         None => key.to_owned(),
     }
 }
 
-fn describe_load_error(e: &LoadError) -> (usize, String) {
+/// A YAML error's line and message; a syntax error is worded as envoyproxy/ratelimit's YAML
+/// library words it: `yaml: line N: problem`, without the context the scanner adds.
+fn describe_load_error(e: &LoadError, text: &str) -> (usize, String) {
     match e {
         LoadError::TopLevelMustBeMapping(m) => (m.line(), "the top level must be a mapping".into()),
         LoadError::TopLevelMustBeSequence(m) => {
@@ -549,7 +551,20 @@ fn describe_load_error(e: &LoadError) -> (usize, String) {
         ),
         LoadError::MappingKeyMustBeScalar(m) => (m.line(), "mapping keys must be scalars".into()),
         LoadError::UnexpectedTag(m) => (m.line(), "YAML tags are not supported".into()),
-        LoadError::ScanError(m, err) => (m.line(), err.info().to_owned()),
+        LoadError::ScanError(m, err) => {
+            let problem = match err.info().split_once(", ") {
+                Some((context, problem)) if context.starts_with("while ") => problem,
+                _ => err.info(),
+            };
+            // The scanner marks where the construct began; the problem of a truncated file is
+            // where it ends, and that is the line Go's YAML library reports.
+            let line = if problem == "found unexpected end of stream" {
+                text.matches('\n').count() + 1
+            } else {
+                m.line()
+            };
+            (line, format!("yaml: line {line}: {problem}"))
+        }
         LoadError::DuplicateKey(d) => (
             scalar_line(&d.key),
             format!(
@@ -691,6 +706,11 @@ mod tests {
         assert_eq!(e.len(), 1);
         assert!(e[0].starts_with("r.yaml:"), "{e:?}");
         assert!(e[0].contains("error loading config file"), "{e:?}");
+        assert_eq!(
+            errors("'''\n"),
+            ["r.yaml:2: error loading config file: yaml: line 2: found unexpected end of stream"],
+            "worded as Go's YAML library words it, at the line where the file ends"
+        );
     }
 
     #[test]

@@ -51,6 +51,16 @@ pub struct RuleLimit {
     pub limit: Option<Limit>,
 }
 
+/// Where the rules are read from, and how.
+#[derive(Clone, Debug)]
+pub struct Source {
+    /// A rule file, or a directory of them.
+    pub path: PathBuf,
+    /// One domain may span several files (`--merge-domains`, envoyproxy/ratelimit's
+    /// `MERGE_DOMAIN_CONFIG`); else a domain declared twice is an error.
+    pub merge_domains: bool,
+}
+
 /// A problem found in a rule file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ConfigError {
@@ -97,8 +107,9 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// Loads one rule file, or every `.yaml`/`.yml` file directly inside a directory (hidden entries,
-/// such as a Kubernetes ConfigMap's `..data`, are skipped; symlinks are followed).
-pub fn load(path: &Path) -> Result<Loaded, Vec<ConfigError>> {
+/// such as a Kubernetes ConfigMap's `..data`, are skipped; symlinks are followed), in name order.
+pub fn load(source: &Source) -> Result<Loaded, Vec<ConfigError>> {
+    let path = source.path.as_path();
     let files = rule_files(path).map_err(|message| {
         vec![ConfigError {
             file: path.to_path_buf(),
@@ -132,7 +143,16 @@ pub fn load(path: &Path) -> Result<Loaded, Vec<ConfigError>> {
         }
     }
     for (i, d) in loaded.domains.iter().enumerate() {
-        if loaded.domains[..i].iter().any(|o| o.domain == d.domain) {
+        let earlier: Vec<_> = loaded.domains[..i]
+            .iter()
+            .filter(|o| o.domain == d.domain)
+            .collect();
+        if earlier.is_empty() {
+            continue;
+        }
+        if source.merge_domains {
+            errors.extend(merge_collisions(d, &earlier));
+        } else {
             errors.push(ConfigError {
                 file: d.file.clone(),
                 line: d.line,
@@ -145,6 +165,30 @@ pub fn load(path: &Path) -> Result<Loaded, Vec<ConfigError>> {
     } else {
         Err(errors)
     }
+}
+
+/// The top-level rules of `d` that files read before it already define for its domain. Merged
+/// files join at the top of the domain's tree, as envoyproxy/ratelimit joins them: a rule
+/// defined twice is an error even when the two would nest different rules.
+fn merge_collisions(d: &DomainConfig, earlier: &[&DomainConfig]) -> Vec<ConfigError> {
+    d.descriptors
+        .iter()
+        .filter(|rule| {
+            earlier
+                .iter()
+                .flat_map(|o| &o.descriptors)
+                .any(|o| o.key == rule.key && o.value == rule.value)
+        })
+        .map(|rule| ConfigError {
+            file: d.file.clone(),
+            line: rule.line,
+            message: format!(
+                "duplicate descriptor composite key '{}.{}'",
+                d.domain,
+                file::composite(&rule.key, rule.value.as_deref())
+            ),
+        })
+        .collect()
 }
 
 fn rule_files(path: &Path) -> Result<Vec<PathBuf>, String> {

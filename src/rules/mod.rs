@@ -130,15 +130,17 @@ impl RuleSet {
     pub fn new(domains: Vec<DomainConfig>) -> Self {
         let mut paths = HashSet::new();
         let configs = domains.clone();
-        let domains = domains
-            .into_iter()
-            .map(|d| {
-                let level = Level::build(&d.domain, "", false, d.descriptors, &mut paths);
-                (d.domain.into_bytes(), level)
-            })
-            .collect();
+        let mut levels: HashMap<Vec<u8>, Level> = HashMap::new();
+        // A domain in several files (`--merge-domains`) is one tree: validation has made sure
+        // that no two files define the same top-level rule.
+        for d in domains {
+            levels
+                .entry(d.domain.clone().into_bytes())
+                .or_default()
+                .add(&d.domain, "", false, d.descriptors, &mut paths);
+        }
         RuleSet {
-            domains,
+            domains: levels,
             paths,
             configs,
             origin: Origin::default(),
@@ -269,16 +271,16 @@ fn text_of(value: &[u8]) -> String {
 }
 
 impl Level {
-    /// The level under the rule at `parent` (empty at the top); `value_to_metric_above`: a rule
-    /// on the way here has `value_to_metric`.
-    fn build(
+    /// Adds `descriptors` to the level under the rule at `parent` (empty at the top);
+    /// `value_to_metric_above`: a rule on the way here has `value_to_metric`.
+    fn add(
+        &mut self,
         domain: &str,
         parent: &str,
         value_to_metric_above: bool,
         descriptors: Vec<DescriptorConfig>,
         paths: &mut HashSet<(String, String)>,
-    ) -> Self {
-        let mut level = Level::default();
+    ) {
         for d in descriptors {
             let step = match &d.value {
                 Some(v) => format!("{}_{v}", d.key),
@@ -291,6 +293,8 @@ impl Level {
             };
             let value_to_metric = value_to_metric_above || d.value_to_metric;
             paths.insert((domain.to_owned(), path.clone()));
+            let mut children = Level::default();
+            children.add(domain, &path, value_to_metric, d.descriptors, paths);
             let node = Node {
                 limits: d.limits,
                 mode: d.mode,
@@ -300,10 +304,10 @@ impl Level {
                 named_by_request: d.detailed_metric || value_to_metric,
                 detailed_metric: d.detailed_metric,
                 value_to_metric: d.value_to_metric,
-                children: Level::build(domain, &path, value_to_metric, d.descriptors, paths),
+                children,
                 path,
             };
-            let branches = level.by_key.entry(d.key.into_bytes()).or_default();
+            let branches = self.by_key.entry(d.key.into_bytes()).or_default();
             match d.value {
                 None => branches.any = Some(Box::new(node)),
                 Some(v) if v.contains('*') => branches.patterns.push((Pattern::new(&v), node)),
@@ -312,7 +316,6 @@ impl Level {
                 }
             }
         }
-        level
     }
 }
 

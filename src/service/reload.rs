@@ -5,7 +5,7 @@
 //! file is logged with `file:line`, counted, and the rules in force stay. Counters live in the
 //! store, keyed by what a limit counts, so every limit a reload leaves unchanged keeps its count.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,17 +15,18 @@ use tokio::signal::unix::Signal;
 use tokio::sync::Notify;
 
 use super::Rules;
-use crate::config;
+use crate::config::{self, Source};
 use crate::rules::RuleSet;
 use crate::telemetry::metrics::METRICS;
 
 /// How long changes must stop before a reload: an editor's or kubelet's several writes make one.
 const SETTLE: Duration = Duration::from_millis(200);
 
-/// Loads and validates the rules under `path`; none at all is an error unless `allow_empty`.
+/// Loads and validates the rules of `source`; none at all is an error unless `allow_empty`.
 /// Errors are logged, one per line, as `file:line: message`.
-pub fn load(path: &Path, allow_empty: bool) -> anyhow::Result<RuleSet> {
-    match config::load(path) {
+pub fn load(source: &Source, allow_empty: bool) -> anyhow::Result<RuleSet> {
+    let path = source.path.as_path();
+    match config::load(source) {
         Ok(loaded) if loaded.domains.is_empty() && !allow_empty => anyhow::bail!(
             "no rules in {}: no .yaml or .yml file with a domain (--allow-empty-config serves anyway, not ready until rules are loaded)",
             path.display()
@@ -56,11 +57,12 @@ pub fn first(rules: &RuleSet) {
     );
 }
 
-/// Reloads `rules` from `path` on every SIGHUP (`hangup`) and file change, until the process
+/// Reloads `rules` from `source` on every SIGHUP (`hangup`) and file change, until the process
 /// ends. Without a file watcher (one could not be set up), SIGHUP still reloads.
-pub async fn watch(rules: Rules, path: PathBuf, allow_empty: bool, mut hangup: Signal) {
+pub async fn watch(rules: Rules, source: Source, allow_empty: bool, mut hangup: Signal) {
+    let path = source.path.as_path();
     let changed = Arc::new(Notify::new());
-    let _watcher = match watcher(&path, changed.clone()) {
+    let _watcher = match watcher(path, changed.clone()) {
         Ok(w) => Some(w),
         Err(e) => {
             tracing::warn!(
@@ -76,11 +78,11 @@ pub async fn watch(rules: Rules, path: PathBuf, allow_empty: bool, mut hangup: S
                 if signal.is_none() {
                     return;
                 }
-                reload(&rules, &path, allow_empty, "SIGHUP");
+                reload(&rules, &source, allow_empty, "SIGHUP");
             }
             () = changed.notified() => {
                 while tokio::time::timeout(SETTLE, changed.notified()).await.is_ok() {}
-                reload(&rules, &path, allow_empty, "file change");
+                reload(&rules, &source, allow_empty, "file change");
             }
         }
     }
@@ -129,8 +131,8 @@ fn is_rules_entry(path: &Path) -> bool {
 }
 
 /// Loads the rules again; puts them in force when they are valid and differ from those in force.
-fn reload(rules: &Rules, path: &Path, allow_empty: bool, trigger: &str) {
-    match load(path, allow_empty) {
+fn reload(rules: &Rules, source: &Source, allow_empty: bool, trigger: &str) {
+    match load(source, allow_empty) {
         Ok(loaded) => {
             let hash = loaded.origin().hash.clone();
             if rules.current.load().origin().hash == hash {
