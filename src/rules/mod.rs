@@ -9,9 +9,13 @@
 //! path of `key_value` (or `key` alone) steps joined by dots.
 
 mod dump;
+mod explain;
+
+pub use dump::{limit_json, rule_limit_json};
+pub use explain::{Stop, Walk};
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -69,7 +73,10 @@ struct Branches {
 pub struct Node {
     pub limits: Vec<RuleLimit>,
     pub mode: Mode,
-    share_threshold: bool,
+    pub share_threshold: bool,
+    /// The file and line that declare the rule.
+    file: Arc<Path>,
+    line: usize,
     /// The rule's path, `key_value.key…`, as envoyproxy/ratelimit names the rule's stats.
     pub path: String,
     /// The counters of the rule's metrics.
@@ -131,7 +138,8 @@ impl RuleSet {
         let domains = domains
             .into_iter()
             .map(|d| {
-                let level = Level::build(&d.domain, "", false, d.descriptors, &mut paths);
+                let file = Arc::from(d.file.as_path());
+                let level = Level::build(&d.domain, &file, "", false, d.descriptors, &mut paths);
                 (d.domain.into_bytes(), level)
             })
             .collect();
@@ -251,7 +259,7 @@ impl RuleSet {
 }
 
 /// How a descriptor entry matched its rule.
-enum Matched<'a> {
+pub enum Matched<'a> {
     /// Its exact value.
     Exact,
     /// A value with `*` wildcards: this one.
@@ -271,6 +279,7 @@ impl Level {
     /// on the way here has `value_to_metric`.
     fn build(
         domain: &str,
+        file: &Arc<Path>,
         parent: &str,
         value_to_metric_above: bool,
         descriptors: Vec<DescriptorConfig>,
@@ -293,11 +302,13 @@ impl Level {
                 limits: d.limits,
                 mode: d.mode,
                 share_threshold: d.share_threshold,
+                file: file.clone(),
+                line: d.line,
                 stats: METRICS.rule(domain, &path),
                 named_by_request: d.detailed_metric || value_to_metric,
                 detailed_metric: d.detailed_metric,
                 value_to_metric: d.value_to_metric,
-                children: Level::build(domain, &path, value_to_metric, d.descriptors, paths),
+                children: Level::build(domain, file, &path, value_to_metric, d.descriptors, paths),
                 path,
             };
             let branches = level.by_key.entry(d.key.into_bytes()).or_default();

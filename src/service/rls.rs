@@ -81,7 +81,7 @@ pub struct Rls {
 }
 
 /// What one request descriptor turned into.
-enum Plan<'a> {
+pub(super) enum Plan<'a> {
     /// No rule applies (unknown domain, no match, or every limit replaced).
     Free,
     Unlimited,
@@ -94,7 +94,7 @@ enum Plan<'a> {
 }
 
 /// The metric counters a descriptor's hits go to.
-enum Stats<'a> {
+pub(super) enum Stats<'a> {
     /// Its rule's own.
     Rule(&'a RuleStats),
     /// A series named from the request's values.
@@ -151,9 +151,9 @@ impl Rls {
         caller_timeout: Option<Duration>,
         at: Option<u64>,
     ) -> Result<RateLimitResponse, Status> {
-        self.validate(request)?;
+        validate(request, &self.bounds)?;
         let rules = self.rules.load();
-        let (plans, mut check) = plan(&rules, request);
+        let (plans, mut check) = plan(&rules, request, true);
         if let Some(at) = at {
             if let Some(item) = check
                 .items
@@ -236,50 +236,50 @@ impl Rls {
             }
         }
     }
+}
 
-    fn validate(&self, request: &RateLimitRequest) -> Result<(), Status> {
-        let b = &self.bounds;
-        let invalid = |m: String| Err(Status::invalid_argument(m));
-        if request.domain.is_empty() {
-            return invalid("rate limit domain must not be empty".into());
+/// Rejects a request no rule could be matched against, or past `bounds`, naming what is wrong.
+pub(super) fn validate(request: &RateLimitRequest, b: &Bounds) -> Result<(), Status> {
+    let invalid = |m: String| Err(Status::invalid_argument(m));
+    if request.domain.is_empty() {
+        return invalid("rate limit domain must not be empty".into());
+    }
+    if request.descriptors.is_empty() {
+        return invalid("rate limit descriptor list must not be empty".into());
+    }
+    if request.descriptors.len() > b.max_descriptors {
+        return invalid(format!(
+            "{} descriptors exceed --max-descriptors ({})",
+            request.descriptors.len(),
+            b.max_descriptors
+        ));
+    }
+    for (i, d) in request.descriptors.iter().enumerate() {
+        if d.entries.is_empty() {
+            return invalid(format!("descriptor {i} has no entries"));
         }
-        if request.descriptors.is_empty() {
-            return invalid("rate limit descriptor list must not be empty".into());
-        }
-        if request.descriptors.len() > b.max_descriptors {
+        if d.entries.len() > b.max_entries {
             return invalid(format!(
-                "{} descriptors exceed --max-descriptors ({})",
-                request.descriptors.len(),
-                b.max_descriptors
+                "descriptor {i} has {} entries, more than --max-entries ({})",
+                d.entries.len(),
+                b.max_entries
             ));
         }
-        for (i, d) in request.descriptors.iter().enumerate() {
-            if d.entries.is_empty() {
-                return invalid(format!("descriptor {i} has no entries"));
-            }
-            if d.entries.len() > b.max_entries {
-                return invalid(format!(
-                    "descriptor {i} has {} entries, more than --max-entries ({})",
-                    d.entries.len(),
-                    b.max_entries
-                ));
-            }
-            for (j, e) in d.entries.iter().enumerate() {
-                if e.key.is_empty() {
-                    return invalid(format!("descriptor {i} entry {j} has an empty key"));
-                }
-            }
-            if let Some(limit) = &d.limit
-                && override_unit(limit.unit).is_none()
-            {
-                return invalid(format!(
-                    "descriptor {i} has a limit override with an unknown unit ({})",
-                    limit.unit
-                ));
+        for (j, e) in d.entries.iter().enumerate() {
+            if e.key.is_empty() {
+                return invalid(format!("descriptor {i} entry {j} has an empty key"));
             }
         }
-        Ok(())
+        if let Some(limit) = &d.limit
+            && override_unit(limit.unit).is_none()
+        {
+            return invalid(format!(
+                "descriptor {i} has a limit override with an unknown unit ({})",
+                limit.unit
+            ));
+        }
     }
+    Ok(())
 }
 
 #[tonic::async_trait]
@@ -318,7 +318,7 @@ fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
     })
 }
 
-fn override_unit(unit: i32) -> Option<Unit> {
+pub(super) fn override_unit(unit: i32) -> Option<Unit> {
     Some(match RateLimitUnit::try_from(unit).ok()? {
         RateLimitUnit::Unknown => return None,
         RateLimitUnit::Second => Unit::Second,
@@ -344,19 +344,26 @@ fn response_unit(unit: Unit) -> rate_limit::Unit {
 
 /// Hits a descriptor consumes: its own `hits_addend` when set (0 checks only), else the
 /// request's, where 0 means 1; at most `MOST_HITS`.
-fn hits(request: &RateLimitRequest, descriptor: &RateLimitDescriptor) -> u64 {
+pub(super) fn hits(request: &RateLimitRequest, descriptor: &RateLimitDescriptor) -> u64 {
     match descriptor.hits_addend {
         Some(h) => h.value.min(MOST_HITS),
         None => u64::from(request.hits_addend.max(1)),
     }
 }
 
-/// Resolves every descriptor into its limits and gathers them into one check.
-fn plan<'a>(rules: &'a RuleSet, request: &'a RateLimitRequest) -> (Vec<Plan<'a>>, Check) {
+/// Resolves every descriptor into its limits and gathers them into one check; `metered`: count
+/// it in the metrics (a request), or not (an explanation).
+pub(super) fn plan<'a>(
+    rules: &'a RuleSet,
+    request: &'a RateLimitRequest,
+    metered: bool,
+) -> (Vec<Plan<'a>>, Check) {
     let domain = request.domain.as_slice();
     let mut check = Check::default();
     if !rules.has_domain(domain) {
-        METRICS.unknown_domain.inc();
+        if metered {
+            METRICS.unknown_domain.inc();
+        }
         return (
             request.descriptors.iter().map(|_| Plan::Free).collect(),
             check,
@@ -456,7 +463,10 @@ fn plan<'a>(rules: &'a RuleSet, request: &'a RateLimitRequest) -> (Vec<Plan<'a>>
         plans.push(if end > start {
             Plan::Limited {
                 items: start..end,
-                stats: m.as_ref().map(|m| stats_of(rules, domain, entries, m)),
+                stats: m
+                    .as_ref()
+                    .filter(|_| metered)
+                    .map(|m| stats_of(rules, domain, entries, m)),
             }
         } else {
             Plan::Free
