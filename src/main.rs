@@ -63,8 +63,8 @@ struct ServeArgs {
     /// Address of the gRPC server (rate limit service, health, reflection).
     #[arg(long, env = "SLUICE_GRPC_ADDR", default_value = "0.0.0.0:8081")]
     grpc_addr: SocketAddr,
-    /// Address of the admin HTTP server (/healthz, /readyz, /metrics, /config, /rlconfig, and
-    /// /json unless --json-addr moves it).
+    /// Address of the admin HTTP server (/healthz, /readyz, /metrics, /config, /rlconfig,
+    /// /explain, and /json unless --json-addr moves it).
     #[arg(long, env = "SLUICE_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     http_addr: SocketAddr,
     /// Where /json (which moves counters) is served: an address of its own, or `off`. Without
