@@ -21,7 +21,7 @@ use super::http::decode;
 use super::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use super::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use super::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use super::rls::{Bounds, Plan, hits, override_unit, plan, validate};
+use super::rls::{Bounds, Plan, hits, override_unit, plan};
 use crate::limiter::{Item, Mode};
 use crate::rules::{Matched, RuleSet, Stop, Walk, limit_json, rule_limit_json};
 use crate::store::redis_key;
@@ -159,7 +159,9 @@ pub fn explain(
     redis_key_prefix: Option<&str>,
 ) -> Result<Explanation, String> {
     let request = &request.0;
-    validate(request, bounds).map_err(|s| s.message().to_owned())?;
+    bounds
+        .validate(request)
+        .map_err(|s| s.message().to_owned())?;
     let domain = request.domain.as_slice();
     let (plans, check) = plan(rules, request, false);
     let walks: Vec<Walk> = request

@@ -151,7 +151,7 @@ impl Rls {
         caller_timeout: Option<Duration>,
         at: Option<u64>,
     ) -> Result<RateLimitResponse, Status> {
-        validate(request, &self.bounds)?;
+        self.bounds.validate(request)?;
         let rules = self.rules.load();
         let (plans, mut check) = plan(&rules, request, true);
         if let Some(at) = at {
@@ -238,48 +238,52 @@ impl Rls {
     }
 }
 
-/// Rejects a request no rule could be matched against, or past `bounds`, naming what is wrong.
-pub(super) fn validate(request: &RateLimitRequest, b: &Bounds) -> Result<(), Status> {
-    let invalid = |m: String| Err(Status::invalid_argument(m));
-    if request.domain.is_empty() {
-        return invalid("rate limit domain must not be empty".into());
-    }
-    if request.descriptors.is_empty() {
-        return invalid("rate limit descriptor list must not be empty".into());
-    }
-    if request.descriptors.len() > b.max_descriptors {
-        return invalid(format!(
-            "{} descriptors exceed --max-descriptors ({})",
-            request.descriptors.len(),
-            b.max_descriptors
-        ));
-    }
-    for (i, d) in request.descriptors.iter().enumerate() {
-        if d.entries.is_empty() {
-            return invalid(format!("descriptor {i} has no entries"));
+impl Bounds {
+    /// Rejects a request no rule could be matched against, or one past these bounds, naming
+    /// what is wrong.
+    pub(super) fn validate(&self, request: &RateLimitRequest) -> Result<(), Status> {
+        let b = self;
+        let invalid = |m: String| Err(Status::invalid_argument(m));
+        if request.domain.is_empty() {
+            return invalid("rate limit domain must not be empty".into());
         }
-        if d.entries.len() > b.max_entries {
+        if request.descriptors.is_empty() {
+            return invalid("rate limit descriptor list must not be empty".into());
+        }
+        if request.descriptors.len() > b.max_descriptors {
             return invalid(format!(
-                "descriptor {i} has {} entries, more than --max-entries ({})",
-                d.entries.len(),
-                b.max_entries
+                "{} descriptors exceed --max-descriptors ({})",
+                request.descriptors.len(),
+                b.max_descriptors
             ));
         }
-        for (j, e) in d.entries.iter().enumerate() {
-            if e.key.is_empty() {
-                return invalid(format!("descriptor {i} entry {j} has an empty key"));
+        for (i, d) in request.descriptors.iter().enumerate() {
+            if d.entries.is_empty() {
+                return invalid(format!("descriptor {i} has no entries"));
+            }
+            if d.entries.len() > b.max_entries {
+                return invalid(format!(
+                    "descriptor {i} has {} entries, more than --max-entries ({})",
+                    d.entries.len(),
+                    b.max_entries
+                ));
+            }
+            for (j, e) in d.entries.iter().enumerate() {
+                if e.key.is_empty() {
+                    return invalid(format!("descriptor {i} entry {j} has an empty key"));
+                }
+            }
+            if let Some(limit) = &d.limit
+                && override_unit(limit.unit).is_none()
+            {
+                return invalid(format!(
+                    "descriptor {i} has a limit override with an unknown unit ({})",
+                    limit.unit
+                ));
             }
         }
-        if let Some(limit) = &d.limit
-            && override_unit(limit.unit).is_none()
-        {
-            return invalid(format!(
-                "descriptor {i} has a limit override with an unknown unit ({})",
-                limit.unit
-            ));
-        }
+        Ok(())
     }
-    Ok(())
 }
 
 #[tonic::async_trait]
