@@ -6,9 +6,11 @@
 //!   and the admin HTTP server, with the bounds of each edge and the readiness both report. It
 //!   validates requests, resolves hits, turns one decision into one status per descriptor, and
 //!   answers by `--on-store-error` when the store cannot decide; it loads and hot-reloads the
-//!   rules and serves metrics and the rules in force on the admin HTTP server.
+//!   rules and serves metrics, the rules in force and explanations of how they match a request
+//!   (`service::explain`) on the admin HTTP server.
 //! - [`rules`] — the matcher built from rule files: (domain, descriptor entries) → the limits that
-//!   apply, with envoyproxy/ratelimit's exact / wildcard / key-only precedence.
+//!   apply, with envoyproxy/ratelimit's exact / wildcard / key-only precedence, and the explain
+//!   walk that tells how each entry matched.
 //! - [`limiter`] — what a limit is (`Limit`, `Algorithm`, `Mode`), each algorithm's math shared by
 //!   every store, counter identities (`CounterKey`), the all-or-nothing `Check` → `Decision`, and
 //!   the local over-limit cache that denies without a store call.

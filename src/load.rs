@@ -59,7 +59,8 @@ pub struct Options {
     pub quiet: bool,
 }
 
-fn parse_descriptor(text: &str) -> Result<Vec<(String, String)>, String> {
+/// A descriptor from `key=value[,key=value…]`, each entry split at its first `=`.
+pub fn parse_descriptor(text: &str) -> Result<Vec<(String, String)>, String> {
     text.split(',')
         .map(|pair| match pair.split_once('=') {
             Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),

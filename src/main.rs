@@ -1,5 +1,6 @@
-//! The `sluice` command: `serve` runs the service, `check-config` validates rule files, `load`
-//! measures a running service and `health` probes its gRPC health.
+//! The `sluice` command: `serve` runs the service, `check-config` validates rule files, `explain`
+//! shows how rules match a request, `load` measures a running service and `health` probes its
+//! gRPC health.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -42,6 +43,9 @@ enum Command {
         #[arg(long, env = "SLUICE_MERGE_DOMAINS")]
         merge_domains: bool,
     },
+    /// Explain how rules match a request: each descriptor's walk through the rule tree, the
+    /// limits, replaces and modes that apply, and the counters it would move (none is moved).
+    Explain(ExplainArgs),
     /// Load a rate limit service (sluice or another) and report throughput and latency.
     Load(sluice::load::Options),
     /// Ask a running server's gRPC health service; exit 0 when it reports SERVING.
@@ -62,8 +66,8 @@ struct ServeArgs {
     /// Address of the gRPC server (rate limit service, health, reflection).
     #[arg(long, env = "SLUICE_GRPC_ADDR", default_value = "0.0.0.0:8081")]
     grpc_addr: SocketAddr,
-    /// Address of the admin HTTP server (/healthz, /readyz, /metrics, /config, /rlconfig, and
-    /// /json unless --json-addr moves it).
+    /// Address of the admin HTTP server (/healthz, /readyz, /metrics, /config, /rlconfig,
+    /// /explain, and /json unless --json-addr moves it).
     #[arg(long, env = "SLUICE_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     http_addr: SocketAddr,
     /// Where /json (which moves counters) is served: an address of its own, or `off`. Without
@@ -149,6 +153,37 @@ struct ServeArgs {
     redis_tls: RedisTlsFlags,
 }
 
+#[derive(Args)]
+struct ExplainArgs {
+    /// A rule file, or a directory of them (one domain per file).
+    path: PathBuf,
+    /// The request's domain.
+    #[arg(long, required_unless_present = "request")]
+    domain: Option<String>,
+    /// One request descriptor as key=value[,key=value…] (each entry split at its first `=`);
+    /// repeat for several descriptors, in order.
+    #[arg(long = "descriptor", value_parser = sluice::load::parse_descriptor, requires = "domain")]
+    descriptors: Vec<Vec<(String, String)>>,
+    /// The request as protobuf JSON, as `/json` takes it: a file, or `-` for standard input.
+    #[arg(long, conflicts_with_all = ["domain", "descriptors"])]
+    request: Option<PathBuf>,
+    /// Prefix of the Redis keys shown.
+    #[arg(long, env = "SLUICE_REDIS_KEY_PREFIX", default_value = "sluice:")]
+    redis_key_prefix: String,
+    /// Explain as `serve --merge-domains` loads the rules.
+    #[arg(long, env = "SLUICE_MERGE_DOMAINS")]
+    merge_domains: bool,
+    /// Explain as `serve --quota-mode` answers.
+    #[arg(long, env = "SLUICE_QUOTA_MODE")]
+    quota_mode: bool,
+    /// Explain as `serve --counting` counts rules that do not say.
+    #[arg(long, env = "SLUICE_COUNTING", value_enum, default_value_t = Counting::Admitted)]
+    counting: Counting,
+    /// Print the explanation as JSON (as `POST /explain` answers) instead of a text tree.
+    #[arg(long)]
+    json: bool,
+}
+
 fn parse_json_addr(value: &str) -> Result<JsonAt, String> {
     if value == "off" {
         return Ok(JsonAt::Off);
@@ -219,6 +254,7 @@ fn main() -> ExitCode {
             merge_domains,
         }),
         Command::Health { target, tls } => health(target, tls),
+        Command::Explain(args) => explain(&args),
         Command::Load(options) => load(options),
         Command::Serve(args) => {
             sluice::telemetry::init(args.log_format, args.log_level.as_deref());
@@ -253,6 +289,77 @@ fn check_config(source: &config::Source) -> ExitCode {
                 println!("{e}");
             }
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// Exit status of `explain` for a request it cannot read (as clap's for a malformed argument).
+const MALFORMED_REQUEST: u8 = 2;
+
+fn explain(args: &ExplainArgs) -> ExitCode {
+    use sluice::service::explain::{Request, explain};
+    use std::io::Read;
+    let request = match &args.request {
+        None => Ok(Request::new(
+            args.domain.as_deref().unwrap_or_default(),
+            &args.descriptors,
+        )),
+        Some(path) => {
+            let mut body = Vec::new();
+            let read = if path.as_os_str() == "-" {
+                std::io::stdin().read_to_end(&mut body).map(drop)
+            } else {
+                std::fs::File::open(path).and_then(|mut f| f.read_to_end(&mut body).map(drop))
+            };
+            read.map_err(|e| format!("--request {}: {e}\n", path.display()))
+                .and_then(|()| Request::from_json(&body))
+        }
+    };
+    let loaded = match config::load(&config::Source {
+        path: args.path.clone(),
+        merge_domains: args.merge_domains,
+    }) {
+        Ok(loaded) => loaded,
+        Err(errors) => {
+            for e in &errors {
+                eprintln!("{e}");
+            }
+            return ExitCode::FAILURE;
+        }
+    };
+    // Explaining is not serving: no --max-* bound applies.
+    let unbounded = Bounds {
+        max_descriptors: usize::MAX,
+        max_entries: usize::MAX,
+    };
+    let rules = sluice::rules::RuleSet::from_loaded(loaded);
+    let explained = request.and_then(|request| {
+        let answering = Answering {
+            quota_mode: args.quota_mode,
+            counting: args.counting,
+            ..Answering::default()
+        };
+        explain(
+            &rules,
+            &request,
+            &unbounded,
+            &answering,
+            Some(&args.redis_key_prefix),
+        )
+        .map_err(|m| format!("{m}\n"))
+    });
+    match explained {
+        Ok(explanation) if args.json => {
+            print!("{}", explanation.to_json());
+            ExitCode::SUCCESS
+        }
+        Ok(explanation) => {
+            print!("{}", explanation.render());
+            ExitCode::SUCCESS
+        }
+        Err(message) => {
+            eprint!("sluice explain: {message}");
+            ExitCode::from(MALFORMED_REQUEST)
         }
     }
 }

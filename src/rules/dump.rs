@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 
 use super::RuleSet;
 use crate::config::{DescriptorConfig, RuleLimit};
-use crate::limiter::{Algorithm, Mode};
+use crate::limiter::{Algorithm, Limit, Mode};
 
 impl RuleSet {
     /// The rules as JSON.
@@ -62,7 +62,7 @@ fn descriptor_json(d: &DescriptorConfig) -> Value {
     if !d.limits.is_empty() {
         fields.insert(
             "rate_limits".into(),
-            d.limits.iter().map(limit_json).collect(),
+            d.limits.iter().map(rule_limit_json).collect(),
         );
     }
     if d.mode.is_shadow() {
@@ -95,20 +95,13 @@ fn descriptor_json(d: &DescriptorConfig) -> Value {
     node
 }
 
-fn limit_json(l: &RuleLimit) -> Value {
+/// A rule's limit as JSON: `limit_json` of it, or `unlimited`, with its `name` and `replaces`.
+pub fn rule_limit_json(l: &RuleLimit) -> Value {
     let mut limit = match &l.limit {
         None => json!({ "unlimited": true }),
-        Some(limit) => json!({
-            "unit": limit.unit.name(),
-            "requests_per_unit": limit.requests_per_unit,
-            "unit_multiplier": limit.unit_multiplier,
-            "algorithm": limit.algorithm.name(),
-        }),
+        Some(limit) => limit_json(limit),
     };
     let fields = limit.as_object_mut().expect("an object");
-    if let Some(limit) = l.limit.as_ref().filter(|l| l.algorithm.is_bucket()) {
-        fields.insert("burst".into(), json!(limit.burst));
-    }
     if !l.name.is_empty() {
         fields.insert("name".into(), json!(l.name));
     }
@@ -116,6 +109,25 @@ fn limit_json(l: &RuleLimit) -> Value {
         fields.insert("replaces".into(), json!(l.replaces));
     }
     limit
+}
+
+/// A limit as JSON: unit, requests per unit, multiplier, algorithm, a bucket's burst, its name
+/// when it has one.
+pub fn limit_json(limit: &Limit) -> Value {
+    let mut json = json!({
+        "unit": limit.unit.name(),
+        "requests_per_unit": limit.requests_per_unit,
+        "unit_multiplier": limit.unit_multiplier,
+        "algorithm": limit.algorithm.name(),
+    });
+    let fields = json.as_object_mut().expect("an object");
+    if limit.algorithm.is_bucket() {
+        fields.insert("burst".into(), json!(limit.burst));
+    }
+    if !limit.name.is_empty() {
+        fields.insert("name".into(), json!(limit.name));
+    }
+    json
 }
 
 fn text_lines(parent: &str, d: &DescriptorConfig, out: &mut String) {

@@ -9,9 +9,13 @@
 //! path of `key_value` (or `key` alone) steps joined by dots.
 
 mod dump;
+mod explain;
+
+pub use dump::{limit_json, rule_limit_json};
+pub use explain::{Stop, Walk};
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -71,7 +75,10 @@ pub struct Node {
     pub mode: Mode,
     /// When the rule's hits are charged, if it says (`counting`).
     pub counting: Option<Counting>,
-    share_threshold: bool,
+    pub share_threshold: bool,
+    /// The file and line that declare the rule.
+    file: Arc<Path>,
+    line: usize,
     /// The rule's path, `key_value.key…`, as envoyproxy/ratelimit names the rule's stats.
     pub path: String,
     /// The counters of the rule's metrics.
@@ -134,10 +141,11 @@ impl RuleSet {
         // A domain in several files (`--merge-domains`) is one tree: validation has made sure
         // that no two files define the same top-level rule.
         for d in domains {
+            let file = Arc::from(d.file.as_path());
             levels
                 .entry(d.domain.clone().into_bytes())
                 .or_default()
-                .add(&d.domain, "", false, d.descriptors, &mut paths);
+                .add(&d.domain, &file, "", false, d.descriptors, &mut paths);
         }
         RuleSet {
             domains: levels,
@@ -255,7 +263,7 @@ impl RuleSet {
 }
 
 /// How a descriptor entry matched its rule.
-enum Matched<'a> {
+pub enum Matched<'a> {
     /// Its exact value.
     Exact,
     /// A value with `*` wildcards: this one.
@@ -276,6 +284,7 @@ impl Level {
     fn add(
         &mut self,
         domain: &str,
+        file: &Arc<Path>,
         parent: &str,
         value_to_metric_above: bool,
         descriptors: Vec<DescriptorConfig>,
@@ -294,12 +303,14 @@ impl Level {
             let value_to_metric = value_to_metric_above || d.value_to_metric;
             paths.insert((domain.to_owned(), path.clone()));
             let mut children = Level::default();
-            children.add(domain, &path, value_to_metric, d.descriptors, paths);
+            children.add(domain, file, &path, value_to_metric, d.descriptors, paths);
             let node = Node {
                 limits: d.limits,
                 mode: d.mode,
                 counting: d.counting,
                 share_threshold: d.share_threshold,
+                file: file.clone(),
+                line: d.line,
                 stats: METRICS.rule(domain, &path),
                 named_by_request: d.detailed_metric || value_to_metric,
                 detailed_metric: d.detailed_metric,

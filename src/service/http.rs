@@ -133,7 +133,7 @@ async fn json(State(rls): State<Arc<Rls>>, body: Bytes) -> Response {
 }
 
 /// A RateLimitRequest in protobuf JSON and the instant its `"at"` names, if any.
-fn decode(body: &[u8]) -> Result<(RateLimitRequest, Option<u64>), String> {
+pub(super) fn decode(body: &[u8]) -> Result<(RateLimitRequest, Option<u64>), String> {
     let mut json: serde_json::Value = serde_json::from_slice(body)
         .map_err(|e| format!("invalid RateLimitRequest JSON: {e}\n"))?;
     let at = match json.as_object_mut().and_then(|o| o.remove("at")) {

@@ -6,6 +6,7 @@
 //! On one loop, the answers to the requests that arrived together are written together, where a
 //! work-stealing runtime would wake the connection, and write to the socket, once per answer.
 
+pub mod explain;
 mod gauges;
 mod http;
 mod pb;
@@ -283,7 +284,14 @@ pub async fn run(
         backend: setup.backend.clone(),
         cache: setup.cache.clone(),
     };
-    let mut admin = http::admin(readiness, setup.rules.clone(), gauges);
+    // `/explain` moves no counter: it stays on the admin port wherever `/json` is served.
+    let mut admin = http::admin(readiness, setup.rules.clone(), gauges).merge(explain::route(
+        setup.rules.clone(),
+        setup.bounds,
+        setup.answering,
+        setup.backend.redis_key_prefix().map(str::to_owned),
+        setup.edges.max_request_bytes,
+    ));
     let json = http::json_route(rls, setup.edges.max_request_bytes);
     if addrs.json == JsonAt::Http {
         admin = admin.merge(json.clone());

@@ -64,7 +64,7 @@ pub struct Fallback {
 
 /// How requests are answered beyond the rules: `--shadow-mode`, `--quota-mode`, `--counting`
 /// and `--near-limit-ratio`.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Answering {
     /// Count and report, but never deny.
     pub shadow_mode: bool,
@@ -88,7 +88,7 @@ pub struct Rls {
 }
 
 /// What one request descriptor turned into.
-enum Plan<'a> {
+pub(super) enum Plan<'a> {
     /// No rule applies (unknown domain, no match, or every limit replaced).
     Free,
     Unlimited,
@@ -101,7 +101,7 @@ enum Plan<'a> {
 }
 
 /// The metric counters a descriptor's hits go to.
-enum Stats<'a> {
+pub(super) enum Stats<'a> {
     /// Its rule's own.
     Rule(&'a RuleStats),
     /// A series named from the request's values.
@@ -158,9 +158,9 @@ impl Rls {
         caller_timeout: Option<Duration>,
         at: Option<u64>,
     ) -> Result<RateLimitResponse, Status> {
-        self.validate(request)?;
+        self.bounds.validate(request)?;
         let rules = self.rules.load();
-        let (plans, mut check) = plan(&rules, request, &self.answering);
+        let (plans, mut check) = plan(&rules, request, &self.answering, true);
         if let Some(at) = at {
             if let Some(item) = check
                 .items
@@ -243,9 +243,13 @@ impl Rls {
             }
         }
     }
+}
 
-    fn validate(&self, request: &RateLimitRequest) -> Result<(), Status> {
-        let b = &self.bounds;
+impl Bounds {
+    /// Rejects a request no rule could be matched against, or one past these bounds, naming
+    /// what is wrong.
+    pub(super) fn validate(&self, request: &RateLimitRequest) -> Result<(), Status> {
+        let b = self;
         let invalid = |m: String| Err(Status::invalid_argument(m));
         if request.domain.is_empty() {
             return invalid("rate limit domain must not be empty".into());
@@ -325,7 +329,7 @@ fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
     })
 }
 
-fn override_unit(unit: i32) -> Option<Unit> {
+pub(super) fn override_unit(unit: i32) -> Option<Unit> {
     Some(match RateLimitUnit::try_from(unit).ok()? {
         RateLimitUnit::Unknown => return None,
         RateLimitUnit::Second => Unit::Second,
@@ -351,23 +355,27 @@ fn response_unit(unit: Unit) -> rate_limit::Unit {
 
 /// Hits a descriptor consumes: its own `hits_addend` when set (0 checks only), else the
 /// request's, where 0 means 1; at most `MOST_HITS`.
-fn hits(request: &RateLimitRequest, descriptor: &RateLimitDescriptor) -> u64 {
+pub(super) fn hits(request: &RateLimitRequest, descriptor: &RateLimitDescriptor) -> u64 {
     match descriptor.hits_addend {
         Some(h) => h.value.min(MOST_HITS),
         None => u64::from(request.hits_addend.max(1)),
     }
 }
 
-/// Resolves every descriptor into its limits and gathers them into one check.
-fn plan<'a>(
+/// Resolves every descriptor into its limits, as `answering` has them counted, and gathers them
+/// into one check; `metered`: count it in the metrics (a request), or not (an explanation).
+pub(super) fn plan<'a>(
     rules: &'a RuleSet,
     request: &'a RateLimitRequest,
     answering: &Answering,
+    metered: bool,
 ) -> (Vec<Plan<'a>>, Check) {
     let domain = request.domain.as_slice();
     let mut check = Check::default();
     if !rules.has_domain(domain) {
-        METRICS.unknown_domain.inc();
+        if metered {
+            METRICS.unknown_domain.inc();
+        }
         return (
             request.descriptors.iter().map(|_| Plan::Free).collect(),
             check,
@@ -476,7 +484,10 @@ fn plan<'a>(
         plans.push(if end > start {
             Plan::Limited {
                 items: start..end,
-                stats: m.as_ref().map(|m| stats_of(rules, domain, entries, m)),
+                stats: m
+                    .as_ref()
+                    .filter(|_| metered)
+                    .map(|m| stats_of(rules, domain, entries, m)),
             }
         } else {
             // Under global quota mode, envoyproxy/ratelimit counts a descriptor without a limit

@@ -15,7 +15,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 pub use memory::{MemoryStore, Stored};
-pub use redis::{RedisStore, RedisTls, RedisTlsFlags};
+pub use redis::{RedisStore, RedisTls, RedisTlsFlags, redis_key};
 
 use crate::limiter::{Check, Decision};
 use breaker::Breaker;
@@ -87,6 +87,14 @@ impl Backend {
                     .push(breaker);
                 Ok(Store::Redis(Box::new(store)))
             }
+        }
+    }
+
+    /// The prefix of the Redis keys; `None` on the embedded store.
+    pub fn redis_key_prefix(&self) -> Option<&str> {
+        match self {
+            Backend::Memory(_) => None,
+            Backend::Redis { key_prefix, .. } => Some(key_prefix),
         }
     }
 

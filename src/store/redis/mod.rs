@@ -32,7 +32,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::breaker::Breaker;
 use super::{Deadline, StoreError};
 use crate::limiter::algorithm::Verdict;
-use crate::limiter::{Algorithm, Check, Counting, Decision, Item, Mode};
+use crate::limiter::{Algorithm, Check, CounterKey, Counting, Decision, Item, Mode};
 use crate::telemetry::Throttle;
 use batch::Pending;
 pub use tls::{RedisTls, RedisTlsFlags};
@@ -113,16 +113,8 @@ impl RedisStore {
         })
     }
 
-    /// The Redis key of a counter: prefix, a hash tag derived from the descriptor (so all limits
-    /// of one descriptor share a slot), then the injective counter encoding.
-    fn key(&self, key: &crate::limiter::CounterKey) -> Bytes {
-        let counter = key.as_bytes();
-        let mut out = Vec::with_capacity(self.prefix.len() + 18 + counter.len());
-        out.extend_from_slice(&self.prefix);
-        out.push(b'{');
-        write!(out, "{:016x}}}", fnv1a(key.descriptor())).expect("writing to a Vec succeeds");
-        out.extend_from_slice(counter);
-        Bytes::from(out)
+    fn key(&self, key: &CounterKey) -> Bytes {
+        redis_key(&self.prefix, key)
     }
 
     pub async fn apply(&self, check: &Check, deadline: Deadline) -> Result<Decision, StoreError> {
@@ -440,6 +432,19 @@ fn take_request(reply: &mut &[i64], counters: usize) -> Answer {
         })
         .collect();
     Ok((answer[0] == 1, verdicts))
+}
+
+/// The Redis key of a counter under `prefix`: the prefix, a hash tag derived from the
+/// descriptor (so all limits of one descriptor share a slot), then the injective counter
+/// encoding.
+pub fn redis_key(prefix: &[u8], key: &CounterKey) -> Bytes {
+    let counter = key.as_bytes();
+    let mut out = Vec::with_capacity(prefix.len() + 18 + counter.len());
+    out.extend_from_slice(prefix);
+    out.push(b'{');
+    write!(out, "{:016x}}}", fnv1a(key.descriptor())).expect("writing to a Vec succeeds");
+    out.extend_from_slice(counter);
+    Bytes::from(out)
 }
 
 /// FNV-1a, 64 bits: a stable hash, the same in every replica, for the key's hash tag.

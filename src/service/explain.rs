@@ -1,0 +1,590 @@
+//! `sluice explain` and `POST /explain`: for a request, each descriptor's walk through the rule
+//! tree (`RuleSet::explain`, the request path's own matching), then what the request path plans
+//! from it, by the same `plan` as `rls`: the limits chosen, those `replaces` dropped, the hits,
+//! and the counter (and Redis key) each limit moves. Nothing is counted: no store is asked and
+//! no metric moves.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use serde::Serialize;
+use serde_json::{Map, Value, json};
+
+use super::Rules;
+use super::http::decode;
+use super::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use super::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use super::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use super::rls::{Answering, Bounds, Plan, hits, override_unit, plan};
+use crate::limiter::{Item, Mode};
+use crate::rules::{Matched, RuleSet, Stop, Walk, limit_json, rule_limit_json};
+use crate::store::redis_key;
+
+/// A request to explain, as the rate limit service would receive it.
+pub struct Request(RateLimitRequest);
+
+impl Request {
+    /// A request in protobuf JSON, as `/json` takes it.
+    pub fn from_json(body: &[u8]) -> Result<Request, String> {
+        decode(body).map(|(request, _)| Request(request))
+    }
+
+    /// A request for `domain` with one descriptor per list of (key, value) entries.
+    pub fn new(domain: &str, descriptors: &[Vec<(String, String)>]) -> Request {
+        let descriptor = |entries: &Vec<(String, String)>| RateLimitDescriptor {
+            entries: entries
+                .iter()
+                .map(|(key, value)| Entry {
+                    key: key.as_bytes().to_vec(),
+                    value: value.as_bytes().to_vec(),
+                })
+                .collect(),
+            ..Default::default()
+        };
+        Request(RateLimitRequest {
+            domain: domain.as_bytes().to_vec(),
+            descriptors: descriptors.iter().map(descriptor).collect(),
+            hits_addend: 0,
+        })
+    }
+}
+
+/// How the rules answer one request, descriptor by descriptor.
+#[derive(Serialize)]
+pub struct Explanation {
+    domain: String,
+    /// Whether a rule file declares the domain (else every descriptor is OK with no limit).
+    known_domain: bool,
+    /// The prefix the Redis keys are shown under; `None` for a server on the embedded store.
+    redis_key_prefix: Option<String>,
+    descriptors: Vec<Descriptor>,
+}
+
+#[derive(Serialize)]
+struct Descriptor {
+    /// Every entry of the request descriptor, in order.
+    entries: Vec<Step>,
+    /// Why the walk ended before the last entry, if it did.
+    stop: Option<Stopped>,
+    /// The rule matched by the last entry, when every entry matched.
+    rule: Option<Rule>,
+    /// The request's own limit for this descriptor, which replaces the rule's.
+    #[serde(rename = "override")]
+    limit_override: Option<Value>,
+    /// Hits every limit of the descriptor would consume (or give back when `refund`).
+    hits: u64,
+    /// `descriptor`: its own `hits_addend`; `request`: the request's, 0 meaning 1.
+    hits_from: &'static str,
+    refund: bool,
+    /// The rule's limits dropped because a rule of the request `replaces` them.
+    replaced: Vec<Replaced>,
+    /// `limited`, `unlimited` or `no_limit` (OK without a limit).
+    result: &'static str,
+    /// Whether `share_threshold` made every value of a pattern share the counters.
+    shared_counter: bool,
+    /// The counters the request would move, one per limit that applies.
+    counters: Vec<Counter>,
+}
+
+#[derive(Serialize)]
+struct Step {
+    key: String,
+    value: String,
+    /// `exact`, `wildcard`, `key` (a key-only rule), `none`, or `not_reached` after a `none`.
+    #[serde(rename = "match")]
+    how: &'static str,
+    /// The `*` pattern that matched, for `wildcard`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pattern: Option<String>,
+    /// `file:line` of the rule the entry matched.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rule: Option<String>,
+    /// What the counters count the entry under: its value, or the pattern under
+    /// `share_threshold`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    counted_value: Option<String>,
+}
+
+#[derive(Serialize)]
+struct Stopped {
+    /// The index of the entry that matched nothing.
+    entry: usize,
+    reason: &'static str,
+    message: String,
+}
+
+#[derive(Serialize)]
+struct Rule {
+    /// `file:line`.
+    source: String,
+    /// As the metrics name it.
+    path: String,
+    modes: Map<String, Value>,
+    share_threshold: bool,
+    /// As the rule declares them, `replaces` included.
+    limits: Vec<Value>,
+}
+
+#[derive(Serialize)]
+struct Replaced {
+    name: String,
+    /// The descriptors whose rules replace it.
+    by: Vec<usize>,
+}
+
+#[derive(Serialize)]
+struct Counter {
+    /// `rule`, or `override` for the request's own limit.
+    source: &'static str,
+    limit: Value,
+    modes: Map<String, Value>,
+    /// The counter's identity, as the embedded store keys it.
+    counter: String,
+    /// Its Redis key under the prefix.
+    redis_key: Option<String>,
+}
+
+/// Explains `request` against `rules` after the checks of the request path (within `bounds`),
+/// answered as `answering` says (global quota mode, default counting), with Redis keys under
+/// `redis_key_prefix` when given.
+pub fn explain(
+    rules: &RuleSet,
+    request: &Request,
+    bounds: &Bounds,
+    answering: &Answering,
+    redis_key_prefix: Option<&str>,
+) -> Result<Explanation, String> {
+    let request = &request.0;
+    bounds
+        .validate(request)
+        .map_err(|s| s.message().to_owned())?;
+    let domain = request.domain.as_slice();
+    let (plans, check) = plan(rules, request, answering, false);
+    let walks: Vec<Walk> = request
+        .descriptors
+        .iter()
+        .map(|d| {
+            let entries: Vec<(&[u8], &[u8])> = d
+                .entries
+                .iter()
+                .map(|e| (e.key.as_slice(), e.value.as_slice()))
+                .collect();
+            rules.explain(domain, &entries)
+        })
+        .collect();
+    let descriptors = request
+        .descriptors
+        .iter()
+        .zip(&walks)
+        .zip(&plans)
+        .map(|((descriptor, walk), plan)| {
+            let items = match plan {
+                Plan::Limited { items, .. } => &check.items[items.clone()],
+                Plan::Free | Plan::Unlimited => &[],
+            };
+            explain_descriptor(
+                request,
+                descriptor,
+                walk,
+                plan,
+                items,
+                &walks,
+                redis_key_prefix,
+            )
+        })
+        .collect();
+    Ok(Explanation {
+        domain: text(domain),
+        known_domain: rules.has_domain(domain),
+        redis_key_prefix: redis_key_prefix.map(str::to_owned),
+        descriptors,
+    })
+}
+
+fn explain_descriptor(
+    request: &RateLimitRequest,
+    descriptor: &RateLimitDescriptor,
+    walk: &Walk,
+    plan: &Plan,
+    items: &[Item],
+    walks: &[Walk],
+    redis_key_prefix: Option<&str>,
+) -> Descriptor {
+    let counted = walk.matched.as_ref().map(|m| &m.counted_values);
+    let entries = descriptor
+        .entries
+        .iter()
+        .enumerate()
+        .map(|(i, entry)| {
+            let (how, pattern, rule) = match walk.steps.get(i) {
+                Some((Matched::Exact, node)) => ("exact", None, Some(node.source())),
+                Some((Matched::Pattern(p), node)) => {
+                    ("wildcard", Some(text(p)), Some(node.source()))
+                }
+                Some((Matched::Key, node)) => ("key", None, Some(node.source())),
+                None if i == walk.steps.len() => ("none", None, None),
+                None => ("not_reached", None, None),
+            };
+            Step {
+                key: text(&entry.key),
+                value: text(&entry.value),
+                how,
+                pattern,
+                rule,
+                counted_value: counted.map(|c| text(c[i])),
+            }
+        })
+        .collect();
+    let stop = walk.stop.map(|stop| {
+        let entry = walk.steps.len();
+        Stopped {
+            entry,
+            reason: stop.name(),
+            message: stop_message(stop, walk, descriptor, entry),
+        }
+    });
+    let node = walk.matched.as_ref().map(|m| m.node);
+    let rule = node.map(|node| Rule {
+        source: node.source(),
+        path: node.path.clone(),
+        modes: node.modes(),
+        share_threshold: node.share_threshold,
+        limits: node.limits.iter().map(rule_limit_json).collect(),
+    });
+    // A rule's limit missing from the plan was dropped by a `replaces` of the request's rules.
+    let replaced = match (node, plan) {
+        (Some(node), Plan::Limited { .. } | Plan::Free) if descriptor.limit.is_none() => node
+            .limits
+            .iter()
+            .filter(|l| {
+                l.limit
+                    .as_ref()
+                    .is_some_and(|limit| !items.iter().any(|i| i.limit == *limit))
+            })
+            .map(|l| Replaced {
+                name: l.name.clone(),
+                by: replacers(&l.name, walks),
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    let counters = items
+        .iter()
+        .map(|item| Counter {
+            source: if descriptor.limit.is_some() {
+                "override"
+            } else {
+                "rule"
+            },
+            limit: limit_json(&item.limit),
+            modes: item_modes(item),
+            counter: text(item.key.as_bytes()),
+            redis_key: redis_key_prefix.map(|p| text(&redis_key(p.as_bytes(), &item.key))),
+        })
+        .collect();
+    Descriptor {
+        entries,
+        stop,
+        rule,
+        limit_override: descriptor.limit.as_ref().map(|o| {
+            json!({
+                "requests_per_unit": o.requests_per_unit,
+                "unit": override_unit(o.unit).map_or("unknown", |u| u.name()),
+            })
+        }),
+        hits: hits(request, descriptor),
+        hits_from: if descriptor.hits_addend.is_some() {
+            "descriptor"
+        } else {
+            "request"
+        },
+        refund: descriptor.is_negative_hits,
+        replaced,
+        result: match plan {
+            Plan::Free => "no_limit",
+            Plan::Unlimited => "unlimited",
+            Plan::Limited { .. } => "limited",
+        },
+        shared_counter: counted.is_some_and(|c| {
+            c.iter()
+                .zip(&descriptor.entries)
+                .any(|(counted, entry)| *counted != entry.value.as_slice())
+        }),
+        counters,
+    }
+}
+
+/// The descriptors whose matched rules name `name` in their `replaces`.
+fn replacers(name: &str, walks: &[Walk]) -> Vec<usize> {
+    walks
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| {
+            w.matched.as_ref().is_some_and(|m| {
+                m.node
+                    .limits
+                    .iter()
+                    .any(|l| l.replaces.iter().any(|r| r == name))
+            })
+        })
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// How a counter takes part in the decision, by mode name, as `Node::modes` names the rule's.
+fn item_modes(item: &Item) -> Map<String, Value> {
+    [
+        ("shadow_mode", json!(item.mode.is_shadow())),
+        (
+            "quota_mode",
+            json!(matches!(item.mode, Mode::Quota | Mode::ShadowQuota)),
+        ),
+        ("counting", json!(item.counting.name())),
+    ]
+    .into_iter()
+    .map(|(name, on)| (name.to_owned(), on))
+    .collect()
+}
+
+fn stop_message(stop: Stop, walk: &Walk, descriptor: &RateLimitDescriptor, entry: usize) -> String {
+    let key = text(&descriptor.entries[entry].key);
+    let value = text(&descriptor.entries[entry].value);
+    let under = match walk.steps.last() {
+        Some((_, node)) => format!("under rule `{}` ({})", node.path, node.source()),
+        None => "at the top of the domain".to_owned(),
+    };
+    match stop {
+        Stop::UnknownDomain => "no rule file declares this domain: every descriptor is OK with no limit, as envoyproxy/ratelimit answers".to_owned(),
+        Stop::DeeperThanRules if entry == 0 => "the domain has no rules".to_owned(),
+        Stop::DeeperThanRules => format!(
+            "the descriptor has more entries than the rules are deep: no rule is nested {under}"
+        ),
+        Stop::NoRuleForKey => format!("no rule has key `{key}` {under}"),
+        Stop::NoRuleForValue => format!(
+            "rules with key `{key}` {under} take other values: none is `{value}` exactly, no pattern matches it, and none is key-only"
+        ),
+    }
+}
+
+/// Request bytes as text: UTF-8 as it is, a backslash as `\\`, any other byte as `\xNN` (as
+/// redis-cli reads them between double quotes).
+fn text(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len());
+    for chunk in bytes.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            if c == '\\' {
+                out.push_str("\\\\");
+            } else {
+                out.push(c);
+            }
+        }
+        for b in chunk.invalid() {
+            write!(out, "\\x{b:02x}").expect("writing to a String succeeds");
+        }
+    }
+    out
+}
+
+impl Explanation {
+    /// As JSON, one document.
+    pub fn to_json(&self) -> String {
+        let mut text = serde_json::to_string_pretty(self).expect("an explanation serializes");
+        text.push('\n');
+        text
+    }
+
+    /// As an indented text tree, for a terminal.
+    pub fn render(&self) -> String {
+        let mut out = format!("domain \"{}\"", self.domain);
+        if !self.known_domain {
+            out.push_str(": no rule file declares it (every descriptor is OK with no limit)");
+        }
+        out.push('\n');
+        for (i, d) in self.descriptors.iter().enumerate() {
+            d.render(i, &mut out);
+        }
+        out
+    }
+}
+
+impl Descriptor {
+    fn render(&self, index: usize, out: &mut String) {
+        let mut line = |indent: usize, text: String| {
+            out.push_str(&"  ".repeat(indent));
+            out.push_str(&text);
+            out.push('\n');
+        };
+        line(0, format!("descriptor {index}"));
+        for step in &self.entries {
+            let how = match (&step.pattern, &step.rule) {
+                (Some(p), Some(r)) => format!("wildcard \"{p}\" ({r})"),
+                (None, Some(r)) => format!("{} ({r})", step.how),
+                _ => step.how.to_owned(),
+            };
+            let shared = match &step.counted_value {
+                Some(c) if *c != step.value => format!(", counted as \"{c}\" (share_threshold)"),
+                _ => String::new(),
+            };
+            line(
+                1,
+                format!("{} = \"{}\": {how}{shared}", step.key, step.value),
+            );
+        }
+        if let Some(stop) = &self.stop {
+            line(
+                1,
+                format!("stopped at entry {}: {}", stop.entry, stop.message),
+            );
+        }
+        if let Some(rule) = &self.rule {
+            line(
+                1,
+                format!(
+                    "rule `{}` ({}){}",
+                    rule.path,
+                    rule.source,
+                    modes_text(&rule.modes)
+                ),
+            );
+            for limit in &rule.limits {
+                line(2, format!("limit {}", limit_text(limit)));
+            }
+        }
+        for r in &self.replaced {
+            let by: Vec<String> = r.by.iter().map(|i| format!("descriptor {i}")).collect();
+            line(1, format!("replaced: `{}` by {}", r.name, by.join(", ")));
+        }
+        if let Some(o) = &self.limit_override {
+            line(
+                1,
+                format!(
+                    "override: {} per {} (replaces the rule's limits)",
+                    o["requests_per_unit"],
+                    o["unit"].as_str().unwrap_or_default()
+                ),
+            );
+        }
+        let from = match self.hits_from {
+            "descriptor" => "the descriptor's hits_addend",
+            _ => "the request's hits_addend, 0 meaning 1",
+        };
+        let verb = if self.refund { "gives back" } else { "hits" };
+        line(1, format!("{verb} {} ({from})", self.hits));
+        line(1, format!("result: {}", self.result.replace('_', " ")));
+        for c in &self.counters {
+            line(
+                1,
+                format!("counter {}{}", limit_text(&c.limit), modes_text(&c.modes)),
+            );
+            line(2, c.counter.clone());
+            if let Some(key) = &c.redis_key {
+                line(2, format!("redis key {key}"));
+            }
+        }
+    }
+}
+
+/// The modes that are on: ` [shadow_mode]`, or nothing.
+fn modes_text(modes: &Map<String, Value>) -> String {
+    let on: Vec<String> = modes
+        .iter()
+        .filter_map(|(name, value)| match value {
+            Value::Bool(true) => Some(name.clone()),
+            Value::Bool(false) | Value::Null => None,
+            other => Some(format!("{name}={other}")),
+        })
+        .collect();
+    if on.is_empty() {
+        String::new()
+    } else {
+        format!(" [{}]", on.join(", "))
+    }
+}
+
+/// A limit as `limit_json` writes it, in words: `10 per minute, fixed_window, name per_ip`.
+fn limit_text(limit: &Value) -> String {
+    if limit["unlimited"] == json!(true) {
+        return "unlimited".to_owned();
+    }
+    let unit = limit["unit"].as_str().unwrap_or_default();
+    let window = match limit["unit_multiplier"].as_u64() {
+        Some(1) | None => unit.to_owned(),
+        Some(n) => format!("{n} {unit}s"),
+    };
+    let mut text = format!(
+        "{} per {window}, {}",
+        limit["requests_per_unit"],
+        limit["algorithm"].as_str().unwrap_or_default()
+    );
+    for field in ["burst", "name"] {
+        match &limit[field] {
+            Value::Null => {}
+            Value::String(s) => write!(text, ", {field} {s}").expect("writing to a String"),
+            other => write!(text, ", {field} {other}").expect("writing to a String"),
+        }
+    }
+    if let Some(replaces) = limit["replaces"].as_array() {
+        let names: Vec<&str> = replaces.iter().filter_map(Value::as_str).collect();
+        write!(text, ", replaces {}", names.join(", ")).expect("writing to a String");
+    }
+    text
+}
+
+/// What `/explain` answers with: the rules in force, the server's bounds, answering and Redis
+/// key prefix.
+struct Explainer {
+    rules: Rules,
+    bounds: Bounds,
+    answering: Answering,
+    redis_key_prefix: Option<String>,
+}
+
+/// The `POST /explain` route, bounded to `max_body` bytes: the rules in force, explained for a
+/// request in protobuf JSON (as `/json` takes it); 200 with the explanation, 400 for a malformed
+/// request, 413 past `max_body`.
+pub(super) fn route(
+    rules: Rules,
+    bounds: Bounds,
+    answering: Answering,
+    redis_key_prefix: Option<String>,
+    max_body: usize,
+) -> Router {
+    let explainer = Arc::new(Explainer {
+        rules,
+        bounds,
+        answering,
+        redis_key_prefix,
+    });
+    Router::new()
+        .route("/explain", post(answer))
+        .layer(DefaultBodyLimit::max(max_body))
+        .with_state(explainer)
+}
+
+async fn answer(State(explainer): State<Arc<Explainer>>, body: Bytes) -> Response {
+    let explained = Request::from_json(&body).and_then(|request| {
+        explain(
+            &explainer.rules.current.load(),
+            &request,
+            &explainer.bounds,
+            &explainer.answering,
+            explainer.redis_key_prefix.as_deref(),
+        )
+        .map_err(|m| format!("{m}\n"))
+    });
+    match explained {
+        Ok(explanation) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/json")],
+            explanation.to_json(),
+        )
+            .into_response(),
+        Err(message) => (StatusCode::BAD_REQUEST, message).into_response(),
+    }
+}
