@@ -8,6 +8,7 @@
 
 mod gauges;
 mod http;
+mod metadata;
 mod pb;
 pub mod reload;
 pub mod rls;
@@ -122,7 +123,7 @@ impl Setup {
             Limiter::new(store, self.cache.clone()),
             self.bounds,
             self.fallback,
-            self.answering,
+            self.answering.clone(),
         )))
     }
 }
