@@ -135,6 +135,39 @@ mod tests {
     }
 
     #[test]
+    fn bytes_that_are_not_utf8_are_rendered_lossily() {
+        use crate::service::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+        let request = RateLimitRequest {
+            domain: b"d\xff".to_vec(),
+            descriptors: vec![RateLimitDescriptor {
+                entries: vec![Entry {
+                    key: b"user".to_vec(),
+                    value: b"mallory\xfe".to_vec(),
+                }],
+                ..Default::default()
+            }],
+            hits_addend: 0,
+        };
+        let described = describe(&request, std::iter::empty());
+        let text = |v: &Value| match &v.kind {
+            Some(Kind::StringValue(s)) => s.clone(),
+            other => panic!("a string: {other:?}"),
+        };
+        assert_eq!(text(&described.fields["domain"]), "d\u{fffd}");
+        let Some(Kind::ListValue(descriptors)) = &described.fields["descriptors"].kind else {
+            panic!("a list");
+        };
+        let Some(Kind::StructValue(first)) = &descriptors.values[0].kind else {
+            panic!("a struct");
+        };
+        let Some(Kind::ListValue(entries)) = &first.fields["entries"].kind else {
+            panic!("a list");
+        };
+        assert_eq!(text(&entries.values[0]), "user=mallory\u{fffd}");
+        assert!(!described.fields.contains_key("metadata"));
+    }
+
+    #[test]
     fn mappings_merge_recursively_and_the_first_value_wins_otherwise() {
         let mut dest = map(serde_json::json!({"team": "a", "tier": {"x": 1}, "list": [1]}));
         let src = map(
