@@ -121,6 +121,12 @@ descriptors:
   - key: rule
     value: hourly
     rate_limit: {unit: hour, requests_per_unit: 2}
+  - key: rule
+    value: seven_days
+    rate_limit: {unit: day, unit_multiplier: 7, requests_per_unit: 10}
+  - key: rule
+    value: thirty_days
+    rate_limit: {unit: day, unit_multiplier: 30, requests_per_unit: 10}
 ";
 
 /// A `rule` descriptor from the request's `x-rule` header.
@@ -165,6 +171,18 @@ async fn envoy_shows_whole_second_resets_and_states_no_window_a_multiplier_would
         header(&headers, "x-ratelimit-limit"),
         Some("10, 10;w=3600"),
         "60 minutes are an hour"
+    );
+    let (_, headers) = get_rule(&envoy, "seven_days");
+    assert_eq!(
+        header(&headers, "x-ratelimit-limit"),
+        Some("10, 10;w=604800"),
+        "7 days are a week"
+    );
+    let (_, headers) = get_rule(&envoy, "thirty_days");
+    assert_eq!(
+        header(&headers, "x-ratelimit-limit"),
+        Some("10, 10;w=2592000"),
+        "30 days are a month"
     );
 }
 
