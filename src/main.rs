@@ -13,7 +13,7 @@ use clap::{Args, Parser, Subcommand};
 use sluice::certs::PemFile;
 use sluice::config;
 use sluice::limiter::{Counting, OverLimitCache};
-use sluice::service::rls::{Answering, Bounds, Fallback, OnStoreError};
+use sluice::service::rls::{Answering, Bounds, Fallback, LimitHeaders, OnStoreError};
 use sluice::service::tls::{ServerTls, TlsFlags};
 use sluice::service::{self, Addrs, Edges, JsonAt, Rules, Setup, Shutdown, reload};
 use sluice::store::{Backend, RedisTls, RedisTlsFlags};
@@ -93,6 +93,25 @@ struct ServeArgs {
     /// every charge lands, and a request is over when the count is above the limit).
     #[arg(long, env = "SLUICE_COUNTING", value_enum, default_value_t = Counting::Admitted)]
     counting: Counting,
+    /// Send the limit closest to denying (the one that denied, else the one with the least
+    /// left) on every answer that has one, as the RateLimit-Limit, RateLimit-Remaining and
+    /// RateLimit-Reset headers for Envoy to add to its response.
+    #[arg(long, env = "SLUICE_LIMIT_RESPONSE_HEADERS")]
+    limit_response_headers: bool,
+    /// The name of the header that carries the limit (--limit-response-headers).
+    #[arg(long, env = "SLUICE_LIMIT_LIMIT_HEADER", default_value = "RateLimit-Limit", value_parser = parse_header_name)]
+    limit_limit_header: String,
+    /// The name of the header that carries the requests left (--limit-response-headers).
+    #[arg(long, env = "SLUICE_LIMIT_REMAINING_HEADER", default_value = "RateLimit-Remaining", value_parser = parse_header_name)]
+    limit_remaining_header: String,
+    /// The name of the header that carries the seconds until the limit resets
+    /// (--limit-response-headers).
+    #[arg(long, env = "SLUICE_LIMIT_RESET_HEADER", default_value = "RateLimit-Reset", value_parser = parse_header_name)]
+    limit_reset_header: String,
+    /// Send the request's domain, descriptors and hits, and the rule metadata of the
+    /// descriptors that passed, as the response's dynamic metadata.
+    #[arg(long, env = "SLUICE_RESPONSE_DYNAMIC_METADATA")]
+    response_dynamic_metadata: bool,
     /// The share of a limit past which hits are counted as near it (metrics only).
     #[arg(long, env = "SLUICE_NEAR_LIMIT_RATIO", default_value_t = 0.8)]
     near_limit_ratio: f64,
@@ -192,6 +211,15 @@ fn parse_json_addr(value: &str) -> Result<JsonAt, String> {
         .parse()
         .map(JsonAt::Addr)
         .map_err(|e| format!("{e}: an address such as 127.0.0.1:8082, or `off`"))
+}
+
+/// An HTTP header name (RFC 9110 token characters), which Envoy can add to its response.
+fn parse_header_name(value: &str) -> Result<String, String> {
+    let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+    if value.is_empty() || !value.chars().all(token) {
+        return Err("an HTTP header name such as RateLimit-Limit".into());
+    }
+    Ok(value.to_owned())
 }
 
 /// TLS for `sluice health`.
@@ -510,6 +538,12 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
             quota_mode: args.quota_mode,
             counting: args.counting,
             near_limit_ratio: args.near_limit_ratio,
+            limit_headers: args.limit_response_headers.then(|| LimitHeaders {
+                limit: args.limit_limit_header.clone(),
+                remaining: args.limit_remaining_header.clone(),
+                reset: args.limit_reset_header.clone(),
+            }),
+            dynamic_metadata: args.response_dynamic_metadata,
         },
         cache: (args.local_cache_size > 0)
             .then(|| std::sync::Arc::new(OverLimitCache::new(args.local_cache_size))),

@@ -1,8 +1,9 @@
 //! Black-box specification of the algorithms: the real binary over gRPC and `/json`, each limit
 //! of a second or a few, and the same admissions, `limit_remaining` and `duration_until_reset`
 //! on the embedded store, a standalone Redis and a Redis Cluster. Timed assertions bound a reset
-//! by the instants the requests were sent and answered, and every sleep leaves a second or more
-//! of slack; the scheduled instants of `/json` need no clock at all.
+//! (whole seconds, rounded up, at least 1) by the instants the requests were sent and answered,
+//! and every sleep leaves a second or more of slack; the scheduled instants of `/json` need no
+//! clock at all.
 
 mod common;
 
@@ -79,6 +80,10 @@ async fn hit(client: &mut Client, key: &str) -> Answer {
     let status = &response.statuses[0];
     assert_eq!(response.overall_code, status.code, "one descriptor decides");
     let reset = status.duration_until_reset.expect("duration_until_reset");
+    assert!(
+        reset.seconds >= 1 && reset.nanos == 0,
+        "a reset is whole seconds, at least 1: {reset:?}"
+    );
     Answer {
         code: status.code,
         remaining: status.limit_remaining,
@@ -94,16 +99,28 @@ async fn hit(client: &mut Client, key: &str) -> Answer {
     }
 }
 
+/// A time in ms as a status reports it: whole seconds, rounded up, at least 1.
+fn whole_seconds(ms: u64) -> u64 {
+    ms.div_ceil(1000).max(1)
+}
+
+/// Asserts that `answer`'s reset is a time between `low` and `high` ms, in whole seconds.
+fn assert_reset_between(answer: &Answer, low: u64, high: u64, what: &str) {
+    let (low, high) = (whole_seconds(low), whole_seconds(high));
+    let reset = answer.reset.as_secs();
+    assert!(
+        (low..=high).contains(&reset),
+        "reset {reset} s should be {what}: within {low}..={high} s"
+    );
+}
+
 /// Asserts that `later`'s reset is `period_ms` counted from `earlier`'s hit: `period_ms` less the
 /// time between the two requests, as closely as their send and answer instants bound it.
 fn assert_reset_counts_from(earlier: &Answer, later: &Answer, period_ms: u64) {
     let low = period_ms.saturating_sub(later.answered - earlier.sent + CLOCKS);
     let high = period_ms.saturating_sub(later.sent.saturating_sub(earlier.answered)) + CLOCKS;
-    let reset = later.reset_ms();
-    assert!(
-        reset > 0 && (low..=high).contains(&reset),
-        "reset {reset} ms should be {period_ms} ms from the earlier hit: within {low}..={high}"
-    );
+    let what = format!("{period_ms} ms from the earlier hit");
+    assert_reset_between(later, low, high, &what);
 }
 
 /// Asserts that `answer`'s reset is the time until `end` (Unix ms), as closely as its send and
@@ -111,11 +128,7 @@ fn assert_reset_counts_from(earlier: &Answer, later: &Answer, period_ms: u64) {
 fn assert_reset_until(answer: &Answer, end: u64) {
     let low = end.saturating_sub(answer.answered + CLOCKS);
     let high = end.saturating_sub(answer.sent) + CLOCKS;
-    let reset = answer.reset_ms();
-    assert!(
-        reset > 0 && (low..=high).contains(&reset),
-        "reset {reset} ms should last until {end}: within {low}..={high}"
-    );
+    assert_reset_between(answer, low, high, &format!("until {end}"));
 }
 
 /// Sleeps until 50 ms into the next window of `window_ms` aligned to the Unix epoch, and returns
@@ -143,9 +156,11 @@ async fn a_fixed_window_admits_its_limit_per_window_and_starts_afresh_in_the_nex
     let denied = hit(&mut client, "fixed").await;
     assert_eq!((denied.code, denied.remaining), (OVER_LIMIT, 0));
     // The local cache may answer (the window was filled): its reset runs from when it learnt.
-    assert!(
-        denied.reset > Duration::ZERO && denied.reset_ms() <= start + 2_000 - denied.sent + CLOCKS,
-        "{denied:?}"
+    assert_reset_between(
+        &denied,
+        1,
+        start + 2_000 - denied.sent + CLOCKS,
+        "in the window",
     );
 
     sleep_until_unix_ms(start + 2_050).await;

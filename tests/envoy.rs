@@ -6,7 +6,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::envoy::{Envoy, Filter, UPSTREAM_BODY, Upstream, envoy_binary, header};
+use common::envoy::{
+    Envoy, Filter, UPSTREAM_BODY, Upstream, envoy_binary, get_with_headers, header,
+};
 use common::{Sluice, clear_of_window_end, http};
 
 /// Five requests per hour: an hourly window is wide enough that the test never straddles two
@@ -102,4 +104,118 @@ fn assert_reset_within_window(headers: &[(String, String)]) {
         (1..=WINDOW_SECS).contains(&reset),
         "x-ratelimit-reset {reset} lies within the window"
     );
+}
+
+const ANSWERS_RULES: &str = "\
+domain: answers
+descriptors:
+  - key: rule
+    value: per_second
+    rate_limit: {unit: second, requests_per_unit: 5}
+  - key: rule
+    value: five_minutes
+    rate_limit: {unit: minute, unit_multiplier: 5, requests_per_unit: 10}
+  - key: rule
+    value: sixty_minutes
+    rate_limit: {unit: minute, unit_multiplier: 60, requests_per_unit: 10}
+  - key: rule
+    value: hourly
+    rate_limit: {unit: hour, requests_per_unit: 2}
+  - key: rule
+    value: seven_days
+    rate_limit: {unit: day, unit_multiplier: 7, requests_per_unit: 10}
+  - key: rule
+    value: thirty_days
+    rate_limit: {unit: day, unit_multiplier: 30, requests_per_unit: 10}
+";
+
+/// A `rule` descriptor from the request's `x-rule` header.
+const ANSWERS_FILTER: Filter = Filter {
+    domain: "answers",
+    actions: &["request_headers: { header_name: x-rule, descriptor_key: rule }"],
+    failure_mode_deny: true,
+    timeout: Duration::from_secs(1),
+};
+
+/// A GET of `/` asking about `rule`.
+fn get_rule(envoy: &Envoy, rule: &str) -> (u16, Vec<(String, String)>) {
+    let (status, headers, _) =
+        get_with_headers(envoy.listener, "/", &[("x-rule", rule.as_bytes())]);
+    (status, headers)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn envoy_shows_whole_second_resets_and_states_no_window_a_multiplier_would_falsify() {
+    let binary = envoy_binary();
+    let sluice = Sluice::start(ANSWERS_RULES).await;
+    let upstream = Upstream::start();
+    let envoy = Envoy::start(&binary, upstream.addr, sluice.grpc, &ANSWERS_FILTER);
+
+    let (status, headers) = get_rule(&envoy, "per_second");
+    assert_eq!(status, 200, "{headers:?}");
+    assert_eq!(header(&headers, "x-ratelimit-limit"), Some("5, 5;w=1"));
+    assert_eq!(
+        header(&headers, "x-ratelimit-reset"),
+        Some("1"),
+        "a fraction of a second left reads as 1 s, not 0"
+    );
+
+    let (_, headers) = get_rule(&envoy, "five_minutes");
+    assert_eq!(
+        header(&headers, "x-ratelimit-limit"),
+        Some("10"),
+        "a 5-minute window is no unit Envoy knows: no `w=` rather than `w=60`"
+    );
+    let (_, headers) = get_rule(&envoy, "sixty_minutes");
+    assert_eq!(
+        header(&headers, "x-ratelimit-limit"),
+        Some("10, 10;w=3600"),
+        "60 minutes are an hour"
+    );
+    let (_, headers) = get_rule(&envoy, "seven_days");
+    assert_eq!(
+        header(&headers, "x-ratelimit-limit"),
+        Some("10, 10;w=604800"),
+        "7 days are a week"
+    );
+    let (_, headers) = get_rule(&envoy, "thirty_days");
+    assert_eq!(
+        header(&headers, "x-ratelimit-limit"),
+        Some("10, 10;w=2592000"),
+        "30 days are a month"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn envoy_sends_the_limit_response_headers_on_to_the_client() {
+    let binary = envoy_binary();
+    let sluice = Sluice::start_with(
+        &[("rules.yaml", ANSWERS_RULES)],
+        &["--limit-response-headers"],
+    )
+    .await;
+    let upstream = Upstream::start();
+    let envoy = Envoy::start(&binary, upstream.addr, sluice.grpc, &ANSWERS_FILTER);
+
+    clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(30)).await;
+    for (expected_status, remaining) in [(200, "1"), (200, "0"), (429, "0")] {
+        let (status, headers) = get_rule(&envoy, "hourly");
+        assert_eq!(status, expected_status, "{headers:?}");
+        assert_eq!(
+            header(&headers, "ratelimit-limit"),
+            Some("2"),
+            "{headers:?}"
+        );
+        assert_eq!(header(&headers, "ratelimit-remaining"), Some(remaining));
+        let reset: u64 = header(&headers, "ratelimit-reset")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("a numeric ratelimit-reset: {headers:?}"));
+        assert!((1..=3600).contains(&reset), "{headers:?}");
+        if status == 429 {
+            assert_eq!(
+                header(&headers, "retry-after"),
+                Some(reset.to_string().as_str())
+            );
+        }
+    }
 }

@@ -86,6 +86,9 @@ pub struct Node {
     /// The series is named from the request's values (`detailed_metric` here, or
     /// `value_to_metric` on the way here): see `RuleSet::metric_name`.
     pub named_by_request: bool,
+    /// The rule's `metadata`, when it is a non-empty mapping: what `--response-dynamic-metadata`
+    /// sends for a descriptor that passed it.
+    pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
     detailed_metric: bool,
     value_to_metric: bool,
     children: Level,
@@ -313,6 +316,10 @@ impl Level {
                 line: d.line,
                 stats: METRICS.rule(domain, &path),
                 named_by_request: d.detailed_metric || value_to_metric,
+                metadata: match d.metadata {
+                    Some(serde_json::Value::Object(m)) if !m.is_empty() => Some(m),
+                    _ => None,
+                },
                 detailed_metric: d.detailed_metric,
                 value_to_metric: d.value_to_metric,
                 children,

@@ -9,6 +9,7 @@
 pub mod explain;
 mod gauges;
 mod http;
+mod metadata;
 mod pb;
 pub mod reload;
 pub mod rls;
@@ -123,7 +124,7 @@ impl Setup {
             Limiter::new(store, self.cache.clone()),
             self.bounds,
             self.fallback,
-            self.answering,
+            self.answering.clone(),
         )))
     }
 }
@@ -288,7 +289,7 @@ pub async fn run(
     let mut admin = http::admin(readiness, setup.rules.clone(), gauges).merge(explain::route(
         setup.rules.clone(),
         setup.bounds,
-        setup.answering,
+        setup.answering.clone(),
         setup.backend.redis_key_prefix().map(str::to_owned),
         setup.edges.max_request_bytes,
     ));

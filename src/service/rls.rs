@@ -12,6 +12,7 @@ use envoy_types::pb::google::protobuf;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
+use super::metadata;
 use super::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use super::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit, rate_limit,
@@ -62,9 +63,9 @@ pub struct Fallback {
     pub on_store_error: OnStoreError,
 }
 
-/// How requests are answered beyond the rules: `--shadow-mode`, `--quota-mode`, `--counting`
-/// and `--near-limit-ratio`.
-#[derive(Clone, Copy, Debug, Default)]
+/// How requests are answered beyond the rules: `--shadow-mode`, `--quota-mode`, `--counting`,
+/// `--near-limit-ratio`, `--limit-response-headers` and `--response-dynamic-metadata`.
+#[derive(Clone, Debug, Default)]
 pub struct Answering {
     /// Count and report, but never deny.
     pub shadow_mode: bool,
@@ -76,6 +77,19 @@ pub struct Answering {
     pub counting: Counting,
     /// The share of a limit past which hits count as near it, in the metrics.
     pub near_limit_ratio: f64,
+    /// Send the limit closest to denying as `RateLimit-*` headers, under these names.
+    pub limit_headers: Option<LimitHeaders>,
+    /// Send the request and the passed rules' `metadata` as the response's dynamic metadata.
+    pub dynamic_metadata: bool,
+}
+
+/// The names of the headers that carry a limit, its remaining requests and its reset in
+/// seconds (the IETF draft's `RateLimit-Limit`, `RateLimit-Remaining`, `RateLimit-Reset`).
+#[derive(Clone, Debug)]
+pub struct LimitHeaders {
+    pub limit: String,
+    pub remaining: String,
+    pub reset: String,
 }
 
 /// The rate limit service: current rules, the limiter and the request bounds.
@@ -97,6 +111,9 @@ pub(super) enum Plan<'a> {
     Limited {
         items: std::ops::Range<usize>,
         stats: Option<Stats<'a>>,
+        /// The matched rule's `metadata` (none for a limit override: the rule's limit does not
+        /// apply).
+        metadata: Option<&'a serde_json::Map<String, serde_json::Value>>,
     },
 }
 
@@ -175,11 +192,10 @@ impl Rls {
             check.at = Some(at);
         }
         let deadline = Deadline::new(self.fallback.store_timeout, caller_timeout);
-        let shadow_mode = self.answering.shadow_mode;
         match self.limiter.decide(&check, deadline).await {
             Ok(decision) => {
                 count(&plans, &check, &decision, &self.answering);
-                let response = respond(&plans, &check, &decision, shadow_mode);
+                let response = respond(request, &plans, &check, &decision, &self.answering);
                 tracing::debug!(
                     domain = %String::from_utf8_lossy(&request.domain),
                     descriptors = request.descriptors.len(),
@@ -191,7 +207,7 @@ impl Rls {
             }
             Err(e) => {
                 tracing::debug!(domain = %String::from_utf8_lossy(&request.domain), "undecided: {e}");
-                self.undecided(e, &plans, &check)
+                self.undecided(e, request, &plans, &check)
             }
         }
     }
@@ -200,6 +216,7 @@ impl Rls {
     fn undecided(
         &self,
         e: StoreError,
+        request: &RateLimitRequest,
         plans: &[Plan],
         check: &Check,
     ) -> Result<RateLimitResponse, Status> {
@@ -225,6 +242,13 @@ impl Rls {
             OnStoreError::Allow => Ok(RateLimitResponse {
                 overall_code: Code::Ok as i32,
                 statuses: plans.iter().map(Plan::unknown_status).collect(),
+                dynamic_metadata: self.answering.dynamic_metadata.then(|| {
+                    let passed = plans.iter().filter_map(|plan| match plan {
+                        Plan::Limited { metadata, .. } => *metadata,
+                        _ => None,
+                    });
+                    metadata::describe(request, passed)
+                }),
                 ..Default::default()
             }),
             OnStoreError::Deny => {
@@ -239,7 +263,7 @@ impl Rls {
                     admitted: admits(check, |_| true),
                     usages: vec![over; check.items.len()],
                 };
-                Ok(respond(plans, check, &decision, self.answering.shadow_mode))
+                Ok(respond(request, plans, check, &decision, &self.answering))
             }
         }
     }
@@ -488,6 +512,10 @@ pub(super) fn plan<'a>(
                     .as_ref()
                     .filter(|_| metered)
                     .map(|m| stats_of(rules, domain, entries, m)),
+                metadata: match descriptor.limit {
+                    Some(_) => None,
+                    None => m.as_ref().and_then(|m| m.node.metadata.as_ref()),
+                },
             }
         } else {
             // Under global quota mode, envoyproxy/ratelimit counts a descriptor without a limit
@@ -528,6 +556,7 @@ fn count(plans: &[Plan], check: &Check, decision: &Decision, answering: &Answeri
         let Plan::Limited {
             items,
             stats: Some(stats),
+            ..
         } = plan
         else {
             continue;
@@ -578,14 +607,21 @@ fn is_replaced(limit: &RuleLimit, replaced: &[&str]) -> bool {
     !limit.name.is_empty() && replaced.contains(&limit.name.as_str())
 }
 
+/// The answer to a decided request: one status per descriptor, in order, with resets in whole
+/// seconds; `retry-after` when denied; and, as `answering` says, `RateLimit-*` headers and
+/// dynamic metadata.
 fn respond(
+    request: &RateLimitRequest,
     plans: &[Plan],
     check: &Check,
     decision: &Decision,
-    shadow_mode: bool,
+    answering: &Answering,
 ) -> RateLimitResponse {
-    let mut statuses = Vec::with_capacity(plans.len());
-    let mut retry_after = Duration::ZERO;
+    let mut statuses: Vec<DescriptorStatus> = Vec::with_capacity(plans.len());
+    let mut retry_after = 0;
+    // The status the `RateLimit-*` headers report, chosen as envoyproxy/ratelimit chooses it:
+    // the least remaining, first come; but an enforced (not quota) denial always, last come.
+    let mut headed: Option<usize> = None;
     for plan in plans {
         statuses.push(match plan {
             Plan::Free | Plan::Unlimited => plan.unknown_status(),
@@ -593,22 +629,28 @@ fn respond(
                 None => plan.unknown_status(),
                 Some(shown) => {
                     let usage = &decision.usages[shown];
-                    let over = usage.over && !check.items[shown].mode.is_shadow();
+                    let item = &check.items[shown];
+                    let over = usage.over && !item.mode.is_shadow();
+                    let reset = whole_seconds(usage.reset);
                     if over && !decision.admitted {
-                        retry_after = retry_after.max(usage.reset);
+                        retry_after = retry_after.max(reset);
                     }
-                    let limit = &check.items[shown].limit;
+                    let remaining = u32::try_from(usage.remaining).unwrap_or(u32::MAX);
+                    let least = headed.is_none_or(|h| remaining < statuses[h].limit_remaining);
+                    if least || (over && item.mode != Mode::Quota) {
+                        headed = Some(statuses.len());
+                    }
                     DescriptorStatus {
                         code: if over { Code::OverLimit } else { Code::Ok } as i32,
                         current_limit: Some(RateLimit {
-                            name: limit.name.clone(),
-                            requests_per_unit: limit.requests_per_unit,
-                            unit: response_unit(limit.unit) as i32,
+                            name: item.limit.name.clone(),
+                            requests_per_unit: item.limit.requests_per_unit,
+                            unit: reported_unit(&item.limit) as i32,
                         }),
-                        limit_remaining: u32::try_from(usage.remaining).unwrap_or(u32::MAX),
+                        limit_remaining: remaining,
                         duration_until_reset: Some(protobuf::Duration {
-                            seconds: usage.reset.as_secs() as i64,
-                            nanos: usage.reset.subsec_nanos() as i32,
+                            seconds: reset as i64,
+                            nanos: 0,
                         }),
                         quota: None,
                     }
@@ -616,20 +658,82 @@ fn respond(
             },
         });
     }
-    let denied = !decision.admitted && !shadow_mode;
+    let denied = !decision.admitted && !answering.shadow_mode;
     let mut response = RateLimitResponse {
         overall_code: if denied { Code::OverLimit } else { Code::Ok } as i32,
-        statuses,
         ..Default::default()
     };
     if denied {
-        response.response_headers_to_add.push(HeaderValue {
-            key: "retry-after".into(),
-            value: retry_after.as_secs_f64().ceil().max(1.0).to_string(),
-            ..Default::default()
-        });
+        response
+            .response_headers_to_add
+            .push(header("retry-after", retry_after));
     }
+    if let (Some(names), Some(h)) = (&answering.limit_headers, headed) {
+        let status = &statuses[h];
+        let limit = status
+            .current_limit
+            .as_ref()
+            .map_or(0, |l| l.requests_per_unit);
+        let reset = status
+            .duration_until_reset
+            .as_ref()
+            .map_or(0, |d| d.seconds);
+        response.response_headers_to_add.extend([
+            header(&names.limit, limit),
+            header(&names.remaining, status.limit_remaining),
+            header(&names.reset, reset),
+        ]);
+    }
+    if answering.dynamic_metadata {
+        let passed = plans
+            .iter()
+            .zip(&statuses)
+            .filter_map(|(plan, status)| match plan {
+                Plan::Limited { metadata, .. } if status.code == Code::Ok as i32 => *metadata,
+                _ => None,
+            });
+        response.dynamic_metadata = Some(metadata::describe(request, passed));
+    }
+    response.statuses = statuses;
     response
+}
+
+fn header(key: &str, value: impl ToString) -> HeaderValue {
+    HeaderValue {
+        key: key.to_owned(),
+        value: value.to_string(),
+        ..Default::default()
+    }
+}
+
+/// A reset as Envoy reads it: whole seconds (it drops fractions), rounded up so that a client
+/// that waits that long finds room, and at least 1.
+fn whole_seconds(reset: Duration) -> u64 {
+    let seconds = reset.as_secs() + u64::from(reset.subsec_nanos() > 0);
+    seconds.max(1)
+}
+
+/// The unit a status names for `limit`, so that the policy Envoy derives from it (`;w=` of
+/// `x-ratelimit-limit`: the unit's seconds) stays true: the unit itself, or the unit whose length
+/// is the whole window (60 seconds: MINUTE); else UNKNOWN, for which Envoy states no window.
+fn reported_unit(limit: &Limit) -> rate_limit::Unit {
+    if limit.unit_multiplier == 1 {
+        return response_unit(limit.unit);
+    }
+    const UNITS: [Unit; 7] = [
+        Unit::Second,
+        Unit::Minute,
+        Unit::Hour,
+        Unit::Day,
+        Unit::Week,
+        Unit::Month,
+        Unit::Year,
+    ];
+    let window = limit.unit.seconds() * u64::from(limit.unit_multiplier);
+    UNITS
+        .into_iter()
+        .find(|u| u.seconds() == window)
+        .map_or(rate_limit::Unit::Unknown, response_unit)
 }
 
 #[cfg(test)]
