@@ -143,22 +143,27 @@ async fn callers(
     callers
 }
 
-/// How long after a request was sent the script of `a`'s slot has run, at most: that node is
-/// never paused.
+/// How long after a request was sent the script of `a`'s slot has run, at most, for the
+/// straddling `[a, b]` requests sent while nothing else is in flight: that node is never paused.
 const PROMPT: u64 = 100;
 
-/// The end (Unix ms) of the per-second window a decided status of `a` counted in, when it is
-/// known. Its reset says nothing (whole seconds: always 1 s), but the script read Redis' clock
-/// (this machine's) between sending and receiving, and at most `PROMPT` after sending: the window
-/// is known when the answer came in the second it was sent, or the request was sent more than
-/// `PROMPT` before the second's end.
+/// The end (Unix ms) of the per-second window in which a decided status of `a` counted, when
+/// the answer proves it: it came in the second it was sent (a whole-second reset says nothing
+/// more). The script read Redis' clock (this machine's) between sending and receiving.
 fn window_end(t: &Timed, status: &DescriptorStatus) -> Option<u64> {
     let reset = status
         .duration_until_reset
         .expect("a decided status has its reset");
     assert_eq!((reset.seconds, reset.nanos), (1, 0), "a per-second reset");
     let end = (t.sent / 1000 + 1) * 1000;
-    (t.received < end || t.sent + PROMPT < end).then_some(end)
+    (t.received < end).then_some(end)
+}
+
+/// The end of the window `a` was charged in by a straddling `[a, b]`, sent more than `PROMPT`
+/// before its second's end, whose answer waited for `b`'s paused node.
+fn charged_window_end(t: &Timed) -> Option<u64> {
+    let end = (t.sent / 1000 + 1) * 1000;
+    (t.sent + PROMPT < end).then_some(end)
 }
 
 /// 5 per second on `a=A`; `b` always denies, in a slot on another node. Callers send `[a]` alone
@@ -215,27 +220,35 @@ async fn a_request_denied_in_another_slot_never_over_admits_even_when_refunded_i
     let refunded_in_the_next_window = pairs
         .iter()
         .filter_map(|t| t.answer.as_ref().ok().map(|r| (t, &r.statuses[0])))
-        .filter(|(t, a)| a.code == OK && window_end(t, a).is_some_and(|end| end <= resumed))
+        .filter(|(t, a)| a.code == OK && charged_window_end(t).is_some_and(|end| end <= resumed))
         .count();
     assert!(
         refunded_in_the_next_window > 0,
         "no [a, b] charged a window that ended before its refund could run"
     );
+    // Admissions whose window the answer proves, and those sent in a window but answered after
+    // it (counted in that window or the next), by the end of the window they were sent in.
     let mut admitted: BTreeMap<u64, u32> = BTreeMap::new();
+    let mut unproven: BTreeMap<u64, u32> = BTreeMap::new();
     for t in gather(alone_callers).await {
         let r = t.answer.as_ref().expect("a's node answers");
-        if let Some(end) = window_end(&t, &r.statuses[0]).filter(|_| r.overall_code == OK) {
-            *admitted.entry(end).or_default() += 1;
+        if r.overall_code != OK {
+            continue;
+        }
+        match window_end(&t, &r.statuses[0]) {
+            Some(end) => *admitted.entry(end).or_default() += 1,
+            None => *unproven.entry((t.sent / 1000 + 1) * 1000).or_default() += 1,
         }
     }
     assert!(
         admitted.values().all(|&n| n <= 5),
         "a window admitted more than 5: {admitted:?} (window end in Unix ms → [a] admitted)"
     );
-    assert_eq!(
-        admitted.get(&(edge + 1_000)),
-        Some(&5),
-        "[a] alone filled the window after the edge: {admitted:?}"
+    let after_edge = admitted.get(&(edge + 1_000)).copied().unwrap_or(0);
+    let maybe = unproven.get(&(edge + 1_000)).copied().unwrap_or(0);
+    assert!(
+        after_edge + maybe >= 5,
+        "[a] alone filled the window after the edge: {admitted:?}, unproven {unproven:?}"
     );
 }
 
