@@ -193,3 +193,25 @@ fn composite_keys_and_non_map_elements_are_named_as_envoy_ratelimit_names_them()
         ]
     );
 }
+
+#[test]
+fn counting_and_shadow_mode_with_quota_mode_are_accepted() {
+    let (status, out) = check(&[(
+        "r.yaml",
+        "domain: d\ndescriptors:\n  - key: k\n    counting: always\n    shadow_mode: true\n    quota_mode: true\n    rate_limit: {unit: hour, requests_per_unit: 1}\n  - key: j\n    counting: admitted\n    rate_limit: {unit: hour, requests_per_unit: 1}\n",
+    )]);
+    assert!(status.success(), "{out}");
+}
+
+#[test]
+fn an_unknown_counting_is_an_error_at_its_line() {
+    let (status, out) = check(&[(
+        "r.yaml",
+        "domain: d\ndescriptors:\n  - key: k\n    counting: sometimes\n    rate_limit: {unit: hour, requests_per_unit: 1}\n",
+    )]);
+    assert!(!status.success());
+    assert_eq!(
+        out.trim(),
+        "r.yaml:4: invalid counting 'sometimes': admitted or always"
+    );
+}

@@ -245,33 +245,3 @@ async fn a_rule_in_shadow_and_quota_mode_is_reported_ok_and_keeps_quotas_from_de
     let hard_alone = sluice.ask(request("q", &[&[("hard", "1")]])).await;
     assert_eq!(hard_alone.overall_code, OVER_LIMIT);
 }
-
-/// `sluice check-config` on one rule file: its exit status and what it printed.
-fn check_config(rules: &str) -> (bool, String) {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("r.yaml"), rules).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .arg("check-config")
-        .arg(dir.path())
-        .output()
-        .expect("sluice runs");
-    let text =
-        String::from_utf8_lossy(&out.stdout).replace(&format!("{}/", dir.path().display()), "");
-    (out.status.success(), text)
-}
-
-#[test]
-fn rule_files_take_counting_and_shadow_with_quota_mode() {
-    for valid in [TOKEN_QUOTA, QUOTAS] {
-        let (ok, out) = check_config(valid);
-        assert!(ok, "{out}");
-    }
-    let (ok, out) = check_config(
-        "domain: d\ndescriptors:\n  - key: k\n    counting: sometimes\n    rate_limit: {unit: hour, requests_per_unit: 1}\n",
-    );
-    assert!(!ok);
-    assert_eq!(
-        out.trim(),
-        "r.yaml:4: invalid counting 'sometimes': admitted or always"
-    );
-}

@@ -12,7 +12,7 @@ mod common;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::envoy::{Envoy, Upstream, envoy_binary};
+use common::envoy::{Envoy, Front, Upstream, bootstrap_with, envoy_binary, ratelimit_filter};
 use common::metrics::scrape;
 use common::{Sluice, clear_of_window_end, exchange, request};
 use envoy_types::pb::google::protobuf::UInt64Value;
@@ -45,94 +45,32 @@ fn bootstrap(
     upstream: SocketAddr,
     ratelimit: SocketAddr,
 ) -> String {
-    format!(
-        r#"admin:
-  address:
-    socket_address: {{ address: 127.0.0.1, port_value: {admin_port} }}
-static_resources:
-  listeners:
-    - name: ingress
-      address:
-        socket_address: {{ address: 127.0.0.1, port_value: {listener_port} }}
-      filter_chains:
-        - filters:
-            - name: envoy.filters.network.http_connection_manager
-              typed_config:
-                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-                stat_prefix: ingress
-                route_config:
-                  name: local
-                  virtual_hosts:
-                    - name: all
-                      domains: ["*"]
-                      routes:
-                        - match: {{ prefix: /probe }}
-                          route: {{ cluster: upstream }}
-                        - match: {{ prefix: / }}
-                          route: {{ cluster: upstream }}
-                          typed_per_filter_config:
-                            envoy.filters.http.ratelimit:
-                              "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
-                              rate_limits:
-                                - actions:
-                                    - request_headers: {{ header_name: x-user, descriptor_key: user }}
-                                  hits_addend: {{ number: 0 }}
-                                - actions:
-                                    - request_headers: {{ header_name: x-user, descriptor_key: user }}
-                                  hits_addend: {{ format: "%DYNAMIC_METADATA(sluice.test:tokens)%" }}
-                                  apply_on_stream_done: true
-                http_filters:
-                  - name: envoy.filters.http.header_to_metadata
-                    typed_config:
-                      "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
-                      response_rules:
-                        - header: x-tokens
-                          on_header_present: {{ metadata_namespace: sluice.test, key: tokens, type: NUMBER }}
-                  - name: envoy.filters.http.ratelimit
-                    typed_config:
-                      "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
-                      domain: llm
-                      failure_mode_deny: true
-                      timeout: 1s
-                      rate_limit_service:
-                        grpc_service:
-                          envoy_grpc: {{ cluster_name: ratelimit }}
-                        transport_api_version: V3
-                  - name: envoy.filters.http.router
-                    typed_config:
-                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-    - name: upstream
-      type: STATIC
-      connect_timeout: 1s
-      load_assignment:
-        cluster_name: upstream
-        endpoints:
-          - lb_endpoints:
-              - endpoint:
-                  address:
-                    socket_address: {{ address: 127.0.0.1, port_value: {upstream_port} }}
-    - name: ratelimit
-      type: STATIC
-      connect_timeout: 1s
-      typed_extension_protocol_options:
-        envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-          "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-          explicit_http_config:
-            http2_protocol_options: {{}}
-      load_assignment:
-        cluster_name: ratelimit
-        endpoints:
-          - lb_endpoints:
-              - endpoint:
-                  address:
-                    socket_address: {{ address: 127.0.0.1, port_value: {ratelimit_port} }}
-"#,
-        admin_port = admin.port(),
-        listener_port = listener.port(),
-        upstream_port = upstream.port(),
-        ratelimit_port = ratelimit.port(),
-    )
+    let filters = format!(
+        r#"- name: envoy.filters.http.header_to_metadata
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+    response_rules:
+      - header: x-tokens
+        on_header_present: {{ metadata_namespace: sluice.test, key: tokens, type: NUMBER }}
+{}"#,
+        ratelimit_filter("llm", true, Duration::from_secs(1))
+    );
+    let front = Front {
+        route: r#"route: { cluster: upstream }
+typed_per_filter_config:
+  envoy.filters.http.ratelimit:
+    "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
+    rate_limits:
+      - actions:
+          - request_headers: { header_name: x-user, descriptor_key: user }
+        hits_addend: { number: 0 }
+      - actions:
+          - request_headers: { header_name: x-user, descriptor_key: user }
+        hits_addend: { format: "%DYNAMIC_METADATA(sluice.test:tokens)%" }
+        apply_on_stream_done: true"#,
+        filters: &filters,
+    };
+    bootstrap_with(listener, admin, upstream, ratelimit, &front, None)
 }
 
 /// A request as `user`, for which the upstream will report `tokens` used; its status.

@@ -21,7 +21,7 @@ use super::http::decode;
 use super::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use super::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use super::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use super::rls::{Answering, Bounds, Plan, hits, override_unit, plan};
+use super::rls::{Answering, Bounds, Plan, hits, override_unit, pairs, plan};
 use crate::limiter::{Item, Mode};
 use crate::rules::{Matched, RuleSet, Stop, Walk, limit_json, rule_limit_json};
 use crate::store::redis_key;
@@ -169,14 +169,7 @@ pub fn explain(
     let walks: Vec<Walk> = request
         .descriptors
         .iter()
-        .map(|d| {
-            let entries: Vec<(&[u8], &[u8])> = d
-                .entries
-                .iter()
-                .map(|e| (e.key.as_slice(), e.value.as_slice()))
-                .collect();
-            rules.explain(domain, &entries)
-        })
+        .map(|d| rules.explain(domain, &pairs(d)))
         .collect();
     let descriptors = request
         .descriptors

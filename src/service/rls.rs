@@ -386,6 +386,15 @@ pub(super) fn hits(request: &RateLimitRequest, descriptor: &RateLimitDescriptor)
     }
 }
 
+/// A descriptor's entries as (key, value) pairs, as the rules match them.
+pub(super) fn pairs(descriptor: &RateLimitDescriptor) -> Vec<(&[u8], &[u8])> {
+    descriptor
+        .entries
+        .iter()
+        .map(|e| (e.key.as_slice(), e.value.as_slice()))
+        .collect()
+}
+
 /// Resolves every descriptor into its limits, as `answering` has them counted, and gathers them
 /// into one check; `metered`: count it in the metrics (a request), or not (an explanation).
 pub(super) fn plan<'a>(
@@ -409,11 +418,7 @@ pub(super) fn plan<'a>(
         .descriptors
         .iter()
         .map(|d| {
-            let entries: Vec<(&[u8], &[u8])> = d
-                .entries
-                .iter()
-                .map(|e| (e.key.as_slice(), e.value.as_slice()))
-                .collect();
+            let entries = pairs(d);
             let m = rules.resolve(domain, &entries);
             (entries, m)
         })

@@ -376,8 +376,59 @@ fn bootstrap(
     let actions: String = filter
         .actions
         .iter()
-        .map(|action| format!("\n                                  - {action}"))
+        .map(|action| format!("\n      - {action}"))
         .collect();
+    let front = Front {
+        route: &format!("route:\n  cluster: upstream\n  rate_limits:\n    - actions:{actions}"),
+        filters: &ratelimit_filter(filter.domain, filter.failure_mode_deny, filter.timeout),
+    };
+    bootstrap_with(listener, admin, upstream, ratelimit, &front, tls)
+}
+
+/// What Envoy does with requests on `/`, as YAML written from column 0: the route entry's keys
+/// after its `match` (`route:`, `typed_per_filter_config:`…), and the HTTP filters before the
+/// router (a list).
+pub struct Front<'a> {
+    pub route: &'a str,
+    pub filters: &'a str,
+}
+
+/// Envoy's global rate limit filter asking the `ratelimit` cluster for `domain`, with
+/// `x-ratelimit-*` headers on, as a one-entry list of HTTP filters.
+pub fn ratelimit_filter(domain: &str, failure_mode_deny: bool, timeout: Duration) -> String {
+    format!(
+        r#"- name: envoy.filters.http.ratelimit
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+    domain: {domain}
+    failure_mode_deny: {failure_mode_deny}
+    enable_x_ratelimit_headers: DRAFT_VERSION_03
+    timeout: {timeout}s
+    rate_limit_service:
+      grpc_service:
+        envoy_grpc: {{ cluster_name: ratelimit }}
+      transport_api_version: V3"#,
+        timeout = timeout.as_secs_f64(),
+    )
+}
+
+/// The Envoy bootstrap: one listener routing `/probe` to the upstream (for readiness checks) and
+/// `/` as `front` says, and the clusters of the upstream and of the rate limit service (reached
+/// over `tls` when given).
+pub fn bootstrap_with(
+    listener: SocketAddr,
+    admin: SocketAddr,
+    upstream: SocketAddr,
+    ratelimit: SocketAddr,
+    front: &Front,
+    tls: Option<&UpstreamTls>,
+) -> String {
+    let indent = |yaml: &str, spaces: usize| {
+        let pad = " ".repeat(spaces);
+        yaml.lines()
+            .map(|line| format!("\n{pad}{line}"))
+            .collect::<String>()
+    };
     format!(
         r#"admin:
   address:
@@ -401,23 +452,8 @@ static_resources:
                       routes:
                         - match: {{ prefix: /probe }}
                           route: {{ cluster: upstream }}
-                        - match: {{ prefix: / }}
-                          route:
-                            cluster: upstream
-                            rate_limits:
-                              - actions:{actions}
-                http_filters:
-                  - name: envoy.filters.http.ratelimit
-                    typed_config:
-                      "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
-                      domain: {domain}
-                      failure_mode_deny: {failure_mode_deny}
-                      enable_x_ratelimit_headers: DRAFT_VERSION_03
-                      timeout: {timeout}s
-                      rate_limit_service:
-                        grpc_service:
-                          envoy_grpc: {{ cluster_name: ratelimit }}
-                        transport_api_version: V3
+                        - match: {{ prefix: / }}{route}
+                http_filters:{filters}
                   - name: envoy.filters.http.router
                     typed_config:
                       "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
@@ -452,9 +488,8 @@ static_resources:
         listener_port = listener.port(),
         upstream_port = upstream.port(),
         ratelimit_port = ratelimit.port(),
-        domain = filter.domain,
-        failure_mode_deny = filter.failure_mode_deny,
-        timeout = filter.timeout.as_secs_f64(),
+        route = indent(front.route, 26),
+        filters = indent(front.filters, 18),
         transport_socket = tls.map(transport_socket).unwrap_or_default(),
     )
 }
