@@ -12,7 +12,9 @@ use clap::{Args, Parser, Subcommand};
 
 use sluice::certs::PemFile;
 use sluice::config;
+use sluice::config::xds::XdsFlags;
 use sluice::limiter::{Counting, OverLimitCache};
+use sluice::rules::RuleSet;
 use sluice::service::rls::{Answering, Bounds, Fallback, LimitHeaders, OnStoreError};
 use sluice::service::tls::{ServerTls, TlsFlags};
 use sluice::service::{self, Addrs, Edges, JsonAt, Rules, Setup, Shutdown, reload};
@@ -60,9 +62,14 @@ enum Command {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// A rule file, or a directory of them (one domain per file).
-    #[arg(long, env = "SLUICE_CONFIG")]
-    config: PathBuf,
+    /// A rule file, or a directory of them (one domain per file); or --xds-server instead.
+    #[arg(
+        long,
+        env = "SLUICE_CONFIG",
+        required_unless_present = "xds_server",
+        conflicts_with = "xds_server"
+    )]
+    config: Option<PathBuf>,
     /// Address of the gRPC server (rate limit service, health, reflection).
     #[arg(long, env = "SLUICE_GRPC_ADDR", default_value = "0.0.0.0:8081")]
     grpc_addr: SocketAddr,
@@ -170,6 +177,8 @@ struct ServeArgs {
     tls: TlsFlags,
     #[command(flatten)]
     redis_tls: RedisTlsFlags,
+    #[command(flatten)]
+    xds: XdsFlags,
 }
 
 #[derive(Args)]
@@ -360,7 +369,7 @@ fn explain(args: &ExplainArgs) -> ExitCode {
         max_descriptors: usize::MAX,
         max_entries: usize::MAX,
     };
-    let rules = sluice::rules::RuleSet::from_loaded(loaded);
+    let rules = sluice::rules::RuleSet::from_loaded(loaded, false);
     let explained = request.and_then(|request| {
         let answering = Answering {
             quota_mode: args.quota_mode,
@@ -494,22 +503,37 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
     // Before anything else: from here on a SIGHUP reloads instead of ending the process.
     let hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     check_bounds(&args)?;
-    let source = config::Source {
-        path: args.config.clone(),
-        merge_domains: args.merge_domains,
+    let rules = match (&args.config, args.xds.subscription(args.merge_domains)?) {
+        (_, Some(subscription)) => {
+            tracing::info!(
+                server = subscription.server(),
+                "rules over xDS: every request is refused (UNAVAILABLE) until the first configuration"
+            );
+            let rules = Rules::new(RuleSet::awaiting());
+            tokio::spawn(reload::follow_xds(rules.clone(), subscription, hangup));
+            rules
+        }
+        (Some(path), None) => {
+            let source = config::Source {
+                path: path.clone(),
+                merge_domains: args.merge_domains,
+            };
+            let first = reload::load(&source, args.allow_empty_config)?;
+            reload::first(&first);
+            let rules = Rules::new(first);
+            if !rules.loaded() {
+                tracing::warn!("no rules loaded: not ready until a reload finds some");
+            }
+            tokio::spawn(reload::watch(
+                rules.clone(),
+                source,
+                args.allow_empty_config,
+                hangup,
+            ));
+            rules
+        }
+        (None, None) => anyhow::bail!("--config or --xds-server is needed"),
     };
-    let first = reload::load(&source, args.allow_empty_config)?;
-    reload::first(&first);
-    let rules = Rules::new(first);
-    if !rules.loaded() {
-        tracing::warn!("no rules loaded: not ready until a reload finds some");
-    }
-    tokio::spawn(reload::watch(
-        rules.clone(),
-        source,
-        args.allow_empty_config,
-        hangup,
-    ));
     let backend = match &args.redis_url {
         None => Backend::memory(args.max_keys),
         Some(url) => Backend::redis(

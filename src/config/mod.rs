@@ -1,8 +1,10 @@
 //! Rule files: envoyproxy/ratelimit's YAML format plus sluice's extensions, read from one file or a
 //! directory of them, validated into typed `DomainConfig`s. Every problem is reported as
-//! `file:line: message`; the caller keeps its previous rules when there is any.
+//! `file:line: message`; the caller keeps its previous rules when there is any. The same rules
+//! can come over xDS instead (`xds`), validated the same way.
 
 mod file;
+pub mod xds;
 
 use std::fmt;
 use std::fmt::Write as _;
@@ -142,15 +144,27 @@ pub fn load(source: &Source) -> Result<Loaded, Vec<ConfigError>> {
             }),
         }
     }
-    for (i, d) in loaded.domains.iter().enumerate() {
-        let earlier: Vec<_> = loaded.domains[..i]
+    errors.extend(domain_collisions(&loaded.domains, source.merge_domains));
+    if errors.is_empty() {
+        Ok(loaded)
+    } else {
+        Err(errors)
+    }
+}
+
+/// A domain declared twice: an error, unless `merge_domains`, which joins them unless they
+/// define the same top-level rule.
+fn domain_collisions(domains: &[DomainConfig], merge_domains: bool) -> Vec<ConfigError> {
+    let mut errors = Vec::new();
+    for (i, d) in domains.iter().enumerate() {
+        let earlier: Vec<_> = domains[..i]
             .iter()
             .filter(|o| o.domain == d.domain)
             .collect();
         if earlier.is_empty() {
             continue;
         }
-        if source.merge_domains {
+        if merge_domains {
             errors.extend(merge_collisions(d, &earlier));
         } else {
             errors.push(ConfigError {
@@ -160,11 +174,7 @@ pub fn load(source: &Source) -> Result<Loaded, Vec<ConfigError>> {
             });
         }
     }
-    if errors.is_empty() {
-        Ok(loaded)
-    } else {
-        Err(errors)
-    }
+    errors
 }
 
 /// The top-level rules of `d` that files read before it already define for its domain. Merged

@@ -31,7 +31,7 @@ impl RuleSet {
             "domains": domains.iter().map(|d| json!({
                 "domain": d.domain,
                 "file": d.file.display().to_string(),
-                "line": d.line,
+                "line": line(d.line),
                 "descriptors": d.descriptors.iter().map(descriptor_json).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
         })
@@ -53,8 +53,13 @@ impl RuleSet {
     }
 }
 
+/// A rule's line in its file; `null` for rules over xDS, which have none.
+fn line(line: usize) -> Value {
+    if line == 0 { Value::Null } else { json!(line) }
+}
+
 fn descriptor_json(d: &DescriptorConfig) -> Value {
-    let mut node = json!({ "key": d.key, "line": d.line });
+    let mut node = json!({ "key": d.key, "line": line(d.line) });
     let fields = node.as_object_mut().expect("an object");
     if let Some(v) = &d.value {
         fields.insert("value".into(), json!(v));

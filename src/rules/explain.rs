@@ -78,9 +78,9 @@ impl RuleSet {
 }
 
 impl Node {
-    /// Where the rule is declared: `file:line`.
+    /// Where the rule is declared: `file:line` (`xds:<resource>` over xDS).
     pub fn source(&self) -> String {
-        format!("{}:{}", self.file.display(), self.line)
+        super::source(&self.file, self.line)
     }
 
     /// The rule's modes by name, each `true` or `false`, and its `counting` when it says

@@ -34,6 +34,8 @@ pub struct RuleSet {
     /// The domains as the files declare them, for the dumps.
     configs: Vec<DomainConfig>,
     origin: Origin,
+    /// No configuration has come yet (rules over xDS, before the first snapshot).
+    awaiting: bool,
 }
 
 /// Where a rule set comes from.
@@ -44,6 +46,17 @@ pub struct Origin {
     /// One hash of them all: equal for equal rules.
     pub hash: String,
     pub loaded_at: SystemTime,
+    /// The rules come over xDS rather than from files.
+    pub over_xds: bool,
+}
+
+/// Where a rule is declared: `file:line`, or the resource alone for rules over xDS (line 0).
+fn source(file: &Path, line: usize) -> String {
+    if line == 0 {
+        file.display().to_string()
+    } else {
+        format!("{}:{line}", file.display())
+    }
 }
 
 impl Default for Origin {
@@ -52,6 +65,7 @@ impl Default for Origin {
             files: Vec::new(),
             hash: String::new(),
             loaded_at: SystemTime::now(),
+            over_xds: false,
         }
     }
 }
@@ -155,15 +169,32 @@ impl RuleSet {
             paths,
             configs,
             origin: Origin::default(),
+            awaiting: false,
         }
     }
 
-    /// The rules of loaded files, with where they come from.
-    pub fn from_loaded(loaded: Loaded) -> Self {
+    /// No rules, because none have come over xDS yet: every request is refused until some do.
+    pub fn awaiting() -> Self {
+        let mut rules = RuleSet {
+            awaiting: true,
+            ..RuleSet::default()
+        };
+        rules.origin.over_xds = true;
+        rules
+    }
+
+    /// Whether no configuration has come yet.
+    pub fn is_awaiting(&self) -> bool {
+        self.awaiting
+    }
+
+    /// The rules of loaded files (or xDS resources, `over_xds`), with where they come from.
+    pub fn from_loaded(loaded: Loaded, over_xds: bool) -> Self {
         let origin = Origin {
             hash: loaded.hash(),
             files: loaded.files,
             loaded_at: SystemTime::now(),
+            over_xds,
         };
         RuleSet {
             origin,

@@ -84,9 +84,16 @@ impl Rules {
         self.changed.notify_one();
     }
 
-    /// Whether any domain is loaded.
+    /// Whether rules are loaded: any domain from files; any configuration over xDS, where an
+    /// empty one (no rate limits anywhere) is as valid as any.
     pub fn loaded(&self) -> bool {
-        self.current.load().domains() > 0
+        let rules = self.current.load();
+        rules.domains() > 0 || (self.over_xds() && !rules.is_awaiting())
+    }
+
+    /// Whether the rules come over xDS (they started awaiting their first configuration).
+    pub fn over_xds(&self) -> bool {
+        self.current.load().origin().over_xds
     }
 }
 
@@ -160,15 +167,18 @@ impl Readiness {
         }
     }
 
-    /// Whether envoyproxy/ratelimit's `/healthcheck` would call sluice healthy: rules loaded,
-    /// not shutting down, and the store reached once since the start. A later store outage does
-    /// not fail it (that project's default, and what a liveness probe on it needs: a restart
-    /// cures no Redis outage); `/readyz` reports one.
+    /// Whether envoyproxy/ratelimit's `/healthcheck` would call sluice healthy: rules loaded
+    /// (over xDS, as there, whether or not the first configuration has come), not shutting down,
+    /// and the store reached once since the start. A later store outage does not fail it (that
+    /// project's default, and what a liveness probe on it needs: a restart cures no Redis
+    /// outage); `/readyz` reports one.
     pub fn healthy(&self) -> bool {
-        self.problem().is_none()
-            || (!self.shutdown.fired()
-                && self.rules.loaded()
-                && self.reached.load(Ordering::Relaxed))
+        if self.backend.reachable() {
+            self.reached.store(true, Ordering::Relaxed);
+        }
+        !self.shutdown.fired()
+            && (self.rules.loaded() || self.rules.over_xds())
+            && self.reached.load(Ordering::Relaxed)
     }
 
     /// Keeps gRPC health in step with readiness, for the empty service name and the rate limit

@@ -4,6 +4,10 @@
 //! is validated before anything changes; then the new rules replace the old ones at once. A bad
 //! file is logged with `file:line`, counted, and the rules in force stay. Counters live in the
 //! store, keyed by what a limit counts, so every limit a reload leaves unchanged keeps its count.
+//!
+//! Rules over xDS (`--xds-server`) take the same swap: each valid snapshot replaces the rules at
+//! once, an invalid one is counted and logged while the rules in force stay. Files are then not
+//! watched; SIGHUP starts a new xDS stream, which brings the server's whole snapshot again.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -15,6 +19,7 @@ use tokio::signal::unix::Signal;
 use tokio::sync::Notify;
 
 use super::Rules;
+use crate::config::xds::{Snapshot, Subscription};
 use crate::config::{self, Source};
 use crate::rules::RuleSet;
 use crate::telemetry::metrics::METRICS;
@@ -35,7 +40,7 @@ pub fn load(source: &Source, allow_empty: bool) -> anyhow::Result<RuleSet> {
             for w in &loaded.warnings {
                 tracing::warn!("{w}");
             }
-            Ok(RuleSet::from_loaded(loaded))
+            Ok(RuleSet::from_loaded(loaded, false))
         }
         Err(errors) => {
             for e in &errors {
@@ -141,15 +146,62 @@ fn reload(rules: &Rules, source: &Source, allow_empty: bool, trigger: &str) {
                 }
                 return;
             }
-            METRICS.rules_loaded(&hash, true);
-            METRICS.retain_rules(|domain, rule| loaded.has_rule(domain, rule));
-            let domains = loaded.domains();
-            rules.replace(loaded);
-            tracing::info!(domains, %hash, "{trigger}: rules reloaded");
+            swap(rules, loaded, trigger);
         }
         Err(e) => {
             METRICS.reload_failed();
             tracing::error!("{trigger}: {e:#}; the rules in force stay");
         }
     }
+}
+
+/// Puts `loaded` in place of the rules in force, counted as a reload.
+fn swap(rules: &Rules, loaded: RuleSet, trigger: &str) {
+    let hash = loaded.origin().hash.clone();
+    METRICS.rules_loaded(&hash, true);
+    METRICS.retain_rules(|domain, rule| loaded.has_rule(domain, rule));
+    let domains = loaded.domains();
+    rules.replace(loaded);
+    tracing::info!(domains, %hash, "{trigger}: rules reloaded");
+}
+
+/// Follows the xDS server of `subscription` until the process ends: the first valid snapshot
+/// is counted and logged as a load, the next ones as reloads (one that changes nothing is not
+/// swapped), an invalid one as a failed reload. SIGHUP (`hangup`) starts a new stream at once.
+pub async fn follow_xds(rules: Rules, subscription: Subscription, mut hangup: Signal) {
+    let resubscribe = Arc::new(Notify::new());
+    let on_hangup = resubscribe.clone();
+    tokio::spawn(async move {
+        while hangup.recv().await.is_some() {
+            on_hangup.notify_one();
+        }
+    });
+    let apply = move |snapshot| match snapshot {
+        Snapshot::Valid {
+            version,
+            rules: loaded,
+        } => {
+            let loaded = RuleSet::from_loaded(loaded, true);
+            let in_force = rules.current.load();
+            if in_force.is_awaiting() {
+                first(&loaded);
+                rules.replace(loaded);
+            } else if in_force.origin().hash == loaded.origin().hash {
+                tracing::debug!(%version, "xDS snapshot: rules unchanged");
+            } else {
+                swap(&rules, loaded, &format!("xDS version {version}"));
+            }
+        }
+        Snapshot::Rejected { version, errors } => {
+            METRICS.reload_failed();
+            for e in &errors {
+                tracing::error!("{e}");
+            }
+            tracing::error!(
+                "xDS version {version}: {} error(s), rejected (NACK); the rules in force stay",
+                errors.len()
+            );
+        }
+    };
+    subscription.follow(apply, resubscribe).await;
 }

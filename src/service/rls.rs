@@ -177,6 +177,11 @@ impl Rls {
     ) -> Result<RateLimitResponse, Status> {
         self.bounds.validate(request)?;
         let rules = self.rules.load();
+        if rules.is_awaiting() {
+            // envoyproxy/ratelimit's answer before its first xDS configuration: Envoy's
+            // failure_mode_deny decides.
+            return Err(Status::unavailable("no rate limit configuration loaded"));
+        }
         let (plans, mut check) = plan(&rules, request, &self.answering, true);
         if let Some(at) = at {
             if let Some(item) = check
