@@ -5,6 +5,7 @@
 pub mod envoy;
 pub mod metrics;
 pub mod redis;
+pub mod xds;
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -185,10 +186,12 @@ impl Sluice {
                     sh
                 }
             };
+            command.arg("serve");
+            // Rules over xDS take no rules directory.
+            if !flags.contains(&"--xds-server") {
+                command.arg("--config").arg(&rules);
+            }
             let mut child = command
-                .arg("serve")
-                .arg("--config")
-                .arg(&rules)
                 .arg("--grpc-addr")
                 .arg(grpc.to_string())
                 .arg("--http-addr")

@@ -1,0 +1,458 @@
+//! Rules over xDS: a real sluice following the test ADS server (tests/common/xds.rs), as
+//! envoyproxy/ratelimit follows Envoy Gateway's.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::xds::{Certs, Received, ServerTlsFiles, XdsServer, certgen};
+use common::{OK, OVER_LIMIT, Sluice, Store, Wait, http, request};
+use envoy_types::pb::google::protobuf::Any;
+use envoy_types::pb::google::protobuf::value::Kind;
+use envoy_types::pb::ratelimit::config::ratelimit::v3::{
+    RateLimitConfig, RateLimitDescriptor, RateLimitPolicy, RateLimitUnit,
+};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+const WAIT: Duration = Duration::from_secs(5);
+
+fn rule(key: &str, value: &str, unit: RateLimitUnit, n: u32) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        key: key.into(),
+        value: value.into(),
+        rate_limit: Some(RateLimitPolicy {
+            unit: unit as i32,
+            requests_per_unit: n,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn nest(key: &str, value: &str, children: Vec<RateLimitDescriptor>) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        key: key.into(),
+        value: value.into(),
+        descriptors: children,
+        ..Default::default()
+    }
+}
+
+fn resource(config: &RateLimitConfig) -> Any {
+    Any {
+        type_url: common::xds::TYPE_URL.into(),
+        value: prost::Message::encode_to_vec(config),
+    }
+}
+
+fn domain(name: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitConfig {
+    RateLimitConfig {
+        name: name.into(),
+        domain: name.into(),
+        descriptors,
+    }
+}
+
+/// Domain `d`: key `k` at `n` per hour.
+fn limit_d(n: u32) -> RateLimitConfig {
+    domain("d", vec![rule("k", "", RateLimitUnit::Hour, n)])
+}
+
+async fn start(store: Store, server: &XdsServer, flags: &[&str]) -> Sluice {
+    let target = server.target();
+    let mut all = vec!["--xds-server", target.as_str()];
+    all.extend_from_slice(flags);
+    Sluice::on(store, &[], &all).await
+}
+
+async fn code(sluice: &Sluice, domain: &str, entries: &[(&str, &str)]) -> i32 {
+    sluice.ask(request(domain, &[entries])).await.overall_code
+}
+
+/// Asks until the answer is `want`, for at most `limit`; how long it took.
+async fn until_code(
+    sluice: &Sluice,
+    domain: &str,
+    entries: &[(&str, &str)],
+    want: i32,
+    limit: Duration,
+) -> Option<Duration> {
+    let started = Instant::now();
+    while started.elapsed() < limit {
+        if code(sluice, domain, entries).await == want {
+            return Some(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    None
+}
+
+async fn health(sluice: &Sluice) -> i32 {
+    HealthClient::new(sluice.channel().await)
+        .check(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .expect("gRPC health answers")
+        .into_inner()
+        .status
+}
+
+fn acked(version: &str) -> impl Fn(&Received) -> bool + '_ {
+    move |r| r.version == version && !r.nonce.is_empty() && r.error.is_none()
+}
+
+async fn rules_arrive_over_xds_and_decide(store: Store) {
+    let server = XdsServer::start();
+    server.set("1", &[limit_d(2)]);
+    let sluice = start(
+        store,
+        &server,
+        &[
+            "--xds-node-id",
+            "envoy-ratelimit",
+            "--xds-node-metadata",
+            "cluster=eg,zone=a=b",
+        ],
+    )
+    .await;
+    let k = [("k", "x")];
+    assert_eq!(code(&sluice, "d", &k).await, OK);
+    assert_eq!(code(&sluice, "d", &k).await, OK);
+    assert_eq!(code(&sluice, "d", &k).await, OVER_LIMIT);
+    assert_eq!(code(&sluice, "unknown", &k).await, OK);
+
+    let first = &server.received()[0];
+    assert_eq!(first.version, "", "a new stream starts from no version");
+    assert_eq!(first.nonce, "");
+    assert_eq!(first.type_url, common::xds::TYPE_URL);
+    assert!(first.resource_names.is_empty(), "a wildcard subscription");
+    let node = first.node.as_ref().expect("the node is sent");
+    assert_eq!(node.id, "envoy-ratelimit");
+    let metadata = &node.metadata.as_ref().unwrap().fields;
+    let text = |k: &str| match &metadata[k].kind {
+        Some(Kind::StringValue(s)) => s.clone(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!((text("cluster"), text("zone")), ("eg".into(), "a=b".into()));
+    let ack = server.wait_for(WAIT, acked("1")).await.expect("an ACK");
+    assert_eq!(ack.nonce, "1");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rules_arrive_over_xds_and_decide_on_the_embedded_store() {
+    rules_arrive_over_xds_and_decide(Store::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rules_arrive_over_xds_and_decide_on_redis() {
+    rules_arrive_over_xds_and_decide(Store::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_new_snapshot_changes_the_limits_within_2s() {
+    let server = XdsServer::start();
+    server.set("1", &[limit_d(100)]);
+    let sluice = start(Store::Memory, &server, &[]).await;
+    assert_eq!(code(&sluice, "d", &[("k", "x")]).await, OK);
+    server.set("2", &[limit_d(0)]);
+    let took = until_code(&sluice, "d", &[("k", "y")], OVER_LIMIT, WAIT).await;
+    assert!(
+        took.is_some_and(|t| t < Duration::from_secs(2)),
+        "in force after {took:?}"
+    );
+    assert!(server.wait_for(WAIT, acked("2")).await.is_some());
+    let config: serde_json::Value =
+        serde_json::from_str(&http(sluice.http, "GET", "/config", "").2).unwrap();
+    let d = &config["domains"][0];
+    assert_eq!(
+        (&d["file"], &d["line"]),
+        (&"xds:d".into(), &serde_json::Value::Null)
+    );
+    let rlconfig = http(sluice.http, "GET", "/rlconfig", "").2;
+    assert!(
+        rlconfig.contains("d.k: unit=HOUR requests_per_unit=0"),
+        "{rlconfig}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bad_snapshot_is_nacked_and_the_old_rules_stay() {
+    let server = XdsServer::start();
+    server.set("1", &[limit_d(0)]);
+    let sluice = start(Store::Memory, &server, &[]).await;
+    assert_eq!(code(&sluice, "d", &[("k", "x")]).await, OVER_LIMIT);
+    assert!(server.wait_for(WAIT, acked("1")).await.is_some());
+
+    let unknown_unit = domain("d", vec![rule("k", "", RateLimitUnit::Unknown, 5)]);
+    let not_a_config = Any {
+        type_url: "type.googleapis.com/google.protobuf.Struct".into(),
+        value: Vec::new(),
+    };
+    let bad = [
+        (
+            "2",
+            vec![resource(&limit_d(5)), resource(&limit_d(5))],
+            "xds:d: domain: duplicate domain 'd' in config file",
+        ),
+        (
+            "3",
+            vec![resource(&unknown_unit)],
+            "xds:d: descriptors[0].rate_limit.unit: invalid rate limit unit 'UNKNOWN'",
+        ),
+        (
+            "4",
+            vec![not_a_config],
+            "resource 0: a type.googleapis.com/google.protobuf.Struct, not a RateLimitConfig",
+        ),
+    ];
+    for (version, resources, message) in bad {
+        // The test server numbers its responses 1, 2…: one per version here.
+        let nonce = version;
+        server.set_raw(version, resources);
+        let nack = server
+            .wait_for(WAIT, |r| r.nonce == nonce)
+            .await
+            .unwrap_or_else(|| panic!("an answer to version {version}"));
+        assert_eq!(nack.version, "1", "a NACK names the version in force");
+        assert_eq!(nack.error.as_deref(), Some(message));
+        assert_eq!(code(&sluice, "d", &[("k", "x")]).await, OVER_LIMIT);
+    }
+    let m = common::metrics::scrape(sluice.http);
+    assert_eq!(m.value("ratelimit_service_config_load_success", &[]), 1.0);
+    assert_eq!(m.value("ratelimit_service_config_load_error", &[]), 3.0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn no_resources_is_an_empty_configuration_and_is_acked() {
+    let server = XdsServer::start();
+    server.set("1", &[]);
+    let sluice = start(Store::Memory, &server, &[]).await;
+    let response = sluice.ask(request("d", &[&[("k", "x")]])).await;
+    assert_eq!(response.overall_code, OK);
+    assert!(response.statuses[0].current_limit.is_none());
+    assert!(server.wait_for(WAIT, acked("1")).await.is_some());
+    assert_eq!(http(sluice.http, "GET", "/readyz", "").0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_server_going_away_and_coming_back_loses_no_rules() {
+    let mut server = XdsServer::start();
+    server.set("1", &[limit_d(0)]);
+    let sluice = start(Store::Memory, &server, &[]).await;
+    assert!(server.wait_for(WAIT, acked("1")).await.is_some());
+    server.stop();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(code(&sluice, "d", &[("k", "x")]).await, OVER_LIMIT);
+    assert_eq!(health(&sluice).await, ServingStatus::Serving as i32);
+
+    // A new server process numbers its versions from "1" again.
+    let before = server.received().len();
+    server.restart();
+    server.set(
+        "1",
+        &[
+            limit_d(0),
+            domain("e", vec![rule("k", "", RateLimitUnit::Hour, 0)]),
+        ],
+    );
+    assert!(
+        until_code(&sluice, "e", &[("k", "x")], OVER_LIMIT, WAIT)
+            .await
+            .is_some(),
+        "the new server's snapshot is taken"
+    );
+    let again = &server.received()[before..];
+    assert_eq!(
+        again[0].version, "",
+        "the new stream starts from no version"
+    );
+    assert!(again.iter().any(|r| acked("1")(r)));
+    assert_eq!(code(&sluice, "d", &[("k", "x")]).await, OVER_LIMIT);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn before_the_first_configuration_requests_are_unavailable_and_not_serving() {
+    let server = XdsServer::start();
+    let target = server.target();
+    let sluice = Sluice::spawn(&[], &["--xds-server", &target], None, Wait::Live).await;
+    let refused = sluice
+        .client()
+        .await
+        .should_rate_limit(request("d", &[&[("k", "x")]]))
+        .await
+        .expect_err("no configuration yet");
+    assert_eq!(refused.code(), tonic::Code::Unavailable);
+    assert_eq!(refused.message(), "no rate limit configuration loaded");
+    assert_eq!(health(&sluice).await, ServingStatus::NotServing as i32);
+    assert_eq!(http(sluice.http, "GET", "/readyz", "").0, 503);
+    assert_eq!(
+        http(sluice.http, "GET", "/healthcheck", "").0,
+        200,
+        "envoyproxy/ratelimit's health check passes before the first configuration"
+    );
+    assert!(
+        server
+            .wait_for(WAIT, |r| r.version.is_empty())
+            .await
+            .is_some()
+    );
+
+    server.set("1", &[limit_d(0)]);
+    let started = Instant::now();
+    while health(&sluice).await != ServingStatus::Serving as i32 {
+        assert!(started.elapsed() < WAIT, "SERVING once configured");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(code(&sluice, "d", &[("k", "x")]).await, OVER_LIMIT);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn mutual_tls_with_pkcs1_keys_meets_a_tls13_only_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs: Certs = certgen(dir.path());
+    let key = std::fs::read_to_string(&certs.client_key).unwrap();
+    assert!(key.starts_with("-----BEGIN RSA PRIVATE KEY-----"), "PKCS#1");
+    let server = XdsServer::start_tls(ServerTlsFiles {
+        ca: certs.ca.clone(),
+        cert: certs.server_cert.clone(),
+        key: certs.server_key.clone(),
+    });
+    server.set("1", &[limit_d(0)]);
+    let target = format!("127.0.0.1:{}", server.addr.port());
+    let (ca, cert, key) = (
+        certs.ca.to_str().unwrap(),
+        certs.client_cert.to_str().unwrap(),
+        certs.client_key.to_str().unwrap(),
+    );
+    let sluice = Sluice::on(
+        Store::Memory,
+        &[],
+        &[
+            "--xds-server",
+            &target,
+            "--xds-tls-ca",
+            ca,
+            "--xds-tls-cert",
+            cert,
+            "--xds-tls-key",
+            key,
+            "--xds-tls-server-name",
+            "localhost",
+        ],
+    )
+    .await;
+    assert_eq!(code(&sluice, "d", &[("k", "x")]).await, OVER_LIMIT);
+    assert!(server.wait_for(WAIT, acked("1")).await.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn envoy_gateway_snapshots_match_requests_as_its_envoy_sends_them() {
+    let route_a = "httproute/default/http-ratelimit/rule/0/match/0/ratelimit_example";
+    let a = domain(
+        "default/eg/http",
+        vec![
+            nest(
+                route_a,
+                route_a,
+                vec![rule(
+                    "rule-0-match-0",
+                    "rule-0-match-0",
+                    RateLimitUnit::Hour,
+                    3,
+                )],
+            ),
+            // B: a `*` host, a distinct header, a CIDR with a distinct address under it.
+            nest(
+                "httproute/default/api/rule/0/match/0/*",
+                "httproute/default/api/rule/0/match/0/*",
+                vec![nest(
+                    "rule-0-match-0",
+                    "",
+                    vec![nest(
+                        "masked_remote_address",
+                        "0.0.0.0/0",
+                        vec![rule("remote_address", "", RateLimitUnit::Hour, 1)],
+                    )],
+                )],
+            ),
+        ],
+    );
+    let shared = "test-namespace/test-policy-1";
+    let c_key = "test-namespace/test-policy-1/rule/0";
+    let c = domain(
+        shared,
+        vec![nest(
+            c_key,
+            c_key,
+            vec![rule(
+                "rule-0-match-0",
+                "rule-0-match-0",
+                RateLimitUnit::Second,
+                5,
+            )],
+        )],
+    );
+    let server = XdsServer::start();
+    server.set("7", &[a, c]);
+    let sluice = start(
+        Store::Memory,
+        &server,
+        &["--xds-node-id", "envoy-ratelimit"],
+    )
+    .await;
+
+    let asked = [(route_a, route_a), ("rule-0-match-0", "rule-0-match-0")];
+    let response = sluice.ask(request("default/eg/http", &[&asked])).await;
+    let status = &response.statuses[0];
+    assert_eq!(response.overall_code, OK);
+    let limit = status.current_limit.as_ref().expect("the A limit applies");
+    assert_eq!(
+        (limit.requests_per_unit, limit.unit, limit.name.as_str()),
+        (3, 3, "")
+    );
+    assert_eq!(status.limit_remaining, 2);
+
+    let b_route = "httproute/default/api/rule/0/match/0/*";
+    let b = |user: &'static str, ip: &'static str| {
+        [
+            (b_route, b_route),
+            ("rule-0-match-0", user),
+            ("masked_remote_address", "0.0.0.0/0"),
+            ("remote_address", ip),
+        ]
+    };
+    assert_eq!(
+        code(&sluice, "default/eg/http", &b("alice", "10.1.2.3")).await,
+        OK
+    );
+    assert_eq!(
+        code(&sluice, "default/eg/http", &b("alice", "10.1.2.3")).await,
+        OVER_LIMIT
+    );
+    assert_eq!(
+        code(&sluice, "default/eg/http", &b("alice", "10.1.2.4")).await,
+        OK
+    );
+    assert_eq!(
+        code(&sluice, "default/eg/http", &b("bob", "10.1.2.3")).await,
+        OK
+    );
+    // A route whose name is not in the snapshot matches no rule, `*` in the key or not.
+    let other = "httproute/default/other/rule/0/match/0/*";
+    let unknown_route = [(other, other), ("rule-0-match-0", "alice")];
+    let response = sluice
+        .ask(request("default/eg/http", &[&unknown_route]))
+        .await;
+    assert!(response.statuses[0].current_limit.is_none());
+
+    let asked_c = [(c_key, c_key), ("rule-0-match-0", "rule-0-match-0")];
+    let response = sluice.ask(request(shared, &[&asked_c])).await;
+    let limit = response.statuses[0]
+        .current_limit
+        .as_ref()
+        .expect("the C limit applies");
+    assert_eq!((limit.requests_per_unit, limit.unit), (5, 1));
+}
