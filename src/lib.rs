@@ -18,7 +18,8 @@
 //!   script per request (`lua/check.lua`), behind a deadline per call, a bounded queue and a
 //!   circuit breaker, refunding (`lua/undo.lua`) what it admitted for callers it did not answer.
 //!
-//! Beside the path: [`config`] reads and validates rule files into typed structs at the edge,
+//! Beside the path: [`config`] reads and validates rule files (or follows an xDS server's
+//! `RateLimitConfig` resources, `config::xds`) into typed structs at the edge,
 //! [`telemetry`] sets up logging (and keeps events every request can hit from flooding it) and
 //! holds the Prometheus metrics every layer counts into, and [`load`] is the client-side load
 //! generator of `sluice load`.
