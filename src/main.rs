@@ -20,6 +20,8 @@ use sluice::service::tls::{ServerTls, TlsFlags};
 use sluice::service::{self, Addrs, Edges, JsonAt, Rules, Setup, Shutdown, reload};
 use sluice::store::{Backend, RedisTls, RedisTlsFlags};
 use sluice::telemetry::LogFormat;
+use sluice::telemetry::mapper::Mapper;
+use sluice::telemetry::metrics;
 
 /// mimalloc: measurably less CPU per request than the system allocator on the request path, and
 /// less memory held for the embedded store's many small counters.
@@ -81,6 +83,18 @@ struct ServeArgs {
     /// it, /json is served on --http-addr.
     #[arg(long, env = "SLUICE_JSON_ADDR", value_parser = parse_json_addr)]
     json_addr: Option<JsonAt>,
+    /// Serve Prometheus metrics also on this address (envoyproxy/ratelimit's PROMETHEUS_ADDR;
+    /// Envoy Gateway scrapes :19001), at --metrics-path; they stay on --http-addr's /metrics.
+    #[arg(long, env = "SLUICE_METRICS_ADDR")]
+    metrics_addr: Option<SocketAddr>,
+    /// The path of the metrics on --metrics-addr.
+    #[arg(long, env = "SLUICE_METRICS_PATH", default_value = "/metrics", value_parser = parse_metrics_path)]
+    metrics_path: String,
+    /// A statsd_exporter mapping file naming the series envoyproxy/ratelimit exports
+    /// (envoyproxy/ratelimit's PROMETHEUS_MAPPER_YAML). Without it, that project's built-in
+    /// mapping. A file that does not parse stops the start.
+    #[arg(long, env = "SLUICE_PROMETHEUS_MAPPER")]
+    prometheus_mapper: Option<PathBuf>,
     /// Keep counters in Redis: redis://, rediss:// (TLS), redis-cluster://, redis-sentinel://
     /// (user and password in the URL). Without it, counters live in the embedded store.
     #[arg(long, env = "SLUICE_REDIS_URL")]
@@ -220,6 +234,16 @@ fn parse_json_addr(value: &str) -> Result<JsonAt, String> {
         .parse()
         .map(JsonAt::Addr)
         .map_err(|e| format!("{e}: an address such as 127.0.0.1:8082, or `off`"))
+}
+
+/// A literal URL path for --metrics-path: a `/`, then no query, fragment, space or route
+/// pattern characters.
+fn parse_metrics_path(value: &str) -> Result<String, String> {
+    let literal = |c: char| c.is_ascii_graphic() && !"{}*?#:".contains(c);
+    if !value.starts_with('/') || !value.chars().all(literal) {
+        return Err("a path such as /metrics".into());
+    }
+    Ok(value.to_owned())
 }
 
 /// An HTTP header name (RFC 9110 token characters), which Envoy can add to its response.
@@ -503,6 +527,13 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
     // Before anything else: from here on a SIGHUP reloads instead of ending the process.
     let hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     check_bounds(&args)?;
+    if let Some(path) = &args.prometheus_mapper {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("--prometheus-mapper: cannot read {}", path.display()))?;
+        let mapper = Mapper::parse(&text)
+            .map_err(|e| anyhow::anyhow!("--prometheus-mapper {}: {e}", path.display()))?;
+        metrics::use_mapper(mapper);
+    }
     let rules = match (&args.config, args.xds.subscription(args.merge_domains)?) {
         (_, Some(subscription)) => {
             tracing::info!(
@@ -596,6 +627,9 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         grpc: args.grpc_addr,
         http: args.http_addr,
         json: args.json_addr.unwrap_or(JsonAt::Http),
+        metrics: args
+            .metrics_addr
+            .map(|addr| (addr, args.metrics_path.clone())),
     };
     let served = service::run(setup, addrs, loops, shutdown)
         .await

@@ -76,6 +76,7 @@ impl OverLimitCache {
                 Some(at) => Usage {
                     over: true,
                     remaining: 0,
+                    left_before: 0,
                     reset: *at - now,
                     full: true,
                     source: super::Source::LocalCache,

@@ -199,6 +199,9 @@ pub struct Usage {
     pub over: bool,
     /// Requests left in the window after this request (0 when over).
     pub remaining: u64,
+    /// Requests left before this request's hits (0 once the count has reached the limit):
+    /// where a charge that lands over the limit started from.
+    pub left_before: u64,
     /// Time until the counter frees up: the end of the window, or when one more hit fits.
     pub reset: Duration,
     /// Not one more hit fits until `reset`.
@@ -223,6 +226,7 @@ impl Usage {
         Usage {
             over: false,
             remaining: 0,
+            left_before: 0,
             reset: Duration::ZERO,
             full: false,
             source: Source::Unknown,

@@ -50,6 +50,13 @@ impl Gauges {
             );
         }
         process(&mut r);
+        // Envoy Gateway's "Global Ratelimit" dashboard charts this Go runtime gauge of
+        // envoyproxy/ratelimit; a value keeps its panel from showing "no data".
+        r.register(
+            "go_memstats_gc_cpu_fraction",
+            "Always 0: sluice has no garbage collector (the Go runtime gauge envoyproxy/ratelimit exports, kept for dashboards that chart it)",
+            ConstGauge::new(0.0),
+        );
         METRICS.encode(&r)
     }
 }

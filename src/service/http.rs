@@ -37,23 +37,7 @@ pub fn admin(readiness: Readiness, rules: Rules, gauges: Gauges) -> Router {
     let config = rules.clone();
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
-        .route(
-            "/metrics",
-            get(move || async move {
-                match gauges.encode() {
-                    Ok(text) => (
-                        StatusCode::OK,
-                        [(
-                            header::CONTENT_TYPE,
-                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                        )],
-                        text,
-                    )
-                        .into_response(),
-                    Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
-                }
-            }),
-        )
+        .merge(metrics_route("/metrics", gauges))
         .route(
             "/config",
             get(move || async move {
@@ -95,6 +79,28 @@ pub fn admin(readiness: Readiness, rules: Rules, gauges: Gauges) -> Router {
 }
 
 /// The `/json` route, bounded to `max_body` bytes.
+/// Prometheus metrics on `path` (the admin `/metrics`, and `--metrics-path` on
+/// `--metrics-addr`).
+pub fn metrics_route(path: &str, gauges: Gauges) -> Router {
+    Router::new().route(
+        path,
+        get(move || async move {
+            match gauges.encode() {
+                Ok(text) => (
+                    StatusCode::OK,
+                    [(
+                        header::CONTENT_TYPE,
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    )],
+                    text,
+                )
+                    .into_response(),
+                Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+            }
+        }),
+    )
+}
+
 pub fn json_route(rls: Arc<Rls>, max_body: usize) -> Router {
     Router::new()
         .route("/json", post(json))

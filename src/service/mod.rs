@@ -224,11 +224,14 @@ pub enum JsonAt {
 }
 
 /// The addresses sluice serves on.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Addrs {
     pub grpc: SocketAddr,
     pub http: SocketAddr,
     pub json: JsonAt,
+    /// Prometheus metrics also on an address of their own, at this path (envoyproxy/ratelimit's
+    /// PROMETHEUS_ADDR and PROMETHEUS_PATH).
+    pub metrics: Option<(SocketAddr, String)>,
 }
 
 /// Serves gRPC with `loops` event loops and the admin HTTP server (and `/json` where `addrs`
@@ -254,7 +257,15 @@ pub async fn run(
         ),
         JsonAt::Http | JsonAt::Off => None,
     };
-    tracing::info!(grpc = %grpc_listener.local_addr()?, http = %http_listener.local_addr()?, json = ?addrs.json, loops, "serving");
+    let metrics_listener = match &addrs.metrics {
+        Some((addr, _)) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen for metrics on {addr}"))?,
+        ),
+        None => None,
+    };
+    tracing::info!(grpc = %grpc_listener.local_addr()?, http = %http_listener.local_addr()?, json = ?addrs.json, metrics = ?addrs.metrics, loops, "serving");
 
     let health = HealthReporter::new();
     let readiness = Readiness {
@@ -295,6 +306,12 @@ pub async fn run(
         backend: setup.backend.clone(),
         cache: setup.cache.clone(),
     };
+    let metrics = match (metrics_listener, addrs.metrics) {
+        (Some(listener), Some((_, path))) => {
+            Some((listener, http::metrics_route(&path, gauges.clone())))
+        }
+        _ => None,
+    };
     // `/explain` moves no counter: it stays on the admin port wherever `/json` is served.
     let mut admin = http::admin(readiness, setup.rules.clone(), gauges).merge(explain::route(
         setup.rules.clone(),
@@ -317,9 +334,19 @@ pub async fn run(
             None => Ok(()),
         }
     };
-    let ((), http, json) = tokio::join!(accept, http, json);
+    let metrics = async {
+        match metrics {
+            Some((listener, route)) => axum::serve(listener, route)
+                .with_graceful_shutdown(shutdown.clone().wait())
+                .await
+                .context("metrics server"),
+            None => Ok(()),
+        }
+    };
+    let ((), http, json, metrics) = tokio::join!(accept, http, json, metrics);
     http.context("HTTP server")?;
     json?;
+    metrics?;
     for loop_finished in finished {
         loop_finished
             .await

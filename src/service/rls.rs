@@ -175,7 +175,10 @@ impl Rls {
         caller_timeout: Option<Duration>,
         at: Option<u64>,
     ) -> Result<RateLimitResponse, Status> {
-        self.bounds.validate(request)?;
+        if let Err(invalid) = self.bounds.validate(request) {
+            METRICS.service_errors.inc();
+            return Err(invalid);
+        }
         let rules = self.rules.load();
         if rules.is_awaiting() {
             // envoyproxy/ratelimit's answer before its first xDS configuration: Envoy's
@@ -189,6 +192,7 @@ impl Rls {
                 .iter()
                 .find(|i| !i.limit.algorithm.schedulable())
             {
+                METRICS.service_errors.inc();
                 return Err(Status::invalid_argument(format!(
                     "\"at\" names an instant, which only fixed_window and sliding_log limits count at; this request has a {} limit",
                     item.limit.algorithm.name()
@@ -260,6 +264,7 @@ impl Rls {
                 let over = Usage {
                     over: true,
                     remaining: 0,
+                    left_before: 0,
                     reset: Duration::from_secs(1),
                     full: false,
                     source: Source::Store,
@@ -331,10 +336,9 @@ impl RateLimitService for Rls {
         let started = Instant::now();
         let caller_timeout = grpc_timeout(request.metadata());
         let answer = self.answer(request.get_ref(), caller_timeout, None).await;
-        METRICS
-            .request_seconds
-            .observe(started.elapsed().as_secs_f64());
-        METRICS.requests.inc();
+        let elapsed = started.elapsed();
+        METRICS.request_seconds.observe(elapsed.as_secs_f64());
+        METRICS.response_times.observe(elapsed);
         answer.map(Response::new)
     }
 }
@@ -576,17 +580,19 @@ fn count(plans: &[Plan], check: &Check, decision: &Decision, answering: &Answeri
         };
         let usage = &decision.usages[shown];
         let item = &check.items[shown];
-        let outcome = match (usage.over, item.mode.is_shadow()) {
-            (true, true) => Outcome::Shadow,
-            (true, false) => Outcome::Over {
+        let limit = u64::from(item.limit.capacity());
+        let outcome = if usage.over {
+            Outcome::Over {
+                limit,
+                charged_from: (item.counting == Counting::Always)
+                    .then(|| limit.saturating_sub(usage.left_before)),
+                shadow: item.mode.is_shadow(),
                 from_cache: usage.source == Source::LocalCache,
-            },
-            (false, _) => {
-                let limit = u64::from(item.limit.capacity());
-                Outcome::Within {
-                    limit,
-                    used: limit.saturating_sub(usage.remaining),
-                }
+            }
+        } else {
+            Outcome::Within {
+                limit,
+                used: limit.saturating_sub(usage.remaining),
             }
         };
         stats

@@ -1,18 +1,19 @@
 //! Prometheus metrics: one process-wide set (`METRICS`), moved on the request path with atomics
-//! and written by `/metrics` in the OpenMetrics text format. Every series has a sluice name; the
-//! series envoyproxy/ratelimit exports through its statsd mapping are written beside them under
-//! that project's names and labels, so its dashboards and alerts keep working.
+//! and written by `/metrics` in the OpenMetrics text format. Every series has a sluice name;
+//! beside them, at scrape time, the statsd stats envoyproxy/ratelimit would emit for the same
+//! decisions go through its statsd_exporter mapping (`mapper`, `--prometheus-mapper`), so that its
+//! dashboards and alerts keep working.
 //!
 //! Per-rule counters are bounded by the rule files: one series per rule, plus, for rules with
 //! `detailed_metric` or `value_to_metric`, one per request value, at most `DETAILED_SERIES` in all.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
+use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -20,6 +21,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
+
+use super::mapper::{Kind, Mapper, Series};
 
 /// Most series made from request values (`detailed_metric`, `value_to_metric`); past it, such
 /// hits count under their rule's own series.
@@ -41,22 +44,25 @@ pub struct Metrics {
     registry: Registry,
     /// Time to answer one ShouldRateLimit call, decoded request to encoded answer.
     pub request_seconds: Histogram,
-    /// ShouldRateLimit calls answered (envoyproxy/ratelimit's `total_requests`).
-    pub requests: Untyped,
+    /// The same in whole milliseconds, envoyproxy/ratelimit's `response_time` timer (and, counted,
+    /// its `total_requests`).
+    pub response_times: ResponseTimes,
     /// Time the store took to decide one request (queueing for a Redis call included).
     pub store_call_seconds: Histogram,
     /// Requests per Redis script call.
     pub batch_requests: Histogram,
     store_errors: Family<Labels, Counter>,
-    redis_errors: Untyped,
+    redis_errors: Counter,
+    /// Requests refused as invalid (envoyproxy/ratelimit's `service_error`).
+    pub service_errors: Counter,
     policy_answers: Family<Labels, Counter>,
     reloads: Family<Labels, Counter>,
-    loads_ok: Untyped,
-    loads_failed: Untyped,
+    loads_ok: Counter,
+    loads_failed: Counter,
     /// Requests for a domain no rule file declares.
     pub unknown_domain: Counter,
     /// Requests over a limit answered OK only because of `--shadow-mode`.
-    pub global_shadow_mode: Untyped,
+    pub global_shadow_mode: Counter,
     loaded_at: Gauge<f64, AtomicU64>,
     rules_hash: Mutex<String>,
     rules: Mutex<RuleSeries>,
@@ -69,17 +75,18 @@ impl Metrics {
         let m = Metrics {
             registry: Registry::default(),
             request_seconds: Histogram::new(LATENCY_BUCKETS),
-            requests: Untyped::default(),
+            response_times: ResponseTimes::new(),
             store_call_seconds: Histogram::new(LATENCY_BUCKETS),
             batch_requests: Histogram::new(BATCH_BUCKETS),
             store_errors: Family::default(),
-            redis_errors: Untyped::default(),
+            redis_errors: Counter::default(),
+            service_errors: Counter::default(),
             policy_answers: Family::default(),
             reloads: Family::default(),
-            loads_ok: Untyped::default(),
-            loads_failed: Untyped::default(),
+            loads_ok: Counter::default(),
+            loads_failed: Counter::default(),
             unknown_domain: Counter::default(),
-            global_shadow_mode: Untyped::default(),
+            global_shadow_mode: Counter::default(),
             loaded_at: Gauge::default(),
             rules_hash: Mutex::default(),
             rules: Mutex::default(),
@@ -126,38 +133,6 @@ impl Metrics {
             "When the rules in force were loaded (Unix time)",
             m.loaded_at.clone(),
         );
-        r.register(
-            "ratelimit_service_global_shadow_mode",
-            "Requests over a limit answered OK because of --shadow-mode (envoyproxy/ratelimit's name)",
-            m.global_shadow_mode.clone(),
-        );
-        r.register(
-            "ratelimit_service_config_load_success",
-            "Rule loads that succeeded (envoyproxy/ratelimit's name)",
-            m.loads_ok.clone(),
-        );
-        r.register(
-            "ratelimit_service_config_load_error",
-            "Rule loads that failed (envoyproxy/ratelimit's name)",
-            m.loads_failed.clone(),
-        );
-        let method = r.sub_registry_with_label(("grpc_method".into(), "ShouldRateLimit".into()));
-        method.register(
-            "ratelimit_service_total_requests",
-            "ShouldRateLimit calls answered (envoyproxy/ratelimit's name)",
-            m.requests.clone(),
-        );
-        method.register(
-            "ratelimit_service_response_time_seconds",
-            "Time to answer one ShouldRateLimit call (envoyproxy/ratelimit's name)",
-            m.request_seconds.clone(),
-        );
-        r.sub_registry_with_label(("err_type".into(), "redis_error".into()))
-            .register(
-                "ratelimit_service_should_rate_limit_error",
-                "Calls the counter store could not decide (envoyproxy/ratelimit's name)",
-                m.redis_errors.clone(),
-            );
         // Every label a counter can take exists from the start, so the first event is an
         // increase a rate or an alert sees.
         for kind in ["full", "timeout", "shed", "down", "unavailable"] {
@@ -221,6 +196,53 @@ impl Metrics {
         Some(rules.get(domain, name, Some(rule)))
     }
 
+    /// envoyproxy/ratelimit's statsd stats for what sluice counted, through the mapping in
+    /// force: the per-rule counters of `rules` (every one written, 0 included, when a mapping
+    /// names it; an unmapped one once it counts, as statsd_exporter sees a stat only once it
+    /// moves), the service's counters and the response-time timer.
+    fn statsd(&self, rules: &RuleSnapshot) -> StatsdSeries {
+        let mut out = StatsdSeries::default();
+        for rule in &rules.0 {
+            for (series, value) in rule.mapped.iter().zip(rule.values) {
+                if let Some(series) = series {
+                    out.counter(series, value);
+                }
+            }
+        }
+        let m = mapper();
+        let counters = [
+            ("ratelimit.service.config_load_success", &self.loads_ok),
+            ("ratelimit.service.config_load_error", &self.loads_failed),
+            (
+                "ratelimit.service.call.should_rate_limit.redis_error",
+                &self.redis_errors,
+            ),
+            (
+                "ratelimit.service.call.should_rate_limit.service_error",
+                &self.service_errors,
+            ),
+            (
+                "ratelimit.service.global_shadow_mode",
+                &self.global_shadow_mode,
+            ),
+        ];
+        for (name, counter) in counters {
+            if let Some(series) = m.map(name, Kind::Counter) {
+                out.counter(&series, counter.get());
+            }
+        }
+        let times = self.response_times.seen();
+        let calls = times.iter().map(|(_, n)| n).sum();
+        let method = "ratelimit_server.ShouldRateLimit";
+        if let Some(series) = m.map(&format!("{method}.total_requests"), Kind::Counter) {
+            out.counter(&series, calls);
+        }
+        if let Some(series) = m.map(&format!("{method}.response_time"), Kind::Observer) {
+            out.observations(&series, &times);
+        }
+        out
+    }
+
     /// Forgets the series of rules that `keep` (domain, rule path) no longer has.
     pub fn retain_rules(&self, keep: impl Fn(&str, &str) -> bool) {
         let mut rules = lock(&self.rules);
@@ -238,7 +260,9 @@ impl Metrics {
         encode_registry(&mut out, &self.registry)?;
         encode_registry(&mut out, extra)?;
         let mut rules = Registry::default();
-        rules.register_collector(Box::new(RuleSnapshot::take(self)));
+        let snapshot = RuleSnapshot::take(self);
+        rules.register_collector(Box::new(self.statsd(&snapshot)));
+        rules.register_collector(Box::new(snapshot));
         rules.register(
             "sluice_rules",
             "The rules in force, by hash",
@@ -247,6 +271,61 @@ impl Metrics {
         encode_registry(&mut out, &rules)?;
         encode_eof(&mut out)?;
         Ok(out)
+    }
+}
+
+/// The mapping of envoyproxy/ratelimit's statsd names in force: `use_mapper`'s, else that
+/// project's built-in one.
+static MAPPER: OnceLock<Mapper> = OnceLock::new();
+
+/// Names envoyproxy/ratelimit's series through `mapper` from now on; only the first call counts
+/// (`serve` makes it once, at start, before any scrape).
+pub fn use_mapper(mapper: Mapper) {
+    let _ = MAPPER.set(mapper);
+}
+
+fn mapper() -> &'static Mapper {
+    MAPPER.get_or_init(Mapper::erl_default)
+}
+
+/// Whole milliseconds each ShouldRateLimit call took, truncated as envoyproxy/ratelimit's timer
+/// truncates them: counted per millisecond below `FAST_MS` (one relaxed add per call), in a map
+/// above it (calls that slow are rare), so that any mapping's buckets and scale can be applied
+/// exactly at scrape time.
+pub struct ResponseTimes {
+    fast: [AtomicU64; FAST_MS],
+    slow: Mutex<BTreeMap<u64, u64>>,
+}
+
+/// Calls faster than this many ms are counted without a lock.
+const FAST_MS: usize = 1024;
+
+impl ResponseTimes {
+    fn new() -> Self {
+        ResponseTimes {
+            fast: [const { AtomicU64::new(0) }; FAST_MS],
+            slow: Mutex::default(),
+        }
+    }
+
+    pub fn observe(&self, elapsed: Duration) {
+        let ms = elapsed.as_millis();
+        match self.fast.get(ms as usize) {
+            Some(n) => {
+                n.fetch_add(1, Ordering::Relaxed);
+            }
+            None => *lock(&self.slow).entry(ms as u64).or_default() += 1,
+        }
+    }
+
+    /// (milliseconds, calls) for every duration seen, shortest first.
+    fn seen(&self) -> Vec<(u64, u64)> {
+        let mut seen: Vec<(u64, u64)> = (0..FAST_MS as u64)
+            .map(|ms| (ms, self.fast[ms as usize].load(Ordering::Relaxed)))
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        seen.extend(lock(&self.slow).iter().map(|(ms, n)| (*ms, *n)));
+        seen
     }
 }
 
@@ -294,6 +373,9 @@ pub struct RuleStats {
     within_limit: AtomicU64,
     shadow_mode: AtomicU64,
     over_limit_with_local_cache: AtomicU64,
+    /// What its stats are named through the mapping (`None`: dropped), worked out at the first
+    /// scrape.
+    mapped: OnceLock<Vec<Option<Series>>>,
 }
 
 /// How one descriptor of a decided request fared.
@@ -301,10 +383,17 @@ pub struct RuleStats {
 pub enum Outcome {
     /// Within its limit, with this much of it used once the request is counted.
     Within { limit: u64, used: u64 },
-    /// Over its limit; `from_cache`: known from the local over-limit cache.
-    Over { from_cache: bool },
-    /// Over a shadow-mode limit: reported, not denied.
-    Shadow,
+    /// Over its limit.
+    Over {
+        limit: u64,
+        /// Counted `always`: the hits landed all the same, on a count of this much (the limit
+        /// or more when it had reached it); `None`: they were refused.
+        charged_from: Option<u64>,
+        /// A shadow-mode limit: reported, not denied.
+        shadow: bool,
+        /// Known from the local over-limit cache.
+        from_cache: bool,
+    },
 }
 
 impl RuleStats {
@@ -319,12 +408,15 @@ impl RuleStats {
             within_limit: AtomicU64::new(0),
             shadow_mode: AtomicU64::new(0),
             over_limit_with_local_cache: AtomicU64::new(0),
+            mapped: OnceLock::new(),
         }
     }
 
-    /// Counts `hits` of one decided descriptor as envoyproxy/ratelimit does: a shadow-mode hit
-    /// over the limit is also an `over_limit` hit; a near-limit hit is one past `near_ratio` of
-    /// the limit.
+    /// Counts `hits` of one decided descriptor as envoyproxy/ratelimit does: a near-limit hit is
+    /// one past `near_ratio` of the limit; a shadow-mode hit over the limit is also an
+    /// `over_limit` hit. Hits charged over the limit split as that project's
+    /// `checkOverLimitThreshold` splits them: those past the limit are over, those below it
+    /// and past the near threshold near, none within. Refused hits are all over.
     pub fn count(&self, hits: u64, outcome: Outcome, near_ratio: f64) {
         let add = |c: &AtomicU64, n: u64| {
             if n > 0 {
@@ -335,18 +427,30 @@ impl RuleStats {
         match outcome {
             Outcome::Within { limit, used } => {
                 add(&self.within_limit, hits);
-                let threshold = (limit as f64 * near_ratio).floor() as u64;
-                add(&self.near_limit, used.saturating_sub(threshold).min(hits));
+                let near = near_threshold(limit, near_ratio);
+                add(&self.near_limit, used.saturating_sub(near).min(hits));
             }
-            Outcome::Over { from_cache } => {
-                add(&self.over_limit, hits);
+            Outcome::Over {
+                limit,
+                charged_from,
+                shadow,
+                from_cache,
+            } => {
+                let over = match charged_from {
+                    Some(before) if before < limit => {
+                        let near = near_threshold(limit, near_ratio);
+                        add(&self.near_limit, limit - near.max(before));
+                        (before + hits).saturating_sub(limit)
+                    }
+                    _ => hits,
+                };
+                add(&self.over_limit, over);
+                if shadow {
+                    add(&self.shadow_mode, over);
+                }
                 if from_cache {
                     add(&self.over_limit_with_local_cache, hits);
                 }
-            }
-            Outcome::Shadow => {
-                add(&self.over_limit, hits);
-                add(&self.shadow_mode, hits);
             }
         }
     }
@@ -363,19 +467,28 @@ impl RuleStats {
         ]
     }
 
-    /// envoyproxy/ratelimit's labels for this series: its statsd name `domain.descriptor`
-    /// (sanitized) split at dots into `domain`, `key1` and `key2`, deeper parts dropped.
-    fn compatible_labels(&self) -> Vec<(&'static str, String)> {
-        let name = sanitize(&format!("{}.{}", self.domain, self.descriptor));
-        let mut parts = name.splitn(4, '.');
-        let mut labels = Vec::with_capacity(3);
-        for label in ["domain", "key1", "key2"] {
-            if let Some(part) = parts.next() {
-                labels.push((label, part.to_owned()));
-            }
-        }
-        labels
+    /// What the mapping names each of its stats: envoyproxy/ratelimit's statsd name is
+    /// `ratelimit.service.rate_limit.<domain>.<descriptor>.<stat>`, the key sanitized.
+    fn mapped(&self) -> &[Option<Series>] {
+        self.mapped.get_or_init(|| {
+            let key = sanitize(&format!("{}.{}", self.domain, self.descriptor));
+            RULE_STATS
+                .iter()
+                .map(|(stat, _, _)| {
+                    mapper().map(
+                        &format!("ratelimit.service.rate_limit.{key}.{stat}"),
+                        Kind::Counter,
+                    )
+                })
+                .collect()
+        })
     }
+}
+
+/// envoyproxy/ratelimit's near-limit threshold: the limit times the ratio, in 32-bit floats as
+/// that project computes it, rounded down.
+fn near_threshold(limit: u64, ratio: f64) -> u64 {
+    ((limit as f32) * (ratio as f32)).floor() as u64
 }
 
 /// envoyproxy/ratelimit's `SanitizeStatName`: `:` and `|` become `_`, and so do the dots of
@@ -418,8 +531,8 @@ fn ipv4_at(s: &[u8]) -> Option<usize> {
     Some(at)
 }
 
-/// The per-rule series, read once per scrape and written under sluice's names and, added up as
-/// its statsd mapping merges them, under envoyproxy/ratelimit's.
+/// The per-rule series, read once per scrape and written under sluice's names here, and under
+/// envoyproxy/ratelimit's through `StatsdSeries`.
 #[derive(Debug)]
 struct RuleSnapshot(Vec<RuleValues>);
 
@@ -427,10 +540,11 @@ struct RuleSnapshot(Vec<RuleValues>);
 struct RuleValues {
     domain: String,
     descriptor: String,
-    compatible: Vec<(&'static str, String)>,
+    mapped: Vec<Option<Series>>,
     values: [u64; 6],
 }
 
+/// Each per-rule stat: envoyproxy/ratelimit's name, sluice's, and its help.
 const RULE_STATS: [(&str, &str, &str); 6] = [
     (
         "total_hits",
@@ -472,7 +586,7 @@ impl RuleSnapshot {
             .map(|s| RuleValues {
                 domain: s.domain.clone(),
                 descriptor: s.descriptor.clone(),
-                compatible: s.compatible_labels(),
+                mapped: s.mapped().to_vec(),
                 values: s.values(),
             })
             .collect();
@@ -483,67 +597,135 @@ impl RuleSnapshot {
 
 impl Collector for RuleSnapshot {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        for (i, (stat, name, help)) in RULE_STATS.iter().enumerate() {
-            {
-                let mut family =
-                    encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
-                for rule in &self.0 {
-                    let labels = [
-                        ("domain", rule.domain.as_str()),
-                        ("descriptor", rule.descriptor.as_str()),
-                    ];
-                    family
-                        .encode_family(&labels)?
-                        .encode_counter::<NoLabelSet, _, u64>(&rule.values[i], None)?;
-                }
-            }
-            // envoyproxy/ratelimit's mapping has no local-cache series.
-            if *stat == "over_limit_with_local_cache" {
-                continue;
-            }
-            let mut merged: Vec<(&Vec<(&'static str, String)>, u64)> = Vec::new();
+        for (i, (_, name, help)) in RULE_STATS.iter().enumerate() {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
             for rule in &self.0 {
-                match merged.iter_mut().find(|(l, _)| **l == rule.compatible) {
-                    Some((_, v)) => *v += rule.values[i],
-                    None => merged.push((&rule.compatible, rule.values[i])),
-                }
-            }
-            let name = format!("ratelimit_service_rate_limit_{stat}");
-            let mut family = encoder.encode_descriptor(
-                &name,
-                "envoyproxy/ratelimit's name for the rule counter of the same stat.",
-                None,
-                MetricType::Unknown,
-            )?;
-            for (labels, value) in merged {
-                family.encode_family(labels)?.encode_gauge(&value)?;
+                let labels = [
+                    ("domain", rule.domain.as_str()),
+                    ("descriptor", rule.descriptor.as_str()),
+                ];
+                family
+                    .encode_family(&labels)?
+                    .encode_counter::<NoLabelSet, _, u64>(&rule.values[i], None)?;
             }
         }
         Ok(())
     }
 }
 
-/// A counter written as an untyped sample under its own name, as envoyproxy/ratelimit's
-/// Prometheus names have it (a typed counter would gain a `_total` suffix).
-#[derive(Debug, Clone, Default)]
-pub struct Untyped(Counter);
+/// envoyproxy/ratelimit's series as its mapping names them, gathered at scrape time: counters
+/// of equal name and labels add up, as statsd_exporter adds them; a name already taken by a
+/// series of the other type keeps its first one (statsd_exporter's conflict).
+#[derive(Debug, Default)]
+struct StatsdSeries(BTreeMap<String, StatsdFamily>);
 
-impl Untyped {
-    pub fn inc(&self) {
-        self.0.inc();
+#[derive(Debug)]
+struct StatsdFamily {
+    help: String,
+    values: StatsdValues,
+}
+
+type LabelPairs = Vec<(String, String)>;
+
+#[derive(Debug)]
+enum StatsdValues {
+    Counters(BTreeMap<LabelPairs, u64>),
+    Histograms(BTreeMap<LabelPairs, Observed>),
+}
+
+/// A histogram: per-bucket (not cumulative) counts, the last one past every bound.
+#[derive(Debug)]
+struct Observed {
+    bounds: Vec<f64>,
+    counts: Vec<u64>,
+    sum: f64,
+}
+
+/// statsd_exporter's help for a mapping that gives none.
+const DEFAULT_HELP: &str = "Metric autogenerated by statsd_exporter.";
+
+impl StatsdSeries {
+    fn family(&mut self, series: &Series, values: StatsdValues) -> &mut StatsdFamily {
+        self.0
+            .entry(series.name.clone())
+            .or_insert_with(|| StatsdFamily {
+                help: series.help.clone().unwrap_or_else(|| DEFAULT_HELP.into()),
+                values,
+            })
+    }
+
+    fn counter(&mut self, series: &Series, value: u64) {
+        if value == 0 && !series.mapped {
+            return;
+        }
+        let family = self.family(series, StatsdValues::Counters(BTreeMap::new()));
+        if let StatsdValues::Counters(c) = &mut family.values {
+            *c.entry(series.labels.clone()).or_default() += value;
+        }
+    }
+
+    /// Observations of `(value, times)` in whole milliseconds, scaled as `series` says.
+    fn observations(&mut self, series: &Series, seen: &[(u64, u64)]) {
+        if seen.is_empty() && !series.mapped {
+            return;
+        }
+        let family = self.family(series, StatsdValues::Histograms(BTreeMap::new()));
+        let StatsdValues::Histograms(h) = &mut family.values else {
+            return;
+        };
+        let bounds = &series.buckets;
+        let observed = h.entry(series.labels.clone()).or_insert_with(|| Observed {
+            bounds: bounds.clone(),
+            counts: vec![0; bounds.len() + 1],
+            sum: 0.0,
+        });
+        if observed.bounds != *bounds {
+            return;
+        }
+        for &(ms, times) in seen {
+            let value = ms as f64 * series.scale.unwrap_or(1.0);
+            let bucket = bounds.partition_point(|b| *b < value);
+            observed.counts[bucket] += times;
+            observed.sum += value * times as f64;
+        }
     }
 }
 
-impl EncodeMetric for Untyped {
-    fn encode(
-        &self,
-        mut encoder: prometheus_client::encoding::MetricEncoder,
-    ) -> Result<(), std::fmt::Error> {
-        encoder.encode_gauge(&self.0.get())
-    }
-
-    fn metric_type(&self) -> MetricType {
-        MetricType::Unknown
+impl Collector for StatsdSeries {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        for (name, family) in &self.0 {
+            match &family.values {
+                // Untyped, so that a counter keeps its name (a typed one gains `_total`).
+                StatsdValues::Counters(series) => {
+                    let mut f =
+                        encoder.encode_descriptor(name, &family.help, None, MetricType::Unknown)?;
+                    for (labels, value) in series {
+                        f.encode_family(labels)?.encode_gauge(value)?;
+                    }
+                }
+                StatsdValues::Histograms(series) => {
+                    let mut f = encoder.encode_descriptor(
+                        name,
+                        &family.help,
+                        None,
+                        MetricType::Histogram,
+                    )?;
+                    for (labels, h) in series {
+                        let buckets: Vec<(f64, u64)> = h
+                            .bounds
+                            .iter()
+                            .copied()
+                            .chain([f64::INFINITY])
+                            .zip(h.counts.iter().copied())
+                            .collect();
+                        let count = h.counts.iter().sum();
+                        f.encode_family(labels)?
+                            .encode_histogram::<NoLabelSet>(h.sum, count, &buckets, None)?;
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -566,28 +748,74 @@ mod tests {
     }
 
     #[test]
-    fn compatible_labels_keep_two_levels() {
-        let s = RuleStats::new("d", "a_1.b.c_2", None);
-        assert_eq!(
-            s.compatible_labels(),
-            [
-                ("domain", "d".to_owned()),
-                ("key1", "a_1".to_owned()),
-                ("key2", "b".to_owned())
-            ]
-        );
-        let s = RuleStats::new("d", "a", None);
-        assert_eq!(s.compatible_labels().len(), 2);
-    }
-
-    #[test]
     fn hits_are_counted_as_envoy_ratelimit_counts_them() {
         let s = RuleStats::new("d", "k", None);
         s.count(3, Outcome::Within { limit: 10, used: 9 }, 0.8);
-        s.count(2, Outcome::Over { from_cache: true }, 0.8);
-        s.count(1, Outcome::Shadow, 0.8);
+        let refused = Outcome::Over {
+            limit: 10,
+            charged_from: None,
+            shadow: false,
+            from_cache: true,
+        };
+        s.count(2, refused, 0.8);
+        let shadow = Outcome::Over {
+            limit: 10,
+            charged_from: None,
+            shadow: true,
+            from_cache: false,
+        };
+        s.count(1, shadow, 0.8);
         let [total, over, near, within, shadow, cached] = s.values();
         assert_eq!((total, over, within, shadow, cached), (6, 3, 3, 1, 2));
         assert_eq!(near, 1, "only the hit past 8 of 10 is near");
+    }
+
+    #[test]
+    fn a_charge_over_the_limit_splits_as_check_over_limit_threshold() {
+        let s = RuleStats::new("d", "k", None);
+        let charged = |before| Outcome::Over {
+            limit: 10,
+            charged_from: Some(before),
+            shadow: true,
+            from_cache: false,
+        };
+        // 7 + 5 = 12: 2 over, 10 - max(8, 7) = 2 near, none within.
+        s.count(5, charged(7), 0.8);
+        let [total, over, near, within, shadow, _] = s.values();
+        assert_eq!((total, over, near, within, shadow), (5, 2, 2, 0, 2));
+        // Already at the limit: all over; a check of 0 hits counts nothing.
+        s.count(4, charged(10), 0.8);
+        s.count(0, charged(10), 0.8);
+        let [total, over, near, _, shadow, _] = s.values();
+        assert_eq!((total, over, near, shadow), (9, 6, 2, 6));
+    }
+
+    #[test]
+    fn response_times_keep_every_whole_millisecond() {
+        let t = ResponseTimes::new();
+        for ms in [0, 0, 3, 5000] {
+            t.observe(Duration::from_micros(ms * 1000 + 999));
+        }
+        assert_eq!(t.seen(), [(0, 2), (3, 1), (5000, 1)]);
+    }
+
+    #[test]
+    fn observations_fall_in_the_buckets_of_the_mapping_scaled() {
+        let mut out = StatsdSeries::default();
+        let series = Series {
+            name: "t".into(),
+            labels: Vec::new(),
+            mapped: true,
+            buckets: vec![0.005, 1.0],
+            scale: Some(0.001),
+            help: None,
+        };
+        out.observations(&series, &[(0, 2), (5, 1), (7, 1), (2000, 1)]);
+        let StatsdValues::Histograms(h) = &out.0["t"].values else {
+            panic!("a histogram");
+        };
+        let h = &h[&Vec::new()];
+        assert_eq!(h.counts, [3, 1, 1], "le is inclusive: 5 ms is in 0.005");
+        assert!((h.sum - 2.012).abs() < 1e-9);
     }
 }

@@ -2,6 +2,7 @@
 //! or one JSON object per line, `info` by default; `Throttle` keeps an event that every request
 //! (or a spinning loop) can hit from flooding the log. Metrics: see `metrics`.
 
+pub mod mapper;
 pub mod metrics;
 
 use std::io::IsTerminal;

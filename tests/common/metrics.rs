@@ -85,7 +85,12 @@ fn key(name: &str, labels: &[(&str, &str)]) -> String {
 /// GETs `/metrics` from the admin address `http`, checks that it answers 200 in the OpenMetrics
 /// format, and parses it.
 pub fn scrape(http: SocketAddr) -> Scrape {
-    let (status, headers, text) = super::http(http, "GET", "/metrics", "");
+    scrape_at(http, "/metrics")
+}
+
+/// `scrape`, of `path` on `addr`.
+pub fn scrape_at(addr: SocketAddr, path: &str) -> Scrape {
+    let (status, headers, text) = super::http(addr, "GET", path, "");
     assert_eq!(status, 200, "{text}");
     let content_type = headers
         .iter()

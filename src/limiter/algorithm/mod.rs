@@ -136,6 +136,7 @@ impl Verdict {
         Usage {
             over: self.over,
             remaining: if self.over { 0 } else { after },
+            left_before: self.remaining_before,
             reset: Duration::from_millis(reset),
             full: super::cache::full(algorithm, hits, self.over, self.remaining_before, after),
             source: Source::Store,
