@@ -24,6 +24,9 @@
 //! holds the Prometheus metrics every layer counts into, and [`load`] is the client-side load
 //! generator of `sluice load`.
 //!
+//! Before any of it: [`settings`] turns envoyproxy/ratelimit's environment into `serve` flags when
+//! sluice runs as `ratelimit`.
+//!
 //! TLS: [`certs`] reads certificates and keys from PEM files for both edges that speak it, the
 //! gRPC server (`service::tls`, mTLS and reload included) and the connections to Redis.
 
@@ -33,5 +36,6 @@ pub mod limiter;
 pub mod load;
 pub mod rules;
 pub mod service;
+pub mod settings;
 pub mod store;
 pub mod telemetry;

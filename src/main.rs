@@ -1,7 +1,9 @@
 //! The `sluice` command: `serve` runs the service, `check-config` validates rule files, `explain`
 //! shows how rules match a request, `load` measures a running service and `health` probes its
-//! gRPC health.
+//! gRPC health. Run as `ratelimit` (a link named so), it serves as envoyproxy/ratelimit does, from
+//! that project's environment variables.
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -17,7 +19,8 @@ use sluice::limiter::{Counting, OverLimitCache};
 use sluice::rules::RuleSet;
 use sluice::service::rls::{Answering, Bounds, Fallback, LimitHeaders, OnStoreError};
 use sluice::service::tls::{ServerTls, TlsFlags};
-use sluice::service::{self, Addrs, Edges, JsonAt, Rules, Setup, Shutdown, reload};
+use sluice::service::{self, Addrs, Edges, Healthcheck, JsonAt, Rules, Setup, Shutdown, reload};
+use sluice::settings::erl;
 use sluice::store::{Backend, RedisTls, RedisTlsFlags};
 use sluice::telemetry::LogFormat;
 use sluice::telemetry::mapper::Mapper;
@@ -95,6 +98,19 @@ struct ServeArgs {
     /// mapping. A file that does not parse stops the start.
     #[arg(long, env = "SLUICE_PROMETHEUS_MAPPER")]
     prometheus_mapper: Option<PathBuf>,
+    /// Serve envoyproxy/ratelimit's debug endpoints (`/rlconfig`, and `/` listing them) on this
+    /// address too (its port is 6070).
+    #[arg(long, env = "SLUICE_DEBUG_ADDR")]
+    debug_addr: Option<SocketAddr>,
+    /// /healthcheck (and gRPC health for `ratelimit`) reports healthy before any rules are
+    /// loaded, as envoyproxy/ratelimit does without HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED.
+    #[arg(long, env = "SLUICE_HEALTHCHECK_WITHOUT_RULES")]
+    healthcheck_without_rules: bool,
+    /// /healthcheck (and gRPC health for `ratelimit`) fails whenever the store is unreachable,
+    /// not only until it is first reached (envoyproxy/ratelimit's
+    /// REDIS_HEALTH_CHECK_ACTIVE_CONNECTION).
+    #[arg(long, env = "SLUICE_HEALTHCHECK_FOLLOWS_STORE")]
+    healthcheck_follows_store: bool,
     /// Keep counters in Redis: redis://, rediss:// (TLS), redis-cluster://, redis-sentinel://
     /// (user and password in the URL). Without it, counters live in the embedded store.
     #[arg(long, env = "SLUICE_REDIS_URL")]
@@ -305,7 +321,13 @@ impl HealthTls {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let (cli, notes) = match parse() {
+        Ok(parsed) => parsed,
+        Err(message) => {
+            eprintln!("{}: {message}", erl::COMMAND);
+            return ExitCode::FAILURE;
+        }
+    };
     match cli.command {
         Command::CheckConfig {
             path,
@@ -319,6 +341,9 @@ fn main() -> ExitCode {
         Command::Load(options) => load(options),
         Command::Serve(args) => {
             sluice::telemetry::init(args.log_format, args.log_level.as_deref());
+            for note in notes {
+                tracing::warn!("{note}");
+            }
             match serve(*args) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
@@ -328,6 +353,25 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// The command line; run as `ratelimit`, `serve` with the flags envoyproxy/ratelimit's
+/// environment means (and any arguments given after them), with what to warn about at start.
+fn parse() -> Result<(Cli, Vec<String>), String> {
+    let mut args: Vec<OsString> = std::env::args_os().collect();
+    if !args.first().is_some_and(erl::runs_as_ratelimit) {
+        return Ok((Cli::parse(), Vec::new()));
+    }
+    let translation = erl::translate(&|name| std::env::var(name).ok())?;
+    let given = args.split_off(1);
+    let cli = Cli::parse_from(args.into_iter().chain(translation.args).chain(given));
+    let notes = translation
+        .unhonoured
+        .iter()
+        .map(ToString::to_string)
+        .chain(translation.notes)
+        .collect();
+    Ok((cli, notes))
 }
 
 fn check_config(source: &config::Source) -> ExitCode {
@@ -603,6 +647,10 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         cache: (args.local_cache_size > 0)
             .then(|| std::sync::Arc::new(OverLimitCache::new(args.local_cache_size))),
         tls: ServerTls::load(&args.tls)?,
+        healthcheck: Healthcheck {
+            without_rules: args.healthcheck_without_rules,
+            follows_store: args.healthcheck_follows_store,
+        },
     };
     let (stop, shutdown) = Shutdown::new();
     let grace = args.shutdown_grace;
@@ -630,6 +678,7 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         metrics: args
             .metrics_addr
             .map(|addr| (addr, args.metrics_path.clone())),
+        debug: args.debug_addr,
     };
     let served = service::run(setup, addrs, loops, shutdown)
         .await

@@ -5,6 +5,7 @@
 //! `--max-request-bytes`) or 503 (the store could not decide, under `--on-store-error error`). `/json` moves counters, so it can be served apart or not at all.
 //! Beside the request's fields, `/json` takes `"at"`: an RFC 3339 instant the request counts at
 //! (a message scheduled for then), which `fixed_window` and `sliding_log` limits honour.
+//! Apart, envoyproxy/ratelimit's debug port: `/rlconfig` and the list of its endpoints.
 
 use std::sync::{Arc, LazyLock};
 
@@ -75,6 +76,32 @@ pub fn admin(readiness: Readiness, rules: Rules, gauges: Gauges) -> Router {
                     ),
                 }
             }),
+        )
+}
+
+/// What envoyproxy/ratelimit's debug port serves that sluice has, each with its help line as
+/// `/` lists them there.
+const DEBUG_ENDPOINTS: &[(&str, &str)] = &[(
+    "/rlconfig",
+    "print out the currently loaded configuration for debugging",
+)];
+
+/// envoyproxy/ratelimit's debug port (`--debug-addr`): `/rlconfig` (what `egctl config
+/// envoy-ratelimit` prints) and `/`, the list of its endpoints.
+pub fn debug(rules: Rules) -> Router {
+    Router::new()
+        .route(
+            "/",
+            get(|| async {
+                DEBUG_ENDPOINTS
+                    .iter()
+                    .map(|(path, help)| format!("{path}: {help}\n"))
+                    .collect::<String>()
+            }),
+        )
+        .route(
+            "/rlconfig",
+            get(move || async move { rules.current.load().dump_text() }),
         )
 }
 

@@ -119,6 +119,19 @@ pub struct Setup {
     pub cache: Option<Arc<OverLimitCache>>,
     /// gRPC over TLS only; without it, plaintext.
     pub tls: Option<ServerTls>,
+    pub healthcheck: Healthcheck,
+}
+
+/// What envoyproxy/ratelimit's health model (`/healthcheck`, gRPC health for `ratelimit`)
+/// requires beyond not shutting down and the store reached once since the start.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Healthcheck {
+    /// Healthy before any rules are loaded (that project's default, without
+    /// `HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED`).
+    pub without_rules: bool,
+    /// Unhealthy whenever the store is unreachable, not only until it is first reached (its
+    /// `REDIS_HEALTH_CHECK_ACTIVE_CONNECTION`).
+    pub follows_store: bool,
 }
 
 impl Setup {
@@ -138,6 +151,8 @@ impl Setup {
 
 /// The rate limit service's name in gRPC health.
 const RLS: &str = <RateLimitServiceServer<Rls> as tonic::server::NamedService>::NAME;
+/// The name envoyproxy/ratelimit reports its health under in gRPC health.
+const ERL_HEALTH: &str = "ratelimit";
 /// How long Watch streams have to see NOT_SERVING at shutdown before they are ended.
 const WATCHERS_SEE: Duration = Duration::from_millis(100);
 
@@ -148,6 +163,7 @@ pub struct Readiness {
     rules: Rules,
     backend: Backend,
     shutdown: Shutdown,
+    healthcheck: Healthcheck,
     /// The store has been reachable at least once since the start.
     reached: Arc<AtomicBool>,
 }
@@ -159,48 +175,66 @@ impl Readiness {
             Some("shutting down")
         } else if !self.rules.loaded() {
             Some("no rules loaded")
-        } else if !self.backend.reachable() {
+        } else if !self.store_reachable() {
             Some("the counter store is unreachable")
         } else {
-            self.reached.store(true, Ordering::Relaxed);
             None
         }
     }
 
-    /// Whether envoyproxy/ratelimit's `/healthcheck` would call sluice healthy: rules loaded
-    /// (over xDS, as there, whether or not the first configuration has come), not shutting down,
-    /// and the store reached once since the start. A later store outage does not fail it (that
-    /// project's default, and what a liveness probe on it needs: a restart cures no Redis
-    /// outage); `/readyz` reports one.
-    pub fn healthy(&self) -> bool {
-        if self.backend.reachable() {
+    /// Whether the store is reachable now, remembering that it was.
+    fn store_reachable(&self) -> bool {
+        let reachable = self.backend.reachable();
+        if reachable {
             self.reached.store(true, Ordering::Relaxed);
         }
-        !self.shutdown.fired()
-            && (self.rules.loaded() || self.rules.over_xds())
-            && self.reached.load(Ordering::Relaxed)
+        reachable
     }
 
-    /// Keeps gRPC health in step with readiness, for the empty service name and the rate limit
-    /// service.
+    /// Whether envoyproxy/ratelimit's `/healthcheck` would call sluice healthy: not shutting
+    /// down, rules loaded (unless `--healthcheck-without-rules`, or over xDS), and the store reached once
+    /// since the start. A later store outage does not fail it (that project's default, and what
+    /// a liveness probe on it needs: a restart cures no Redis outage) unless
+    /// `--healthcheck-follows-store`; `/readyz` reports one. Reads state only: never waits on
+    /// the store.
+    pub fn healthy(&self) -> bool {
+        // Over xDS, envoyproxy/ratelimit is healthy whether or not the first configuration has
+        // come.
+        let rules = self.healthcheck.without_rules || self.rules.loaded() || self.rules.over_xds();
+        if self.shutdown.fired() || !rules {
+            return false;
+        }
+        self.store_reachable()
+            || (!self.healthcheck.follows_store && self.reached.load(Ordering::Relaxed))
+    }
+
+    /// Keeps gRPC health in step: readiness for the empty service name and the rate limit
+    /// service, `/healthcheck` for `ratelimit` (as envoyproxy/ratelimit reports it).
     async fn report(self, mut health: HealthReporter) {
+        let serving = |yes| {
+            if yes {
+                ServingStatus::Serving
+            } else {
+                ServingStatus::NotServing
+            }
+        };
         let mut last = None;
         loop {
-            let status = match self.problem() {
-                None => ServingStatus::Serving,
-                Some(_) => ServingStatus::NotServing,
-            };
-            if last != Some(status) {
-                health.set_service_status("", status).await;
-                health.set_service_status(RLS, status).await;
-                last = Some(status);
+            let ready = serving(self.problem().is_none());
+            let healthy = serving(self.healthy());
+            if last != Some((ready, healthy)) {
+                health.set_service_status("", ready).await;
+                health.set_service_status(RLS, ready).await;
+                health.set_service_status(ERL_HEALTH, healthy).await;
+                last = Some((ready, healthy));
             }
-            if status == ServingStatus::NotServing && self.shutdown.fired() {
+            if self.shutdown.fired() {
                 // Watch streams never end on their own: once they have seen NOT_SERVING, end
                 // them, so that the drain waits only for calls.
                 tokio::time::sleep(WATCHERS_SEE).await;
-                health.clear_service_status("").await;
-                health.clear_service_status(RLS).await;
+                for name in ["", RLS, ERL_HEALTH] {
+                    health.clear_service_status(name).await;
+                }
                 return;
             }
             tokio::select! {
@@ -232,6 +266,8 @@ pub struct Addrs {
     /// Prometheus metrics also on an address of their own, at this path (envoyproxy/ratelimit's
     /// PROMETHEUS_ADDR and PROMETHEUS_PATH).
     pub metrics: Option<(SocketAddr, String)>,
+    /// envoyproxy/ratelimit's debug port (`/rlconfig`), if served.
+    pub debug: Option<SocketAddr>,
 }
 
 /// Serves gRPC with `loops` event loops and the admin HTTP server (and `/json` where `addrs`
@@ -265,13 +301,22 @@ pub async fn run(
         ),
         None => None,
     };
-    tracing::info!(grpc = %grpc_listener.local_addr()?, http = %http_listener.local_addr()?, json = ?addrs.json, metrics = ?addrs.metrics, loops, "serving");
+    let debug_listener = match addrs.debug {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen for debug HTTP on {addr}"))?,
+        ),
+        None => None,
+    };
+    tracing::info!(grpc = %grpc_listener.local_addr()?, http = %http_listener.local_addr()?, json = ?addrs.json, metrics = ?addrs.metrics, debug = ?addrs.debug, loops, "serving");
 
     let health = HealthReporter::new();
     let readiness = Readiness {
         rules: setup.rules.clone(),
         backend: setup.backend.clone(),
         shutdown: shutdown.clone(),
+        healthcheck: setup.healthcheck,
         reached: Arc::default(),
     };
     let rls = setup.rls()?;
@@ -343,10 +388,20 @@ pub async fn run(
             None => Ok(()),
         }
     };
-    let ((), http, json, metrics) = tokio::join!(accept, http, json, metrics);
+    let debug = async {
+        match debug_listener {
+            Some(listener) => axum::serve(listener, http::debug(setup.rules.clone()))
+                .with_graceful_shutdown(shutdown.clone().wait())
+                .await
+                .context("debug HTTP server"),
+            None => Ok(()),
+        }
+    };
+    let ((), http, json, metrics, debug) = tokio::join!(accept, http, json, metrics, debug);
     http.context("HTTP server")?;
     json?;
     metrics?;
+    debug?;
     for loop_finished in finished {
         loop_finished
             .await
