@@ -6,19 +6,17 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::ratelimit::{PATIENCE, Ratelimit};
 use common::{OK, OVER_LIMIT, clear_of_minute_boundary, free_port, http, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::google::protobuf::UInt64Value;
 use sluice::settings::erl::{Translation, translate};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
-use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
-use tonic_health::pb::health_client::HealthClient;
 
 fn translated(pairs: &[(&str, &str)]) -> Result<Translation, String> {
     let env = |name: &str| {
@@ -529,145 +527,6 @@ descriptors:
       requests_per_unit: 10
 ";
 
-/// How long a `ratelimit` start may take.
-const PATIENCE: Duration = Duration::from_secs(15);
-
-/// The sluice binary run as `ratelimit` through a link of that name, with only the given
-/// envoyproxy/ratelimit environment (plus free ports and, unless given, file rules in
-/// `RUNTIME_ROOT/ratelimit/config`).
-struct Ratelimit {
-    child: Child,
-    grpc: SocketAddr,
-    http: SocketAddr,
-    debug: SocketAddr,
-    _dir: tempfile::TempDir,
-    log: PathBuf,
-}
-
-impl Ratelimit {
-    /// Starts it and waits until its gRPC and HTTP ports accept, for at most `PATIENCE`.
-    fn start(env: &[(&str, &str)]) -> Ratelimit {
-        Ratelimit::start_as(env, None)
-    }
-
-    /// `start`, run by `setpriv` with the given arguments (another user) when given.
-    fn start_as(env: &[(&str, &str)], setpriv: Option<&[&str]>) -> Ratelimit {
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        // Readable by any user the test runs it as; writable by its owner only.
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-        let config = dir.path().join("runtime/ratelimit/config");
-        std::fs::create_dir_all(&config).unwrap();
-        std::fs::write(config.join("erl.yaml"), RULES).unwrap();
-        let link = dir.path().join("ratelimit");
-        std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_sluice"), &link).unwrap();
-        let log = dir.path().join("ratelimit.log");
-        let root = dir.path().join("runtime");
-        for _ in 0..3 {
-            let (grpc, http, debug) = (free_port(), free_port(), free_port());
-            let ports = [
-                ("RUNTIME_ROOT", root.to_str().unwrap()),
-                ("RUNTIME_SUBDIRECTORY", "ratelimit"),
-                ("HOST", "127.0.0.1"),
-                ("GRPC_HOST", "127.0.0.1"),
-                ("DEBUG_HOST", "127.0.0.1"),
-                ("PORT", &http.to_string()),
-                ("GRPC_PORT", &grpc.to_string()),
-                ("DEBUG_PORT", &debug.to_string()),
-            ]
-            .map(|(k, v)| (k.to_owned(), v.to_owned()));
-            let mut command = match setpriv {
-                None => Command::new(&link),
-                Some(how) => {
-                    let mut c = Command::new("setpriv");
-                    c.args(how).arg(&link);
-                    c
-                }
-            };
-            let mut child = command
-                .env_clear()
-                .envs(ports)
-                .envs(env.iter().copied())
-                .current_dir("/")
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(&log).expect("log file"))
-                .spawn()
-                .expect("ratelimit starts");
-            let http: SocketAddr = format!("127.0.0.1:{http}").parse().unwrap();
-            let grpc: SocketAddr = format!("127.0.0.1:{grpc}").parse().unwrap();
-            let accepts =
-                |a| std::net::TcpStream::connect_timeout(a, Duration::from_millis(200)).is_ok();
-            let deadline = Instant::now() + PATIENCE;
-            while Instant::now() < deadline && matches!(child.try_wait(), Ok(None)) {
-                if accepts(&grpc) && accepts(&http) {
-                    // A port another process took makes this one exit at once: try others.
-                    std::thread::sleep(Duration::from_millis(200));
-                    if !matches!(child.try_wait(), Ok(None)) {
-                        break;
-                    }
-                    return Ratelimit {
-                        child,
-                        grpc,
-                        http,
-                        debug: format!("127.0.0.1:{debug}").parse().unwrap(),
-                        _dir: dir,
-                        log,
-                    };
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        panic!(
-            "ratelimit did not start; its log:\n{}",
-            common::read_log(&log)
-        );
-    }
-
-    fn log_text(&self) -> String {
-        common::read_log(&self.log)
-    }
-
-    /// gRPC health's status for `service`, over `channel`.
-    async fn health(channel: Channel, service: &str) -> Option<ServingStatus> {
-        let reply = HealthClient::new(channel)
-            .check(HealthCheckRequest {
-                service: service.into(),
-            })
-            .await
-            .ok()?;
-        ServingStatus::try_from(reply.into_inner().status).ok()
-    }
-
-    async fn channel(&self) -> Channel {
-        Channel::from_shared(format!("http://{}", self.grpc))
-            .unwrap()
-            .connect_timeout(PATIENCE)
-            .connect()
-            .await
-            .expect("gRPC connects")
-    }
-
-    /// Waits, for at most `PATIENCE`, until gRPC health for `ratelimit` is SERVING.
-    async fn wait_serving(&self, channel: impl Fn() -> Channel) -> bool {
-        let deadline = Instant::now() + PATIENCE;
-        while Instant::now() < deadline {
-            if Ratelimit::health(channel(), "ratelimit").await == Some(ServingStatus::Serving) {
-                return true;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        false
-    }
-}
-
-impl Drop for Ratelimit {
-    fn drop(&mut self) {
-        common::stop_showing_log(&mut self.child, "ratelimit", &self.log);
-    }
-}
-
 /// An ERL environment on the shared redis-server, keys under a prefix of this run's `test`.
 fn on_redis(test: &str) -> Vec<(&'static str, String)> {
     let redis = common::redis::standalone();
@@ -698,7 +557,7 @@ fn pairs<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> 
 async fn as_ratelimit_grpc_decides_on_redis_counting_as_envoyproxy_ratelimit() {
     clear_of_minute_boundary().await;
     let env = on_redis("counting");
-    let rl = Ratelimit::start(&pairs(&env));
+    let rl = Ratelimit::start(RULES, &pairs(&env));
     let channel = rl.channel().await;
     assert!(
         rl.wait_serving(|| channel.clone()).await,
@@ -735,7 +594,7 @@ async fn as_ratelimit_grpc_decides_on_redis_counting_as_envoyproxy_ratelimit() {
 #[tokio::test]
 async fn as_ratelimit_http_serves_healthcheck_and_json_and_debug_serves_rlconfig() {
     let env = on_redis("http");
-    let rl = Ratelimit::start(&pairs(&env));
+    let rl = Ratelimit::start(RULES, &pairs(&env));
     assert!(
         rl.wait_serving(|| Channel::from_shared(format!("http://{}", rl.grpc))
             .unwrap()
@@ -784,7 +643,7 @@ fn http_get(addr: SocketAddr, path: &str) -> (u16, Vec<(String, String)>, String
 #[tokio::test]
 async fn as_ratelimit_grpc_health_reports_serving_for_service_ratelimit() {
     let env = on_redis("health");
-    let rl = Ratelimit::start(&pairs(&env));
+    let rl = Ratelimit::start(RULES, &pairs(&env));
     let channel = rl.channel().await;
     assert!(
         rl.wait_serving(|| channel.clone()).await,
@@ -813,7 +672,7 @@ async fn as_ratelimit_unhonoured_variables_are_logged_once_by_name() {
         ("REDIS_POOL_SIZE", "64".to_owned()),
         ("GRPC_SERVER_TLS_CA_CERT", "/certs/ca.crt".to_owned()),
     ]);
-    let rl = Ratelimit::start(&pairs(&env));
+    let rl = Ratelimit::start(RULES, &pairs(&env));
     let channel = rl.channel().await;
     assert!(rl.wait_serving(|| channel.clone()).await);
     let log = rl.log_text();
@@ -830,7 +689,7 @@ async fn as_ratelimit_healthcheck_answers_at_once_while_redis_is_unreachable() {
         ("REDIS_SOCKET_TYPE", "tcp"),
         ("REDIS_URL", &format!("127.0.0.1:{closed}")),
     ];
-    let rl = Ratelimit::start(&env);
+    let rl = Ratelimit::start(RULES, &env);
     let http = rl.http;
     let (status, took) = tokio::task::spawn_blocking(move || {
         let started = Instant::now();
@@ -887,7 +746,7 @@ async fn as_ratelimit_grpc_server_use_tls_serves_tls_with_an_rsa_private_key() {
         ("GRPC_SERVER_TLS_KEY", text(&key)),
         ("GRPC_SERVER_TLS_CA_CERT", text(&cert)),
     ]);
-    let rl = Ratelimit::start(&pairs(&env));
+    let rl = Ratelimit::start(RULES, &pairs(&env));
     let tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(std::fs::read(&cert).unwrap()))
         .domain_name("localhost");
@@ -919,6 +778,7 @@ async fn as_ratelimit_grpc_server_use_tls_serves_tls_with_an_rsa_private_key() {
 #[tokio::test]
 async fn as_ratelimit_serves_as_uid_65534_without_home_or_working_directory() {
     let rl = Ratelimit::start_as(
+        RULES,
         &[("HOME", "/nonexistent"), ("TMPDIR", "/nonexistent")],
         Some(&["--reuid", "65534", "--regid", "65534", "--clear-groups"]),
     );
@@ -928,7 +788,7 @@ async fn as_ratelimit_serves_as_uid_65534_without_home_or_working_directory() {
         "{}",
         rl.log_text()
     );
-    let status = std::fs::read_to_string(format!("/proc/{}/status", rl.child.id())).unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{}/status", rl.pid())).unwrap();
     let uid = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
     assert!(
         uid.split_whitespace().skip(1).all(|u| u == "65534"),

@@ -56,18 +56,19 @@ fn bootstrap(
         ratelimit_filter("llm", true, Duration::from_secs(1))
     );
     let front = Front {
-        route: r#"route: { cluster: upstream }
-typed_per_filter_config:
-  envoy.filters.http.ratelimit:
-    "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
-    rate_limits:
-      - actions:
-          - request_headers: { header_name: x-user, descriptor_key: user }
-        hits_addend: { number: 0 }
-      - actions:
-          - request_headers: { header_name: x-user, descriptor_key: user }
-        hits_addend: { format: "%DYNAMIC_METADATA(sluice.test:tokens)%" }
-        apply_on_stream_done: true"#,
+        routes: r#"- match: { prefix: / }
+  route: { cluster: upstream }
+  typed_per_filter_config:
+    envoy.filters.http.ratelimit:
+      "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
+      rate_limits:
+        - actions:
+            - request_headers: { header_name: x-user, descriptor_key: user }
+          hits_addend: { number: 0 }
+        - actions:
+            - request_headers: { header_name: x-user, descriptor_key: user }
+          hits_addend: { format: "%DYNAMIC_METADATA(sluice.test:tokens)%" }
+          apply_on_stream_done: true"#,
         filters: &filters,
     };
     bootstrap_with(listener, admin, upstream, ratelimit, &front, None)

@@ -5,55 +5,18 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::xds::{Certs, Received, ServerTlsFiles, XdsServer, certgen};
+use common::xds::{
+    Certs, Received, ServerTlsFiles, XdsServer, certgen, domain, nest, resource, rule,
+};
 use common::{OK, OVER_LIMIT, Sluice, Store, Wait, http, request};
 use envoy_types::pb::google::protobuf::Any;
 use envoy_types::pb::google::protobuf::value::Kind;
-use envoy_types::pb::ratelimit::config::ratelimit::v3::{
-    RateLimitConfig, RateLimitDescriptor, RateLimitPolicy, RateLimitUnit,
-};
+use envoy_types::pb::ratelimit::config::ratelimit::v3::{RateLimitConfig, RateLimitUnit};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
 const WAIT: Duration = Duration::from_secs(5);
-
-fn rule(key: &str, value: &str, unit: RateLimitUnit, n: u32) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        key: key.into(),
-        value: value.into(),
-        rate_limit: Some(RateLimitPolicy {
-            unit: unit as i32,
-            requests_per_unit: n,
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-fn nest(key: &str, value: &str, children: Vec<RateLimitDescriptor>) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        key: key.into(),
-        value: value.into(),
-        descriptors: children,
-        ..Default::default()
-    }
-}
-
-fn resource(config: &RateLimitConfig) -> Any {
-    Any {
-        type_url: common::xds::TYPE_URL.into(),
-        value: prost::Message::encode_to_vec(config),
-    }
-}
-
-fn domain(name: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitConfig {
-    RateLimitConfig {
-        name: name.into(),
-        domain: name.into(),
-        descriptors,
-    }
-}
 
 /// Domain `d`: key `k` at `n` per hour.
 fn limit_d(n: u32) -> RateLimitConfig {

@@ -155,7 +155,8 @@ pub struct Filter<'a> {
 pub struct UpstreamTls<'a> {
     /// The CA certificates it trusts.
     pub ca: &'a Path,
-    /// The name it asks for (SNI) and requires the service's certificate to hold.
+    /// The name it asks for (SNI, with ALPN h2) and requires the service's certificate to hold;
+    /// empty: none of these, as Envoy Gateway's `ratelimit_cluster` (the CA alone decides).
     pub name: &'a str,
     /// The client certificate chain and key it presents (mTLS).
     pub client: Option<(&'a Path, &'a Path)>,
@@ -376,20 +377,22 @@ fn bootstrap(
     let actions: String = filter
         .actions
         .iter()
-        .map(|action| format!("\n      - {action}"))
+        .map(|action| format!("\n          - {action}"))
         .collect();
     let front = Front {
-        route: &format!("route:\n  cluster: upstream\n  rate_limits:\n    - actions:{actions}"),
+        routes: &format!(
+            "- match: {{ prefix: / }}\n  route:\n    cluster: upstream\n    rate_limits:\n      - actions:{actions}"
+        ),
         filters: &ratelimit_filter(filter.domain, filter.failure_mode_deny, filter.timeout),
     };
     bootstrap_with(listener, admin, upstream, ratelimit, &front, tls)
 }
 
-/// What Envoy does with requests on `/`, as YAML written from column 0: the route entry's keys
-/// after its `match` (`route:`, `typed_per_filter_config:`…), and the HTTP filters before the
-/// router (a list).
+/// What Envoy does with requests, as YAML written from column 0: the routes after `/probe` (a
+/// list of route entries, each with its `match`), and the HTTP filters before the router (a
+/// list).
 pub struct Front<'a> {
-    pub route: &'a str,
+    pub routes: &'a str,
     pub filters: &'a str,
 }
 
@@ -413,7 +416,7 @@ pub fn ratelimit_filter(domain: &str, failure_mode_deny: bool, timeout: Duration
 }
 
 /// The Envoy bootstrap: one listener routing `/probe` to the upstream (for readiness checks) and
-/// `/` as `front` says, and the clusters of the upstream and of the rate limit service (reached
+/// the rest as `front` says, and the clusters of the upstream and of the rate limit service (reached
 /// over `tls` when given).
 pub fn bootstrap_with(
     listener: SocketAddr,
@@ -451,8 +454,7 @@ static_resources:
                       domains: ["*"]
                       routes:
                         - match: {{ prefix: /probe }}
-                          route: {{ cluster: upstream }}
-                        - match: {{ prefix: / }}{route}
+                          route: {{ cluster: upstream }}{routes}
                 http_filters:{filters}
                   - name: envoy.filters.http.router
                     typed_config:
@@ -488,7 +490,7 @@ static_resources:
         listener_port = listener.port(),
         upstream_port = upstream.port(),
         ratelimit_port = ratelimit.port(),
-        route = indent(front.route, 26),
+        routes = indent(front.routes, 24),
         filters = indent(front.filters, 18),
         transport_socket = tls.map(transport_socket).unwrap_or_default(),
     )
@@ -509,21 +511,27 @@ fn transport_socket(tls: &UpstreamTls) -> String {
             )
         })
         .unwrap_or_default();
+    let name = tls.name;
+    let (sni, alpn, names) = if name.is_empty() {
+        Default::default()
+    } else {
+        (
+            format!("\n          sni: {name}"),
+            "\n            alpn_protocols: [h2]".to_owned(),
+            format!(
+                "\n              match_typed_subject_alt_names:\n                - san_type: DNS\n                  matcher: {{ exact: {name} }}"
+            ),
+        )
+    };
     format!(
         r#"
       transport_socket:
         name: envoy.transport_sockets.tls
         typed_config:
-          "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
-          sni: {name}
-          common_tls_context:
-            alpn_protocols: [h2]
+          "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext{sni}
+          common_tls_context:{alpn}
             validation_context:
-              trusted_ca: {{ filename: "{ca}" }}
-              match_typed_subject_alt_names:
-                - san_type: DNS
-                  matcher: {{ exact: {name} }}{certificate}"#,
-        name = tls.name,
+              trusted_ca: {{ filename: "{ca}" }}{names}{certificate}"#,
         ca = tls.ca.display(),
     )
 }

@@ -20,7 +20,9 @@ use envoy_types::pb::envoy::service::discovery::v3::{
     DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
 };
 use envoy_types::pb::google::protobuf::Any;
-use envoy_types::pb::ratelimit::config::ratelimit::v3::RateLimitConfig;
+use envoy_types::pb::ratelimit::config::ratelimit::v3::{
+    RateLimitConfig, RateLimitDescriptor, RateLimitPolicy, RateLimitUnit,
+};
 use futures_util::Stream;
 use prost::Message;
 use tokio::sync::{mpsc, watch};
@@ -29,6 +31,47 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 pub const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
+
+/// A rule of `n` per `unit` on (`key`, `value`; empty: any value).
+pub fn rule(key: &str, value: &str, unit: RateLimitUnit, n: u32) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        key: key.into(),
+        value: value.into(),
+        rate_limit: Some(RateLimitPolicy {
+            unit: unit as i32,
+            requests_per_unit: n,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// A rule without a limit of its own, over `children`.
+pub fn nest(key: &str, value: &str, children: Vec<RateLimitDescriptor>) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        key: key.into(),
+        value: value.into(),
+        descriptors: children,
+        ..Default::default()
+    }
+}
+
+/// `config` as the resource of a DiscoveryResponse.
+pub fn resource(config: &RateLimitConfig) -> Any {
+    Any {
+        type_url: TYPE_URL.into(),
+        value: prost::Message::encode_to_vec(config),
+    }
+}
+
+/// The configuration of one domain, named after it (as Envoy Gateway names them).
+pub fn domain(name: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitConfig {
+    RateLimitConfig {
+        name: name.into(),
+        domain: name.into(),
+        descriptors,
+    }
+}
 
 /// A snapshot: its version and its resources.
 type Snapshot = Option<(String, Vec<Any>)>;

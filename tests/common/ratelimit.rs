@@ -1,0 +1,158 @@
+//! sluice run as `ratelimit`, as Envoy Gateway runs envoyproxy/ratelimit: through a link of that
+//! name, with nothing but that project's environment.
+
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tonic::transport::Channel;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+use super::free_port;
+
+/// How long a `ratelimit` start may take.
+pub const PATIENCE: Duration = Duration::from_secs(15);
+
+/// The sluice binary run as `ratelimit` through a link of that name, with only the given
+/// envoyproxy/ratelimit environment, plus free loopback ports and file rules in
+/// `RUNTIME_ROOT/ratelimit/config` (which the environment may override).
+pub struct Ratelimit {
+    child: Child,
+    pub grpc: SocketAddr,
+    pub http: SocketAddr,
+    pub debug: SocketAddr,
+    _dir: tempfile::TempDir,
+    log: PathBuf,
+}
+
+impl Ratelimit {
+    /// Starts it and waits until its gRPC and HTTP ports accept, for at most `PATIENCE`.
+    pub fn start(rules: &str, env: &[(&str, &str)]) -> Ratelimit {
+        Ratelimit::start_as(rules, env, None)
+    }
+
+    /// `start`, run by `setpriv` with the given arguments (another user) when given.
+    pub fn start_as(rules: &str, env: &[(&str, &str)], setpriv: Option<&[&str]>) -> Ratelimit {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        // Readable by any user the test runs it as; writable by its owner only.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let config = dir.path().join("runtime/ratelimit/config");
+        std::fs::create_dir_all(&config).unwrap();
+        std::fs::write(config.join("erl.yaml"), rules).unwrap();
+        let link = dir.path().join("ratelimit");
+        std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_sluice"), &link).unwrap();
+        let log = dir.path().join("ratelimit.log");
+        let root = dir.path().join("runtime");
+        for _ in 0..3 {
+            let (grpc, http, debug) = (free_port(), free_port(), free_port());
+            let ports = [
+                ("RUNTIME_ROOT", root.to_str().unwrap()),
+                ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+                ("HOST", "127.0.0.1"),
+                ("GRPC_HOST", "127.0.0.1"),
+                ("DEBUG_HOST", "127.0.0.1"),
+                ("PORT", &http.to_string()),
+                ("GRPC_PORT", &grpc.to_string()),
+                ("DEBUG_PORT", &debug.to_string()),
+            ]
+            .map(|(k, v)| (k.to_owned(), v.to_owned()));
+            let mut command = match setpriv {
+                None => Command::new(&link),
+                Some(how) => {
+                    let mut c = Command::new("setpriv");
+                    c.args(how).arg(&link);
+                    c
+                }
+            };
+            let mut child = command
+                .env_clear()
+                .envs(ports)
+                .envs(env.iter().copied())
+                .current_dir("/")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&log).expect("log file"))
+                .spawn()
+                .expect("ratelimit starts");
+            let http: SocketAddr = format!("127.0.0.1:{http}").parse().unwrap();
+            let grpc: SocketAddr = format!("127.0.0.1:{grpc}").parse().unwrap();
+            let accepts =
+                |a| std::net::TcpStream::connect_timeout(a, Duration::from_millis(200)).is_ok();
+            let deadline = Instant::now() + PATIENCE;
+            while Instant::now() < deadline && matches!(child.try_wait(), Ok(None)) {
+                if accepts(&grpc) && accepts(&http) {
+                    // A port another process took makes this one exit at once: try others.
+                    std::thread::sleep(Duration::from_millis(200));
+                    if !matches!(child.try_wait(), Ok(None)) {
+                        break;
+                    }
+                    return Ratelimit {
+                        child,
+                        grpc,
+                        http,
+                        debug: format!("127.0.0.1:{debug}").parse().unwrap(),
+                        _dir: dir,
+                        log,
+                    };
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!(
+            "ratelimit did not start; its log:\n{}",
+            super::read_log(&log)
+        );
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn log_text(&self) -> String {
+        super::read_log(&self.log)
+    }
+
+    /// gRPC health's status for `service`, over `channel`.
+    pub async fn health(channel: Channel, service: &str) -> Option<ServingStatus> {
+        let reply = HealthClient::new(channel)
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .ok()?;
+        ServingStatus::try_from(reply.into_inner().status).ok()
+    }
+
+    pub async fn channel(&self) -> Channel {
+        Channel::from_shared(format!("http://{}", self.grpc))
+            .unwrap()
+            .connect_timeout(PATIENCE)
+            .connect()
+            .await
+            .expect("gRPC connects")
+    }
+
+    /// Waits, for at most `PATIENCE`, until gRPC health for `ratelimit` is SERVING.
+    pub async fn wait_serving(&self, channel: impl Fn() -> Channel) -> bool {
+        let deadline = Instant::now() + PATIENCE;
+        while Instant::now() < deadline {
+            if Ratelimit::health(channel(), "ratelimit").await == Some(ServingStatus::Serving) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    }
+}
+
+impl Drop for Ratelimit {
+    fn drop(&mut self) {
+        super::stop_showing_log(&mut self.child, "ratelimit", &self.log);
+    }
+}
