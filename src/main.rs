@@ -572,11 +572,24 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     check_bounds(&args)?;
     if let Some(path) = &args.prometheus_mapper {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("--prometheus-mapper: cannot read {}", path.display()))?;
-        let mapper = Mapper::parse(&text)
-            .map_err(|e| anyhow::anyhow!("--prometheus-mapper {}: {e}", path.display()))?;
-        metrics::use_mapper(mapper);
+        match std::fs::read_to_string(path) {
+            Ok(text) => {
+                let mapper = Mapper::parse(&text)
+                    .map_err(|e| anyhow::anyhow!("--prometheus-mapper {}: {e}", path.display()))?;
+                metrics::use_mapper(mapper);
+            }
+            // Envoy Gateway mounts its mapping from an optional ConfigMap: a file that is not
+            // there leaves envoyproxy/ratelimit's own mapping, as that project does.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => tracing::warn!(
+                "--prometheus-mapper {}: no such file; envoyproxy/ratelimit's built-in mapping names the metrics",
+                path.display()
+            ),
+            Err(e) => {
+                return Err(e).with_context(|| {
+                    format!("--prometheus-mapper: cannot read {}", path.display())
+                });
+            }
+        }
     }
     let rules = match (&args.config, args.xds.subscription(args.merge_domains)?) {
         (_, Some(subscription)) => {

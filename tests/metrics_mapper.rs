@@ -352,3 +352,39 @@ async fn a_mapping_file_that_does_not_parse_stops_the_start() {
         "{err}"
     );
 }
+
+/// Envoy Gateway mounts its mapping from an optional ConfigMap: without the file, sluice starts
+/// and envoyproxy/ratelimit's own mapping names the series, as that project does.
+#[tokio::test]
+async fn a_mapping_file_that_is_not_there_leaves_the_built_in_mapping() {
+    let rules =
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5}\n";
+    let sluice = Sluice::start_with(
+        &[("d.yaml", rules)],
+        &[
+            "--prometheus-mapper",
+            "/nonexistent/statsd-exporter/conf.yaml",
+        ],
+    )
+    .await;
+    assert_eq!(
+        sluice
+            .ask(request("d", &[&[("k", "v")]]))
+            .await
+            .overall_code,
+        OK
+    );
+    let m = scrape(sluice.http);
+    assert_eq!(
+        m.value(
+            "ratelimit_service_rate_limit_total_hits",
+            &[("domain", "d"), ("key1", "k")]
+        ),
+        1.0
+    );
+    assert!(
+        sluice.log_text().contains("no such file"),
+        "the missing file is logged: {}",
+        sluice.log_text()
+    );
+}
