@@ -172,7 +172,11 @@ async fn a_denied_request_still_charges_the_descriptors_counted_always(store: St
     both.hits_addend = 7;
     let r = sluice.ask(both).await;
     assert_eq!(r.overall_code, OVER_LIMIT, "the free tier allows nothing");
-    assert_eq!(r.statuses[0].code, OK);
+    assert_eq!(
+        (r.statuses[0].code, r.statuses[0].limit_remaining),
+        (OK, 993),
+        "the status reports the budget after the charge that landed"
+    );
     let after: RateLimitResponse = sluice.ask(costing("tokens", "carol", 0)).await;
     assert_eq!(
         after.statuses[0].limit_remaining, 993,

@@ -244,10 +244,14 @@ pub struct Decision {
 impl Decision {
     /// What a store's `verdicts` on the items of `check` report, the request `admitted` or not.
     pub fn of(check: &Check, admitted: bool, verdicts: &[algorithm::Verdict]) -> Decision {
+        // A counter counted `always` was charged either way: it reports what it holds now.
         let usages = verdicts
             .iter()
             .zip(&check.items)
-            .map(|(v, item)| v.usage(admitted, item.limit.algorithm, item.hits))
+            .map(|(v, item)| {
+                let charged = admitted || item.counting == Counting::Always;
+                v.usage(charged, item.limit.algorithm, item.hits)
+            })
             .collect();
         Decision { admitted, usages }
     }

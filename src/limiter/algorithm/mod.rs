@@ -126,9 +126,9 @@ pub struct Verdict {
 
 impl Verdict {
     /// What to report once the request is decided, for a counter of `algorithm` asked for
-    /// `hits`.
-    pub fn usage(&self, admitted: bool, algorithm: Algorithm, hits: u64) -> Usage {
-        let (after, reset) = if admitted {
+    /// `hits`, `charged` or not.
+    pub fn usage(&self, charged: bool, algorithm: Algorithm, hits: u64) -> Usage {
+        let (after, reset) = if charged {
             (self.remaining_after, self.reset_after_ms)
         } else {
             (self.remaining_before, self.reset_before_ms)
