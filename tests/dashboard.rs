@@ -11,6 +11,7 @@ use std::time::Duration;
 use common::metrics::scrape;
 use common::{Sluice, Store, request};
 use marked_yaml::Node;
+use tokio::sync::OnceCell;
 
 const DASHBOARD: &str = "deploy/grafana/sluice-dashboard.json";
 const ALERTS: &str = "deploy/grafana/sluice-alerts.yaml";
@@ -35,8 +36,13 @@ type Exported = BTreeMap<String, BTreeSet<String>>;
 /// What sluice exports once it has decided requests (allowed, denied, shadow, denied from the
 /// local cache, an unknown domain) and reloaded its rules (once failing, once not), on the
 /// embedded store and on Redis (whose breakers and batches only a Redis store has): the union of
-/// both scrapes.
-async fn exported() -> Exported {
+/// both scrapes, taken once for every test.
+async fn exported() -> &'static Exported {
+    static EXPORTED: OnceCell<Exported> = OnceCell::const_new();
+    EXPORTED.get_or_init(scrape_both).await
+}
+
+async fn scrape_both() -> Exported {
     let mut all = Exported::new();
     for store in [Store::Memory, Store::Redis] {
         let sluice = Sluice::on(store, &[("dash.yaml", RULES)], &[]).await;
@@ -447,7 +453,7 @@ async fn every_dashboard_and_alert_expression_names_series_sluice_exports() {
         assert!(!refs.selectors.is_empty(), "{place} names no metric");
         used.extend(refs.selectors.iter().map(|(name, _)| name.as_str()));
         wrong.extend(
-            missing(refs, &exported)
+            missing(refs, exported)
                 .into_iter()
                 .map(|m| format!("{place}\n  not exported: {m}")),
         );
@@ -469,7 +475,7 @@ async fn every_dashboard_and_alert_expression_names_series_sluice_exports() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_name_or_label_sluice_does_not_export_is_reported() {
     let exported = exported().await;
-    let check = |expr: &str| missing(&references(expr), &exported);
+    let check = |expr: &str| missing(&references(expr), exported);
     assert_eq!(
         check(r#"sum by (kind) (rate(sluice_store_errors_total{job="x"}[5m]))"#),
         Vec::<String>::new()
