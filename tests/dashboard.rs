@@ -26,6 +26,8 @@ descriptors:
   - key: probe
     shadow_mode: true
     rate_limit: {unit: hour, requests_per_unit: 0}
+  - key: last
+    rate_limit: {unit: hour, requests_per_unit: 1}
   - key: client
     rate_limit: {unit: hour, requests_per_unit: 1000}
 ";
@@ -33,8 +35,8 @@ descriptors:
 /// Sample name (as Prometheus stores it: `_total`, `_bucket`, …) → the label names it carries.
 type Exported = BTreeMap<String, BTreeSet<String>>;
 
-/// What sluice exports once it has decided requests (allowed, denied, shadow, denied from the
-/// local cache, an unknown domain) and reloaded its rules (once failing, once not), on the
+/// What sluice exports once it has decided requests (within, near, over, shadow, denied from
+/// the local cache, an unknown domain) and reloaded its rules (once failing, once not), on the
 /// embedded store and on Redis (whose breakers and batches only a Redis store has): the union of
 /// both scrapes, taken once for every test.
 async fn exported() -> &'static Exported {
@@ -50,6 +52,7 @@ async fn scrape_both() -> Exported {
             ("user", "a"),
             ("user", "a"),
             ("probe", "p"),
+            ("last", "l"),
             ("client", "c"),
         ] {
             sluice.ask(request("dash", &[&[descriptor]])).await;
@@ -58,18 +61,20 @@ async fn scrape_both() -> Exported {
         reload(&sluice, "domain: [", "failed").await;
         reload(&sluice, &RULES.replace("1000", "2000"), "ok").await;
         let m = scrape(sluice.http);
-        assert!(
-            m.value(
-                "sluice_rule_over_limit_total",
-                &[("domain", "dash"), ("descriptor", "user")]
-            ) >= 2.0
-        );
-        assert!(
-            m.value(
-                "sluice_rule_shadow_mode_total",
-                &[("domain", "dash"), ("descriptor", "probe")]
-            ) >= 1.0
-        );
+        for (series, descriptor, hits) in [
+            ("sluice_rule_over_limit_total", "user", 2.0),
+            ("sluice_rule_over_limit_with_local_cache_total", "user", 1.0),
+            ("sluice_rule_shadow_mode_total", "probe", 1.0),
+            ("sluice_rule_near_limit_total", "last", 1.0),
+            ("sluice_rule_within_limit_total", "client", 1.0),
+        ] {
+            let labels = [("domain", "dash"), ("descriptor", descriptor)];
+            assert_eq!(
+                m.value(series, &labels),
+                hits,
+                "{series} {descriptor} on {store:?}"
+            );
+        }
         for (name, labels) in m.label_names() {
             all.entry(name.clone())
                 .or_default()
