@@ -2,18 +2,18 @@
 //! (Python's `prometheus_client`, which `scripts/test` installs), so a test fails on any text
 //! a real scraper would reject.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 
 /// Reads OpenMetrics text on stdin and prints `{"samples": {"name{k="v",…}": value},
-/// "families": {name: type}}`, labels sorted; exits non-zero on text the parser rejects or a
-/// sample written twice.
+/// "families": {name: type}, "labels": {sample name: [label name, …]}}`, labels sorted; exits
+/// non-zero on text the parser rejects or a sample written twice.
 const PARSE: &str = r#"
 import json, sys
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
-samples, families = {}, {}
+samples, families, names = {}, {}, {}
 for family in text_string_to_metric_families(sys.stdin.read()):
     families[family.name] = family.type
     for s in family.samples:
@@ -22,7 +22,9 @@ for family in text_string_to_metric_families(sys.stdin.read()):
         if key in samples:
             sys.exit("sample written twice: " + key)
         samples[key] = s.value
-print(json.dumps({"samples": samples, "families": families}))
+        names.setdefault(s.name, set()).update(s.labels)
+labels = {name: sorted(keys) for name, keys in names.items()}
+print(json.dumps({"samples": samples, "families": families, "labels": labels}))
 "#;
 
 /// One scrape of `/metrics`, as the parser read it.
@@ -31,6 +33,8 @@ pub struct Scrape {
     samples: BTreeMap<String, f64>,
     /// Family name → its type (`counter`, `gauge`, `histogram`, `info`, `unknown`, …).
     families: BTreeMap<String, String>,
+    /// Sample name → every label name its samples carry.
+    labels: BTreeMap<String, BTreeSet<String>>,
     /// The text as served.
     pub text: String,
 }
@@ -73,6 +77,12 @@ impl Scrape {
     pub fn family_type(&self, name: &str) -> Option<&str> {
         self.families.get(name).map(String::as_str)
     }
+
+    /// Every sample name written (a histogram's `_bucket`, `_sum`, `_count`, a counter's
+    /// `_total`), with the label names its samples carry.
+    pub fn label_names(&self) -> &BTreeMap<String, BTreeSet<String>> {
+        &self.labels
+    }
 }
 
 fn key(name: &str, labels: &[(&str, &str)]) -> String {
@@ -104,6 +114,7 @@ pub fn scrape_at(addr: SocketAddr, path: &str) -> Scrape {
     Scrape {
         samples: serde_json::from_value(parsed["samples"].clone()).expect("samples"),
         families: serde_json::from_value(parsed["families"].clone()).expect("families"),
+        labels: serde_json::from_value(parsed["labels"].clone()).expect("labels"),
         text,
     }
 }
