@@ -57,9 +57,11 @@ enum Command {
     Load(sluice::load::Options),
     /// Ask a running server's gRPC health service; exit 0 when it reports SERVING.
     Health {
-        /// The gRPC address to ask.
-        #[arg(long, env = "SLUICE_HEALTH_TARGET", default_value = "127.0.0.1:8081")]
-        target: SocketAddr,
+        /// The gRPC address to ask [default: the address `serve` listens on, from
+        /// SLUICE_GRPC_ADDR (an unspecified IP such as 0.0.0.0 asked on loopback), else
+        /// 127.0.0.1:8081].
+        #[arg(long, env = "SLUICE_HEALTH_TARGET")]
+        target: Option<SocketAddr>,
         #[command(flatten)]
         tls: HealthTls,
     },
@@ -336,7 +338,7 @@ fn main() -> ExitCode {
             path,
             merge_domains,
         }),
-        Command::Health { target, tls } => health(target, tls),
+        Command::Health { target, tls } => health(target.unwrap_or_else(served_grpc_addr), tls),
         Command::Explain(args) => explain(&args),
         Command::Load(options) => load(options),
         Command::Serve(args) => {
@@ -489,6 +491,23 @@ async fn load(options: sluice::load::Options) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Where `serve` listens for gRPC in this environment (SLUICE_GRPC_ADDR, else its default), as
+/// a client reaches it: an unspecified IP (0.0.0.0, ::) on loopback. An image's health check
+/// thus follows the address its server was given.
+fn served_grpc_addr() -> SocketAddr {
+    let mut addr = std::env::var("SLUICE_GRPC_ADDR")
+        .ok()
+        .and_then(|a| a.parse::<SocketAddr>().ok())
+        .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 8081)));
+    if addr.ip().is_unspecified() {
+        addr.set_ip(match addr {
+            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    addr
 }
 
 #[tokio::main(flavor = "current_thread")]

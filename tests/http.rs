@@ -174,3 +174,26 @@ async fn the_health_command_reports_serving_and_fails_when_nothing_answers() {
     assert!(!down.status.success());
     assert!(String::from_utf8_lossy(&down.stdout).starts_with("UNREACHABLE"));
 }
+
+/// An image's health check runs `sluice health` with the server's own environment: without a
+/// target it asks the address `serve` was given (SLUICE_GRPC_ADDR), on loopback when unspecified.
+#[tokio::test]
+async fn the_health_command_asks_where_serve_listens_by_default() {
+    let sluice = Sluice::start(RULES).await;
+    let probe = |grpc_addr: String| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .arg("health")
+            .env_remove("SLUICE_HEALTH_TARGET")
+            .env("SLUICE_GRPC_ADDR", grpc_addr)
+            .output()
+            .expect("sluice runs")
+    };
+    let unspecified = probe(format!("0.0.0.0:{}", sluice.grpc.port()));
+    assert_eq!(
+        String::from_utf8_lossy(&unspecified.stdout).trim(),
+        "SERVING"
+    );
+    assert!(unspecified.status.success());
+    let elsewhere = probe(format!("127.0.0.1:{}", common::free_port()));
+    assert!(!elsewhere.status.success());
+}
