@@ -248,18 +248,19 @@ impl Rls {
                 StoreError::Full { .. } => Status::resource_exhausted(e.to_string()),
                 _ => Status::unavailable(e.to_string()),
             }),
-            OnStoreError::Allow => Ok(RateLimitResponse {
-                overall_code: Code::Ok as i32,
-                statuses: plans.iter().map(Plan::unknown_status).collect(),
-                dynamic_metadata: self.answering.dynamic_metadata.then(|| {
-                    let passed = plans.iter().filter_map(|plan| match plan {
-                        Plan::Limited { metadata, .. } => *metadata,
-                        _ => None,
-                    });
-                    metadata::describe(request, passed)
-                }),
-                ..Default::default()
-            }),
+            OnStoreError::Allow => {
+                let statuses: Vec<DescriptorStatus> =
+                    plans.iter().map(Plan::unknown_status).collect();
+                Ok(RateLimitResponse {
+                    overall_code: Code::Ok as i32,
+                    dynamic_metadata: self
+                        .answering
+                        .dynamic_metadata
+                        .then(|| passed_metadata(request, plans, &statuses)),
+                    statuses,
+                    ..Default::default()
+                })
+            }
             OnStoreError::Deny => {
                 let over = Usage {
                     over: true,
@@ -701,17 +702,27 @@ fn respond(
         ]);
     }
     if answering.dynamic_metadata {
-        let passed = plans
-            .iter()
-            .zip(&statuses)
-            .filter_map(|(plan, status)| match plan {
-                Plan::Limited { metadata, .. } if status.code == Code::Ok as i32 => *metadata,
-                _ => None,
-            });
-        response.dynamic_metadata = Some(metadata::describe(request, passed));
+        response.dynamic_metadata = Some(passed_metadata(request, plans, &statuses));
     }
     response.statuses = statuses;
     response
+}
+
+/// The dynamic metadata of an answer: the request, and the rule `metadata` of the descriptors
+/// whose status is OK.
+fn passed_metadata(
+    request: &RateLimitRequest,
+    plans: &[Plan],
+    statuses: &[DescriptorStatus],
+) -> protobuf::Struct {
+    let passed = plans
+        .iter()
+        .zip(statuses)
+        .filter_map(|(plan, status)| match plan {
+            Plan::Limited { metadata, .. } if status.code == Code::Ok as i32 => *metadata,
+            _ => None,
+        });
+    metadata::describe(request, passed)
 }
 
 fn header(key: &str, value: impl ToString) -> HeaderValue {
