@@ -1,6 +1,6 @@
 //! Certificates and private keys read from PEM files for TLS, on the gRPC server and towards
-//! Redis alike: every error names the flag and the file it came from. Also the one crypto
-//! provider that every TLS configuration of sluice uses.
+//! Redis and the xDS server alike: every error names the flag and the file it came from. Also
+//! the system's CAs, and the one crypto provider that every TLS configuration of sluice uses.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -16,6 +16,18 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 /// connection.
 pub fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The system's trusted CAs (none when it has none); certificates it cannot parse are skipped,
+/// as other TLS clients do.
+pub fn system_roots() -> RootCertStore {
+    let found = rustls_native_certs::load_native_certs();
+    for e in &found.errors {
+        tracing::warn!("reading the system's CA certificates: {e}");
+    }
+    let mut roots = RootCertStore::empty();
+    roots.add_parsable_certificates(found.certs);
+    roots
 }
 
 /// A PEM file, and the flag that named it.

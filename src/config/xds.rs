@@ -131,8 +131,7 @@ impl XdsFlags {
     /// TLS towards the xDS server: the system's CAs and --xds-tls-ca's, the client certificate
     /// when given. The files are checked here, so that a bad one stops the start.
     fn tls(&self, server_name: &str) -> anyhow::Result<ClientTlsConfig> {
-        let mut roots = RootCertStore::empty();
-        roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+        let mut roots = certs::system_roots();
         if let Some(path) = &self.xds_tls_ca {
             let ca = PemFile::new("--xds-tls-ca", path);
             roots.roots.extend(ca.roots(&ca.read()?)?.roots);

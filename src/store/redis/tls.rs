@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use fred::types::config::{TlsConfig, TlsConnector};
-use rustls::{ClientConfig, RootCertStore};
+use rustls::ClientConfig;
 
 use crate::certs::{self, PemFile};
 
@@ -49,7 +49,15 @@ impl RedisTls {
                 let file = PemFile::new("--redis-ca", path);
                 file.roots(&file.read()?)?
             }
-            None => system_roots()?,
+            None => {
+                let roots = certs::system_roots();
+                if roots.is_empty() {
+                    anyhow::bail!(
+                        "a TLS --redis-url without --redis-ca: no CA certificates found on the system to trust"
+                    );
+                }
+                roots
+            }
         };
         let builder = ClientConfig::builder_with_provider(certs::provider())
             .with_safe_default_protocol_versions()
@@ -83,22 +91,6 @@ fn uses_tls(url: &str) -> bool {
     let scheme = url.split_once("://").map_or("", |(scheme, _)| scheme);
     let scheme = scheme.to_ascii_lowercase();
     scheme.starts_with("rediss") || scheme.starts_with("valkeys")
-}
-
-/// The system's trusted CAs; certificates it cannot parse are skipped, as other TLS clients do.
-fn system_roots() -> anyhow::Result<RootCertStore> {
-    let found = rustls_native_certs::load_native_certs();
-    for e in &found.errors {
-        tracing::warn!("reading the system's CA certificates: {e}");
-    }
-    let mut roots = RootCertStore::empty();
-    let (added, _) = roots.add_parsable_certificates(found.certs);
-    if added == 0 {
-        anyhow::bail!(
-            "a TLS --redis-url without --redis-ca: no CA certificates found on the system to trust"
-        );
-    }
-    Ok(roots)
 }
 
 #[cfg(test)]
