@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::envoy::{Envoy, Front, Upstream, UpstreamTls, bootstrap_with, envoy_binary, header};
 use common::metrics::{Scrape, scrape_at};
-use common::ratelimit::Ratelimit;
+use common::ratelimit::{ENVOY_GATEWAY, Ratelimit};
 use common::xds::{Certs, ServerTlsFiles, XdsServer, certgen, domain, nest, rule};
 use common::{clear_of_window_end, exchange, free_port, http};
 use envoy_types::pb::ratelimit::config::ratelimit::v3::{RateLimitDescriptor, RateLimitUnit};
@@ -43,34 +43,28 @@ fn envoy_gateways_environment<'a>(
     mapper: &'a str,
 ) -> Vec<(&'static str, &'a str)> {
     let text = |p: &'a std::path::Path| p.to_str().expect("a UTF-8 path");
-    vec![
-        ("RUNTIME_ROOT", "/data"),
-        ("RUNTIME_SUBDIRECTORY", "ratelimit"),
-        ("RUNTIME_IGNOREDOTFILES", "true"),
-        ("RUNTIME_WATCH_ROOT", "false"),
-        ("LOG_LEVEL", "info"),
-        ("USE_STATSD", "false"),
-        ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
-        ("CONFIG_GRPC_XDS_SERVER_URL", xds),
-        ("CONFIG_GRPC_XDS_NODE_ID", "envoy-ratelimit"),
-        ("GRPC_SERVER_USE_TLS", "true"),
-        ("GRPC_SERVER_TLS_CERT", text(&certs.server_cert)),
-        ("GRPC_SERVER_TLS_KEY", text(&certs.server_key)),
-        ("GRPC_SERVER_TLS_CA_CERT", text(&certs.ca)),
-        ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true"),
-        ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", text(&certs.client_cert)),
-        ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", text(&certs.client_key)),
-        ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", text(&certs.ca)),
-        ("FORCE_START_WITHOUT_INITIAL_CONFIG", "true"),
-        ("REDIS_SOCKET_TYPE", "tcp"),
-        ("REDIS_URL", redis),
-        ("USE_PROMETHEUS", "true"),
-        ("PROMETHEUS_ADDR", metrics),
-        ("PROMETHEUS_MAPPER_YAML", mapper),
-        // Not Envoy Gateway's: a debug build on a busy 2-core machine may take longer than
-        // the 10 ms sluice gives Redis by default.
-        ("REDIS_TIMEOUT", "2s"),
-    ]
+    let here = |name: &str| -> Option<&'a str> {
+        Some(match name {
+            "CONFIG_GRPC_XDS_SERVER_URL" => xds,
+            "GRPC_SERVER_TLS_CERT" => text(&certs.server_cert),
+            "GRPC_SERVER_TLS_KEY" => text(&certs.server_key),
+            "GRPC_SERVER_TLS_CA_CERT" | "CONFIG_GRPC_XDS_SERVER_TLS_CACERT" => text(&certs.ca),
+            "CONFIG_GRPC_XDS_CLIENT_TLS_CERT" => text(&certs.client_cert),
+            "CONFIG_GRPC_XDS_CLIENT_TLS_KEY" => text(&certs.client_key),
+            "REDIS_URL" => redis,
+            "PROMETHEUS_ADDR" => metrics,
+            "PROMETHEUS_MAPPER_YAML" => mapper,
+            _ => return None,
+        })
+    };
+    let mut env: Vec<(&'static str, &'a str)> = ENVOY_GATEWAY
+        .iter()
+        .map(|&(name, value)| (name, here(name).unwrap_or(value)))
+        .collect();
+    // Not Envoy Gateway's: a debug build on a busy 2-core machine may take longer than the
+    // 10 ms sluice gives Redis by default.
+    env.push(("REDIS_TIMEOUT", "2s"));
+    env
 }
 
 /// The rules Envoy Gateway sends for the cases below: one listener domain and one shared one.

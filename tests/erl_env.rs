@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::ratelimit::{PATIENCE, Ratelimit};
+use common::ratelimit::{ENVOY_GATEWAY, PATIENCE, Ratelimit};
 use common::{OK, OVER_LIMIT, clear_of_minute_boundary, free_port, http, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::google::protobuf::UInt64Value;
@@ -47,33 +47,6 @@ fn value(pairs: &[(&str, &str)], flag: &str) -> Option<String> {
 fn split(line: &str) -> Vec<String> {
     line.split_whitespace().map(str::to_owned).collect()
 }
-
-/// Envoy Gateway's rendered environment (ENVOY-GATEWAY.md §1.3), with Redis and Prometheus on.
-const ENVOY_GATEWAY: &[(&str, &str)] = &[
-    ("RUNTIME_ROOT", "/data"),
-    ("RUNTIME_SUBDIRECTORY", "ratelimit"),
-    ("RUNTIME_IGNOREDOTFILES", "true"),
-    ("RUNTIME_WATCH_ROOT", "false"),
-    ("LOG_LEVEL", "info"),
-    ("USE_STATSD", "false"),
-    ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
-    ("CONFIG_GRPC_XDS_SERVER_URL", "envoy-gateway:18001"),
-    ("CONFIG_GRPC_XDS_NODE_ID", "envoy-ratelimit"),
-    ("GRPC_SERVER_USE_TLS", "true"),
-    ("GRPC_SERVER_TLS_CERT", "/certs/tls.crt"),
-    ("GRPC_SERVER_TLS_KEY", "/certs/tls.key"),
-    ("GRPC_SERVER_TLS_CA_CERT", "/certs/ca.crt"),
-    ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true"),
-    ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", "/certs/tls.crt"),
-    ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "/certs/tls.key"),
-    ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "/certs/ca.crt"),
-    ("FORCE_START_WITHOUT_INITIAL_CONFIG", "true"),
-    ("REDIS_SOCKET_TYPE", "tcp"),
-    ("REDIS_URL", "redis.redis-system.svc.cluster.local:6379"),
-    ("USE_PROMETHEUS", "true"),
-    ("PROMETHEUS_ADDR", ":19001"),
-    ("PROMETHEUS_MAPPER_YAML", "/etc/statsd-exporter/conf.yaml"),
-];
 
 /// Envoy Gateway's tracing variables, set when its rate limit telemetry names a tracing provider.
 const ENVOY_GATEWAY_TRACING: &[(&str, &str)] = &[

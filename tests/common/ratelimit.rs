@@ -14,6 +14,33 @@ use tonic_health::pb::health_client::HealthClient;
 
 use super::free_port;
 
+/// Envoy Gateway's rendered environment (ENVOY-GATEWAY.md §1.3), with Redis and Prometheus on.
+pub const ENVOY_GATEWAY: &[(&str, &str)] = &[
+    ("RUNTIME_ROOT", "/data"),
+    ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+    ("RUNTIME_IGNOREDOTFILES", "true"),
+    ("RUNTIME_WATCH_ROOT", "false"),
+    ("LOG_LEVEL", "info"),
+    ("USE_STATSD", "false"),
+    ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+    ("CONFIG_GRPC_XDS_SERVER_URL", "envoy-gateway:18001"),
+    ("CONFIG_GRPC_XDS_NODE_ID", "envoy-ratelimit"),
+    ("GRPC_SERVER_USE_TLS", "true"),
+    ("GRPC_SERVER_TLS_CERT", "/certs/tls.crt"),
+    ("GRPC_SERVER_TLS_KEY", "/certs/tls.key"),
+    ("GRPC_SERVER_TLS_CA_CERT", "/certs/ca.crt"),
+    ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true"),
+    ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", "/certs/tls.crt"),
+    ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "/certs/tls.key"),
+    ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "/certs/ca.crt"),
+    ("FORCE_START_WITHOUT_INITIAL_CONFIG", "true"),
+    ("REDIS_SOCKET_TYPE", "tcp"),
+    ("REDIS_URL", "redis.redis-system.svc.cluster.local:6379"),
+    ("USE_PROMETHEUS", "true"),
+    ("PROMETHEUS_ADDR", ":19001"),
+    ("PROMETHEUS_MAPPER_YAML", "/etc/statsd-exporter/conf.yaml"),
+];
+
 /// How long a `ratelimit` start may take.
 pub const PATIENCE: Duration = Duration::from_secs(15);
 
