@@ -143,7 +143,7 @@ fn only(answer: &RateLimitQuotaResponse, id: &BucketId) -> Strategy {
             );
             a.rate_limit_strategy
                 .as_ref()
-                .and_then(|s| s.strategy.clone())
+                .and_then(|s| s.strategy)
                 .expect("a strategy is always set")
         }
         other => panic!("expected an assignment, got {other:?}"),
