@@ -447,3 +447,108 @@ async fn while_redis_is_down_buckets_keep_their_last_assignment() {
     assert!(errors >= 2.0, "{errors}");
     assert!(sluice.log_text().contains("keep their last assignments"));
 }
+
+/// The quota service's messages with a bucket id's values as bytes, as Envoy may send them: it
+/// copies request header values, which need not be UTF-8, into the `string` map.
+mod raw {
+    use std::collections::HashMap;
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct BucketId {
+        #[prost(map = "string, bytes", tag = "1")]
+        pub bucket: HashMap<String, Vec<u8>>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Usage {
+        #[prost(message, optional, tag = "1")]
+        pub bucket_id: Option<BucketId>,
+        #[prost(uint64, tag = "3")]
+        pub allowed: u64,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Reports {
+        #[prost(string, tag = "1")]
+        pub domain: String,
+        #[prost(message, repeated, tag = "2")]
+        pub usages: Vec<Usage>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Action {
+        #[prost(message, optional, tag = "1")]
+        pub bucket_id: Option<BucketId>,
+        /// The assignment, left encoded.
+        #[prost(bytes = "vec", optional, tag = "2")]
+        pub assignment: Option<Vec<u8>>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Response {
+        #[prost(message, repeated, tag = "1")]
+        pub bucket_action: Vec<Action>,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bucket_values_of_any_bytes_and_length_are_answered_and_echoed_exactly() {
+    let sluice = Sluice::start_with(&[("quota.yaml", RULES)], &[]).await;
+    let mut grpc = tonic::client::Grpc::new(sluice.channel().await);
+    grpc.ready().await.expect("the channel is ready");
+    let values: Vec<Vec<u8>> = vec![
+        b"\xff\xfe".to_vec(),
+        b"\xc3\x28".to_vec(),
+        vec![b'x'; 200_000],
+    ];
+    let usages: Vec<raw::Usage> = values
+        .iter()
+        .map(|v| raw::Usage {
+            bucket_id: Some(raw::BucketId {
+                bucket: [
+                    ("name".to_owned(), b"per-tenant".to_vec()),
+                    ("tenant".to_owned(), v.clone()),
+                ]
+                .into(),
+            }),
+            allowed: 1,
+        })
+        .collect();
+    let report = raw::Reports {
+        domain: DOMAIN.into(),
+        usages: usages.clone(),
+    };
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+        "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas",
+    );
+    let codec = tonic_prost::ProstCodec::<raw::Reports, raw::Response>::default();
+    let mut answers = grpc
+        .streaming(
+            tonic::Request::new(tokio_stream::iter([report])),
+            path,
+            codec,
+        )
+        .await
+        .expect("the quota stream opens")
+        .into_inner();
+    let answer = tokio::time::timeout(PATIENCE, answers.message())
+        .await
+        .expect("sluice answers in time")
+        .expect("the stream stays up")
+        .expect("an answer");
+    let echoed: Vec<&raw::BucketId> = answer
+        .bucket_action
+        .iter()
+        .filter_map(|a| a.bucket_id.as_ref())
+        .collect();
+    for usage in &usages {
+        assert!(
+            echoed.contains(&usage.bucket_id.as_ref().unwrap()),
+            "echoed byte for byte"
+        );
+    }
+    assert!(answer.bucket_action.iter().all(|a| a.assignment.is_some()));
+    // The same assignment as any other tenant: 20 a second, shared by nobody else.
+    let mut envoy = QuotaStream::open(&sluice).await;
+    assert_eq!(tokens(&envoy.ask(&tenant("plain"), 1, 0).await, 1), 20);
+}
