@@ -552,3 +552,35 @@ async fn bucket_values_of_any_bytes_and_length_are_answered_and_echoed_exactly()
     let mut envoy = QuotaStream::open(&sluice).await;
     assert_eq!(tokens(&envoy.ask(&tenant("plain"), 1, 0).await, 1), 20);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_changes_the_next_assignment_and_config_shows_the_quota_rules() {
+    let sluice = Sluice::start_with(&[("quota.yaml", RULES)], &[]).await;
+    let (status, _, body) = common::http(sluice.http, "GET", "/config", "");
+    assert_eq!(status, 200);
+    let config: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    let rules = &config["domains"][0]["quota_buckets"];
+    assert_eq!(rules[0]["rule"], "name_per-tenant.tenant_*");
+    assert_eq!(rules[0]["bucket"]["tenant"], "*");
+    assert_eq!(rules[0]["rate_limit"]["requests_per_unit"], 20);
+    assert_eq!(rules[0]["line"], 4);
+    assert_eq!(rules[4]["shadow_mode"], true);
+
+    let mut envoy = QuotaStream::open(&sluice).await;
+    let acme = tenant("acme");
+    assert_eq!(tokens(&envoy.ask(&acme, 1, 0).await, 1), 20);
+    std::fs::write(
+        sluice.rules.join("quota.yaml"),
+        RULES.replace("requests_per_unit: 20", "requests_per_unit: 40"),
+    )
+    .unwrap();
+    let mut share = 0;
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        share = tokens(&envoy.ask(&acme, 10, 0).await, 1);
+        if share == 40 {
+            break;
+        }
+    }
+    assert_eq!(share, 40, "the reloaded limit, on the bucket's next report");
+}
