@@ -120,7 +120,8 @@ impl Quotas {
     }
 
     /// Per quota bucket rule: (stream, bucket) subscriptions on this replica, and the requests
-    /// per second assigned to them (blanket "allow all" assignments count no rate).
+    /// per second assigned to them (blanket "allow all" assignments count no rate; a shadow-mode
+    /// bucket counts the share it would be sent).
     pub fn by_rule(&self) -> Vec<(QuotaLabels, usize, f64)> {
         let mut out: HashMap<QuotaLabels, (usize, f64)> = HashMap::new();
         for subscriber in self.buckets().values().flat_map(HashMap::values) {
