@@ -584,3 +584,20 @@ async fn a_reload_changes_the_next_assignment_and_config_shows_the_quota_rules()
     }
     assert_eq!(share, 40, "the reloaded limit, on the bucket's next report");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_ends_open_quota_streams_and_sluice_exits_promptly() {
+    let mut sluice = Sluice::start_with(&[("quota.yaml", RULES)], &[]).await;
+    let mut envoy = QuotaStream::open(&sluice).await;
+    envoy.ask(&tenant("acme"), 1, 0).await;
+    common::redis::signal(sluice.pid(), "TERM");
+    let ended = tokio::time::timeout(PATIENCE, envoy.answers.message())
+        .await
+        .expect("the stream ends in time");
+    assert!(
+        matches!(ended, Ok(None)),
+        "ended cleanly, for Envoy to reconnect elsewhere: {ended:?}"
+    );
+    let status = sluice.exited_within(Duration::from_secs(5)).await;
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+}
