@@ -8,19 +8,13 @@ mod common;
 
 use std::time::Duration;
 
-use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::BlanketRule;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
-    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
-};
-use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::Streaming;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQuotaUsageReports};
 
 use common::metrics::scrape;
+use common::quota::{PATIENCE, QuotaStream, blanket, bucket, only, tokens};
 use common::redis::Controlled;
 use common::{Sluice, Store};
 
@@ -42,145 +36,13 @@ quota_buckets:
     rate_limit: {unit: second, requests_per_unit: 5}
 ";
 
-/// How long an answer may take to come.
-const PATIENCE: Duration = Duration::from_secs(5);
-
-/// One Envoy's stream, driven by hand.
-struct QuotaStream {
-    reports: mpsc::Sender<RateLimitQuotaUsageReports>,
-    answers: Streaming<RateLimitQuotaResponse>,
-}
-
-impl QuotaStream {
-    async fn open(sluice: &Sluice) -> QuotaStream {
-        let mut client = RateLimitQuotaServiceClient::new(sluice.channel().await);
-        let (reports, outgoing) = mpsc::channel(16);
-        let answers = client
-            .stream_rate_limit_quotas(ReceiverStream::new(outgoing))
-            .await
-            .expect("the quota stream opens")
-            .into_inner();
-        QuotaStream { reports, answers }
-    }
-
-    /// Reports `allowed` and `denied` requests of each bucket, as Envoy does every 5 s.
-    async fn report(&self, buckets: &[(&BucketId, u64, u64)]) {
-        let usages = buckets
-            .iter()
-            .map(|(id, allowed, denied)| BucketQuotaUsage {
-                bucket_id: Some((*id).clone()),
-                time_elapsed: Some(ProtoDuration {
-                    seconds: 5,
-                    nanos: 0,
-                }),
-                num_requests_allowed: *allowed,
-                num_requests_denied: *denied,
-            })
-            .collect();
-        self.reports
-            .send(RateLimitQuotaUsageReports {
-                domain: DOMAIN.into(),
-                bucket_quota_usages: usages,
-            })
-            .await
-            .expect("the stream takes reports");
-    }
-
-    /// The next answer, within `PATIENCE`.
-    async fn answer(&mut self) -> RateLimitQuotaResponse {
-        tokio::time::timeout(PATIENCE, self.answers.message())
-            .await
-            .expect("sluice answers in time")
-            .expect("the stream stays up")
-            .expect("the stream is not ended")
-    }
-
-    /// Reports `allowed`/`denied` for one bucket and returns what it is assigned.
-    async fn ask(&mut self, id: &BucketId, allowed: u64, denied: u64) -> Strategy {
-        self.report(&[(id, allowed, denied)]).await;
-        only(&self.answer().await, id)
-    }
-
-    /// Whether an answer comes within `wait`.
-    async fn quiet_for(&mut self, wait: Duration) -> bool {
-        tokio::time::timeout(wait, self.answers.message())
-            .await
-            .is_err()
-    }
-}
-
-fn bucket(pairs: &[(&str, &str)]) -> BucketId {
-    BucketId {
-        bucket: pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect(),
-    }
-}
-
 fn tenant(name: &str) -> BucketId {
     bucket(&[("name", "per-tenant"), ("tenant", name)])
 }
 
-/// The strategy assigned to `id`, the only bucket of `answer`, checking the assignment's shape:
-/// the bucket id echoed exactly and a whole-second time to live.
-fn only(answer: &RateLimitQuotaResponse, id: &BucketId) -> Strategy {
-    assert_eq!(answer.bucket_action.len(), 1, "{answer:?}");
-    let action = &answer.bucket_action[0];
-    assert_eq!(
-        action.bucket_id.as_ref(),
-        Some(id),
-        "the bucket id is echoed"
-    );
-    match &action.bucket_action {
-        Some(Action::QuotaAssignmentAction(a)) => {
-            let ttl = a
-                .assignment_time_to_live
-                .expect("a time to live is always set");
-            assert!(
-                ttl.seconds >= 1 && ttl.nanos == 0,
-                "Envoy 1.40 reads whole seconds of the TTL, and treats none as 0: {ttl:?}"
-            );
-            a.rate_limit_strategy
-                .as_ref()
-                .and_then(|s| s.strategy)
-                .expect("a strategy is always set")
-        }
-        other => panic!("expected an assignment, got {other:?}"),
-    }
-}
-
-/// A token bucket's tokens per fill, checking the shape Envoy 1.40 enforces: tokens_per_fill
-/// set and equal to max_tokens, a whole-second fill interval of `fill_seconds`.
-fn tokens(strategy: &Strategy, fill_seconds: i64) -> u32 {
-    let Strategy::TokenBucket(bucket) = strategy else {
-        panic!("expected a token bucket, got {strategy:?}");
-    };
-    let per_fill = bucket
-        .tokens_per_fill
-        .as_ref()
-        .expect("tokens_per_fill is always set: Envoy 1.40 reads it unset as 0, never refilling")
-        .value;
-    let fill = bucket.fill_interval.expect("a fill interval");
-    assert_eq!(
-        (fill.seconds, fill.nanos),
-        (fill_seconds, 0),
-        "Envoy 1.40 reads a sub-second fill interval as 0 s: no limit at all"
-    );
-    assert_eq!(bucket.max_tokens, per_fill, "one window's share of burst");
-    per_fill
-}
-
-fn blanket(strategy: &Strategy) -> BlanketRule {
-    match strategy {
-        Strategy::BlanketRule(rule) => BlanketRule::try_from(*rule).expect("a known rule"),
-        other => panic!("expected a blanket rule, got {other:?}"),
-    }
-}
-
 async fn first_report_is_a_subscription_answered_at_once_with_an_enforceable_bucket(store: Store) {
     let sluice = Sluice::on(store, &[("quota.yaml", RULES)], &[]).await;
-    let mut envoy = QuotaStream::open(&sluice).await;
+    let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
     let acme = tenant("acme");
     let answer = envoy.ask(&acme, 1, 0).await;
     assert_eq!(
@@ -197,9 +59,9 @@ async fn first_report_is_a_subscription_answered_at_once_with_an_enforceable_buc
 async fn two_streams_share_the_limit_and_the_first_is_told_at_once(store: Store) {
     let sluice = Sluice::on(store, &[("quota.yaml", RULES)], &[]).await;
     let acme = tenant("acme");
-    let mut first = QuotaStream::open(&sluice).await;
+    let mut first = QuotaStream::open(&sluice, DOMAIN).await;
     assert_eq!(tokens(&first.ask(&acme, 1, 0).await, 1), 20);
-    let mut second = QuotaStream::open(&sluice).await;
+    let mut second = QuotaStream::open(&sluice, DOMAIN).await;
     assert_eq!(
         tokens(&second.ask(&acme, 1, 0).await, 1),
         10,
@@ -222,8 +84,8 @@ async fn two_streams_share_the_limit_and_the_first_is_told_at_once(store: Store)
 async fn an_idle_streams_share_goes_to_the_busy_one(store: Store) {
     let sluice = Sluice::on(store, &[("quota.yaml", RULES)], &[]).await;
     let acme = tenant("acme");
-    let mut idle = QuotaStream::open(&sluice).await;
-    let mut busy = QuotaStream::open(&sluice).await;
+    let mut idle = QuotaStream::open(&sluice, DOMAIN).await;
+    let mut busy = QuotaStream::open(&sluice, DOMAIN).await;
     idle.ask(&acme, 1, 0).await;
     busy.ask(&acme, 1, 0).await;
     idle.answer().await;
@@ -244,9 +106,9 @@ async fn an_idle_streams_share_goes_to_the_busy_one(store: Store) {
 async fn a_stream_that_ends_leaves_its_share_to_the_others(store: Store) {
     let sluice = Sluice::on(store, &[("quota.yaml", RULES)], &[]).await;
     let acme = tenant("acme");
-    let mut stays = QuotaStream::open(&sluice).await;
+    let mut stays = QuotaStream::open(&sluice, DOMAIN).await;
     stays.ask(&acme, 1, 0).await;
-    let mut goes = QuotaStream::open(&sluice).await;
+    let mut goes = QuotaStream::open(&sluice, DOMAIN).await;
     assert_eq!(tokens(&goes.ask(&acme, 1, 0).await, 1), 10);
     stays.answer().await;
     drop(goes);
@@ -264,7 +126,7 @@ async fn a_stream_that_ends_leaves_its_share_to_the_others(store: Store) {
 
 async fn blanket_rules_for_unlimited_closed_unmatched_and_shadow_buckets(store: Store) {
     let sluice = Sluice::on(store, &[("quota.yaml", RULES)], &[]).await;
-    let mut envoy = QuotaStream::open(&sluice).await;
+    let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
     let open = bucket(&[("name", "open")]);
     assert_eq!(
         blanket(&envoy.ask(&open, 1, 0).await),
@@ -311,7 +173,7 @@ on_every_store!(
 #[tokio::test(flavor = "multi_thread")]
 async fn unmatched_buckets_can_be_denied() {
     let sluice = Sluice::start_with(&[("quota.yaml", RULES)], &["--quota-unmatched", "deny"]).await;
-    let mut envoy = QuotaStream::open(&sluice).await;
+    let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
     let unknown = bucket(&[("name", "unknown")]);
     assert_eq!(
         blanket(&envoy.ask(&unknown, 1, 0).await),
@@ -338,7 +200,7 @@ async fn unmatched_buckets_can_be_denied() {
 async fn a_bucket_reported_idle_n_times_in_a_row_is_abandoned() {
     let sluice =
         Sluice::start_with(&[("quota.yaml", RULES)], &["--quota-abandon-after", "2"]).await;
-    let mut envoy = QuotaStream::open(&sluice).await;
+    let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
     let acme = tenant("acme");
     envoy.ask(&acme, 1, 0).await;
     envoy.ask(&acme, 0, 0).await;
@@ -361,7 +223,7 @@ async fn a_bucket_reported_idle_n_times_in_a_row_is_abandoned() {
 #[tokio::test(flavor = "multi_thread")]
 async fn one_report_of_many_buckets_is_answered_in_one_message() {
     let sluice = Sluice::start_with(&[("quota.yaml", RULES)], &[]).await;
-    let mut envoy = QuotaStream::open(&sluice).await;
+    let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
     let ids: Vec<BucketId> = (0..50).map(|n| tenant(&format!("t{n}"))).collect();
     let reports: Vec<(&BucketId, u64, u64)> = ids.iter().map(|id| (id, 1, 0)).collect();
     envoy.report(&reports).await;
@@ -399,8 +261,8 @@ async fn replicas_sharing_redis_divide_one_limit() {
     )
     .await;
     let acme = tenant("acme");
-    let mut first = QuotaStream::open(&one).await;
-    let mut second = QuotaStream::open(&two).await;
+    let mut first = QuotaStream::open(&one, DOMAIN).await;
+    let mut second = QuotaStream::open(&two, DOMAIN).await;
     assert_eq!(tokens(&first.ask(&acme, 1, 0).await, 1), 20);
     assert_eq!(
         tokens(&second.ask(&acme, 1, 0).await, 1),
@@ -421,8 +283,8 @@ async fn while_redis_is_down_buckets_keep_their_last_assignment() {
     let url = redis.url.clone();
     let sluice = Sluice::start_with(&[("quota.yaml", RULES)], &["--redis-url", &url]).await;
     let acme = tenant("acme");
-    let mut first = QuotaStream::open(&sluice).await;
-    let mut second = QuotaStream::open(&sluice).await;
+    let mut first = QuotaStream::open(&sluice, DOMAIN).await;
+    let mut second = QuotaStream::open(&sluice, DOMAIN).await;
     first.ask(&acme, 1, 0).await;
     assert_eq!(tokens(&second.ask(&acme, 1, 0).await, 1), 10);
     first.answer().await;
@@ -549,7 +411,7 @@ async fn bucket_values_of_any_bytes_and_length_are_answered_and_echoed_exactly()
     }
     assert!(answer.bucket_action.iter().all(|a| a.assignment.is_some()));
     // The same assignment as any other tenant: 20 a second, shared by nobody else.
-    let mut envoy = QuotaStream::open(&sluice).await;
+    let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
     assert_eq!(tokens(&envoy.ask(&tenant("plain"), 1, 0).await, 1), 20);
 }
 
@@ -566,7 +428,7 @@ async fn a_reload_changes_the_next_assignment_and_config_shows_the_quota_rules()
     assert_eq!(rules[0]["line"], 4);
     assert_eq!(rules[4]["shadow_mode"], true);
 
-    let mut envoy = QuotaStream::open(&sluice).await;
+    let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
     let acme = tenant("acme");
     assert_eq!(tokens(&envoy.ask(&acme, 1, 0).await, 1), 20);
     std::fs::write(
@@ -588,7 +450,7 @@ async fn a_reload_changes_the_next_assignment_and_config_shows_the_quota_rules()
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_ends_open_quota_streams_and_sluice_exits_promptly() {
     let mut sluice = Sluice::start_with(&[("quota.yaml", RULES)], &[]).await;
-    let mut envoy = QuotaStream::open(&sluice).await;
+    let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
     envoy.ask(&tenant("acme"), 1, 0).await;
     common::redis::signal(sluice.pid(), "TERM");
     let ended = tokio::time::timeout(PATIENCE, envoy.answers.message())
