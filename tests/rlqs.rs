@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::BlanketRule;
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQuotaUsageReports};
@@ -462,4 +462,49 @@ async fn sigterm_ends_open_quota_streams_and_sluice_exits_promptly() {
     );
     let status = sluice.exited_within(Duration::from_secs(5)).await;
     assert!(status.is_some_and(|s| s.success()), "{status:?}");
+}
+
+/// A token bucket's steady rate, requests per second.
+fn rate(strategy: &Strategy) -> f64 {
+    let Strategy::TokenBucket(bucket) = strategy else {
+        panic!("expected a token bucket, got {strategy:?}");
+    };
+    let fill = bucket.fill_interval.expect("a fill interval");
+    assert_eq!(fill.nanos, 0, "whole seconds");
+    f64::from(bucket.tokens_per_fill.expect("tokens_per_fill").value) / fill.seconds as f64
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn three_streams_get_a_third_each_in_whole_numbers_envoy_reads() {
+    let sluice = Sluice::start_with(&[("quota.yaml", RULES)], &[]).await;
+    let acme = tenant("acme");
+    let mut streams = Vec::new();
+    for _ in 0..3 {
+        let mut stream = QuotaStream::open(&sluice, DOMAIN).await;
+        stream.ask(&acme, 1, 0).await;
+        streams.push(stream);
+    }
+    // The first two have been pushed their new shares: two, then one.
+    let mut latest = Vec::new();
+    for (n, stream) in streams.iter_mut().enumerate() {
+        let mut last = None;
+        for _ in 0..(2 - n) {
+            last = Some(only(&stream.answer().await, &acme));
+        }
+        latest.push(last);
+    }
+    let mut total = 0.0;
+    for (n, stream) in streams.iter_mut().enumerate() {
+        let strategy = match latest[n].take() {
+            Some(s) => s,
+            None => stream.ask(&acme, 5, 5).await,
+        };
+        let r = rate(&strategy);
+        assert!(
+            (6.63..=6.667).contains(&r),
+            "a third of 20 a second, not {r}"
+        );
+        total += r;
+    }
+    assert!(total <= 20.0 && total > 19.9, "{total}");
 }

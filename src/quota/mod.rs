@@ -13,13 +13,18 @@ pub use share::divide;
 /// Demands and shares are counted in thousandths of a request per window.
 pub const MILLI: u64 = 1000;
 
+/// The longest fill interval, in windows, that a share may take to be exact (a share of under a
+/// request per window takes several windows to refill one).
+const MOST_WINDOWS_PER_FILL: u64 = 1000;
+
 /// What one stream is told to do with one bucket.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Assignment {
-    /// A token bucket holding at most `tokens`, refilled with `tokens` every `fill_seconds`:
-    /// `tokens` requests per window, at a steady rate, with one window's worth of burst.
+    /// A token bucket holding at most `max_tokens`, refilled continuously at `tokens_per_fill`
+    /// every `fill_seconds`.
     TokenBucket {
-        tokens: u32,
+        max_tokens: u32,
+        tokens_per_fill: u32,
         fill_seconds: u64,
     },
     AllowAll,
@@ -27,19 +32,28 @@ pub enum Assignment {
 }
 
 impl Assignment {
-    /// A share of `tokens` requests per window of `fill_seconds` (at least 1); none at all
-    /// denies everything, as Envoy reads a token bucket that never refills.
-    pub fn share(tokens: u64, fill_seconds: u64) -> Assignment {
-        match u32::try_from(tokens) {
-            Ok(0) => Assignment::DenyAll,
-            Ok(tokens) => Assignment::TokenBucket {
-                tokens,
-                fill_seconds: fill_seconds.max(1),
-            },
-            Err(_) => Assignment::TokenBucket {
-                tokens: u32::MAX,
-                fill_seconds: fill_seconds.max(1),
-            },
+    /// A share of `milli` thousandths of a request per window of `window_seconds`: a token bucket
+    /// refilling at that rate (to within 0.5 %, never above it) and holding one window's share,
+    /// rounded up. Envoy refills at `tokens_per_fill / fill_interval`, both whole numbers, so a
+    /// fraction of a request per window takes a fill interval of several windows: 6.667 a
+    /// second is 20 every 3 s. No share at all denies everything (Envoy reads a token bucket that
+    /// never refills as denying).
+    pub fn share(milli: u64, window_seconds: u64) -> Assignment {
+        if milli == 0 {
+            return Assignment::DenyAll;
+        }
+        let windows = (1..=MOST_WINDOWS_PER_FILL)
+            .find(|&k| {
+                let exact = milli * k;
+                let under = exact % MILLI;
+                exact >= MILLI && under * 200 <= exact
+            })
+            .unwrap_or(MOST_WINDOWS_PER_FILL);
+        let saturate = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+        Assignment::TokenBucket {
+            max_tokens: saturate(milli.div_ceil(MILLI)),
+            tokens_per_fill: saturate((milli * windows / MILLI).max(1)),
+            fill_seconds: window_seconds.max(1) * windows,
         }
     }
 
@@ -47,9 +61,10 @@ impl Assignment {
     pub fn rate(&self) -> Option<f64> {
         match self {
             Assignment::TokenBucket {
-                tokens,
+                tokens_per_fill,
                 fill_seconds,
-            } => Some(f64::from(*tokens) / *fill_seconds as f64),
+                ..
+            } => Some(f64::from(*tokens_per_fill) / *fill_seconds as f64),
             Assignment::AllowAll => None,
             Assignment::DenyAll => Some(0.0),
         }
@@ -93,19 +108,29 @@ mod tests {
     }
 
     #[test]
-    fn a_share_of_nothing_denies_and_a_huge_one_saturates() {
+    fn a_share_is_a_steady_rate_in_whole_numbers_never_above_it() {
+        let bucket = |max_tokens, tokens_per_fill, fill_seconds| Assignment::TokenBucket {
+            max_tokens,
+            tokens_per_fill,
+            fill_seconds,
+        };
         assert_eq!(Assignment::share(0, 1), Assignment::DenyAll);
+        assert_eq!(Assignment::share(20_000, 1), bucket(20, 20, 1));
+        assert_eq!(Assignment::share(600_000, 60), bucket(600, 600, 60));
         assert_eq!(
-            Assignment::share(1 << 40, 60),
-            Assignment::TokenBucket {
-                tokens: u32::MAX,
-                fill_seconds: 60
-            }
+            Assignment::share(6667, 1),
+            bucket(7, 20, 3),
+            "two thirds of 20 a second"
         );
-        assert_eq!(
-            Assignment::share(6, 60).rate(),
-            Some(0.1),
-            "6 a minute is 0.1 a second"
-        );
+        assert_eq!(Assignment::share(667, 1), bucket(1, 2, 3));
+        assert_eq!(Assignment::share(1, 60), bucket(1, 1, 60_000));
+        for milli in 1..5000 {
+            let rate = Assignment::share(milli, 1).rate().unwrap();
+            let exact = milli as f64 / 1000.0;
+            assert!(rate <= exact && rate >= exact * 0.995, "{milli}: {rate}");
+        }
+        let huge = Assignment::share(u64::from(u32::MAX) * 1000, 1);
+        assert_eq!(huge, bucket(u32::MAX, u32::MAX, 1));
+        assert_eq!(Assignment::share(6000, 60).rate(), Some(0.1), "6 a minute");
     }
 }

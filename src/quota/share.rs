@@ -5,91 +5,87 @@
 
 use super::MILLI;
 
-/// Divides `limit` whole requests per window among streams asking `demands` (thousandths of a
-/// request per window, in stream order). The shares are whole requests and add up to `limit`
-/// exactly; when there are at least as many requests as streams, every stream gets one at least,
-/// so that none is shut out before its demand is known. Deterministic: every replica divides the
-/// same demands the same way.
+/// Divides `limit` requests per window among streams asking `demands`, both in thousandths of a
+/// request per window, in stream order. The shares add up to `limit` exactly; when there is one
+/// request per window for every stream, every stream gets one at least, so that none is shut out
+/// before its demand is known. Deterministic: every replica divides the same demands the same way.
 pub fn divide(limit: u64, demands: &[u64]) -> Vec<u64> {
     let n = demands.len() as u64;
     if n == 0 {
         return Vec::new();
     }
-    let floor = if limit >= n { MILLI } else { 0 };
-    let wants: Vec<u128> = demands.iter().map(|&d| u128::from(d.max(floor))).collect();
-    // Water-filling in thousandths: the smallest demands are met first, each at most an equal
-    // part of what is left.
+    let floor = if limit >= n * MILLI { MILLI } else { 0 };
+    let wants: Vec<u64> = demands.iter().map(|&d| d.max(floor)).collect();
+    // Water-filling: the smallest demands are met first, each at most an equal part of what is
+    // left.
     let mut order: Vec<usize> = (0..wants.len()).collect();
     order.sort_by_key(|&i| (wants[i], i));
-    let mut left = u128::from(limit) * u128::from(MILLI);
-    let mut given = vec![0u128; wants.len()];
+    let mut left = limit;
+    let mut given = vec![0u64; wants.len()];
     for (k, &i) in order.iter().enumerate() {
-        let level = left / (wants.len() - k) as u128;
+        let level = left / (n - k as u64);
         given[i] = wants[i].min(level);
         left -= given[i];
     }
-    // What nobody asked for, in equal parts.
-    let each = left / wants.len() as u128;
-    for g in &mut given {
-        *g += each;
+    // What nobody asked for, in equal parts; the indivisible rest, a thousandth each to the
+    // first streams.
+    let (each, rest) = (left / n, left % n);
+    for (i, g) in given.iter_mut().enumerate() {
+        *g += each + u64::from((i as u64) < rest);
     }
-    // Whole requests: the rest of the limit goes one by one to the largest remainders (the
-    // larger demand first on a tie, then the earlier stream).
-    let mut shares: Vec<u64> = given
-        .iter()
-        .map(|&g| (g / u128::from(MILLI)) as u64)
-        .collect();
-    let rest = limit - shares.iter().sum::<u64>();
-    let mut by_remainder: Vec<usize> = (0..given.len()).collect();
-    by_remainder.sort_by_key(|&i| {
-        (
-            std::cmp::Reverse(given[i] % u128::from(MILLI)),
-            std::cmp::Reverse(wants[i]),
-            i,
-        )
-    });
-    for &i in by_remainder.iter().take(rest as usize) {
-        shares[i] += 1;
-    }
-    shares
+    given
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn per_window(demands: &[u64]) -> Vec<u64> {
-        demands.iter().map(|d| d * MILLI).collect()
+    fn requests(shares: &[u64]) -> Vec<u64> {
+        shares.iter().map(|d| d * MILLI).collect()
     }
 
     #[test]
     fn streams_that_all_ask_too_much_get_equal_parts() {
-        assert_eq!(divide(20, &per_window(&[30, 30])), [10, 10]);
-        assert_eq!(divide(20, &per_window(&[30, 30, 30])), [6, 7, 7]);
+        assert_eq!(
+            divide(20 * MILLI, &requests(&[30, 30])),
+            requests(&[10, 10])
+        );
+        assert_eq!(
+            divide(20 * MILLI, &requests(&[30, 30, 30])),
+            [6666, 6667, 6667],
+            "thirds, to the thousandth"
+        );
     }
 
     #[test]
     fn a_small_demand_is_met_and_the_rest_goes_to_the_others() {
-        assert_eq!(divide(20, &per_window(&[2, 30, 30])), [2, 9, 9]);
-        assert_eq!(divide(100, &per_window(&[10, 20, 200])), [10, 20, 70]);
+        assert_eq!(
+            divide(20 * MILLI, &requests(&[2, 30, 30])),
+            requests(&[2, 9, 9])
+        );
+        assert_eq!(
+            divide(100 * MILLI, &requests(&[10, 20, 200])),
+            requests(&[10, 20, 70])
+        );
     }
 
     #[test]
     fn an_idle_stream_keeps_one_request_and_the_busy_one_gets_the_rest() {
-        assert_eq!(divide(20, &per_window(&[0, 30])), [1, 19]);
+        assert_eq!(divide(20 * MILLI, &requests(&[0, 30])), requests(&[1, 19]));
     }
 
     #[test]
     fn what_nobody_asks_for_is_spread_evenly() {
-        assert_eq!(divide(20, &per_window(&[2, 4])), [9, 11]);
-        assert_eq!(divide(10, &per_window(&[0, 0, 0])), [4, 3, 3]);
+        assert_eq!(divide(20 * MILLI, &requests(&[2, 4])), requests(&[9, 11]));
+        assert_eq!(
+            divide(10 * MILLI, &requests(&[0, 0, 0])),
+            [3334, 3333, 3333]
+        );
     }
 
     #[test]
-    fn fewer_requests_than_streams_leave_some_streams_none() {
-        let shares = divide(2, &per_window(&[5, 5, 5]));
-        assert_eq!(shares.iter().sum::<u64>(), 2);
-        assert_eq!(shares.iter().filter(|&&s| s == 0).count(), 1);
+    fn less_than_a_request_per_stream_is_still_divided() {
+        assert_eq!(divide(2 * MILLI, &requests(&[5, 5, 5])), [666, 667, 667]);
     }
 
     #[test]
@@ -102,21 +98,21 @@ mod tests {
             seed
         };
         for _ in 0..2000 {
-            let limit = next() % 10_000;
+            let limit = next() % 10_000 * MILLI;
             let n = (next() % 12 + 1) as usize;
-            let demands: Vec<u64> = (0..n).map(|_| next() % (limit * MILLI + 2)).collect();
+            let demands: Vec<u64> = (0..n).map(|_| next() % (limit + 2)).collect();
             let shares = divide(limit, &demands);
             assert_eq!(shares.iter().sum::<u64>(), limit, "{limit} {demands:?}");
-            if limit >= n as u64 {
+            if limit >= n as u64 * MILLI {
                 assert!(
-                    shares.iter().all(|&s| s >= 1),
+                    shares.iter().all(|&s| s >= MILLI),
                     "{limit} {demands:?} {shares:?}"
                 );
             }
             // Max-min: a stream below its demand has at least as much as any other stream
-            // (give or take the rounding to whole requests).
+            // (give or take the thousandth of the rest).
             for (i, &s) in shares.iter().enumerate() {
-                if s * MILLI + MILLI < demands[i] {
+                if s < demands[i] {
                     assert!(
                         shares.iter().all(|&o| o <= s + 1),
                         "{limit} {demands:?} {shares:?}"

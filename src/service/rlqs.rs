@@ -11,6 +11,7 @@
 //! get their new shares at once; streams on other replicas get theirs with their next report.
 
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -57,6 +58,8 @@ pub const MOST_BUCKETS_PER_STREAM: usize = 10_000;
 pub const MOST_BUCKET_BYTES_PER_STREAM: usize = 16 << 20;
 /// Demand records one report may have in flight at once.
 const RECORDS_AT_ONCE: usize = 64;
+/// Buckets that may be divided at once on one replica (their keys hashed to as many turns).
+const TURNS: usize = 256;
 /// Answers waiting to be written to one stream; a push that finds it full is dropped (the
 /// stream's next report is answered anyway).
 const OUTBOX: usize = 64;
@@ -86,6 +89,9 @@ pub struct Quotas {
     replica: String,
     next_stream: AtomicU64,
     buckets: Mutex<HashMap<CounterKey, Subscribers>>,
+    /// Turns to divide a bucket, one bucket at a time: a bucket takes the turn its key hashes to.
+    turns: Box<[tokio::sync::Mutex<()>]>,
+    hasher: std::hash::RandomState,
 }
 
 /// A bucket's subscribers on this replica, by stream number.
@@ -112,7 +118,14 @@ impl Quotas {
             replica: format!("{:x}-{:x}", std::process::id(), now.as_nanos()),
             next_stream: AtomicU64::new(1),
             buckets: Mutex::default(),
+            turns: (0..TURNS).map(|_| tokio::sync::Mutex::new(())).collect(),
+            hasher: std::hash::RandomState::new(),
         }
+    }
+
+    fn turn(&self, key: &CounterKey) -> &tokio::sync::Mutex<()> {
+        let at = self.hasher.hash_one(key) as usize % self.turns.len();
+        &self.turns[at]
     }
 
     fn buckets(&self) -> std::sync::MutexGuard<'_, HashMap<CounterKey, Subscribers>> {
@@ -352,21 +365,41 @@ impl QuotaStream {
                 (None, _) => shared.push((step, requests)),
             }
         }
-        let divided: Vec<(Step, Assignment)> = futures_util::stream::iter(shared)
+        let divided: Vec<(Step, Assignment, bool)> = futures_util::stream::iter(shared)
             .map(|(step, requests)| self.divide(step, requests))
             .buffer_unordered(RECORDS_AT_ONCE)
             .collect()
             .await;
-        for (step, assignment) in divided {
-            actions.push(self.action(&step, assignment));
-        }
-        if !actions.is_empty() {
-            let _ = self
-                .outbox
-                .send(Ok(RateLimitQuotaResponse {
-                    bucket_action: actions,
-                }))
-                .await;
+        // Each divided bucket is answered with the latest share this stream got, its own or one
+        // pushed by a later division; pushes go out under the same lock, so the Envoy gets shares
+        // in the order they were decided.
+        let late = {
+            let buckets = self.quotas.buckets();
+            for (step, share, shadow) in &divided {
+                let latest = buckets
+                    .get(&step.key)
+                    .and_then(|local| local.get(&self.number))
+                    .map_or(*share, |s| s.sent);
+                let answer = if *shadow {
+                    Assignment::AllowAll
+                } else {
+                    latest
+                };
+                actions.push(self.action(step, answer));
+            }
+            if actions.is_empty() {
+                return;
+            }
+            let response = RateLimitQuotaResponse {
+                bucket_action: actions,
+            };
+            match self.outbox.try_send(Ok(response)) {
+                Err(mpsc::error::TrySendError::Full(response)) => Some(response),
+                Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => None,
+            }
+        };
+        if let Some(response) = late {
+            let _ = self.outbox.send(response).await;
         }
     }
 
@@ -384,7 +417,7 @@ impl QuotaStream {
             Some(limit) if limit.requests_per_unit == 0 => Some(Assignment::DenyAll),
             Some(_) if !step.tracked && rule.shadow => Some(Assignment::AllowAll),
             Some(limit) if !step.tracked => Some(Assignment::share(
-                u64::from(limit.requests_per_unit),
+                u64::from(limit.requests_per_unit) * MILLI,
                 limit.window_ms() / 1000,
             )),
             Some(_) => None,
@@ -394,7 +427,10 @@ impl QuotaStream {
     /// Records this stream's demand for a shared bucket and divides the bucket's limit among
     /// every stream counted in it: this stream's share, and new shares pushed to the others on
     /// this replica. When the store cannot answer, the stream keeps what it was last sent.
-    async fn divide(&self, step: Step, requests: u64) -> (Step, Assignment) {
+    async fn divide(&self, step: Step, requests: u64) -> (Step, Assignment, bool) {
+        // One division of a bucket at a time on this replica: each sees the demands recorded
+        // before it, and its pushes and share land after theirs.
+        let _turn = self.quotas.turn(&step.key).lock().await;
         let rule = step.rule.as_ref().expect("a shared bucket has a rule");
         let limit = rule.limit.as_ref().expect("a shared bucket has a limit");
         let total = u64::from(limit.requests_per_unit);
@@ -413,7 +449,7 @@ impl QuotaStream {
         let share = match self.store.record_demand(&step.key, report, deadline).await {
             Ok(demands) => {
                 let wants: Vec<u64> = demands.streams.iter().map(|(_, d)| *d).collect();
-                let shares = divide(total, &wants);
+                let shares = divide(total * MILLI, &wants);
                 let share_of = |stream: &str| {
                     demands
                         .streams
@@ -422,7 +458,7 @@ impl QuotaStream {
                         .map(|at| shares[at])
                 };
                 self.push(&step, |stream| share_of(stream), fill_seconds);
-                Assignment::share(share_of(&self.id).unwrap_or(total), fill_seconds)
+                Assignment::share(share_of(&self.id).unwrap_or(total * MILLI), fill_seconds)
             }
             Err(e) => {
                 static FAILED: Throttle = Throttle::new();
@@ -443,12 +479,8 @@ impl QuotaStream {
             }
         }
         self.subscribe(&step, share, rule.shadow);
-        let answer = if rule.shadow {
-            Assignment::AllowAll
-        } else {
-            share
-        };
-        (step, answer)
+        let shadow = rule.shadow;
+        (step, share, shadow)
     }
 
     /// What a bucket gets while the store cannot answer: what this stream was last sent, or for
@@ -460,7 +492,7 @@ impl QuotaStream {
             return s.sent;
         }
         let streams = local.map_or(0, HashMap::len) as u64 + 1;
-        Assignment::share(total / streams, fill_seconds)
+        Assignment::share(total * MILLI / streams, fill_seconds)
     }
 
     /// Sends the other streams of this replica subscribed to the bucket their new shares, where
@@ -489,9 +521,10 @@ impl QuotaStream {
                     self.quotas.settings.ttl,
                 )],
             };
+            // A full outbox drops the push; the stream's next answer carries the share anyway.
+            subscriber.sent = assignment;
             if subscriber.outbox.try_send(Ok(pushed)).is_ok() {
                 METRICS.quota_action(&subscriber.labels, assignment.name());
-                subscriber.sent = assignment;
             }
         }
     }
@@ -577,11 +610,14 @@ impl QuotaStream {
 fn assign(bucket_id: BucketId, assignment: Assignment, ttl: Duration) -> BucketAction {
     let strategy = match assignment {
         Assignment::TokenBucket {
-            tokens,
+            max_tokens,
+            tokens_per_fill,
             fill_seconds,
         } => Strategy::TokenBucket(TokenBucket {
-            max_tokens: tokens,
-            tokens_per_fill: Some(UInt32Value { value: tokens }),
+            max_tokens,
+            tokens_per_fill: Some(UInt32Value {
+                value: tokens_per_fill,
+            }),
             fill_interval: Some(whole_seconds(fill_seconds)),
         }),
         Assignment::AllowAll => Strategy::BlanketRule(BlanketRule::AllowAll as i32),
