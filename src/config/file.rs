@@ -6,11 +6,15 @@ use std::path::Path;
 use marked_yaml::types::{MarkedMappingNode, MarkedScalarNode, MarkedSequenceNode};
 use marked_yaml::{LoadError, LoaderOptions, Node};
 
-use super::{ConfigError, DescriptorConfig, DomainConfig, RuleLimit};
+use super::{ConfigError, DescriptorConfig, DomainConfig, QuotaBucketConfig, RuleLimit};
 use crate::limiter::algorithm::{gcra, log};
 use crate::limiter::{Algorithm, Counting, LONGEST_WINDOW_SECONDS, Limit, Mode, Unit};
 
-const ROOT_KEYS: &[&str] = &["domain", "descriptors"];
+const ROOT_KEYS: &[&str] = &["domain", "descriptors", "quota_buckets"];
+const QUOTA_KEYS: &[&str] = &["bucket", "rate_limit", "shadow_mode"];
+/// Keys of a limit that have no meaning for a quota bucket: its limit is shared out as token
+/// buckets, and nothing replaces it.
+const NOT_FOR_QUOTA: &[&str] = &["name", "replaces", "algorithm", "burst"];
 const DESCRIPTOR_KEYS: &[&str] = &[
     "key",
     "value",
@@ -115,11 +119,13 @@ impl Parser<'_> {
         }
         // Composite keys are named from the domain down, as envoyproxy/ratelimit names them.
         let descriptors = self.descriptors(map, &format!("{domain}."));
+        let quota_buckets = self.quota_buckets(map);
         Some(DomainConfig {
             file: self.file.to_path_buf(),
             line,
             domain,
             descriptors,
+            quota_buckets,
         })
     }
 
@@ -308,6 +314,103 @@ impl Parser<'_> {
             value_to_metric: self.flag(map, "value_to_metric"),
             metadata,
             descriptors,
+        })
+    }
+
+    fn quota_buckets(&mut self, map: &MarkedMappingNode) -> Vec<QuotaBucketConfig> {
+        let mut out: Vec<QuotaBucketConfig> = Vec::new();
+        for q in self.maps(map, "quota_buckets") {
+            let Some(rule) = self.quota_bucket(q) else {
+                continue;
+            };
+            if let Some(first) = out.iter().find(|o| o.bucket == rule.bucket) {
+                self.error(
+                    rule.line,
+                    format!(
+                        "duplicate quota bucket '{}' (first at line {})",
+                        crate::config::quota_path(&rule.bucket),
+                        first.line
+                    ),
+                );
+                continue;
+            }
+            out.push(rule);
+        }
+        out
+    }
+
+    fn quota_bucket(&mut self, map: &MarkedMappingNode) -> Option<QuotaBucketConfig> {
+        let line = map.span().start().map(|m| m.line()).unwrap_or(1);
+        self.check_keys(map, QUOTA_KEYS);
+        let errors_before = self.errors.len();
+        let mut bucket = Vec::new();
+        match map.get_node("bucket") {
+            None => self.error(
+                line,
+                "a quota bucket needs 'bucket', a mapping of keys to values",
+            ),
+            Some(node) => match node.as_mapping() {
+                Some(m) if !m.is_empty() => {
+                    for (key, value) in m.iter() {
+                        let value = match value.as_scalar() {
+                            Some(s) if is_null(s) => None,
+                            Some(s) if s.as_str().is_empty() => None,
+                            Some(s) => Some(s.as_str().to_owned()),
+                            None => {
+                                self.error(
+                                    line_of(value),
+                                    format!(
+                                        "the value of bucket key '{}' must be a string, or ~ for any value",
+                                        key.as_str()
+                                    ),
+                                );
+                                None
+                            }
+                        };
+                        if key.as_str().is_empty() {
+                            self.error(scalar_line(key), "a bucket key cannot be empty");
+                        }
+                        bucket.push((key.as_str().to_owned(), value));
+                    }
+                }
+                _ => self.error(
+                    line_of(node),
+                    "'bucket' must be a mapping of keys to values, with one key at least",
+                ),
+            },
+        }
+        bucket.sort();
+        let limit = match map.get_node("rate_limit").map(|n| (n, n.as_mapping())) {
+            None => {
+                self.error(line, "a quota bucket needs a 'rate_limit'");
+                None
+            }
+            Some((_, Some(m))) => {
+                for key in m.keys() {
+                    if NOT_FOR_QUOTA.contains(&key.as_str()) {
+                        self.error(
+                            scalar_line(key),
+                            format!(
+                                "'{}' does not apply to a quota bucket's limit",
+                                key.as_str()
+                            ),
+                        );
+                    }
+                }
+                self.limit(m)
+            }
+            Some((node, None)) => {
+                self.error(line_of(node), "'rate_limit' must be a mapping");
+                None
+            }
+        };
+        let shadow = self.flag(map, "shadow_mode");
+        let limit = limit?;
+        (self.errors.len() == errors_before).then_some(QuotaBucketConfig {
+            line,
+            bucket,
+            limit: limit.limit,
+            shadow,
         })
     }
 
@@ -798,6 +901,76 @@ mod tests {
         assert_eq!(
             d.descriptors[0].metadata,
             Some(serde_json::json!({"team": "web", "anything": {"goes": [1, true]}}))
+        );
+    }
+
+    #[test]
+    fn quota_buckets_parse_with_sorted_keys_and_any_value_keys() {
+        let d = ok(
+            "domain: d\nquota_buckets:\n  - bucket: {tenant: ~, name: per-tenant}\n    shadow_mode: true\n    rate_limit: {unit: minute, requests_per_unit: 60}\n  - bucket: {name: open}\n    rate_limit: {unlimited: true}\n",
+        );
+        assert_eq!(d.quota_buckets.len(), 2);
+        let q = &d.quota_buckets[0];
+        assert_eq!(q.line, 3);
+        assert_eq!(
+            q.bucket,
+            [
+                ("name".into(), Some("per-tenant".into())),
+                ("tenant".into(), None)
+            ]
+        );
+        assert!(q.shadow);
+        assert_eq!(q.limit.as_ref().map(|l| l.requests_per_unit), Some(60));
+        assert!(d.quota_buckets[1].limit.is_none());
+    }
+
+    #[test]
+    fn bad_quota_buckets_are_errors_at_their_lines() {
+        assert_eq!(
+            errors(
+                "domain: d\nquota_buckets:\n  - rate_limit: {unit: second, requests_per_unit: 1}\n"
+            ),
+            ["r.yaml:3: a quota bucket needs 'bucket', a mapping of keys to values"]
+        );
+        assert_eq!(
+            errors(
+                "domain: d\nquota_buckets:\n  - bucket: {}\n    rate_limit: {unit: second, requests_per_unit: 1}\n"
+            ),
+            ["r.yaml:3: 'bucket' must be a mapping of keys to values, with one key at least"]
+        );
+        assert_eq!(
+            errors("domain: d\nquota_buckets:\n  - bucket: {name: a}\n"),
+            ["r.yaml:3: a quota bucket needs a 'rate_limit'"]
+        );
+        assert_eq!(
+            errors(
+                "domain: d\nquota_buckets:\n  - bucket: {name: a}\n    rate_limit:\n      unit: second\n      algorithm: sliding_log\n"
+            ),
+            ["r.yaml:6: 'algorithm' does not apply to a quota bucket's limit"]
+        );
+        assert_eq!(
+            errors(
+                "domain: d\nquota_buckets:\n  - bucket: {name: a}\n    rate_limit: {unit: fortnight}\n"
+            ),
+            ["r.yaml:4: invalid rate limit unit 'fortnight'"]
+        );
+        assert_eq!(
+            errors(
+                "domain: d\nquota_buckets:\n  - bucket: {name: a, t: [1]}\n    rate_limit: {unit: second}\n"
+            ),
+            ["r.yaml:3: the value of bucket key 't' must be a string, or ~ for any value"]
+        );
+        assert_eq!(
+            errors(
+                "domain: d\nquota_buckets:\n  - bucket: {b: x, a: y}\n    rate_limit: {unit: second}\n  - bucket: {a: y, b: x}\n    rate_limit: {unit: minute}\n"
+            ),
+            ["r.yaml:5: duplicate quota bucket 'a_y.b_x' (first at line 3)"]
+        );
+        assert_eq!(
+            errors(
+                "domain: d\nquota_buckets:\n  - bucket: {name: a}\n    rate_limit: {unit: second}\n    colour: red\n"
+            ),
+            ["r.yaml:5: config error, unknown key 'colour'"]
         );
     }
 }
