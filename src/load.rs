@@ -1,6 +1,11 @@
-//! `sluice load`: a gRPC load generator for any Envoy rate limit service. Callers send
-//! `ShouldRateLimit` requests over a few HTTP/2 connections, closed-loop or paced to a rate, and
-//! report throughput, an HDR latency histogram and the answers by code.
+//! `sluice load`: a load generator for any Envoy rate limit service, or with `--http` for an HTTP
+//! service (say, Envoy in front of an upstream). Callers send `ShouldRateLimit` requests over a
+//! few HTTP/2 connections, or GETs over one keep-alive HTTP/1.1 connection each, closed-loop or
+//! paced to a rate, and report throughput, an HDR latency histogram and the answers by code.
+//!
+//! HTTP/1.1 goes through hyper's connection-level client (`client::conn::http1`), already built
+//! for tonic and axum: it frames responses (lengths, chunks, `Connection: close`) as a real
+//! client does, and, with no pool in the way, each caller owns its connection.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -9,14 +14,24 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use bytes::Bytes;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use hdrhistogram::Histogram;
+use http_body_util::{BodyExt, Empty};
+use hyper::client::conn::http1::SendRequest;
+use hyper::header::{HOST, HeaderMap, HeaderName, HeaderValue};
+use hyper::{Request, StatusCode, Uri};
+use hyper_util::rt::TokioIo;
 use serde::Serialize;
+use tokio::net::TcpStream;
 use tonic::transport::{Channel, Endpoint};
+
+/// How long a caller waits for a TCP connection (and, over gRPC, its HTTP/2 handshake).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What to send, how hard and for how long.
 #[derive(clap::Args, Clone, Debug)]
@@ -28,8 +43,20 @@ pub struct Options {
     #[arg(long, default_value_t = 64)]
     pub concurrency: usize,
     /// HTTP/2 connections the callers share.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "http")]
     pub connections: Option<usize>,
+    /// Load an HTTP/1.1 service instead: GET this URL (http://host:port/path) over one
+    /// keep-alive connection per caller; answers count by status: 2xx OK, 429 over the limit.
+    #[arg(
+        long,
+        value_name = "URL",
+        value_parser = parse_url,
+        conflicts_with_all = ["target", "domain", "descriptors", "distinct_values", "hits"]
+    )]
+    pub http: Option<HttpTarget>,
+    /// A header of every --http request, as name:value; repeat for several.
+    #[arg(long = "header", value_name = "NAME:VALUE", value_parser = parse_header, requires = "http")]
+    pub headers: Vec<(HeaderName, HeaderValue)>,
     /// How long to run, e.g. 10s or 1m (default 10s unless --requests is given).
     #[arg(long, value_parser = humantime::parse_duration)]
     pub duration: Option<Duration>,
@@ -69,6 +96,50 @@ pub fn parse_descriptor(text: &str) -> Result<Vec<(String, String)>, String> {
         .collect()
 }
 
+/// Where `--http` sends its GETs.
+#[derive(Clone, Debug)]
+pub struct HttpTarget {
+    /// `host:port`, to connect to and to send as `Host`.
+    authority: String,
+    /// The request target: path and query.
+    path: Uri,
+}
+
+/// An `http://host[:port][/path]` URL.
+pub fn parse_url(text: &str) -> Result<HttpTarget, String> {
+    let uri: Uri = text.parse().map_err(|e| format!("'{text}': {e}"))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(format!("'{text}' is not an http:// URL"));
+    }
+    let authority = uri
+        .authority()
+        .filter(|a| !a.as_str().contains('@'))
+        .ok_or_else(|| format!("'{text}' has no host (or has user info)"))?;
+    let path = uri.path_and_query().map_or("/", |p| p.as_str());
+    Ok(HttpTarget {
+        authority: format!(
+            "{}:{}",
+            authority.host(),
+            authority.port_u16().unwrap_or(80)
+        ),
+        path: path.parse().map_err(|e| format!("'{text}': {e}"))?,
+    })
+}
+
+/// A header from `name:value`, split at the first `:`, the value trimmed.
+pub fn parse_header(text: &str) -> Result<(HeaderName, HeaderValue), String> {
+    let (name, value) = text
+        .split_once(':')
+        .ok_or_else(|| format!("'{text}' is not name:value"))?;
+    Ok((
+        name.parse().map_err(|e| format!("'{name}': {e}"))?,
+        value
+            .trim()
+            .parse()
+            .map_err(|e| format!("'{value}': {e}"))?,
+    ))
+}
+
 /// The outcome of a run.
 #[derive(Debug, Serialize)]
 pub struct Report {
@@ -76,9 +147,12 @@ pub struct Report {
     pub seconds: f64,
     pub requests_per_second: f64,
     pub latency_us: Latency,
+    /// OK, or over HTTP a 2xx status.
     pub ok: u64,
+    /// OVER_LIMIT, or over HTTP status 429.
     pub over_limit: u64,
-    /// gRPC errors by code name.
+    /// The other answers by kind: a gRPC code name, `HTTP <status>`, or `no answer` (the HTTP
+    /// connection failed).
     pub errors: BTreeMap<String, u64>,
 }
 
@@ -121,13 +195,16 @@ impl Tally {
     }
 }
 
-/// Runs the load: each connection and its callers on a single-threaded runtime of its own
-/// thread, so that the generator spends little CPU per request.
+/// Runs the load: the callers spread over a few threads, each a single-threaded runtime (over
+/// gRPC, one per HTTP/2 connection), so that the generator spends little CPU per request.
 pub async fn run(options: Options) -> anyhow::Result<Report> {
-    let connections = options
-        .connections
-        .unwrap_or(options.concurrency.clamp(1, 4))
-        .clamp(1, options.concurrency.max(1));
+    let threads = match options.http {
+        Some(_) => options.concurrency.clamp(1, 4),
+        None => options
+            .connections
+            .unwrap_or(options.concurrency.clamp(1, 4))
+            .clamp(1, options.concurrency.max(1)),
+    };
     let duration = match (options.duration, options.requests) {
         (Some(d), _) => Some(d),
         (None, None) => Some(Duration::from_secs(10)),
@@ -158,33 +235,27 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
         })
     });
 
-    let mut connections_done = Vec::with_capacity(connections);
-    for connection in 0..connections {
+    let mut threads_done = Vec::with_capacity(threads);
+    for thread in 0..threads {
         let (finished, tally) = tokio::sync::oneshot::channel();
         let (options, sent, done) = (options.clone(), sent.clone(), done.clone());
         std::thread::Builder::new()
-            .name(format!("load-{connection}"))
+            .name(format!("load-{thread}"))
             .spawn(move || {
                 let tally = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()
                     .map_err(anyhow::Error::from)
                     .and_then(|runtime| {
-                        runtime.block_on(connection_load(
-                            options,
-                            connection,
-                            connections,
-                            deadline,
-                            sent,
-                            done,
-                        ))
+                        runtime
+                            .block_on(thread_load(options, thread, threads, deadline, sent, done))
                     });
                 let _ = finished.send(tally);
             })?;
-        connections_done.push(tally);
+        threads_done.push(tally);
     }
     let mut total = Tally::new();
-    for tally in connections_done {
+    for tally in threads_done {
         total.add(tally.await??)?;
     }
     let seconds = start.elapsed().as_secs_f64();
@@ -212,26 +283,45 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
     })
 }
 
-/// One connection and the callers numbered `connection`, `connection + connections`, …
-async fn connection_load(
+/// The callers numbered `thread`, `thread + threads`, …: over gRPC sharing one connection, over
+/// HTTP each with its own.
+async fn thread_load(
     options: Arc<Options>,
-    connection: usize,
-    connections: usize,
+    thread: usize,
+    threads: usize,
     deadline: Option<Instant>,
     sent: Arc<AtomicU64>,
     done: Arc<AtomicU64>,
 ) -> anyhow::Result<Tally> {
-    let channel = Endpoint::from_shared(format!("http://{}", options.target))?
-        .tcp_nodelay(true)
-        .connect_timeout(Duration::from_secs(5))
-        .connect()
-        .await
-        .with_context(|| format!("connecting to {}", options.target))?;
-    let callers: Vec<_> = (connection..options.concurrency)
-        .step_by(connections)
-        .map(|i| {
+    let indices = (thread..options.concurrency).step_by(threads);
+    let mut clients = Vec::with_capacity(indices.len());
+    match &options.http {
+        Some(target) => {
+            for _ in indices.clone() {
+                clients.push(Client::Http(
+                    HttpClient::connect(target, &options.headers).await?,
+                ));
+            }
+        }
+        None => {
+            let channel = Endpoint::from_shared(format!("http://{}", options.target))?
+                .tcp_nodelay(true)
+                .connect_timeout(CONNECT_TIMEOUT)
+                .connect()
+                .await
+                .with_context(|| format!("connecting to {}", options.target))?;
+            clients.extend(
+                indices
+                    .clone()
+                    .map(|_| Client::Grpc(RateLimitServiceClient::new(channel.clone()))),
+            );
+        }
+    }
+    let callers: Vec<_> = indices
+        .zip(clients)
+        .map(|(i, client)| {
             tokio::spawn(caller(
-                RateLimitServiceClient::new(channel.clone()),
+                client,
                 options.clone(),
                 i,
                 deadline,
@@ -248,7 +338,7 @@ async fn connection_load(
 }
 
 async fn caller(
-    mut client: RateLimitServiceClient<Channel>,
+    mut client: Client,
     options: Arc<Options>,
     index: usize,
     deadline: Option<Instant>,
@@ -276,24 +366,138 @@ async fn caller(
             tokio::time::sleep_until(next.into()).await;
             next += interval;
         }
-        let request = build(&options, seq);
-        let began = Instant::now();
-        let answer = client.should_rate_limit(request).await;
-        let took = began.elapsed().as_micros().max(1) as u64;
-        tally.latency.saturating_record(took);
+        let (answer, took) = client.call(&options, seq).await;
+        tally
+            .latency
+            .saturating_record(took.as_micros().max(1) as u64);
         match answer {
-            Ok(r) if r.get_ref().overall_code == Code::OverLimit as i32 => tally.over_limit += 1,
-            Ok(_) => tally.ok += 1,
-            Err(status) => {
-                *tally
-                    .errors
-                    .entry(format!("{:?}", status.code()))
-                    .or_default() += 1
-            }
+            Answer::Ok => tally.ok += 1,
+            Answer::OverLimit => tally.over_limit += 1,
+            Answer::Other(kind) => *tally.errors.entry(kind).or_default() += 1,
         }
         done.fetch_add(1, Ordering::Relaxed);
     }
     tally
+}
+
+/// One caller's way to the service.
+enum Client {
+    Grpc(RateLimitServiceClient<Channel>),
+    Http(HttpClient),
+}
+
+enum Answer {
+    Ok,
+    OverLimit,
+    /// Anything else, by kind (see `Report::errors`).
+    Other(String),
+}
+
+impl Client {
+    /// Sends request `seq` and waits for the whole answer; the time taken excludes building the
+    /// request.
+    async fn call(&mut self, options: &Options, seq: u64) -> (Answer, Duration) {
+        match self {
+            Client::Grpc(client) => {
+                let request = build(options, seq);
+                let began = Instant::now();
+                let answer = match client.should_rate_limit(request).await {
+                    Ok(r) if r.get_ref().overall_code == Code::OverLimit as i32 => {
+                        Answer::OverLimit
+                    }
+                    Ok(_) => Answer::Ok,
+                    Err(status) => Answer::Other(format!("{:?}", status.code())),
+                };
+                (answer, began.elapsed())
+            }
+            Client::Http(client) => {
+                let request = client.request();
+                let began = Instant::now();
+                let answer = match client.get(request).await {
+                    Ok(status) if status.is_success() => Answer::Ok,
+                    Ok(StatusCode::TOO_MANY_REQUESTS) => Answer::OverLimit,
+                    Ok(status) => Answer::Other(format!("HTTP {}", status.as_u16())),
+                    Err(_) => Answer::Other("no answer".into()),
+                };
+                (answer, began.elapsed())
+            }
+        }
+    }
+}
+
+/// One keep-alive HTTP/1.1 connection, opened again when the server closes it.
+struct HttpClient {
+    target: HttpTarget,
+    headers: HeaderMap,
+    sender: Option<SendRequest<Empty<Bytes>>>,
+}
+
+impl HttpClient {
+    /// Connects to `target`, or fails: a service that cannot be reached at the start is an error
+    /// of the run, not an answer. Requests carry `headers`, and `Host` unless among them.
+    async fn connect(
+        target: &HttpTarget,
+        headers: &[(HeaderName, HeaderValue)],
+    ) -> anyhow::Result<HttpClient> {
+        let mut map = HeaderMap::new();
+        for (name, value) in headers {
+            map.append(name, value.clone());
+        }
+        if !map.contains_key(HOST) {
+            map.insert(HOST, HeaderValue::from_str(&target.authority)?);
+        }
+        let mut client = HttpClient {
+            target: target.clone(),
+            headers: map,
+            sender: None,
+        };
+        client.sender = Some(
+            client
+                .open()
+                .await
+                .with_context(|| format!("connecting to {}", target.authority))?,
+        );
+        Ok(client)
+    }
+
+    async fn open(&self) -> anyhow::Result<SendRequest<Empty<Bytes>>> {
+        let stream =
+            tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.target.authority))
+                .await??;
+        stream.set_nodelay(true)?;
+        let (sender, connection) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(connection);
+        Ok(sender)
+    }
+
+    fn request(&self) -> Request<Empty<Bytes>> {
+        let mut request = Request::new(Empty::new());
+        *request.uri_mut() = self.target.path.clone();
+        *request.headers_mut() = self.headers.clone();
+        request
+    }
+
+    /// Sends `request` and reads the whole response; its status.
+    async fn get(&mut self, request: Request<Empty<Bytes>>) -> anyhow::Result<StatusCode> {
+        // A new connection when the server closed the last one after its answer, or it failed
+        // (or none could be opened last time).
+        let sender = match self.sender.take() {
+            Some(mut sender) => match sender.ready().await {
+                Ok(()) => sender,
+                Err(_) => self.open().await?,
+            },
+            None => self.open().await?,
+        };
+        let sender = self.sender.insert(sender);
+        let response = sender.send_request(request).await?;
+        let status = response.status();
+        let mut body = response.into_body();
+        while let Some(frame) = body.frame().await {
+            frame?;
+        }
+        Ok(status)
+    }
 }
 
 /// The request numbered `seq`: the configured descriptors, each one's last value spread over
@@ -392,6 +596,32 @@ mod tests {
             .collect();
         assert_eq!(values, ["1", "23"]);
         assert_eq!(r.descriptors[1].entries[0].value, "33");
+    }
+
+    #[test]
+    fn an_http_url_gives_the_address_and_the_request_target() {
+        let t = parse_url("http://localhost:10000/a/b?c=d").unwrap();
+        assert_eq!(t.authority, "localhost:10000");
+        assert_eq!(t.path, "/a/b?c=d");
+        let t = parse_url("http://127.0.0.1").unwrap();
+        assert_eq!(
+            (t.authority.as_str(), t.path.to_string().as_str()),
+            ("127.0.0.1:80", "/")
+        );
+        assert!(parse_url("https://localhost/").is_err());
+        assert!(parse_url("http://user@localhost/").is_err());
+        assert!(parse_url("/path").is_err());
+    }
+
+    #[test]
+    fn a_header_splits_at_its_first_colon() {
+        let (name, value) = parse_header("X-Tenant: a:b ").unwrap();
+        assert_eq!(
+            (name.as_str(), value.to_str().unwrap()),
+            ("x-tenant", "a:b")
+        );
+        assert!(parse_header("novalue").is_err());
+        assert!(parse_header("bad name:v").is_err());
     }
 
     #[test]
