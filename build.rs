@@ -1,7 +1,8 @@
 //! Compiles `proto/` twice. As written upstream, into one file descriptor set embedded in the
 //! binary for gRPC server reflection and for the protobuf JSON mapping of the admin `/json`
-//! endpoint. And into the Rust types and server of `envoy.service.ratelimit.v3`, with the request's
-//! domain and entry keys and values read as `bytes`: protobuf `string` and `bytes` share one wire
+//! endpoint. And into the Rust types and servers of `envoy.service.ratelimit.v3` and
+//! `envoy.service.rate_limit_quota.v3`, with the request's domain and entry keys and values, and a
+//! quota bucket id's values, read as `bytes`: protobuf `string` and `bytes` share one wire
 //! encoding, so any request decodes, while a `string` field would turn bytes that are not UTF-8
 //! (which Envoy forwards from request headers as they came) into a decode error.
 
@@ -10,10 +11,11 @@ use prost_types::DescriptorProto;
 use prost_types::field_descriptor_proto::Type;
 
 const RLS: &str = "envoy/service/ratelimit/v3/rls.proto";
+const RLQS: &str = "envoy/service/rate_limit_quota/v3/rlqs.proto";
 const DESCRIPTOR: &str = "envoy/extensions/common/ratelimit/v3/ratelimit.proto";
 
 fn main() {
-    let set = protox::compile([RLS], ["proto"]).expect("proto/ compiles");
+    let set = protox::compile([RLS, RLQS], ["proto"]).expect("proto/ compiles");
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     std::fs::write(out.join("descriptors.bin"), set.encode_to_vec()).expect("OUT_DIR is writable");
 
@@ -34,6 +36,13 @@ fn main() {
                     .iter_mut()
                     .filter(|m| m.name() == "Entry")
                     .for_each(|entry| as_bytes(entry, &["key", "value"])),
+                // A map's values may be bytes; its keys may not (and Envoy's configuration names
+                // them).
+                "BucketId" => message
+                    .nested_type
+                    .iter_mut()
+                    .filter(|m| m.name() == "BucketEntry")
+                    .for_each(|entry| as_bytes(entry, &["value"])),
                 _ => {}
             }
         }
@@ -49,7 +58,7 @@ fn main() {
         .extern_path(".udpa", "::envoy_types::pb::udpa")
         .extern_path(".xds", "::envoy_types::pb::xds")
         .compile_fds(generated)
-        .expect("the rate limit service generates");
+        .expect("the rate limit services generate");
     println!("cargo:rerun-if-changed=proto");
 }
 

@@ -34,6 +34,7 @@ pub mod certs;
 pub mod config;
 pub mod limiter;
 pub mod load;
+pub mod quota;
 pub mod rules;
 pub mod service;
 pub mod settings;

@@ -17,6 +17,7 @@ use sluice::config;
 use sluice::config::xds::XdsFlags;
 use sluice::limiter::{Counting, OverLimitCache};
 use sluice::rules::RuleSet;
+use sluice::service::rlqs::{QuotaSettings, Quotas, Unmatched};
 use sluice::service::rls::{Answering, Bounds, Fallback, LimitHeaders, OnStoreError};
 use sluice::service::tls::{ServerTls, TlsFlags};
 use sluice::service::{self, Addrs, Edges, Healthcheck, JsonAt, Rules, Setup, Shutdown, reload};
@@ -174,6 +175,19 @@ struct ServeArgs {
     /// is full: error (gRPC UNAVAILABLE, so Envoy's failure_mode_deny decides), allow or deny.
     #[arg(long, env = "SLUICE_ON_STORE_ERROR", value_enum, default_value_t = OnStoreError::Error)]
     on_store_error: OnStoreError,
+    /// What the quota service (RLQS) assigns a bucket no quota_buckets rule matches: allow (all
+    /// of its requests) or deny (all of them).
+    #[arg(long, env = "SLUICE_QUOTA_UNMATCHED", value_enum, default_value_t = Unmatched::Allow)]
+    quota_unmatched: Unmatched,
+    /// How long an Envoy enforces a quota assignment without hearing from sluice again, in whole
+    /// seconds (e.g. 30s); each report renews it. Past it, Envoy falls back to the bucket's
+    /// no_assignment_behavior.
+    #[arg(long, env = "SLUICE_QUOTA_ASSIGNMENT_TTL", default_value = "30s", value_parser = humantime::parse_duration)]
+    quota_assignment_ttl: Duration,
+    /// Reports of no request in a row (Envoy reports every 5 s) after which an Envoy is told to
+    /// abandon a quota bucket.
+    #[arg(long, env = "SLUICE_QUOTA_ABANDON_AFTER", default_value_t = 6)]
+    quota_abandon_after: u32,
     /// Most live counters the embedded store holds; a request needing a new one beyond that gets
     /// the --on-store-error answer.
     #[arg(long, env = "SLUICE_MAX_KEYS", default_value_t = 1_000_000)]
@@ -567,6 +581,14 @@ fn check_bounds(args: &ServeArgs) -> anyhow::Result<()> {
     if !(args.near_limit_ratio > 0.0 && args.near_limit_ratio <= 1.0) {
         anyhow::bail!("--near-limit-ratio: must be more than 0 and at most 1");
     }
+    if args.quota_assignment_ttl.subsec_nanos() != 0 || args.quota_assignment_ttl.is_zero() {
+        anyhow::bail!(
+            "--quota-assignment-ttl: must be whole seconds, at least 1s (Envoy reads no fraction)"
+        );
+    }
+    if args.quota_abandon_after == 0 {
+        anyhow::bail!("--quota-abandon-after: must be at least 1");
+    }
     if args.store_timeout.is_zero() || args.store_timeout > LONGEST_STORE_TIMEOUT {
         anyhow::bail!(
             "--store-timeout: must be more than 0 and at most {}",
@@ -683,6 +705,11 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
             without_rules: args.healthcheck_without_rules,
             follows_store: args.healthcheck_follows_store,
         },
+        quotas: std::sync::Arc::new(Quotas::new(QuotaSettings {
+            unmatched: args.quota_unmatched,
+            ttl: args.quota_assignment_ttl,
+            abandon_after: args.quota_abandon_after,
+        })),
     };
     let (stop, shutdown) = Shutdown::new();
     let grace = args.shutdown_grace;

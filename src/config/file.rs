@@ -6,11 +6,15 @@ use std::path::Path;
 use marked_yaml::types::{MarkedMappingNode, MarkedScalarNode, MarkedSequenceNode};
 use marked_yaml::{LoadError, LoaderOptions, Node};
 
-use super::{ConfigError, DescriptorConfig, DomainConfig, RuleLimit};
+use super::{ConfigError, DescriptorConfig, DomainConfig, QuotaBucketConfig, RuleLimit};
 use crate::limiter::algorithm::{gcra, log};
 use crate::limiter::{Algorithm, Counting, LONGEST_WINDOW_SECONDS, Limit, Mode, Unit};
 
-const ROOT_KEYS: &[&str] = &["domain", "descriptors"];
+const ROOT_KEYS: &[&str] = &["domain", "descriptors", "quota_buckets"];
+const QUOTA_KEYS: &[&str] = &["bucket", "rate_limit", "shadow_mode"];
+/// Keys of a limit that have no meaning for a quota bucket: its limit is shared out as token
+/// buckets, and nothing replaces it.
+const NOT_FOR_QUOTA: &[&str] = &["name", "replaces", "algorithm", "burst"];
 const DESCRIPTOR_KEYS: &[&str] = &[
     "key",
     "value",
@@ -115,11 +119,13 @@ impl Parser<'_> {
         }
         // Composite keys are named from the domain down, as envoyproxy/ratelimit names them.
         let descriptors = self.descriptors(map, &format!("{domain}."));
+        let quota_buckets = self.quota_buckets(map);
         Some(DomainConfig {
             file: self.file.to_path_buf(),
             line,
             domain,
             descriptors,
+            quota_buckets,
         })
     }
 
@@ -308,6 +314,103 @@ impl Parser<'_> {
             value_to_metric: self.flag(map, "value_to_metric"),
             metadata,
             descriptors,
+        })
+    }
+
+    fn quota_buckets(&mut self, map: &MarkedMappingNode) -> Vec<QuotaBucketConfig> {
+        let mut out: Vec<QuotaBucketConfig> = Vec::new();
+        for q in self.maps(map, "quota_buckets") {
+            let Some(rule) = self.quota_bucket(q) else {
+                continue;
+            };
+            if let Some(first) = out.iter().find(|o| o.bucket == rule.bucket) {
+                self.error(
+                    rule.line,
+                    format!(
+                        "duplicate quota bucket '{}' (first at line {})",
+                        crate::config::quota_path(&rule.bucket),
+                        first.line
+                    ),
+                );
+                continue;
+            }
+            out.push(rule);
+        }
+        out
+    }
+
+    fn quota_bucket(&mut self, map: &MarkedMappingNode) -> Option<QuotaBucketConfig> {
+        let line = map.span().start().map(|m| m.line()).unwrap_or(1);
+        self.check_keys(map, QUOTA_KEYS);
+        let errors_before = self.errors.len();
+        let mut bucket = Vec::new();
+        match map.get_node("bucket") {
+            None => self.error(
+                line,
+                "a quota bucket needs 'bucket', a mapping of keys to values",
+            ),
+            Some(node) => match node.as_mapping() {
+                Some(m) if !m.is_empty() => {
+                    for (key, value) in m.iter() {
+                        let value = match value.as_scalar() {
+                            Some(s) if is_null(s) => None,
+                            Some(s) if s.as_str().is_empty() => None,
+                            Some(s) => Some(s.as_str().to_owned()),
+                            None => {
+                                self.error(
+                                    line_of(value),
+                                    format!(
+                                        "the value of bucket key '{}' must be a string, or ~ for any value",
+                                        key.as_str()
+                                    ),
+                                );
+                                None
+                            }
+                        };
+                        if key.as_str().is_empty() {
+                            self.error(scalar_line(key), "a bucket key cannot be empty");
+                        }
+                        bucket.push((key.as_str().to_owned(), value));
+                    }
+                }
+                _ => self.error(
+                    line_of(node),
+                    "'bucket' must be a mapping of keys to values, with one key at least",
+                ),
+            },
+        }
+        bucket.sort();
+        let limit = match map.get_node("rate_limit").map(|n| (n, n.as_mapping())) {
+            None => {
+                self.error(line, "a quota bucket needs a 'rate_limit'");
+                None
+            }
+            Some((_, Some(m))) => {
+                for key in m.keys() {
+                    if NOT_FOR_QUOTA.contains(&key.as_str()) {
+                        self.error(
+                            scalar_line(key),
+                            format!(
+                                "'{}' does not apply to a quota bucket's limit",
+                                key.as_str()
+                            ),
+                        );
+                    }
+                }
+                self.limit(m)
+            }
+            Some((node, None)) => {
+                self.error(line_of(node), "'rate_limit' must be a mapping");
+                None
+            }
+        };
+        let shadow = self.flag(map, "shadow_mode");
+        let limit = limit?;
+        (self.errors.len() == errors_before).then_some(QuotaBucketConfig {
+            line,
+            bucket,
+            limit: limit.limit,
+            shadow,
         })
     }
 

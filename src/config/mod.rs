@@ -24,6 +24,22 @@ pub struct DomainConfig {
     pub line: usize,
     pub domain: String,
     pub descriptors: Vec<DescriptorConfig>,
+    /// The quota bucket rules of the Rate Limit Quota Service (`quota_buckets`).
+    pub quota_buckets: Vec<QuotaBucketConfig>,
+}
+
+/// A quota bucket rule: the bucket ids it matches and the global limit each of them gets, shared
+/// out among the Envoys that report it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuotaBucketConfig {
+    pub line: usize,
+    /// The bucket id's keys, sorted, each with the value to match: `None` matches any value; `*`
+    /// in it matches any run of bytes.
+    pub bucket: Vec<(String, Option<String>)>,
+    /// `None` for `unlimited: true`.
+    pub limit: Option<Limit>,
+    /// Answer "allow all" and record what the limit would have denied.
+    pub shadow: bool,
 }
 
 /// One node of a domain's descriptor tree.
@@ -99,6 +115,19 @@ impl Loaded {
         }
         hex(&h.finalize())
     }
+}
+
+/// A quota bucket rule's name in metrics and dumps: its sorted keys as `key_value` (or `key`
+/// alone for any value) joined by dots.
+pub fn quota_path(bucket: &[(String, Option<String>)]) -> String {
+    let steps: Vec<String> = bucket
+        .iter()
+        .map(|(k, v)| match v {
+            Some(v) => format!("{k}_{v}"),
+            None => k.clone(),
+        })
+        .collect();
+    steps.join(".")
 }
 
 fn hex(bytes: &[u8]) -> String {

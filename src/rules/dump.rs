@@ -7,7 +7,7 @@ use std::time::UNIX_EPOCH;
 use serde_json::{Value, json};
 
 use super::RuleSet;
-use crate::config::{DescriptorConfig, RuleLimit};
+use crate::config::{DescriptorConfig, QuotaBucketConfig, RuleLimit, quota_path};
 use crate::limiter::{Algorithm, Limit, Mode};
 
 impl RuleSet {
@@ -33,6 +33,7 @@ impl RuleSet {
                 "file": d.file.display().to_string(),
                 "line": line(d.line),
                 "descriptors": d.descriptors.iter().map(descriptor_json).collect::<Vec<_>>(),
+                "quota_buckets": d.quota_buckets.iter().map(quota_json).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
         })
     }
@@ -98,6 +99,21 @@ fn descriptor_json(d: &DescriptorConfig) -> Value {
         );
     }
     node
+}
+
+fn quota_json(q: &QuotaBucketConfig) -> Value {
+    let bucket: serde_json::Map<String, Value> = q
+        .bucket
+        .iter()
+        .map(|(k, v)| (k.clone(), json!(v)))
+        .collect();
+    json!({
+        "bucket": bucket,
+        "rule": quota_path(&q.bucket),
+        "line": line(q.line),
+        "rate_limit": q.limit.as_ref().map_or(json!({ "unlimited": true }), limit_json),
+        "shadow_mode": q.shadow,
+    })
 }
 
 /// A rule's limit as JSON: `limit_json` of it, or `unlimited`, with its `name` and `replaces`.

@@ -10,9 +10,11 @@
 
 mod dump;
 mod explain;
+mod quota;
 
 pub use dump::{limit_json, rule_limit_json};
 pub use explain::{Stop, Walk};
+pub use quota::QuotaRule;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -29,6 +31,8 @@ use crate::telemetry::metrics::{METRICS, RuleStats};
 #[derive(Default)]
 pub struct RuleSet {
     domains: HashMap<Vec<u8>, Level>,
+    /// Each domain's quota bucket rules.
+    quota: HashMap<Vec<u8>, quota::QuotaLevel>,
     /// Every (domain, rule path), for pruning the metrics of rules a reload removed.
     paths: HashSet<(String, String)>,
     /// The domains as the files declare them, for the dumps.
@@ -155,10 +159,15 @@ impl RuleSet {
         let mut paths = HashSet::new();
         let configs = domains.clone();
         let mut levels: HashMap<Vec<u8>, Level> = HashMap::new();
+        let mut quota: HashMap<Vec<u8>, quota::QuotaLevel> = HashMap::new();
         // A domain in several files (`--merge-domains`) is one tree: validation has made sure
         // that no two files define the same top-level rule.
         for d in domains {
             let file = Arc::from(d.file.as_path());
+            let bucket_rules = quota.entry(d.domain.clone().into_bytes()).or_default();
+            for rule in &d.quota_buckets {
+                bucket_rules.add(rule);
+            }
             levels
                 .entry(d.domain.clone().into_bytes())
                 .or_default()
@@ -166,6 +175,7 @@ impl RuleSet {
         }
         RuleSet {
             domains: levels,
+            quota,
             paths,
             configs,
             origin: Origin::default(),
@@ -218,6 +228,11 @@ impl RuleSet {
     /// How many domains are loaded.
     pub fn domains(&self) -> usize {
         self.domains.len()
+    }
+
+    /// The quota rule of a bucket id (its entries sorted by key) reported for `domain`.
+    pub fn quota_rule(&self, domain: &[u8], bucket: &[(&str, &[u8])]) -> Option<&Arc<QuotaRule>> {
+        self.quota.get(domain)?.resolve(bucket)
     }
 
     /// The node matched by the descriptor's last entry, if every entry matched.

@@ -7,6 +7,10 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+
+use super::rlqs::Quotas;
 use crate::limiter::OverLimitCache;
 use crate::store::Backend;
 use crate::telemetry::metrics::METRICS;
@@ -16,6 +20,7 @@ use crate::telemetry::metrics::METRICS;
 pub struct Gauges {
     pub backend: Backend,
     pub cache: Option<Arc<OverLimitCache>>,
+    pub quotas: Arc<Quotas>,
 }
 
 impl Gauges {
@@ -49,6 +54,22 @@ impl Gauges {
                 ConstGauge::new(cache.entries() as i64),
             );
         }
+        let streams = Family::<_, Gauge>::default();
+        let rates = Family::<_, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        for (labels, subscribed, rate) in self.quotas.by_rule() {
+            streams.get_or_create(&labels).set(subscribed as i64);
+            rates.get_or_create(&labels).set(rate);
+        }
+        r.register(
+            "sluice_quota_streams",
+            "Envoy streams subscribed to a quota bucket on this replica, per quota bucket rule (one per stream and bucket)",
+            streams,
+        );
+        r.register(
+            "sluice_quota_assigned_rate",
+            "Requests per second this replica has assigned to its Envoys, per quota bucket rule (allow-all assignments count none)",
+            rates,
+        );
         process(&mut r);
         // Envoy Gateway's "Global Ratelimit" dashboard charts this Go runtime gauge of
         // envoyproxy/ratelimit; a value keeps its panel from showing "no data".

@@ -12,6 +12,7 @@ mod http;
 mod metadata;
 mod pb;
 pub mod reload;
+pub mod rlqs;
 pub mod rls;
 pub mod tls;
 
@@ -30,7 +31,9 @@ use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 
+use pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+use rlqs::{Quotas, Rlqs};
 use rls::{Answering, Bounds, Fallback, Rls};
 use tls::ServerTls;
 
@@ -120,6 +123,8 @@ pub struct Setup {
     /// gRPC over TLS only; without it, plaintext.
     pub tls: Option<ServerTls>,
     pub healthcheck: Healthcheck,
+    /// The quota service's streams on this replica, shared by every event loop.
+    pub quotas: Arc<Quotas>,
 }
 
 /// What envoyproxy/ratelimit's health model (`/healthcheck`, gRPC health for `ratelimit`)
@@ -146,6 +151,16 @@ impl Setup {
             self.fallback,
             self.answering.clone(),
         )))
+    }
+
+    /// A quota service for the calling runtime, with a store of its own.
+    fn rlqs(&self, shutdown: Shutdown) -> Result<Rlqs, StoreError> {
+        Ok(Rlqs::new(
+            self.quotas.clone(),
+            self.rules.current.clone(),
+            self.backend.open()?,
+            shutdown,
+        ))
     }
 }
 
@@ -350,6 +365,7 @@ pub async fn run(
     let gauges = gauges::Gauges {
         backend: setup.backend.clone(),
         cache: setup.cache.clone(),
+        quotas: setup.quotas.clone(),
     };
     let metrics = match (metrics_listener, addrs.metrics) {
         (Some(listener), Some((_, path))) => {
@@ -487,10 +503,14 @@ impl Grpc {
             .enable_all()
             .build()?;
         runtime.block_on(async move {
-            let rls = match self.setup.rls() {
-                Ok(rls) => {
+            let services = self
+                .setup
+                .rls()
+                .and_then(|rls| Ok((rls, self.setup.rlqs(self.shutdown.clone())?)));
+            let (rls, rlqs) = match services {
+                Ok(services) => {
                     let _ = ready.send(Ok(()));
-                    rls
+                    services
                 }
                 Err(e) => {
                     let _ = ready.send(Err(e));
@@ -509,7 +529,8 @@ impl Grpc {
                 )
                 .add_service(reflection_v1.max_decoding_message_size(max))
                 .add_service(reflection_v1alpha.max_decoding_message_size(max))
-                .add_service(RateLimitServiceServer::from_arc(rls).max_decoding_message_size(max));
+                .add_service(RateLimitServiceServer::from_arc(rls).max_decoding_message_size(max))
+                .add_service(RateLimitQuotaServiceServer::new(rlqs).max_decoding_message_size(max));
             let stop = self.shutdown.wait();
             match self.setup.tls {
                 None => {

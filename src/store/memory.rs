@@ -13,6 +13,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::StoreError;
+use super::demand::{DemandBoard, Demands, Report};
 use crate::limiter::algorithm::{Ask, Verdict, gcra, log, window};
 use crate::limiter::{
     Algorithm, Check, CounterIds, CounterKey, Counting, Decision, IdHasher, Item, Limit, admits,
@@ -25,6 +26,8 @@ pub struct MemoryStore {
     per_shard: usize,
     max_keys: usize,
     ids: CounterIds,
+    /// Quota buckets' demands, at most `max_keys` buckets.
+    demand: DemandBoard,
 }
 
 /// A counter's identity in this store: the keyed 128-bit hash of its `CounterKey`.
@@ -81,6 +84,7 @@ impl MemoryStore {
             per_shard: max_keys.div_ceil(SHARDS).max(1),
             max_keys,
             ids: CounterIds::new(),
+            demand: DemandBoard::new(max_keys),
         }
     }
 
@@ -236,9 +240,20 @@ impl MemoryStore {
             .sum()
     }
 
-    /// Drops expired counters, one shard at a time.
+    /// Records a stream's demand for a quota bucket (see `demand`).
+    pub fn record_demand(
+        &self,
+        bucket: &CounterKey,
+        report: Report,
+    ) -> Result<Demands, StoreError> {
+        self.demand.record(bucket, report, now_ms())
+    }
+
+    /// Drops expired counters, one shard at a time, and quota streams gone quiet.
     pub fn sweep(&self) {
-        self.sweep_at(now_ms());
+        let now_ms = now_ms();
+        self.sweep_at(now_ms);
+        self.demand.sweep(now_ms);
     }
 
     fn sweep_at(&self, now_ms: u64) {

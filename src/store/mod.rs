@@ -4,6 +4,7 @@
 //! in time says so, and never charges a request whose caller it did not answer.
 
 mod breaker;
+mod demand;
 mod memory;
 mod redis;
 
@@ -14,10 +15,11 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+pub use demand::{Demands, Report};
 pub use memory::{MemoryStore, Stored};
 pub use redis::{RedisStore, RedisTls, RedisTlsFlags, redis_key};
 
-use crate::limiter::{Check, Decision};
+use crate::limiter::{Check, CounterKey, Decision};
 use breaker::Breaker;
 
 /// Where the counters are, from which each event loop opens a `Store` of its own: the one
@@ -156,6 +158,19 @@ impl Store {
             // Boxed: the Redis call's state is kilobytes, which would otherwise be moved with
             // every request's future, on either store.
             Store::Redis(redis) => Box::pin(redis.apply(check, deadline)).await,
+        }
+    }
+
+    /// Records one stream's demand for a quota bucket and answers every stream's.
+    pub async fn record_demand(
+        &self,
+        bucket: &CounterKey,
+        report: Report<'_>,
+        deadline: Deadline,
+    ) -> Result<Demands, StoreError> {
+        match self {
+            Store::Memory(memory) => memory.record_demand(bucket, report),
+            Store::Redis(redis) => redis.record_demand(bucket, report, deadline).await,
         }
     }
 }

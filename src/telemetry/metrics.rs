@@ -38,6 +38,13 @@ const LATENCY_BUCKETS: [f64; 14] = [
 const BATCH_BUCKETS: [f64; 9] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
 
 type Labels = [(&'static str, &'static str); 1];
+/// A quota bucket rule's series: its domain and rule path.
+pub type QuotaLabels = [(&'static str, String); 2];
+/// The same, with the assignment sent.
+type ActionLabels = [(&'static str, String); 3];
+
+/// The name of the quota bucket rule of buckets no rule matches, in metrics.
+pub const UNMATCHED_RULE: &str = "(none)";
 
 /// Every metric of the process.
 pub struct Metrics {
@@ -66,6 +73,11 @@ pub struct Metrics {
     loaded_at: Gauge<f64, AtomicU64>,
     rules_hash: Mutex<String>,
     rules: Mutex<RuleSeries>,
+    quota_allowed: Family<QuotaLabels, Counter>,
+    quota_denied: Family<QuotaLabels, Counter>,
+    quota_shadow_denied: Family<QuotaLabels, Counter>,
+    quota_actions: Family<ActionLabels, Counter>,
+    quota_store_errors: Family<Labels, Counter>,
 }
 
 pub static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
@@ -90,6 +102,11 @@ impl Metrics {
             loaded_at: Gauge::default(),
             rules_hash: Mutex::default(),
             rules: Mutex::default(),
+            quota_allowed: Family::default(),
+            quota_denied: Family::default(),
+            quota_shadow_denied: Family::default(),
+            quota_actions: Family::default(),
+            quota_store_errors: Family::default(),
         };
         let mut registry = Registry::default();
         let r = &mut registry;
@@ -133,10 +150,36 @@ impl Metrics {
             "When the rules in force were loaded (Unix time)",
             m.loaded_at.clone(),
         );
+        r.register(
+            "sluice_quota_reported_allowed",
+            "Requests Envoys reported letting through, per quota bucket rule",
+            m.quota_allowed.clone(),
+        );
+        r.register(
+            "sluice_quota_reported_denied",
+            "Requests Envoys reported denying, per quota bucket rule",
+            m.quota_denied.clone(),
+        );
+        r.register(
+            "sluice_quota_shadow_denied",
+            "Requests a shadow-mode quota bucket rule would have had Envoys deny (estimated from each report)",
+            m.quota_shadow_denied.clone(),
+        );
+        r.register(
+            "sluice_quota_assignments",
+            "Bucket actions sent to Envoys, per quota bucket rule and action (token_bucket, allow_all, deny_all, abandon)",
+            m.quota_actions.clone(),
+        );
+        r.register(
+            "sluice_quota_store_errors",
+            "Quota demand records the store could not take, by kind: the bucket kept its last assignment",
+            m.quota_store_errors.clone(),
+        );
         // Every label a counter can take exists from the start, so the first event is an
         // increase a rate or an alert sees.
         for kind in ["full", "timeout", "shed", "down", "unavailable"] {
             drop(m.store_errors.get_or_create(&[("kind", kind)]));
+            drop(m.quota_store_errors.get_or_create(&[("kind", kind)]));
         }
         for answer in ["error", "allow", "deny"] {
             drop(m.policy_answers.get_or_create(&[("answer", answer)]));
@@ -151,6 +194,34 @@ impl Metrics {
     pub fn store_error(&self, kind: &'static str) {
         self.store_errors.get_or_create(&[("kind", kind)]).inc();
         self.redis_errors.inc();
+    }
+
+    /// One quota report of a bucket of the rule `labels`.
+    pub fn quota_reported(&self, labels: &QuotaLabels, allowed: u64, denied: u64) {
+        self.quota_allowed.get_or_create(labels).inc_by(allowed);
+        self.quota_denied.get_or_create(labels).inc_by(denied);
+    }
+
+    /// Requests a shadow-mode quota rule would have denied.
+    pub fn quota_shadow_denied(&self, labels: &QuotaLabels, denied: u64) {
+        self.quota_shadow_denied
+            .get_or_create(labels)
+            .inc_by(denied);
+    }
+
+    /// A bucket action sent for a bucket of the rule `labels`.
+    pub fn quota_action(&self, labels: &QuotaLabels, action: &'static str) {
+        let [domain, rule] = labels.clone();
+        self.quota_actions
+            .get_or_create(&[domain, rule, ("action", action.to_owned())])
+            .inc();
+    }
+
+    /// A quota demand record the store could not take.
+    pub fn quota_store_error(&self, kind: &'static str) {
+        self.quota_store_errors
+            .get_or_create(&[("kind", kind)])
+            .inc();
     }
 
     /// A request answered by `--on-store-error`, which answered `answer` (error, allow, deny).

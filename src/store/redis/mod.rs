@@ -30,6 +30,7 @@ use fred::types::{ClusterHash, CustomCommand, FromValue};
 use tokio::sync::{mpsc, oneshot};
 
 use super::breaker::Breaker;
+use super::demand::{Demands, Report};
 use super::{Deadline, StoreError};
 use crate::limiter::algorithm::Verdict;
 use crate::limiter::{Algorithm, Check, CounterKey, Counting, Decision, Item, Mode};
@@ -154,6 +155,59 @@ impl RedisStore {
         let (admitted, verdicts) = answer?;
         Ok(Decision::of(check, admitted, &verdicts))
     }
+
+    /// Records a stream's demand for a quota bucket with one call of `lua/demand.lua`.
+    pub async fn record_demand(
+        &self,
+        bucket: &CounterKey,
+        report: Report<'_>,
+        deadline: Deadline,
+    ) -> Result<Demands, StoreError> {
+        if self.breaker.is_open() {
+            return Err(StoreError::Down);
+        }
+        let args = vec![
+            Value::from(report.stream),
+            report
+                .demand
+                .map_or(Value::from(""), |d| Value::from(d.to_string())),
+            Value::from(report.stays_ms.to_string()),
+        ];
+        let call = self
+            .conn
+            .eval::<Vec<Value>>(&self.conn.demand, vec![self.key(bucket)], args);
+        let answer = match tokio::time::timeout_at(deadline.at, call).await {
+            Ok(answer) => answer.and_then(demands),
+            Err(_) => Err(StoreError::Timeout),
+        };
+        match &answer {
+            Ok(_) => self.breaker.success(),
+            Err(StoreError::Timeout) if !deadline.store_own => {}
+            Err(e) => self.breaker.failure(e),
+        }
+        answer
+    }
+}
+
+/// The demand script's reply: the clock, then pairs of stream id and demand.
+fn demands(reply: Vec<Value>) -> Result<Demands, StoreError> {
+    let malformed = || StoreError::Unavailable("the demand script answered malformed".into());
+    let mut values = reply.into_iter();
+    let now_ms = values
+        .next()
+        .and_then(|v| v.as_u64())
+        .ok_or_else(malformed)?;
+    let mut streams = Vec::new();
+    while let Some(stream) = values.next() {
+        let stream = stream.as_string().ok_or_else(malformed)?;
+        let demand = values
+            .next()
+            .and_then(|v| v.as_u64())
+            .ok_or_else(malformed)?;
+        streams.push((stream, demand));
+    }
+    streams.sort();
+    Ok(Demands { now_ms, streams })
 }
 
 /// While the breaker is open, loads the scripts on every primary, every `PROBE_INTERVAL`; once
@@ -198,6 +252,7 @@ struct Conn {
     at_once: WithOptions<Client>,
     check: Lua,
     undo: Lua,
+    demand: Lua,
 }
 
 /// A script: its source, for `EVAL` after a `NOSCRIPT`, and its SHA-1.
@@ -236,13 +291,15 @@ impl Conn {
             at_once,
             check: Lua::new(include_str!("../../../lua/check.lua")),
             undo: Lua::new(include_str!("../../../lua/undo.lua")),
+            demand: Lua::new(include_str!("../../../lua/demand.lua")),
         }
     }
 
-    /// Loads both scripts on every primary.
+    /// Loads the scripts on every primary.
     async fn load(&self) -> Result<(), Error> {
         self.check.script.load(&self.client).await?;
-        self.undo.script.load(&self.client).await
+        self.undo.script.load(&self.client).await?;
+        self.demand.script.load(&self.client).await
     }
 
     /// One script call. NOSCRIPT means the script did not run: send its source instead, which
