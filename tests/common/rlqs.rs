@@ -26,7 +26,7 @@ quota_buckets:
   - bucket: {{name: per-tenant, tenant: \"*\"}}
     rate_limit: {{unit: second, requests_per_unit: {per_second}}}
   - bucket: {{name: default}}
-    unlimited: true
+    rate_limit: {{unlimited: true}}
 "
     )
 }
