@@ -1,4 +1,5 @@
-//! sluice: a global rate limit service for Envoy (`envoy.service.ratelimit.v3`).
+//! sluice: a global rate limit service for Envoy (`envoy.service.ratelimit.v3`), and a quota
+//! service (`envoy.service.rate_limit_quota.v3`) that divides global limits among Envoys.
 //!
 //! A request travels top-down through these modules; a lower one never imports a higher one.
 //!
@@ -7,16 +8,20 @@
 //!   validates requests, resolves hits, turns one decision into one status per descriptor, and
 //!   answers by `--on-store-error` when the store cannot decide; it loads and hot-reloads the
 //!   rules and serves metrics, the rules in force and explanations of how they match a request
-//!   (`service::explain`) on the admin HTTP server.
+//!   (`service::explain`) on the admin HTTP server. `service::rlqs` serves the quota service's
+//!   streams: each report of a bucket is answered with that Envoy's share of its limit.
 //! - [`rules`] — the matcher built from rule files: (domain, descriptor entries) → the limits that
 //!   apply, with envoyproxy/ratelimit's exact / wildcard / key-only precedence, and the explain
-//!   walk that tells how each entry matched.
+//!   walk that tells how each entry matched; quota bucket ids are matched the same way.
+//! - [`quota`] — how a quota bucket's limit is shared out: demand per window from each report,
+//!   max-min fair division, and the assignment (token bucket or blanket rule) each Envoy gets.
 //! - [`limiter`] — what a limit is (`Limit`, `Algorithm`, `Mode`), each algorithm's math shared by
 //!   every store, counter identities (`CounterKey`), the all-or-nothing `Check` → `Decision`, and
 //!   the local over-limit cache that denies without a store call.
 //! - [`store`] — where counters live: the embedded in-process store, or Redis through one Lua
 //!   script per request (`lua/check.lua`), behind a deadline per call, a bounded queue and a
-//!   circuit breaker, refunding (`lua/undo.lua`) what it admitted for callers it did not answer.
+//!   circuit breaker, refunding (`lua/undo.lua`) what it admitted for callers it did not answer;
+//!   and the quota service's demands, shared by every replica (`lua/demand.lua`).
 //!
 //! Beside the path: [`config`] reads and validates rule files (or follows an xDS server's
 //! `RateLimitConfig` resources, `config::xds`) into typed structs at the edge,

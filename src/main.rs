@@ -398,8 +398,13 @@ fn check_config(source: &config::Source) -> ExitCode {
             }
             let domains: std::collections::HashSet<_> =
                 loaded.domains.iter().map(|d| &d.domain).collect();
+            let quota_buckets: usize = loaded.domains.iter().map(|d| d.quota_buckets.len()).sum();
+            let quota = match quota_buckets {
+                0 => String::new(),
+                n => format!(", {n} quota bucket rule(s)"),
+            };
             println!(
-                "{}: {} domain(s) valid",
+                "{}: {} domain(s) valid{quota}",
                 source.path.display(),
                 domains.len()
             );

@@ -9,6 +9,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::metrics::scrape;
+use common::quota::{QuotaStream, bucket};
 use common::{Sluice, Store, request};
 use marked_yaml::Node;
 use tokio::sync::OnceCell;
@@ -30,6 +31,12 @@ descriptors:
     rate_limit: {unit: hour, requests_per_unit: 1}
   - key: client
     rate_limit: {unit: hour, requests_per_unit: 1000}
+quota_buckets:
+  - bucket: {name: tenant}
+    rate_limit: {unit: second, requests_per_unit: 10}
+  - bucket: {name: trial}
+    shadow_mode: true
+    rate_limit: {unit: second, requests_per_unit: 1}
 ";
 
 /// Sample name (as Prometheus stores it: `_total`, `_bucket`, …) → the label names it carries.
@@ -58,9 +65,19 @@ async fn scrape_both() -> Exported {
             sluice.ask(request("dash", &[&[descriptor]])).await;
         }
         sluice.ask(request("elsewhere", &[&[("user", "a")]])).await;
+        // An Envoy's quota stream: a bucket divided, a shadow one over its limit.
+        let mut envoy = QuotaStream::open(&sluice, "dash").await;
+        let (tenant, trial) = (bucket(&[("name", "tenant")]), bucket(&[("name", "trial")]));
+        envoy.report(&[(&tenant, 1, 0), (&trial, 1, 0)]).await;
+        envoy.answer().await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        envoy.report(&[(&tenant, 5, 3), (&trial, 50, 0)]).await;
+        envoy.answer().await;
         reload(&sluice, "domain: [", "failed").await;
         reload(&sluice, &RULES.replace("1000", "2000"), "ok").await;
         let m = scrape(sluice.http);
+        let trial_rule = [("domain", "dash"), ("rule", "name_trial")];
+        assert!(m.value("sluice_quota_shadow_denied_total", &trial_rule) > 0.0);
         for (series, descriptor, hits) in [
             ("sluice_rule_over_limit_total", "user", 2.0),
             ("sluice_rule_over_limit_with_local_cache_total", "user", 1.0),

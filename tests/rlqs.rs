@@ -8,19 +8,13 @@ mod common;
 
 use std::time::Duration;
 
-use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::BlanketRule;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
-    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
-};
-use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::Streaming;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQuotaUsageReports};
 
 use common::metrics::scrape;
+use common::quota::{PATIENCE, QuotaStream, blanket, bucket, only, tokens};
 use common::redis::Controlled;
 use common::{Sluice, Store};
 
@@ -42,145 +36,13 @@ quota_buckets:
     rate_limit: {unit: second, requests_per_unit: 5}
 ";
 
-/// How long an answer may take to come.
-const PATIENCE: Duration = Duration::from_secs(5);
-
-/// One Envoy's stream, driven by hand.
-struct QuotaStream {
-    reports: mpsc::Sender<RateLimitQuotaUsageReports>,
-    answers: Streaming<RateLimitQuotaResponse>,
-}
-
-impl QuotaStream {
-    async fn open(sluice: &Sluice) -> QuotaStream {
-        let mut client = RateLimitQuotaServiceClient::new(sluice.channel().await);
-        let (reports, outgoing) = mpsc::channel(16);
-        let answers = client
-            .stream_rate_limit_quotas(ReceiverStream::new(outgoing))
-            .await
-            .expect("the quota stream opens")
-            .into_inner();
-        QuotaStream { reports, answers }
-    }
-
-    /// Reports `allowed` and `denied` requests of each bucket, as Envoy does every 5 s.
-    async fn report(&self, buckets: &[(&BucketId, u64, u64)]) {
-        let usages = buckets
-            .iter()
-            .map(|(id, allowed, denied)| BucketQuotaUsage {
-                bucket_id: Some((*id).clone()),
-                time_elapsed: Some(ProtoDuration {
-                    seconds: 5,
-                    nanos: 0,
-                }),
-                num_requests_allowed: *allowed,
-                num_requests_denied: *denied,
-            })
-            .collect();
-        self.reports
-            .send(RateLimitQuotaUsageReports {
-                domain: DOMAIN.into(),
-                bucket_quota_usages: usages,
-            })
-            .await
-            .expect("the stream takes reports");
-    }
-
-    /// The next answer, within `PATIENCE`.
-    async fn answer(&mut self) -> RateLimitQuotaResponse {
-        tokio::time::timeout(PATIENCE, self.answers.message())
-            .await
-            .expect("sluice answers in time")
-            .expect("the stream stays up")
-            .expect("the stream is not ended")
-    }
-
-    /// Reports `allowed`/`denied` for one bucket and returns what it is assigned.
-    async fn ask(&mut self, id: &BucketId, allowed: u64, denied: u64) -> Strategy {
-        self.report(&[(id, allowed, denied)]).await;
-        only(&self.answer().await, id)
-    }
-
-    /// Whether an answer comes within `wait`.
-    async fn quiet_for(&mut self, wait: Duration) -> bool {
-        tokio::time::timeout(wait, self.answers.message())
-            .await
-            .is_err()
-    }
-}
-
-fn bucket(pairs: &[(&str, &str)]) -> BucketId {
-    BucketId {
-        bucket: pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect(),
-    }
-}
-
 fn tenant(name: &str) -> BucketId {
     bucket(&[("name", "per-tenant"), ("tenant", name)])
 }
 
-/// The strategy assigned to `id`, the only bucket of `answer`, checking the assignment's shape:
-/// the bucket id echoed exactly and a whole-second time to live.
-fn only(answer: &RateLimitQuotaResponse, id: &BucketId) -> Strategy {
-    assert_eq!(answer.bucket_action.len(), 1, "{answer:?}");
-    let action = &answer.bucket_action[0];
-    assert_eq!(
-        action.bucket_id.as_ref(),
-        Some(id),
-        "the bucket id is echoed"
-    );
-    match &action.bucket_action {
-        Some(Action::QuotaAssignmentAction(a)) => {
-            let ttl = a
-                .assignment_time_to_live
-                .expect("a time to live is always set");
-            assert!(
-                ttl.seconds >= 1 && ttl.nanos == 0,
-                "Envoy 1.40 reads whole seconds of the TTL, and treats none as 0: {ttl:?}"
-            );
-            a.rate_limit_strategy
-                .as_ref()
-                .and_then(|s| s.strategy)
-                .expect("a strategy is always set")
-        }
-        other => panic!("expected an assignment, got {other:?}"),
-    }
-}
-
-/// A token bucket's tokens per fill, checking the shape Envoy 1.40 enforces: tokens_per_fill
-/// set and equal to max_tokens, a whole-second fill interval of `fill_seconds`.
-fn tokens(strategy: &Strategy, fill_seconds: i64) -> u32 {
-    let Strategy::TokenBucket(bucket) = strategy else {
-        panic!("expected a token bucket, got {strategy:?}");
-    };
-    let per_fill = bucket
-        .tokens_per_fill
-        .as_ref()
-        .expect("tokens_per_fill is always set: Envoy 1.40 reads it unset as 0, never refilling")
-        .value;
-    let fill = bucket.fill_interval.expect("a fill interval");
-    assert_eq!(
-        (fill.seconds, fill.nanos),
-        (fill_seconds, 0),
-        "Envoy 1.40 reads a sub-second fill interval as 0 s: no limit at all"
-    );
-    assert_eq!(bucket.max_tokens, per_fill, "one window's share of burst");
-    per_fill
-}
-
-fn blanket(strategy: &Strategy) -> BlanketRule {
-    match strategy {
-        Strategy::BlanketRule(rule) => BlanketRule::try_from(*rule).expect("a known rule"),
-        other => panic!("expected a blanket rule, got {other:?}"),
-    }
-}
-
 async fn first_report_is_a_subscription_answered_at_once_with_an_enforceable_bucket(store: Store) {
     let sluice = Sluice::on(store, &[("quota.yaml", RULES)], &[]).await;
-    let mut envoy = QuotaStream::open(&sluice).await;
+    let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
     let acme = tenant("acme");
     let answer = envoy.ask(&acme, 1, 0).await;
     assert_eq!(
@@ -197,9 +59,9 @@ async fn first_report_is_a_subscription_answered_at_once_with_an_enforceable_buc
 async fn two_streams_share_the_limit_and_the_first_is_told_at_once(store: Store) {
     let sluice = Sluice::on(store, &[("quota.yaml", RULES)], &[]).await;
     let acme = tenant("acme");
-    let mut first = QuotaStream::open(&sluice).await;
+    let mut first = QuotaStream::open(&sluice, DOMAIN).await;
     assert_eq!(tokens(&first.ask(&acme, 1, 0).await, 1), 20);
-    let mut second = QuotaStream::open(&sluice).await;
+    let mut second = QuotaStream::open(&sluice, DOMAIN).await;
     assert_eq!(
         tokens(&second.ask(&acme, 1, 0).await, 1),
         10,
@@ -222,8 +84,8 @@ async fn two_streams_share_the_limit_and_the_first_is_told_at_once(store: Store)
 async fn an_idle_streams_share_goes_to_the_busy_one(store: Store) {
     let sluice = Sluice::on(store, &[("quota.yaml", RULES)], &[]).await;
     let acme = tenant("acme");
-    let mut idle = QuotaStream::open(&sluice).await;
-    let mut busy = QuotaStream::open(&sluice).await;
+    let mut idle = QuotaStream::open(&sluice, DOMAIN).await;
+    let mut busy = QuotaStream::open(&sluice, DOMAIN).await;
     idle.ask(&acme, 1, 0).await;
     busy.ask(&acme, 1, 0).await;
     idle.answer().await;
@@ -244,9 +106,9 @@ async fn an_idle_streams_share_goes_to_the_busy_one(store: Store) {
 async fn a_stream_that_ends_leaves_its_share_to_the_others(store: Store) {
     let sluice = Sluice::on(store, &[("quota.yaml", RULES)], &[]).await;
     let acme = tenant("acme");
-    let mut stays = QuotaStream::open(&sluice).await;
+    let mut stays = QuotaStream::open(&sluice, DOMAIN).await;
     stays.ask(&acme, 1, 0).await;
-    let mut goes = QuotaStream::open(&sluice).await;
+    let mut goes = QuotaStream::open(&sluice, DOMAIN).await;
     assert_eq!(tokens(&goes.ask(&acme, 1, 0).await, 1), 10);
     stays.answer().await;
     drop(goes);
@@ -264,7 +126,7 @@ async fn a_stream_that_ends_leaves_its_share_to_the_others(store: Store) {
 
 async fn blanket_rules_for_unlimited_closed_unmatched_and_shadow_buckets(store: Store) {
     let sluice = Sluice::on(store, &[("quota.yaml", RULES)], &[]).await;
-    let mut envoy = QuotaStream::open(&sluice).await;
+    let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
     let open = bucket(&[("name", "open")]);
     assert_eq!(
         blanket(&envoy.ask(&open, 1, 0).await),
@@ -311,7 +173,7 @@ on_every_store!(
 #[tokio::test(flavor = "multi_thread")]
 async fn unmatched_buckets_can_be_denied() {
     let sluice = Sluice::start_with(&[("quota.yaml", RULES)], &["--quota-unmatched", "deny"]).await;
-    let mut envoy = QuotaStream::open(&sluice).await;
+    let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
     let unknown = bucket(&[("name", "unknown")]);
     assert_eq!(
         blanket(&envoy.ask(&unknown, 1, 0).await),
@@ -338,7 +200,7 @@ async fn unmatched_buckets_can_be_denied() {
 async fn a_bucket_reported_idle_n_times_in_a_row_is_abandoned() {
     let sluice =
         Sluice::start_with(&[("quota.yaml", RULES)], &["--quota-abandon-after", "2"]).await;
-    let mut envoy = QuotaStream::open(&sluice).await;
+    let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
     let acme = tenant("acme");
     envoy.ask(&acme, 1, 0).await;
     envoy.ask(&acme, 0, 0).await;
@@ -361,7 +223,7 @@ async fn a_bucket_reported_idle_n_times_in_a_row_is_abandoned() {
 #[tokio::test(flavor = "multi_thread")]
 async fn one_report_of_many_buckets_is_answered_in_one_message() {
     let sluice = Sluice::start_with(&[("quota.yaml", RULES)], &[]).await;
-    let mut envoy = QuotaStream::open(&sluice).await;
+    let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
     let ids: Vec<BucketId> = (0..50).map(|n| tenant(&format!("t{n}"))).collect();
     let reports: Vec<(&BucketId, u64, u64)> = ids.iter().map(|id| (id, 1, 0)).collect();
     envoy.report(&reports).await;
@@ -399,8 +261,8 @@ async fn replicas_sharing_redis_divide_one_limit() {
     )
     .await;
     let acme = tenant("acme");
-    let mut first = QuotaStream::open(&one).await;
-    let mut second = QuotaStream::open(&two).await;
+    let mut first = QuotaStream::open(&one, DOMAIN).await;
+    let mut second = QuotaStream::open(&two, DOMAIN).await;
     assert_eq!(tokens(&first.ask(&acme, 1, 0).await, 1), 20);
     assert_eq!(
         tokens(&second.ask(&acme, 1, 0).await, 1),
@@ -421,8 +283,8 @@ async fn while_redis_is_down_buckets_keep_their_last_assignment() {
     let url = redis.url.clone();
     let sluice = Sluice::start_with(&[("quota.yaml", RULES)], &["--redis-url", &url]).await;
     let acme = tenant("acme");
-    let mut first = QuotaStream::open(&sluice).await;
-    let mut second = QuotaStream::open(&sluice).await;
+    let mut first = QuotaStream::open(&sluice, DOMAIN).await;
+    let mut second = QuotaStream::open(&sluice, DOMAIN).await;
     first.ask(&acme, 1, 0).await;
     assert_eq!(tokens(&second.ask(&acme, 1, 0).await, 1), 10);
     first.answer().await;
@@ -446,4 +308,158 @@ async fn while_redis_is_down_buckets_keep_their_last_assignment() {
         .sum();
     assert!(errors >= 2.0, "{errors}");
     assert!(sluice.log_text().contains("keep their last assignments"));
+}
+
+/// The quota service's messages with a bucket id's values as bytes, as Envoy may send them: it
+/// copies request header values, which need not be UTF-8, into the `string` map.
+mod raw {
+    use std::collections::HashMap;
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct BucketId {
+        #[prost(map = "string, bytes", tag = "1")]
+        pub bucket: HashMap<String, Vec<u8>>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Usage {
+        #[prost(message, optional, tag = "1")]
+        pub bucket_id: Option<BucketId>,
+        #[prost(uint64, tag = "3")]
+        pub allowed: u64,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Reports {
+        #[prost(string, tag = "1")]
+        pub domain: String,
+        #[prost(message, repeated, tag = "2")]
+        pub usages: Vec<Usage>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Action {
+        #[prost(message, optional, tag = "1")]
+        pub bucket_id: Option<BucketId>,
+        /// The assignment, left encoded.
+        #[prost(bytes = "vec", optional, tag = "2")]
+        pub assignment: Option<Vec<u8>>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Response {
+        #[prost(message, repeated, tag = "1")]
+        pub bucket_action: Vec<Action>,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bucket_values_of_any_bytes_and_length_are_answered_and_echoed_exactly() {
+    let sluice = Sluice::start_with(&[("quota.yaml", RULES)], &[]).await;
+    let mut grpc = tonic::client::Grpc::new(sluice.channel().await);
+    grpc.ready().await.expect("the channel is ready");
+    let values: Vec<Vec<u8>> = vec![
+        b"\xff\xfe".to_vec(),
+        b"\xc3\x28".to_vec(),
+        vec![b'x'; 200_000],
+    ];
+    let usages: Vec<raw::Usage> = values
+        .iter()
+        .map(|v| raw::Usage {
+            bucket_id: Some(raw::BucketId {
+                bucket: [
+                    ("name".to_owned(), b"per-tenant".to_vec()),
+                    ("tenant".to_owned(), v.clone()),
+                ]
+                .into(),
+            }),
+            allowed: 1,
+        })
+        .collect();
+    let report = raw::Reports {
+        domain: DOMAIN.into(),
+        usages: usages.clone(),
+    };
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+        "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas",
+    );
+    let codec = tonic_prost::ProstCodec::<raw::Reports, raw::Response>::default();
+    let mut answers = grpc
+        .streaming(
+            tonic::Request::new(tokio_stream::iter([report])),
+            path,
+            codec,
+        )
+        .await
+        .expect("the quota stream opens")
+        .into_inner();
+    let answer = tokio::time::timeout(PATIENCE, answers.message())
+        .await
+        .expect("sluice answers in time")
+        .expect("the stream stays up")
+        .expect("an answer");
+    let echoed: Vec<&raw::BucketId> = answer
+        .bucket_action
+        .iter()
+        .filter_map(|a| a.bucket_id.as_ref())
+        .collect();
+    for usage in &usages {
+        assert!(
+            echoed.contains(&usage.bucket_id.as_ref().unwrap()),
+            "echoed byte for byte"
+        );
+    }
+    assert!(answer.bucket_action.iter().all(|a| a.assignment.is_some()));
+    // The same assignment as any other tenant: 20 a second, shared by nobody else.
+    let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
+    assert_eq!(tokens(&envoy.ask(&tenant("plain"), 1, 0).await, 1), 20);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_changes_the_next_assignment_and_config_shows_the_quota_rules() {
+    let sluice = Sluice::start_with(&[("quota.yaml", RULES)], &[]).await;
+    let (status, _, body) = common::http(sluice.http, "GET", "/config", "");
+    assert_eq!(status, 200);
+    let config: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    let rules = &config["domains"][0]["quota_buckets"];
+    assert_eq!(rules[0]["rule"], "name_per-tenant.tenant_*");
+    assert_eq!(rules[0]["bucket"]["tenant"], "*");
+    assert_eq!(rules[0]["rate_limit"]["requests_per_unit"], 20);
+    assert_eq!(rules[0]["line"], 4);
+    assert_eq!(rules[4]["shadow_mode"], true);
+
+    let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
+    let acme = tenant("acme");
+    assert_eq!(tokens(&envoy.ask(&acme, 1, 0).await, 1), 20);
+    std::fs::write(
+        sluice.rules.join("quota.yaml"),
+        RULES.replace("requests_per_unit: 20", "requests_per_unit: 40"),
+    )
+    .unwrap();
+    let mut share = 0;
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        share = tokens(&envoy.ask(&acme, 10, 0).await, 1);
+        if share == 40 {
+            break;
+        }
+    }
+    assert_eq!(share, 40, "the reloaded limit, on the bucket's next report");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_ends_open_quota_streams_and_sluice_exits_promptly() {
+    let mut sluice = Sluice::start_with(&[("quota.yaml", RULES)], &[]).await;
+    let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
+    envoy.ask(&tenant("acme"), 1, 0).await;
+    common::redis::signal(sluice.pid(), "TERM");
+    let ended = tokio::time::timeout(PATIENCE, envoy.answers.message())
+        .await
+        .expect("the stream ends in time");
+    assert!(
+        matches!(ended, Ok(None)),
+        "ended cleanly, for Envoy to reconnect elsewhere: {ended:?}"
+    );
+    let status = sluice.exited_within(Duration::from_secs(5)).await;
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
 }

@@ -903,4 +903,74 @@ mod tests {
             Some(serde_json::json!({"team": "web", "anything": {"goes": [1, true]}}))
         );
     }
+
+    #[test]
+    fn quota_buckets_parse_with_sorted_keys_and_any_value_keys() {
+        let d = ok(
+            "domain: d\nquota_buckets:\n  - bucket: {tenant: ~, name: per-tenant}\n    shadow_mode: true\n    rate_limit: {unit: minute, requests_per_unit: 60}\n  - bucket: {name: open}\n    rate_limit: {unlimited: true}\n",
+        );
+        assert_eq!(d.quota_buckets.len(), 2);
+        let q = &d.quota_buckets[0];
+        assert_eq!(q.line, 3);
+        assert_eq!(
+            q.bucket,
+            [
+                ("name".into(), Some("per-tenant".into())),
+                ("tenant".into(), None)
+            ]
+        );
+        assert!(q.shadow);
+        assert_eq!(q.limit.as_ref().map(|l| l.requests_per_unit), Some(60));
+        assert!(d.quota_buckets[1].limit.is_none());
+    }
+
+    #[test]
+    fn bad_quota_buckets_are_errors_at_their_lines() {
+        assert_eq!(
+            errors(
+                "domain: d\nquota_buckets:\n  - rate_limit: {unit: second, requests_per_unit: 1}\n"
+            ),
+            ["r.yaml:3: a quota bucket needs 'bucket', a mapping of keys to values"]
+        );
+        assert_eq!(
+            errors(
+                "domain: d\nquota_buckets:\n  - bucket: {}\n    rate_limit: {unit: second, requests_per_unit: 1}\n"
+            ),
+            ["r.yaml:3: 'bucket' must be a mapping of keys to values, with one key at least"]
+        );
+        assert_eq!(
+            errors("domain: d\nquota_buckets:\n  - bucket: {name: a}\n"),
+            ["r.yaml:3: a quota bucket needs a 'rate_limit'"]
+        );
+        assert_eq!(
+            errors(
+                "domain: d\nquota_buckets:\n  - bucket: {name: a}\n    rate_limit:\n      unit: second\n      algorithm: sliding_log\n"
+            ),
+            ["r.yaml:6: 'algorithm' does not apply to a quota bucket's limit"]
+        );
+        assert_eq!(
+            errors(
+                "domain: d\nquota_buckets:\n  - bucket: {name: a}\n    rate_limit: {unit: fortnight}\n"
+            ),
+            ["r.yaml:4: invalid rate limit unit 'fortnight'"]
+        );
+        assert_eq!(
+            errors(
+                "domain: d\nquota_buckets:\n  - bucket: {name: a, t: [1]}\n    rate_limit: {unit: second}\n"
+            ),
+            ["r.yaml:3: the value of bucket key 't' must be a string, or ~ for any value"]
+        );
+        assert_eq!(
+            errors(
+                "domain: d\nquota_buckets:\n  - bucket: {b: x, a: y}\n    rate_limit: {unit: second}\n  - bucket: {a: y, b: x}\n    rate_limit: {unit: minute}\n"
+            ),
+            ["r.yaml:5: duplicate quota bucket 'a_y.b_x' (first at line 3)"]
+        );
+        assert_eq!(
+            errors(
+                "domain: d\nquota_buckets:\n  - bucket: {name: a}\n    rate_limit: {unit: second}\n    colour: red\n"
+            ),
+            ["r.yaml:5: config error, unknown key 'colour'"]
+        );
+    }
 }

@@ -7,7 +7,7 @@ use std::time::UNIX_EPOCH;
 use serde_json::{Value, json};
 
 use super::RuleSet;
-use crate::config::{DescriptorConfig, QuotaBucketConfig, RuleLimit, quota_path};
+use crate::config::{DescriptorConfig, DomainConfig, QuotaBucketConfig, RuleLimit, quota_path};
 use crate::limiter::{Algorithm, Limit, Mode};
 
 impl RuleSet {
@@ -28,13 +28,7 @@ impl RuleSet {
                 "path": path.display().to_string(),
                 "sha256": sha256,
             })).collect::<Vec<_>>(),
-            "domains": domains.iter().map(|d| json!({
-                "domain": d.domain,
-                "file": d.file.display().to_string(),
-                "line": line(d.line),
-                "descriptors": d.descriptors.iter().map(descriptor_json).collect::<Vec<_>>(),
-                "quota_buckets": d.quota_buckets.iter().map(quota_json).collect::<Vec<_>>(),
-            })).collect::<Vec<_>>(),
+            "domains": domains.iter().map(|d| domain_json(d)).collect::<Vec<_>>(),
         })
     }
 
@@ -52,6 +46,23 @@ impl RuleSet {
         }
         out
     }
+}
+
+/// A domain as JSON: its rules, and its quota bucket rules when it has some.
+fn domain_json(d: &DomainConfig) -> Value {
+    let mut domain = json!({
+        "domain": d.domain,
+        "file": d.file.display().to_string(),
+        "line": line(d.line),
+        "descriptors": d.descriptors.iter().map(descriptor_json).collect::<Vec<_>>(),
+    });
+    if !d.quota_buckets.is_empty() {
+        domain.as_object_mut().expect("an object").insert(
+            "quota_buckets".into(),
+            d.quota_buckets.iter().map(quota_json).collect(),
+        );
+    }
+    domain
 }
 
 /// A rule's line in its file; `null` for rules over xDS, which have none.

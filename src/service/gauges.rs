@@ -67,7 +67,7 @@ impl Gauges {
         );
         r.register(
             "sluice_quota_assigned_rate",
-            "Requests per second this replica has assigned to its Envoys, per quota bucket rule (allow-all assignments count none)",
+            "Requests per second this replica has assigned to its Envoys, per quota bucket rule (allow-all assignments count none; a shadow-mode rule counts what it would assign)",
             rates,
         );
         process(&mut r);

@@ -49,9 +49,12 @@ const DEMAND_STAYS: Duration = Duration::from_secs(15);
 /// The most a demand record may take. No request waits for it: the Envoy keeps enforcing its
 /// last assignment meanwhile.
 const STORE_DEADLINE: Duration = Duration::from_secs(1);
-/// Buckets one stream may hold; the buckets it reports past this are answered as unmatched, and
-/// never tracked.
+/// Buckets one stream may hold, and the bytes of their ids; a bucket reported past either is
+/// answered without being tracked or divided: with its rule's whole limit, as if its Envoy were
+/// alone (a client that makes up bucket values gets no more than a limit per value, as it would
+/// from buckets that are tracked).
 pub const MOST_BUCKETS_PER_STREAM: usize = 10_000;
+pub const MOST_BUCKET_BYTES_PER_STREAM: usize = 16 << 20;
 /// Demand records one report may have in flight at once.
 const RECORDS_AT_ONCE: usize = 64;
 /// Answers waiting to be written to one stream; a push that finds it full is dropped (the
@@ -117,7 +120,8 @@ impl Quotas {
     }
 
     /// Per quota bucket rule: (stream, bucket) subscriptions on this replica, and the requests
-    /// per second assigned to them (blanket "allow all" assignments count no rate).
+    /// per second assigned to them (blanket "allow all" assignments count no rate; a shadow-mode
+    /// bucket counts the share it would be sent).
     pub fn by_rule(&self) -> Vec<(QuotaLabels, usize, f64)> {
         let mut out: HashMap<QuotaLabels, (usize, f64)> = HashMap::new();
         for subscriber in self.buckets().values().flat_map(HashMap::values) {
@@ -174,6 +178,7 @@ impl RateLimitQuotaService for Rlqs {
             outbox,
             domain: String::new(),
             buckets: HashMap::new(),
+            held_bytes: 0,
         };
         tokio::spawn(stream.run(request.into_inner(), self.shutdown.clone()));
         Ok(Response::new(Box::pin(ReceiverStream::new(answers))))
@@ -194,6 +199,8 @@ struct QuotaStream {
     /// the first.
     domain: String,
     buckets: HashMap<CounterKey, Held>,
+    /// The bytes of the ids of `buckets`.
+    held_bytes: usize,
 }
 
 /// A bucket a stream holds.
@@ -205,6 +212,8 @@ struct Held {
     idle: u32,
     /// It takes part in the division (its demand is in the store).
     shared: bool,
+    /// The bytes of its id.
+    size: usize,
 }
 
 /// What one report of one bucket comes to before the store is asked.
@@ -268,8 +277,14 @@ impl QuotaStream {
             ];
             let (allowed, denied) = (usage.num_requests_allowed, usage.num_requests_denied);
             METRICS.quota_reported(&labels, allowed, denied);
-            let tracked =
-                self.buckets.contains_key(&key) || self.buckets.len() < MOST_BUCKETS_PER_STREAM;
+            let size = bucket_id
+                .bucket
+                .iter()
+                .map(|(k, v)| k.len() + v.len())
+                .sum::<usize>();
+            let tracked = self.buckets.contains_key(&key)
+                || (self.buckets.len() < MOST_BUCKETS_PER_STREAM
+                    && self.held_bytes + size <= MOST_BUCKET_BYTES_PER_STREAM);
             let (elapsed, idle) = match self.buckets.get_mut(&key) {
                 Some(held) => {
                     let elapsed = now.saturating_duration_since(held.reported);
@@ -283,12 +298,14 @@ impl QuotaStream {
                 }
                 None => {
                     if tracked {
+                        self.held_bytes += size;
                         self.buckets.insert(
                             key.clone(),
                             Held {
                                 reported: now,
                                 idle: 0,
                                 shared: false,
+                                size,
                             },
                         );
                     }
@@ -354,21 +371,22 @@ impl QuotaStream {
     }
 
     /// The assignment of a bucket whose answer needs no division: unmatched, unlimited, a limit
-    /// of 0, or past the stream's bound on buckets.
+    /// of 0, or past the stream's bounds on buckets (the whole limit).
     fn fixed(&self, step: &Step) -> Option<Assignment> {
-        let unmatched = match self.quotas.settings.unmatched {
-            Unmatched::Allow => Assignment::AllowAll,
-            Unmatched::Deny => Assignment::DenyAll,
-        };
-        if !step.tracked {
-            return Some(unmatched);
-        }
         let Some(rule) = &step.rule else {
-            return Some(unmatched);
+            return Some(match self.quotas.settings.unmatched {
+                Unmatched::Allow => Assignment::AllowAll,
+                Unmatched::Deny => Assignment::DenyAll,
+            });
         };
         match &rule.limit {
             None => Some(Assignment::AllowAll),
             Some(limit) if limit.requests_per_unit == 0 => Some(Assignment::DenyAll),
+            Some(_) if !step.tracked && rule.shadow => Some(Assignment::AllowAll),
+            Some(limit) if !step.tracked => Some(Assignment::share(
+                u64::from(limit.requests_per_unit),
+                limit.window_ms() / 1000,
+            )),
             Some(_) => None,
         }
     }
@@ -504,7 +522,9 @@ impl QuotaStream {
 
     /// Forgets a bucket the stream is told to abandon.
     async fn abandon(&mut self, key: &CounterKey) {
-        self.buckets.remove(key);
+        if let Some(held) = self.buckets.remove(key) {
+            self.held_bytes -= held.size;
+        }
         self.unsubscribe(key);
         self.leave_division(key).await;
     }

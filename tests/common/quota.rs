@@ -1,0 +1,156 @@
+//! The Rate Limit Quota Service driven by hand, as one Envoy drives its stream: reports of
+//! buckets, and the assignments they get, checked for the shapes Envoy 1.40 enforces.
+
+use std::time::Duration;
+
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
+    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+};
+use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Streaming;
+
+use super::Sluice;
+
+/// How long an answer may take to come.
+pub const PATIENCE: Duration = Duration::from_secs(5);
+
+/// One Envoy's stream, driven by hand.
+pub struct QuotaStream {
+    pub reports: mpsc::Sender<RateLimitQuotaUsageReports>,
+    pub answers: Streaming<RateLimitQuotaResponse>,
+    domain: String,
+}
+
+impl QuotaStream {
+    /// Opens a stream reporting for `domain`.
+    pub async fn open(sluice: &Sluice, domain: &str) -> QuotaStream {
+        let mut client = RateLimitQuotaServiceClient::new(sluice.channel().await);
+        let (reports, outgoing) = mpsc::channel(16);
+        let answers = client
+            .stream_rate_limit_quotas(ReceiverStream::new(outgoing))
+            .await
+            .expect("the quota stream opens")
+            .into_inner();
+        QuotaStream {
+            reports,
+            answers,
+            domain: domain.to_owned(),
+        }
+    }
+
+    /// Reports `allowed` and `denied` requests of each bucket, as Envoy does every 5 s.
+    pub async fn report(&self, buckets: &[(&BucketId, u64, u64)]) {
+        let usages = buckets
+            .iter()
+            .map(|(id, allowed, denied)| BucketQuotaUsage {
+                bucket_id: Some((*id).clone()),
+                time_elapsed: Some(ProtoDuration {
+                    seconds: 5,
+                    nanos: 0,
+                }),
+                num_requests_allowed: *allowed,
+                num_requests_denied: *denied,
+            })
+            .collect();
+        self.reports
+            .send(RateLimitQuotaUsageReports {
+                domain: self.domain.clone(),
+                bucket_quota_usages: usages,
+            })
+            .await
+            .expect("the stream takes reports");
+    }
+
+    /// The next answer, within `PATIENCE`.
+    pub async fn answer(&mut self) -> RateLimitQuotaResponse {
+        tokio::time::timeout(PATIENCE, self.answers.message())
+            .await
+            .expect("sluice answers in time")
+            .expect("the stream stays up")
+            .expect("the stream is not ended")
+    }
+
+    /// Reports `allowed`/`denied` for one bucket and returns what it is assigned.
+    pub async fn ask(&mut self, id: &BucketId, allowed: u64, denied: u64) -> Strategy {
+        self.report(&[(id, allowed, denied)]).await;
+        only(&self.answer().await, id)
+    }
+
+    /// Whether an answer comes within `wait`.
+    pub async fn quiet_for(&mut self, wait: Duration) -> bool {
+        tokio::time::timeout(wait, self.answers.message())
+            .await
+            .is_err()
+    }
+}
+
+pub fn bucket(pairs: &[(&str, &str)]) -> BucketId {
+    BucketId {
+        bucket: pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    }
+}
+
+/// The strategy assigned to `id`, the only bucket of `answer`, checking the assignment's shape:
+/// the bucket id echoed exactly and a whole-second time to live.
+pub fn only(answer: &RateLimitQuotaResponse, id: &BucketId) -> Strategy {
+    assert_eq!(answer.bucket_action.len(), 1, "{answer:?}");
+    let action = &answer.bucket_action[0];
+    assert_eq!(
+        action.bucket_id.as_ref(),
+        Some(id),
+        "the bucket id is echoed"
+    );
+    match &action.bucket_action {
+        Some(Action::QuotaAssignmentAction(a)) => {
+            let ttl = a
+                .assignment_time_to_live
+                .expect("a time to live is always set");
+            assert!(
+                ttl.seconds >= 1 && ttl.nanos == 0,
+                "Envoy 1.40 reads whole seconds of the TTL, and treats none as 0: {ttl:?}"
+            );
+            a.rate_limit_strategy
+                .as_ref()
+                .and_then(|s| s.strategy)
+                .expect("a strategy is always set")
+        }
+        other => panic!("expected an assignment, got {other:?}"),
+    }
+}
+
+/// A token bucket's tokens per fill, checking the shape Envoy 1.40 enforces: tokens_per_fill
+/// set and equal to max_tokens, a whole-second fill interval of `fill_seconds`.
+pub fn tokens(strategy: &Strategy, fill_seconds: i64) -> u32 {
+    let Strategy::TokenBucket(bucket) = strategy else {
+        panic!("expected a token bucket, got {strategy:?}");
+    };
+    let per_fill = bucket
+        .tokens_per_fill
+        .as_ref()
+        .expect("tokens_per_fill is always set: Envoy 1.40 reads it unset as 0, never refilling")
+        .value;
+    let fill = bucket.fill_interval.expect("a fill interval");
+    assert_eq!(
+        (fill.seconds, fill.nanos),
+        (fill_seconds, 0),
+        "Envoy 1.40 reads a sub-second fill interval as 0 s: no limit at all"
+    );
+    assert_eq!(bucket.max_tokens, per_fill, "one window's share of burst");
+    per_fill
+}
+
+pub fn blanket(strategy: &Strategy) -> BlanketRule {
+    match strategy {
+        Strategy::BlanketRule(rule) => BlanketRule::try_from(*rule).expect("a known rule"),
+        other => panic!("expected a blanket rule, got {other:?}"),
+    }
+}
