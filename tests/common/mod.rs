@@ -7,6 +7,7 @@ pub mod metrics;
 pub mod quota;
 pub mod ratelimit;
 pub mod redis;
+pub mod rlqs;
 pub mod xds;
 
 use std::net::{SocketAddr, TcpListener};
@@ -102,6 +103,9 @@ pub struct Sluice {
     pub http: SocketAddr,
     /// The rules directory given as `--config`.
     pub rules: PathBuf,
+    /// The shell prelude and the flags it was started with, for `start_again`.
+    wrapper: Option<String>,
+    flags: Vec<String>,
     log: PathBuf,
     _dir: tempfile::TempDir,
 }
@@ -177,33 +181,8 @@ impl Sluice {
         for _ in 0..3 {
             let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
             let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-            let binary = env!("CARGO_BIN_EXE_sluice");
-            let mut command = match wrapper {
-                None => Command::new(binary),
-                Some(prelude) => {
-                    let mut sh = Command::new("sh");
-                    sh.arg("-c")
-                        .arg(format!("{prelude} exec \"$0\" \"$@\""))
-                        .arg(binary);
-                    sh
-                }
-            };
-            command.arg("serve");
-            // Rules over xDS take no rules directory.
-            if !flags.contains(&"--xds-server") {
-                command.arg("--config").arg(&rules);
-            }
-            let mut child = command
-                .arg("--grpc-addr")
-                .arg(grpc.to_string())
-                .arg("--http-addr")
-                .arg(http.to_string())
-                .args(flags)
-                .env("SLUICE_LOG", "warn")
-                .stdin(Stdio::null())
-                .stderr(std::fs::File::create(&log).expect("log file"))
-                .spawn()
-                .expect("the sluice binary starts");
+            let log_file = std::fs::File::create(&log).expect("log file");
+            let mut child = serve(wrapper, &rules, grpc, http, flags, log_file);
             let up = match wait {
                 Wait::Serving => wait_serving(&mut child, grpc).await,
                 Wait::Live => wait_live(&mut child, http).await,
@@ -214,6 +193,8 @@ impl Sluice {
                     grpc,
                     http,
                     rules,
+                    wrapper: wrapper.map(str::to_owned),
+                    flags: flags.iter().map(|f| f.to_string()).collect(),
                     log,
                     _dir: dir,
                 };
@@ -225,6 +206,37 @@ impl Sluice {
         panic!(
             "sluice did not start on loopback; its log:\n{}",
             std::fs::read_to_string(&log).unwrap_or_default()
+        );
+    }
+
+    /// Kills the process (SIGKILL), as a crash would; `start_again` brings it back.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts `sluice serve` again as it was started first (same addresses, rules and flags, so
+    /// the same store), its log going on in the same file, and waits until it reports SERVING.
+    pub async fn start_again(&mut self) {
+        assert!(!self.alive(), "sluice still runs");
+        let log_file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.log)
+            .expect("log file");
+        let flags: Vec<&str> = self.flags.iter().map(String::as_str).collect();
+        self.child = serve(
+            self.wrapper.as_deref(),
+            &self.rules,
+            self.grpc,
+            self.http,
+            &flags,
+            log_file,
+        );
+        assert!(
+            wait_serving(&mut self.child, self.grpc).await,
+            "sluice did not start again on {}; its log:\n{}",
+            self.grpc,
+            self.log_text()
         );
     }
 
@@ -279,6 +291,45 @@ impl Sluice {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
+}
+
+/// Spawns `sluice serve` on `grpc` and `http` with the rules directory `rules` and `flags`, through
+/// `sh -c "<wrapper> exec sluice …"` when a shell `wrapper` is given, logging (stderr) to `log`.
+fn serve(
+    wrapper: Option<&str>,
+    rules: &Path,
+    grpc: SocketAddr,
+    http: SocketAddr,
+    flags: &[&str],
+    log: std::fs::File,
+) -> Child {
+    let binary = env!("CARGO_BIN_EXE_sluice");
+    let mut command = match wrapper {
+        None => Command::new(binary),
+        Some(prelude) => {
+            let mut sh = Command::new("sh");
+            sh.arg("-c")
+                .arg(format!("{prelude} exec \"$0\" \"$@\""))
+                .arg(binary);
+            sh
+        }
+    };
+    command.arg("serve");
+    // Rules over xDS take no rules directory.
+    if !flags.contains(&"--xds-server") {
+        command.arg("--config").arg(rules);
+    }
+    command
+        .arg("--grpc-addr")
+        .arg(grpc.to_string())
+        .arg("--http-addr")
+        .arg(http.to_string())
+        .args(flags)
+        .env("SLUICE_LOG", "warn")
+        .stdin(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("the sluice binary starts")
 }
 
 /// Writes rule `files` (name, YAML) into the rules directory it is given.
