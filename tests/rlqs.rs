@@ -8,13 +8,13 @@ mod common;
 
 use std::time::Duration;
 
-use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::BlanketRule;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQuotaUsageReports};
 
 use common::metrics::scrape;
-use common::quota::{PATIENCE, QuotaStream, blanket, bucket, only, tokens};
+use common::quota::{PATIENCE, QuotaStream, blanket, bucket, only, share, tokens};
 use common::redis::Controlled;
 use common::{Sluice, Store};
 
@@ -464,16 +464,6 @@ async fn sigterm_ends_open_quota_streams_and_sluice_exits_promptly() {
     assert!(status.is_some_and(|s| s.success()), "{status:?}");
 }
 
-/// A token bucket's steady rate, requests per second.
-fn rate(strategy: &Strategy) -> f64 {
-    let Strategy::TokenBucket(bucket) = strategy else {
-        panic!("expected a token bucket, got {strategy:?}");
-    };
-    let fill = bucket.fill_interval.expect("a fill interval");
-    assert_eq!(fill.nanos, 0, "whole seconds");
-    f64::from(bucket.tokens_per_fill.expect("tokens_per_fill").value) / fill.seconds as f64
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn three_streams_get_a_third_each_in_whole_numbers_envoy_reads() {
     let sluice = Sluice::start_with(&[("quota.yaml", RULES)], &[]).await;
@@ -499,12 +489,15 @@ async fn three_streams_get_a_third_each_in_whole_numbers_envoy_reads() {
             Some(s) => s,
             None => stream.ask(&acme, 5, 5).await,
         };
-        let r = rate(&strategy);
+        let r = share(&strategy, 1);
         assert!(
-            (6.63..=6.667).contains(&r),
-            "a third of 20 a second, not {r}"
+            (6.666..=6.667).contains(&r),
+            "a third of 20 a second, to the thousandth, not {r}"
         );
         total += r;
     }
-    assert!(total <= 20.0 && total > 19.9, "{total}");
+    assert!(
+        (total - 20.0).abs() < 1e-9,
+        "the thirds add up to 20: {total}"
+    );
 }

@@ -168,10 +168,10 @@ async fn envoys_over_the_limit_share_it_fairly(n: usize) {
         n as f64,
         "one stream per Envoy subscribes to the tenant's bucket"
     );
-    assert_eq!(
-        tenant_metric(sluice.http, "sluice_quota_assigned_rate"),
-        f64::from(LIMIT),
-        "the shares add up to the limit"
+    let assigned = tenant_metric(sluice.http, "sluice_quota_assigned_rate");
+    assert!(
+        (assigned - f64::from(LIMIT)).abs() < 0.01,
+        "the shares add up to the limit: {assigned}"
     );
     let tallies = finish_all(loads).await;
 
@@ -275,9 +275,8 @@ async fn two_replicas_sharing_redis_hold_the_global_limit_across_their_envoys() 
             "replica {i} holds its Envoy's stream"
         );
     }
-    assert_eq!(
-        assigned.iter().sum::<f64>(),
-        f64::from(LIMIT),
+    assert!(
+        (assigned.iter().sum::<f64>() - f64::from(LIMIT)).abs() < 0.01,
         "the replicas' assignments add up to the limit: {assigned:?}"
     );
     let tallies = finish_all(loads).await;

@@ -8,14 +8,16 @@ mod share;
 
 use std::time::Duration;
 
+use crate::limiter::Limit;
+
 pub use share::divide;
 
 /// Demands and shares are counted in thousandths of a request per window.
 pub const MILLI: u64 = 1000;
 
-/// The longest fill interval, in windows, that a share may take to be exact (a share of under a
-/// request per window takes several windows to refill one).
-const MOST_WINDOWS_PER_FILL: u64 = 1000;
+/// How much a stream's share must move before it is sent a new one: Envoy rebuilds a token
+/// bucket whose numbers change, and a rebuilt bucket starts anew.
+const SETTLED: u64 = 50;
 
 /// What one stream is told to do with one bucket.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,28 +34,31 @@ pub enum Assignment {
 }
 
 impl Assignment {
-    /// A share of `milli` thousandths of a request per window of `window_seconds`: a token bucket
-    /// refilling at that rate (to within 0.5 %, never above it) and holding one window's share,
-    /// rounded up. Envoy refills at `tokens_per_fill / fill_interval`, both whole numbers, so a
-    /// fraction of a request per window takes a fill interval of several windows: 6.667 a
-    /// second is 20 every 3 s. No share at all denies everything (Envoy reads a token bucket that
-    /// never refills as denying).
-    pub fn share(milli: u64, window_seconds: u64) -> Assignment {
+    /// A share of `milli` thousandths of a request per window of `limit`: a token bucket that
+    /// refills at exactly that rate and holds one second of it (rounded up; at most one window's
+    /// share). Envoy refills at `tokens_per_fill / fill_interval`, both whole numbers, so the share
+    /// is written in thousandths over a thousand windows (6.667 a second is 6667 every 1000 s);
+    /// for limits too large for that, in whole requests per window. Either way every share of one
+    /// limit has the same fill interval: Envoy 1.40 compares buckets without the fill interval's
+    /// seconds. No share at all denies everything (Envoy reads a bucket that never refills as
+    /// denying).
+    pub fn share(milli: u64, limit: &Limit) -> Assignment {
         if milli == 0 {
             return Assignment::DenyAll;
         }
-        let windows = (1..=MOST_WINDOWS_PER_FILL)
-            .find(|&k| {
-                let exact = milli * k;
-                let under = exact % MILLI;
-                exact >= MILLI && under * 200 <= exact
-            })
-            .unwrap_or(MOST_WINDOWS_PER_FILL);
+        let window_seconds = (limit.window_ms() / 1000).max(1);
+        let in_thousandths = u64::from(limit.requests_per_unit) * MILLI <= u64::from(u32::MAX);
+        let (tokens_per_fill, windows) = if in_thousandths {
+            (milli, MILLI)
+        } else {
+            ((milli / MILLI).max(1), 1)
+        };
+        let per_second = milli.div_ceil(MILLI * window_seconds);
         let saturate = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
         Assignment::TokenBucket {
-            max_tokens: saturate(milli.div_ceil(MILLI)),
-            tokens_per_fill: saturate((milli * windows / MILLI).max(1)),
-            fill_seconds: window_seconds.max(1) * windows,
+            max_tokens: saturate(per_second.clamp(1, milli.div_ceil(MILLI))),
+            tokens_per_fill: saturate(tokens_per_fill),
+            fill_seconds: window_seconds * windows,
         }
     }
 
@@ -80,6 +85,16 @@ impl Assignment {
     }
 }
 
+/// The share to send a stream that was last sent `sent` and is now due `due` (thousandths of a
+/// request per window): the one it has while they differ by 2 % or less, so that noise in the
+/// reports does not make Envoy rebuild its bucket at every report.
+pub fn settle(sent: Option<u64>, due: u64) -> u64 {
+    match sent {
+        Some(sent) if sent.abs_diff(due) * SETTLED <= sent => sent,
+        _ => due,
+    }
+}
+
 /// A stream's demand from one report: `requests` (allowed and denied) over `elapsed`, per
 /// `window`, in thousandths, at most the whole `limit` (no stream can use more than all of it).
 pub fn demand(requests: u64, elapsed: Duration, window: Duration, limit: u64) -> u64 {
@@ -94,6 +109,7 @@ pub fn demand(requests: u64, elapsed: Duration, window: Duration, limit: u64) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limiter::{Algorithm, Unit};
 
     const S: Duration = Duration::from_secs(1);
 
@@ -107,30 +123,57 @@ mod tests {
         assert_eq!(demand(7, Duration::ZERO, S, 20), 20_000);
     }
 
-    #[test]
-    fn a_share_is_a_steady_rate_in_whole_numbers_never_above_it() {
-        let bucket = |max_tokens, tokens_per_fill, fill_seconds| Assignment::TokenBucket {
+    fn limit(unit: Unit, requests_per_unit: u32) -> Limit {
+        Limit {
+            name: String::new(),
+            requests_per_unit,
+            unit,
+            unit_multiplier: 1,
+            algorithm: Algorithm::FixedWindow,
+            burst: requests_per_unit,
+        }
+    }
+
+    fn bucket(max_tokens: u32, tokens_per_fill: u32, fill_seconds: u64) -> Assignment {
+        Assignment::TokenBucket {
             max_tokens,
             tokens_per_fill,
             fill_seconds,
-        };
-        assert_eq!(Assignment::share(0, 1), Assignment::DenyAll);
-        assert_eq!(Assignment::share(20_000, 1), bucket(20, 20, 1));
-        assert_eq!(Assignment::share(600_000, 60), bucket(600, 600, 60));
-        assert_eq!(
-            Assignment::share(6667, 1),
-            bucket(7, 20, 3),
-            "two thirds of 20 a second"
-        );
-        assert_eq!(Assignment::share(667, 1), bucket(1, 2, 3));
-        assert_eq!(Assignment::share(1, 60), bucket(1, 1, 60_000));
-        for milli in 1..5000 {
-            let rate = Assignment::share(milli, 1).rate().unwrap();
-            let exact = milli as f64 / 1000.0;
-            assert!(rate <= exact && rate >= exact * 0.995, "{milli}: {rate}");
         }
-        let huge = Assignment::share(u64::from(u32::MAX) * 1000, 1);
-        assert_eq!(huge, bucket(u32::MAX, u32::MAX, 1));
-        assert_eq!(Assignment::share(6000, 60).rate(), Some(0.1), "6 a minute");
+    }
+
+    #[test]
+    fn a_share_is_an_exact_rate_in_whole_numbers_with_a_second_of_burst() {
+        let per_second = limit(Unit::Second, 20);
+        assert_eq!(Assignment::share(0, &per_second), Assignment::DenyAll);
+        assert_eq!(
+            Assignment::share(20_000, &per_second),
+            bucket(20, 20_000, 1000)
+        );
+        assert_eq!(Assignment::share(6667, &per_second), bucket(7, 6667, 1000));
+        assert_eq!(Assignment::share(6667, &per_second).rate(), Some(6.667));
+        let per_minute = limit(Unit::Minute, 600);
+        assert_eq!(
+            Assignment::share(300_000, &per_minute),
+            bucket(5, 300_000, 60_000),
+            "300 a minute: 5 a second, a burst of 5"
+        );
+        assert_eq!(Assignment::share(1, &per_minute), bucket(1, 1, 60_000));
+        let huge = limit(Unit::Second, u32::MAX);
+        assert_eq!(
+            Assignment::share(u64::from(u32::MAX) * 1000, &huge),
+            bucket(u32::MAX, u32::MAX, 1)
+        );
+        assert_eq!(Assignment::share(1500, &huge), bucket(2, 1, 1));
+    }
+
+    #[test]
+    fn a_share_that_moves_by_2_percent_or_less_stays() {
+        assert_eq!(settle(None, 10_000), 10_000);
+        assert_eq!(settle(Some(10_000), 10_200), 10_000);
+        assert_eq!(settle(Some(10_000), 9_800), 10_000);
+        assert_eq!(settle(Some(10_000), 10_201), 10_201);
+        assert_eq!(settle(Some(10_000), 9_799), 9_799);
+        assert_eq!(settle(Some(0), 1), 1);
     }
 }

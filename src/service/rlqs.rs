@@ -32,8 +32,8 @@ use super::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_se
 use super::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
-use crate::limiter::{CounterKey, DescriptorKey};
-use crate::quota::{Assignment, MILLI, demand, divide};
+use crate::limiter::{CounterKey, DescriptorKey, Limit};
+use crate::quota::{Assignment, MILLI, demand, divide, settle};
 use crate::rules::{QuotaRule, RuleSet};
 use crate::store::{Deadline, Report, Store};
 use crate::telemetry::Throttle;
@@ -104,6 +104,8 @@ struct Subscriber {
     labels: QuotaLabels,
     /// What it was last sent.
     sent: Assignment,
+    /// The share that was, in thousandths of a request per window, when it was one.
+    share: Option<u64>,
     /// The bucket's rule is in shadow mode: it is sent "allow all" whatever its share.
     shadow: bool,
 }
@@ -358,7 +360,7 @@ impl QuotaStream {
                         if was_shared {
                             self.leave_division(&step.key).await;
                         }
-                        self.subscribe(&step, assignment, false);
+                        self.subscribe(&step, assignment, None, false);
                     }
                     actions.push(self.action(&step, assignment));
                 }
@@ -418,7 +420,7 @@ impl QuotaStream {
             Some(_) if !step.tracked && rule.shadow => Some(Assignment::AllowAll),
             Some(limit) if !step.tracked => Some(Assignment::share(
                 u64::from(limit.requests_per_unit) * MILLI,
-                limit.window_ms() / 1000,
+                limit,
             )),
             Some(_) => None,
         }
@@ -435,7 +437,6 @@ impl QuotaStream {
         let limit = rule.limit.as_ref().expect("a shared bucket has a limit");
         let total = u64::from(limit.requests_per_unit);
         let window = Duration::from_millis(limit.window_ms());
-        let fill_seconds = window.as_secs();
         // A new subscriber, whose demand is not known yet, counts as wanting all of it.
         let wanted = step.elapsed.map_or(total * MILLI, |elapsed| {
             demand(requests, elapsed, window, total)
@@ -446,7 +447,7 @@ impl QuotaStream {
             stays_ms: DEMAND_STAYS.as_millis() as u64,
         };
         let deadline = Deadline::new(STORE_DEADLINE, None);
-        let share = match self.store.record_demand(&step.key, report, deadline).await {
+        let (share, milli) = match self.store.record_demand(&step.key, report, deadline).await {
             Ok(demands) => {
                 let wants: Vec<u64> = demands.streams.iter().map(|(_, d)| *d).collect();
                 let shares = divide(total * MILLI, &wants);
@@ -457,8 +458,10 @@ impl QuotaStream {
                         .position(|(s, _)| s == stream)
                         .map(|at| shares[at])
                 };
-                self.push(&step, |stream| share_of(stream), fill_seconds);
-                Assignment::share(share_of(&self.id).unwrap_or(total * MILLI), fill_seconds)
+                self.push(&step, |stream| share_of(stream), limit);
+                let due = share_of(&self.id).unwrap_or(total * MILLI);
+                let milli = settle(self.last_share(&step.key), due);
+                (Assignment::share(milli, limit), Some(milli))
             }
             Err(e) => {
                 static FAILED: Throttle = Throttle::new();
@@ -468,7 +471,7 @@ impl QuotaStream {
                         "{n} quota demand record(s) since the last report failed, the buckets keep their last assignments: {e}"
                     );
                 }
-                self.kept(&step.key, total, fill_seconds)
+                self.kept(&step.key, limit)
             }
         };
         if let (Some(elapsed), true) = (step.elapsed, rule.shadow) {
@@ -478,26 +481,33 @@ impl QuotaStream {
                 METRICS.quota_shadow_denied(&step.labels, over as u64);
             }
         }
-        self.subscribe(&step, share, rule.shadow);
+        self.subscribe(&step, share, milli, rule.shadow);
         let shadow = rule.shadow;
         (step, share, shadow)
     }
 
+    /// The share this stream was last sent for a bucket, if it was sent one.
+    fn last_share(&self, key: &CounterKey) -> Option<u64> {
+        let buckets = self.quotas.buckets();
+        buckets.get(key)?.get(&self.number)?.share
+    }
+
     /// What a bucket gets while the store cannot answer: what this stream was last sent, or for
     /// a bucket new to it the limit divided among this replica's streams of the bucket.
-    fn kept(&self, key: &CounterKey, total: u64, fill_seconds: u64) -> Assignment {
+    fn kept(&self, key: &CounterKey, limit: &Limit) -> (Assignment, Option<u64>) {
         let buckets = self.quotas.buckets();
         let local = buckets.get(key);
         if let Some(s) = local.and_then(|l| l.get(&self.number)) {
-            return s.sent;
+            return (s.sent, s.share);
         }
         let streams = local.map_or(0, HashMap::len) as u64 + 1;
-        Assignment::share(total * MILLI / streams, fill_seconds)
+        let milli = u64::from(limit.requests_per_unit) * MILLI / streams;
+        (Assignment::share(milli, limit), Some(milli))
     }
 
     /// Sends the other streams of this replica subscribed to the bucket their new shares, where
     /// they changed.
-    fn push(&self, step: &Step, share_of: impl Fn(&str) -> Option<u64>, fill_seconds: u64) {
+    fn push(&self, step: &Step, share_of: impl Fn(&str) -> Option<u64>, limit: &Limit) {
         let mut buckets = self.quotas.buckets();
         let Some(local) = buckets.get_mut(&step.key) else {
             return;
@@ -507,10 +517,11 @@ impl QuotaStream {
                 continue;
             }
             let id = format!("{}:{number}", self.quotas.replica);
-            let Some(share) = share_of(&id) else {
+            let Some(due) = share_of(&id) else {
                 continue;
             };
-            let assignment = Assignment::share(share, fill_seconds);
+            let milli = settle(subscriber.share, due);
+            let assignment = Assignment::share(milli, limit);
             if assignment == subscriber.sent {
                 continue;
             }
@@ -523,6 +534,7 @@ impl QuotaStream {
             };
             // A full outbox drops the push; the stream's next answer carries the share anyway.
             subscriber.sent = assignment;
+            subscriber.share = Some(milli);
             if subscriber.outbox.try_send(Ok(pushed)).is_ok() {
                 METRICS.quota_action(&subscriber.labels, assignment.name());
             }
@@ -530,7 +542,7 @@ impl QuotaStream {
     }
 
     /// Remembers what the stream was sent for a bucket, for pushes and for store outages.
-    fn subscribe(&self, step: &Step, sent: Assignment, shadow: bool) {
+    fn subscribe(&self, step: &Step, sent: Assignment, share: Option<u64>, shadow: bool) {
         self.quotas
             .buckets()
             .entry(step.key.clone())
@@ -542,6 +554,7 @@ impl QuotaStream {
                     bucket_id: step.bucket_id.clone(),
                     labels: step.labels.clone(),
                     sent,
+                    share,
                     shadow,
                 },
             );

@@ -127,9 +127,17 @@ pub fn only(answer: &RateLimitQuotaResponse, id: &BucketId) -> Strategy {
     }
 }
 
-/// A token bucket's tokens per fill, checking the shape Envoy 1.40 enforces: tokens_per_fill
-/// set and equal to max_tokens, a whole-second fill interval of `fill_seconds`.
-pub fn tokens(strategy: &Strategy, fill_seconds: i64) -> u32 {
+/// A token bucket's share of the limit, in whole requests per window of `window_seconds`,
+/// checking the shape Envoy 1.40 enforces: `tokens_per_fill` set, a whole-second fill interval
+/// of at least 1 s, and at least one token held.
+pub fn tokens(strategy: &Strategy, window_seconds: i64) -> u32 {
+    let per_window = share(strategy, window_seconds);
+    assert_eq!(per_window.fract(), 0.0, "a whole share: {per_window}");
+    per_window as u32
+}
+
+/// A token bucket's share of the limit per window of `window_seconds`, checked as `tokens` does.
+pub fn share(strategy: &Strategy, window_seconds: i64) -> f64 {
     let Strategy::TokenBucket(bucket) = strategy else {
         panic!("expected a token bucket, got {strategy:?}");
     };
@@ -139,13 +147,15 @@ pub fn tokens(strategy: &Strategy, fill_seconds: i64) -> u32 {
         .expect("tokens_per_fill is always set: Envoy 1.40 reads it unset as 0, never refilling")
         .value;
     let fill = bucket.fill_interval.expect("a fill interval");
-    assert_eq!(
-        (fill.seconds, fill.nanos),
-        (fill_seconds, 0),
-        "Envoy 1.40 reads a sub-second fill interval as 0 s: no limit at all"
+    assert!(
+        fill.seconds >= 1 && fill.nanos == 0,
+        "Envoy 1.40 reads a sub-second fill interval as 0 s, no limit at all: {fill:?}"
     );
-    assert_eq!(bucket.max_tokens, per_fill, "one window's share of burst");
-    per_fill
+    assert!(
+        bucket.max_tokens >= 1,
+        "a bucket holding nothing denies all"
+    );
+    (f64::from(per_fill) * window_seconds as f64 / fill.seconds as f64 * 1000.0).round() / 1000.0
 }
 
 pub fn blanket(strategy: &Strategy) -> BlanketRule {
