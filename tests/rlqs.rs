@@ -194,6 +194,21 @@ async fn unmatched_buckets_can_be_denied() {
         BlanketRule::DenyAll,
         "a domain without rules is unmatched too"
     );
+    let scrape = scrape(sluice.http);
+    let unknown = [("domain", "(unknown)"), ("rule", "(none)")];
+    assert_eq!(
+        scrape.value("sluice_quota_reported_allowed_total", &unknown),
+        1.0,
+        "a domain no rule file declares is not named in metrics"
+    );
+    assert!(
+        scrape
+            .get(
+                "sluice_quota_reported_allowed_total",
+                &[("domain", "elsewhere"), ("rule", "(none)")]
+            )
+            .is_none()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

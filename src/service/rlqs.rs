@@ -37,7 +37,7 @@ use crate::quota::{Assignment, MILLI, demand, divide, settle};
 use crate::rules::{QuotaRule, RuleSet};
 use crate::store::{Deadline, Report, Store};
 use crate::telemetry::Throttle;
-use crate::telemetry::metrics::{METRICS, QuotaLabels, UNMATCHED_RULE};
+use crate::telemetry::metrics::{METRICS, QuotaLabels, UNKNOWN_DOMAIN, UNMATCHED_RULE};
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
 use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
 use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, UInt32Value};
@@ -282,8 +282,14 @@ impl QuotaStream {
             let as_bytes: Vec<(&[u8], &[u8])> =
                 entries.iter().map(|(k, v)| (k.as_bytes(), *v)).collect();
             let key = DescriptorKey::new(self.domain.as_bytes(), &as_bytes).counter("rlqs");
+            // Series are named by the rule files only: a domain without rules is not named.
+            let domain = if rules.has_domain(self.domain.as_bytes()) {
+                self.domain.clone()
+            } else {
+                UNKNOWN_DOMAIN.to_owned()
+            };
             let labels: QuotaLabels = [
-                ("domain", self.domain.clone()),
+                ("domain", domain),
                 (
                     "rule",
                     rule.as_ref()

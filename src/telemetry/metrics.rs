@@ -45,6 +45,8 @@ type ActionLabels = [(&'static str, String); 3];
 
 /// The name of the quota bucket rule of buckets no rule matches, in metrics.
 pub const UNMATCHED_RULE: &str = "(none)";
+/// The name, in quota metrics, of every domain no rule file declares.
+pub const UNKNOWN_DOMAIN: &str = "(unknown)";
 
 /// Every metric of the process.
 pub struct Metrics {
