@@ -77,14 +77,39 @@ impl Default for Origin {
 /// The children of one node, grouped by entry key.
 #[derive(Default)]
 struct Level {
-    by_key: HashMap<Vec<u8>, Branches>,
+    by_key: HashMap<Vec<u8>, Branches<Node>>,
 }
 
-#[derive(Default)]
-struct Branches {
-    exact: HashMap<Vec<u8>, Node>,
-    patterns: Vec<(Pattern, Node)>,
-    any: Option<Box<Node>>,
+/// The rules of one key at one level: by exact value, by pattern (in file order), and for the
+/// key alone.
+struct Branches<T> {
+    exact: HashMap<Vec<u8>, T>,
+    patterns: Vec<(Pattern, T)>,
+    any: Option<Box<T>>,
+}
+
+impl<T> Default for Branches<T> {
+    fn default() -> Self {
+        Branches {
+            exact: HashMap::new(),
+            patterns: Vec::new(),
+            any: None,
+        }
+    }
+}
+
+impl<T> Branches<T> {
+    /// The rule an entry's value matches, and how: its exact value, else the first pattern that
+    /// matches it, else the key alone.
+    fn find(&self, value: &[u8]) -> Option<(&T, Matched<'_>)> {
+        if let Some(n) = self.exact.get(value) {
+            Some((n, Matched::Exact))
+        } else if let Some((p, n)) = self.patterns.iter().find(|(p, _)| p.matches(value)) {
+            Some((n, Matched::Pattern(p.text.as_slice())))
+        } else {
+            Some((self.any.as_deref()?, Matched::Key))
+        }
+    }
 }
 
 /// One rule of the tree.
@@ -266,13 +291,7 @@ impl RuleSet {
         let mut node = None;
         for (key, value) in entries {
             let branches = level.by_key.get(*key)?;
-            let (next, how) = if let Some(n) = branches.exact.get(*value) {
-                (n, Matched::Exact)
-            } else if let Some((p, n)) = branches.patterns.iter().find(|(p, _)| p.matches(value)) {
-                (n, Matched::Pattern(p.text.as_slice()))
-            } else {
-                (branches.any.as_deref()?, Matched::Key)
-            };
+            let (next, how) = branches.find(value)?;
             visit(next, how, key, value);
             level = &next.children;
             node = Some(next);

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::Pattern;
+use super::{Branches, Pattern};
 use crate::config::{QuotaBucketConfig, quota_path};
 use crate::limiter::Limit;
 
@@ -24,14 +24,7 @@ pub struct QuotaRule {
 /// One domain's quota bucket rules.
 #[derive(Default)]
 pub(super) struct QuotaLevel {
-    by_key: HashMap<String, Branches>,
-}
-
-#[derive(Default)]
-struct Branches {
-    exact: HashMap<Vec<u8>, QuotaNode>,
-    patterns: Vec<(Pattern, QuotaNode)>,
-    any: Option<Box<QuotaNode>>,
+    by_key: HashMap<String, Branches<QuotaNode>>,
 }
 
 #[derive(Default)]
@@ -88,13 +81,7 @@ impl QuotaLevel {
         let mut node = None;
         for (key, value) in bucket {
             let branches = level.by_key.get(*key)?;
-            let next = if let Some(n) = branches.exact.get(*value) {
-                n
-            } else if let Some((_, n)) = branches.patterns.iter().find(|(p, _)| p.matches(value)) {
-                n
-            } else {
-                branches.any.as_deref()?
-            };
+            let (next, _) = branches.find(value)?;
             level = &next.children;
             node = Some(next);
         }
