@@ -43,10 +43,10 @@ use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
 use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, UInt32Value};
 
 /// How often Envoy reports (fixed at 5 s in Envoy 1.40, whatever the bucket says).
-pub const REPORT_INTERVAL: Duration = Duration::from_secs(5);
+const REPORT_INTERVAL: Duration = Duration::from_secs(5);
 /// How long a stream's demand stays counted without a new report: three report intervals, so
 /// that one late or lost report does not take its share away.
-const DEMAND_STAYS: Duration = Duration::from_secs(15);
+const DEMAND_STAYS: Duration = Duration::from_secs(3 * REPORT_INTERVAL.as_secs());
 /// The most a demand record may take. No request waits for it: the Envoy keeps enforcing its
 /// last assignment meanwhile.
 const STORE_DEADLINE: Duration = Duration::from_secs(1);
@@ -54,8 +54,8 @@ const STORE_DEADLINE: Duration = Duration::from_secs(1);
 /// answered without being tracked or divided: with its rule's whole limit, as if its Envoy were
 /// alone (a client that makes up bucket values gets no more than a limit per value, as it would
 /// from buckets that are tracked).
-pub const MOST_BUCKETS_PER_STREAM: usize = 10_000;
-pub const MOST_BUCKET_BYTES_PER_STREAM: usize = 16 << 20;
+const MOST_BUCKETS_PER_STREAM: usize = 10_000;
+const MOST_BUCKET_BYTES_PER_STREAM: usize = 16 << 20;
 /// Demand records one report may have in flight at once.
 const RECORDS_AT_ONCE: usize = 64;
 /// Buckets that may be divided at once on one replica (their keys hashed to as many turns).
@@ -125,6 +125,11 @@ impl Quotas {
         }
     }
 
+    /// The name in the store of this replica's stream `number`, unique across replicas.
+    fn stream_id(&self, number: u64) -> String {
+        format!("{}:{number}", self.replica)
+    }
+
     fn turn(&self, key: &CounterKey) -> &tokio::sync::Mutex<()> {
         let at = self.hasher.hash_one(key) as usize % self.turns.len();
         &self.turns[at]
@@ -185,7 +190,7 @@ impl RateLimitQuotaService for Rlqs {
         let (outbox, answers) = mpsc::channel(OUTBOX);
         let number = self.quotas.next_stream.fetch_add(1, Ordering::Relaxed);
         let stream = QuotaStream {
-            id: format!("{}:{number}", self.quotas.replica),
+            id: self.quotas.stream_id(number),
             number,
             quotas: self.quotas.clone(),
             rules: self.rules.clone(),
@@ -268,6 +273,12 @@ impl QuotaStream {
         let now = Instant::now();
         let mut actions = Vec::new();
         let mut shared = Vec::new();
+        // Series are named by the rule files only: a domain without rules is not named.
+        let domain_label = if rules.has_domain(self.domain.as_bytes()) {
+            self.domain.clone()
+        } else {
+            UNKNOWN_DOMAIN.to_owned()
+        };
         for usage in report.bucket_quota_usages {
             let Some(bucket_id) = usage.bucket_id.filter(|b| !b.bucket.is_empty()) else {
                 continue;
@@ -282,14 +293,8 @@ impl QuotaStream {
             let as_bytes: Vec<(&[u8], &[u8])> =
                 entries.iter().map(|(k, v)| (k.as_bytes(), *v)).collect();
             let key = DescriptorKey::new(self.domain.as_bytes(), &as_bytes).counter("rlqs");
-            // Series are named by the rule files only: a domain without rules is not named.
-            let domain = if rules.has_domain(self.domain.as_bytes()) {
-                self.domain.clone()
-            } else {
-                UNKNOWN_DOMAIN.to_owned()
-            };
             let labels: QuotaLabels = [
-                ("domain", domain),
+                ("domain", domain_label.clone()),
                 (
                     "rule",
                     rule.as_ref()
@@ -522,7 +527,7 @@ impl QuotaStream {
             if *number == self.number || subscriber.shadow {
                 continue;
             }
-            let id = format!("{}:{number}", self.quotas.replica);
+            let id = self.quotas.stream_id(*number);
             let Some(due) = share_of(&id) else {
                 continue;
             };
