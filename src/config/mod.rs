@@ -16,6 +16,15 @@ pub use file::parse;
 
 use crate::limiter::{Counting, Limit, Mode};
 
+/// The deepest a rule file (or an xDS resource) may nest `descriptors`: deeper than any request
+/// can reach under `--max-entries`' default, far from what would strain a stack.
+pub const MOST_DESCRIPTOR_DEPTH: usize = 32;
+/// The deepest a rule's `metadata` may nest: its answer as dynamic metadata stays well within the
+/// 100 levels that protobuf decoders (Envoy's among them) accept.
+pub const MOST_METADATA_DEPTH: usize = 16;
+/// The most keys a quota bucket rule may match on.
+pub const MOST_BUCKET_KEYS: usize = 32;
+
 /// One domain, as one rule file declares it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DomainConfig {
