@@ -482,6 +482,28 @@ fn only_variables_set_to_what_would_matter_are_unhonoured() {
     );
 }
 
+/// envoyproxy/ratelimit's opt-in to drop a connection that answers READONLY (a primary demoted
+/// behind a fixed address) is what sluice always does: accepted without a word, whatever its
+/// value, and refused at start when it is not a boolean, as there.
+#[test]
+fn redis_close_connection_on_readonly_error_is_accepted_as_what_sluice_always_does() {
+    let redis = [("REDIS_SOCKET_TYPE", "tcp"), ("REDIS_URL", "r:6379")];
+    for value in ["true", "false"] {
+        let mut env = redis.to_vec();
+        env.push(("REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR", value));
+        let translation = translated(&env).expect("a valid environment");
+        assert_eq!(translation.unhonoured, [], "{value}");
+        assert_eq!(translation.args, translated(&redis).unwrap().args);
+    }
+    let mut env = redis.to_vec();
+    env.push(("REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR", "maybe"));
+    let refused = translated(&env).unwrap_err();
+    assert!(
+        refused.starts_with("REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR=maybe"),
+        "{refused}"
+    );
+}
+
 // ---- the binary, run as `ratelimit` ----
 
 /// A rule file in envoyproxy/ratelimit's format.

@@ -268,6 +268,9 @@ fn store(vars: &Vars, out: &mut Translation) -> Result<(), String> {
             ));
         }
     }
+    // A connection that answers READONLY (a primary demoted behind a fixed address) is always
+    // dropped and made again: the opt-in asks for what sluice does anyway.
+    vars.flag("REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR")?;
     let Some(url) = vars.get("REDIS_URL") else {
         out.notes.push(
             "REDIS_URL is not set: counters are kept in this process's embedded store, not \
