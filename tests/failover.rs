@@ -100,7 +100,7 @@ async fn a_failover_behind_a_fixed_address_is_decided_again_within_seconds() {
             "--redis-key-prefix",
             "failover:",
             "--store-timeout",
-            "500ms",
+            "2s",
         ],
     )
     .await;
