@@ -1,16 +1,46 @@
 //! The rules in force, written out for operators: as JSON (`/config`: every domain and rule with
 //! its source file and line, the files' hashes and the load time) and as text, one line per
-//! limit, in envoyproxy/ratelimit's `/rlconfig` format.
+//! limit, in envoyproxy/ratelimit's `/rlconfig` format. Each is rendered once per rule set, in
+//! time and size linear in the rules (their nesting is capped at load).
 
+use std::sync::OnceLock;
 use std::time::UNIX_EPOCH;
 
+use bytes::Bytes;
 use serde_json::{Value, json};
 
 use super::RuleSet;
 use crate::config::{DescriptorConfig, DomainConfig, QuotaBucketConfig, RuleLimit, quota_path};
 use crate::limiter::{Algorithm, Limit, Mode};
 
+/// The dumps of one rule set, once rendered.
+#[derive(Default)]
+pub(super) struct Rendered {
+    json: OnceLock<Bytes>,
+    text: OnceLock<Bytes>,
+}
+
 impl RuleSet {
+    /// `dump_json` as pretty text (`/config`), rendered on the first call.
+    pub fn rendered_json(&self) -> Bytes {
+        self.rendered
+            .json
+            .get_or_init(|| {
+                let mut text = serde_json::to_vec_pretty(&self.dump_json()).unwrap_or_default();
+                text.push(b'\n');
+                Bytes::from(text)
+            })
+            .clone()
+    }
+
+    /// `dump_text` (`/rlconfig`), rendered on the first call.
+    pub fn rendered_text(&self) -> Bytes {
+        self.rendered
+            .text
+            .get_or_init(|| Bytes::from(self.dump_text()))
+            .clone()
+    }
+
     /// The rules as JSON.
     pub fn dump_json(&self) -> Value {
         let origin = &self.origin;
