@@ -96,12 +96,7 @@ pub async fn watch(rules: Rules, source: Source, allow_empty: bool, mut hangup: 
                 "SIGHUP"
             }
             () = changed.notified() => {
-                let give_up = Instant::now() + LONGEST_SETTLE;
-                while Instant::now() < give_up
-                    && tokio::time::timeout_at(give_up.min(Instant::now() + SETTLE), changed.notified())
-                        .await
-                        .is_ok()
-                {}
+                settle(&changed).await;
                 "file change"
             }
         };
@@ -110,9 +105,24 @@ pub async fn watch(rules: Rules, source: Source, allow_empty: bool, mut hangup: 
         let reloading =
             tokio::task::spawn_blocking(move || reload(&rules, &source, allow_empty, trigger));
         if let Err(e) = reloading.await {
+            METRICS.reload_failed();
             tracing::error!("{trigger}: the reload failed ({e}); the rules in force stay");
         }
         tokio::time::sleep(PACE).await;
+    }
+}
+
+/// Waits until the changes have stopped for `SETTLE`, or for `LONGEST_SETTLE` since the first.
+async fn settle(changed: &Notify) {
+    let give_up = Instant::now() + LONGEST_SETTLE;
+    loop {
+        let quiet_until = give_up.min(Instant::now() + SETTLE);
+        let stopped = tokio::time::timeout_at(quiet_until, changed.notified())
+            .await
+            .is_err();
+        if stopped || Instant::now() >= give_up {
+            return;
+        }
     }
 }
 
