@@ -255,6 +255,9 @@ struct ExplainArgs {
     /// Explain as `serve --merge-domains` loads the rules.
     #[arg(long, env = "SLUICE_MERGE_DOMAINS")]
     merge_domains: bool,
+    /// The most bytes the rule files may hold together, as `serve --max-config-bytes`.
+    #[arg(long, env = "SLUICE_MAX_CONFIG_BYTES", default_value_t = config::DEFAULT_MAX_CONFIG_BYTES)]
+    max_config_bytes: u64,
     /// Explain as `serve --quota-mode` answers.
     #[arg(long, env = "SLUICE_QUOTA_MODE")]
     quota_mode: bool,
@@ -454,8 +457,7 @@ fn explain(args: &ExplainArgs) -> ExitCode {
     let loaded = match config::load(&config::Source {
         path: args.path.clone(),
         merge_domains: args.merge_domains,
-        // Explaining is not serving: the files are read whatever their size.
-        max_bytes: u64::MAX,
+        max_bytes: args.max_config_bytes,
     }) {
         Ok(loaded) => loaded,
         Err(errors) => {
