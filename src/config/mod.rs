@@ -33,7 +33,8 @@ pub const MOST_BUCKET_KEYS: usize = 32;
 pub const MOST_YAML_DEPTH: usize = 1 + 2 * MOST_DESCRIPTOR_DEPTH + MOST_METADATA_DEPTH;
 /// The default of `--max-config-bytes`: the most bytes the rule files under `--config` may hold
 /// together. Loading takes about 45 bytes of memory per byte of rules at its peak (4 MiB: about
-/// 230 MB), and a Kubernetes ConfigMap holds 1 MiB at most.
+/// 230 MB; about 100 for a file of tiny list items), and a Kubernetes ConfigMap holds 1 MiB at
+/// most.
 pub const DEFAULT_MAX_CONFIG_BYTES: u64 = 4 * 1024 * 1024;
 
 /// One domain, as one rule file declares it.
