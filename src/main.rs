@@ -50,6 +50,9 @@ enum Command {
         /// One domain may span several files (envoyproxy/ratelimit's MERGE_DOMAIN_CONFIG).
         #[arg(long, env = "SLUICE_MERGE_DOMAINS")]
         merge_domains: bool,
+        /// The most bytes the rule files may hold together, as `serve --max-config-bytes`.
+        #[arg(long, env = "SLUICE_MAX_CONFIG_BYTES", default_value_t = config::DEFAULT_MAX_CONFIG_BYTES)]
+        max_config_bytes: u64,
     },
     /// Explain how rules match a request: each descriptor's walk through the rule tree, the
     /// limits, replaces and modes that apply, and the counters it would move (none is moved).
@@ -167,6 +170,11 @@ struct ServeArgs {
     /// MERGE_DOMAIN_CONFIG); else a domain in two files is an error.
     #[arg(long, env = "SLUICE_MERGE_DOMAINS")]
     merge_domains: bool,
+    /// The most bytes the rule files under --config may hold together: past it, a load is
+    /// refused (at start, the start fails; on a reload, the rules in force stay) before the
+    /// files are read.
+    #[arg(long, env = "SLUICE_MAX_CONFIG_BYTES", default_value_t = config::DEFAULT_MAX_CONFIG_BYTES)]
+    max_config_bytes: u64,
     /// The longest a request waits for the counter store (e.g. 10ms, 1s); a caller's own
     /// shorter grpc-timeout shortens it.
     #[arg(long, env = "SLUICE_STORE_TIMEOUT", default_value = "10ms", value_parser = humantime::parse_duration)]
@@ -247,6 +255,9 @@ struct ExplainArgs {
     /// Explain as `serve --merge-domains` loads the rules.
     #[arg(long, env = "SLUICE_MERGE_DOMAINS")]
     merge_domains: bool,
+    /// The most bytes the rule files may hold together, as `serve --max-config-bytes`.
+    #[arg(long, env = "SLUICE_MAX_CONFIG_BYTES", default_value_t = config::DEFAULT_MAX_CONFIG_BYTES)]
+    max_config_bytes: u64,
     /// Explain as `serve --quota-mode` answers.
     #[arg(long, env = "SLUICE_QUOTA_MODE")]
     quota_mode: bool,
@@ -348,9 +359,11 @@ fn main() -> ExitCode {
         Command::CheckConfig {
             path,
             merge_domains,
+            max_config_bytes,
         } => check_config(&config::Source {
             path,
             merge_domains,
+            max_bytes: max_config_bytes,
         }),
         Command::Health { target, tls } => health(target.unwrap_or_else(served_grpc_addr), tls),
         Command::Explain(args) => explain(&args),
@@ -444,6 +457,7 @@ fn explain(args: &ExplainArgs) -> ExitCode {
     let loaded = match config::load(&config::Source {
         path: args.path.clone(),
         merge_domains: args.merge_domains,
+        max_bytes: args.max_config_bytes,
     }) {
         Ok(loaded) => loaded,
         Err(errors) => {
@@ -571,6 +585,10 @@ fn check_bounds(args: &ServeArgs) -> anyhow::Result<()> {
         ("--max-entries", args.max_entries),
         ("--max-request-bytes", args.max_request_bytes),
         (
+            "--max-config-bytes",
+            usize::try_from(args.max_config_bytes).unwrap_or(usize::MAX),
+        ),
+        (
             "--max-concurrent-streams",
             args.max_concurrent_streams as usize,
         ),
@@ -651,6 +669,7 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
             let source = config::Source {
                 path: path.clone(),
                 merge_domains: args.merge_domains,
+                max_bytes: args.max_config_bytes,
             };
             let first = reload::load(&source, args.allow_empty_config)?;
             reload::first(&first);
