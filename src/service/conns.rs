@@ -146,7 +146,8 @@ impl Connections {
             victim.evict.notify_one();
             if let Some(n) = self.0.evicted.hit() {
                 tracing::warn!(
-                    "{n} idle {} connection(s) closed to make room: {} are open, the most allowed",
+                    "{n} {} connection(s) waiting for a request closed to make room: {} are \
+                     open, the most allowed",
                     self.0.name,
                     self.0.cap
                 );
