@@ -150,7 +150,7 @@ async fn a_rule_flooded_with_unique_values_gets_over_limit_past_its_share_and_ot
 {
     // 64 shards of 50 counters; a rule may hold half of each.
     let mut sluice = Sluice::start_with(&[("rules.yaml", RULES)], &["--max-keys", "3200"]).await;
-    common::clear_of_window_end(HOUR, Duration::from_secs(60)).await;
+    common::clear_of_window_end(HOUR, Duration::from_secs(30)).await;
     let mut client = sluice.client().await;
     let known = client
         .should_rate_limit(request("web", &[&[("user", "known")]]))
@@ -228,7 +228,7 @@ async fn a_rule_flooded_with_unique_values_gets_over_limit_past_its_share_and_ot
 async fn when_the_whole_store_is_full_a_rule_within_its_share_gets_the_on_store_error_answer() {
     // 64 shards of 10: two rules flooded to their half fill every shard.
     let mut sluice = Sluice::start_with(&[("rules.yaml", RULES)], &["--max-keys", "640"]).await;
-    common::clear_of_window_end(HOUR, Duration::from_secs(60)).await;
+    common::clear_of_window_end(HOUR, Duration::from_secs(30)).await;
     for key in ["user", "path"] {
         let tally = flood(&sluice, key, "flood-", 2_000).await;
         assert!(
@@ -268,7 +268,7 @@ async fn when_the_whole_store_is_full_a_rule_within_its_share_gets_the_on_store_
 async fn scheduled_counters_with_unique_values_never_crowd_out_new_present_counters() {
     // 64 shards of 50; scheduled counters may hold a quarter of each, a rule half of that.
     let mut sluice = Sluice::start_with(&[("rules.yaml", RULES)], &["--max-keys", "3200"]).await;
-    common::clear_of_window_end(HOUR, Duration::from_secs(60)).await;
+    common::clear_of_window_end(HOUR, Duration::from_secs(30)).await;
     let ahead = days_ahead(20);
     let mut statuses = post_scheduled(sluice.http, "daily", "f", 3_200, ahead.clone()).await;
     statuses.extend(post_scheduled(sluice.http, "log", "g", 3_200, ahead).await);
@@ -297,7 +297,7 @@ async fn a_present_counter_given_a_scheduled_entry_counts_as_scheduled() {
     // A sliding log created now, then given an entry 20 days ahead, lives 20 days: it leaves the
     // rule's present share for the scheduled one, so it cannot hold a present slot that long.
     let sluice = Sluice::start_with(&[("rules.yaml", RULES)], &["--max-keys", "3200"]).await;
-    common::clear_of_window_end(HOUR, Duration::from_secs(60)).await;
+    common::clear_of_window_end(HOUR, Duration::from_secs(30)).await;
     let ahead = days_ahead(20);
     let mut client = sluice.client().await;
     let mut moved = 0;
