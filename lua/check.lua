@@ -25,9 +25,13 @@
 --          ones before it wrote; a counter named twice is counted twice; every written key gets
 --          an expiry, set as an instant on the TIME clock (PEXPIREAT: Redis' own clock for
 --          relative TTLs is the call's start, which may trail TIME by a millisecond and would
---          end a key early); numbers are written with %d, never in a form that loses digits;
---          a key that cannot be read fails only the requests naming it, while an error of the
---          server's (READONLY, OOM, ...) fails the whole call.
+--          end a key early); a key written for an instant expires one window after the latest
+--          instant it holds (a fixed window: the end of its latest window; a log: its newest entry
+--          plus a window), and the service names no instant more than --max-schedule-ahead from
+--          now, so no key outlives now + --max-schedule-ahead + its window; numbers are written
+--          with %d, never in a form that loses digits; a key that cannot be read fails only the
+--          requests naming it, while an error of the server's (READONLY, OOM, ...) fails the whole
+--          call.
 
 -- Locals: every global lookup in a Redis script goes through the protected globals table.
 local call, floor, max, min, tonumber, format, unpack = redis.call, math.floor, math.max,

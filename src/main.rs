@@ -15,7 +15,7 @@ use clap::{Args, Parser, Subcommand};
 use sluice::certs::PemFile;
 use sluice::config;
 use sluice::config::xds::XdsFlags;
-use sluice::limiter::{Counting, OverLimitCache};
+use sluice::limiter::{Counting, LONGEST_WINDOW_SECONDS, OverLimitCache};
 use sluice::rules::RuleSet;
 use sluice::service::rlqs::{QuotaSettings, Quotas, Unmatched};
 use sluice::service::rls::{Answering, Bounds, Fallback, LimitHeaders, OnStoreError};
@@ -24,7 +24,7 @@ use sluice::service::{
     self, Addrs, Edges, Healthcheck, JsonAt, MaxAge, Rules, Setup, Shutdown, reload,
 };
 use sluice::settings::erl;
-use sluice::store::{Backend, RedisTls, RedisTlsFlags};
+use sluice::store::{Backend, Percent, RedisTls, RedisTlsFlags};
 use sluice::telemetry::LogFormat;
 use sluice::telemetry::mapper::Mapper;
 use sluice::telemetry::metrics;
@@ -202,6 +202,15 @@ struct ServeArgs {
     /// the --on-store-error answer.
     #[arg(long, env = "SLUICE_MAX_KEYS", default_value_t = 1_000_000)]
     max_keys: usize,
+    /// The share of --max-keys that the counters of one rule may hold (e.g. 50%), so that a rule
+    /// keyed on values clients choose cannot take the whole embedded store; a request needing a
+    /// new counter past it is over the limit. 100% lets a rule fill the store.
+    #[arg(long, env = "SLUICE_MAX_KEYS_PER_RULE", default_value = "50%", value_parser = parse_percent)]
+    max_keys_per_rule: Percent,
+    /// How far ahead of now a /json request's "at" may lie (e.g. 31d, 1y): every counter it
+    /// writes lives at most that and its window. An instant further ahead is refused (400).
+    #[arg(long, env = "SLUICE_MAX_SCHEDULE_AHEAD", default_value = "31d", value_parser = humantime::parse_duration)]
+    max_schedule_ahead: Duration,
     /// Most descriptors in one request.
     #[arg(long, env = "SLUICE_MAX_DESCRIPTORS", default_value_t = 64)]
     max_descriptors: usize,
@@ -302,6 +311,19 @@ fn parse_metrics_path(value: &str) -> Result<String, String> {
         return Err("a path such as /metrics".into());
     }
     Ok(value.to_owned())
+}
+
+/// A share such as `50%` (or `50`), from 1% to 100%.
+fn parse_percent(value: &str) -> Result<Percent, String> {
+    value
+        .strip_suffix('%')
+        .unwrap_or(value)
+        .trim()
+        .parse::<u8>()
+        .ok()
+        .filter(|p| (1..=100).contains(p))
+        .map(Percent)
+        .ok_or_else(|| "a share from 1% to 100%, such as 50%".to_owned())
 }
 
 /// An HTTP header name (RFC 9110 token characters), which Envoy can add to its response.
@@ -499,6 +521,7 @@ fn explain(args: &ExplainArgs) -> ExitCode {
     let unbounded = Bounds {
         max_descriptors: usize::MAX,
         max_entries: usize::MAX,
+        max_schedule_ahead: Duration::from_secs(LONGEST_WINDOW_SECONDS),
     };
     let rules = sluice::rules::RuleSet::from_loaded(loaded, false);
     let explained = request.and_then(|request| {
@@ -647,6 +670,12 @@ fn check_bounds(args: &ServeArgs) -> anyhow::Result<()> {
     {
         anyhow::bail!("--grpc-max-connection-age: must be more than 0 (leave it out for none)");
     }
+    if args.max_schedule_ahead > Duration::from_secs(LONGEST_WINDOW_SECONDS) {
+        anyhow::bail!(
+            "--max-schedule-ahead: must be at most {}d (10 years)",
+            LONGEST_WINDOW_SECONDS / 86_400
+        );
+    }
     if args.store_timeout.is_zero() || args.store_timeout > LONGEST_STORE_TIMEOUT {
         anyhow::bail!(
             "--store-timeout: must be more than 0 and at most {}",
@@ -722,7 +751,7 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         (None, None) => anyhow::bail!("--config or --xds-server is needed"),
     };
     let backend = match &args.redis_url {
-        None => Backend::memory(args.max_keys),
+        None => Backend::memory(args.max_keys, args.max_keys_per_rule),
         Some(url) => Backend::redis(
             url.clone(),
             args.redis_key_prefix.clone(),
@@ -735,6 +764,7 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         bounds: Bounds {
             max_descriptors: args.max_descriptors,
             max_entries: args.max_entries,
+            max_schedule_ahead: args.max_schedule_ahead,
         },
         fallback: Fallback {
             store_timeout: args.store_timeout,

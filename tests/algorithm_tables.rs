@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use sluice::limiter::{Algorithm, Check, Counting, DescriptorKey, Item, Limit, Mode, Unit};
-use sluice::store::MemoryStore;
+use sluice::limiter::{Algorithm, Check, Counting, DescriptorKey, Item, Limit, Mode, RuleId, Unit};
+use sluice::store::{MemoryStore, Percent};
 
 /// A whole second, so that windows start at T0.
 const T0: u64 = 1_700_000_000_000;
@@ -26,12 +26,13 @@ fn limit(algorithm: Algorithm, requests_per_unit: u32, burst: u32) -> Limit {
 
 /// Runs `rows` in order against one counter of `limit` on a fresh store.
 fn table(limit: Limit, rows: &[Row]) {
-    let store = MemoryStore::new(1_000);
+    let store = MemoryStore::new(1_000, Percent(100));
     let key = DescriptorKey::new(b"tables", &[(b"k", b"v")]).counter(limit.algorithm.name());
     for (i, &(at, hits, admitted, remaining, reset)) in rows.iter().enumerate() {
         let check = Check {
             items: vec![Item {
                 key: key.clone(),
+                rule: RuleId::default(),
                 limit: limit.clone(),
                 mode: Mode::Enforce,
                 hits,

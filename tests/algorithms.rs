@@ -510,7 +510,7 @@ async fn at_on_a_bucket_or_a_sliding_window_is_400_naming_the_algorithm() {
 }
 
 #[tokio::test]
-async fn an_at_that_is_not_an_rfc_3339_instant_or_more_than_ten_years_ahead_is_400() {
+async fn an_at_that_is_not_an_rfc_3339_instant_or_past_the_schedule_horizon_is_400() {
     let sluice = Sluice::start(MESSAGES).await;
     let far = |days: u64| {
         let day = (unix_ms() / DAY_MS + days) * DAY_MS;
@@ -521,17 +521,24 @@ async fn an_at_that_is_not_an_rfc_3339_instant_or_more_than_ten_years_ahead_is_4
         ("\"2030-01-01T11:11:11\"", "not an RFC 3339 instant"),
         ("\"2030-13-01T11:11:11Z\"", "not an RFC 3339 instant"),
         ("1893496271000", "must be an RFC 3339 instant in a string"),
-        (far(3_652).as_str(), "more than 3650 days ahead"),
+        (
+            far(32).as_str(),
+            "more than --max-schedule-ahead (31d) ahead",
+        ),
+        (
+            far(3_652).as_str(),
+            "more than --max-schedule-ahead (31d) ahead",
+        ),
     ] {
         let answer = post(&sluice, "fixed", "k", at);
         assert_eq!(answer.status, 400, "{at}: {}", answer.body);
         assert!(answer.body.contains(says), "{at}: {}", answer.body);
     }
-    let within = post(&sluice, "fixed", "k", &far(3_648));
+    let within = post(&sluice, "fixed", "k", &far(30));
     assert_eq!(
         (within.status, within.remaining),
         (200, 1),
-        "up to ten years ahead is fine, and the rejected requests consumed nothing: {}",
+        "up to 31 days ahead is fine, and the rejected requests consumed nothing: {}",
         within.body
     );
 }

@@ -14,9 +14,9 @@ use fred::prelude::*;
 use fred::types::CustomCommand;
 use sluice::limiter::algorithm::{Verdict, gcra, window};
 use sluice::limiter::{
-    Algorithm, Check, CounterKey, Counting, DescriptorKey, Item, Limit, Mode, Unit,
+    Algorithm, Check, CounterKey, Counting, DescriptorKey, Item, Limit, Mode, RuleId, Unit,
 };
-use sluice::store::{MemoryStore, Stored};
+use sluice::store::{MemoryStore, Percent, Stored};
 
 const CHECK: &str = include_str!("../lua/check.lua");
 
@@ -262,7 +262,7 @@ async fn same_state(client: &Client, memory: &MemoryStore, counters: &[Counter],
 async fn run(client: &Client, seed: u64, steps: usize) {
     let mut rng = Rng(seed);
     let mut counters = counters(&mut rng, seed);
-    let memory = MemoryStore::new(10_000);
+    let memory = MemoryStore::new(10_000, Percent(100));
     let mut now = 0;
     for step in 0..steps {
         let n = 1 + rng.below(3) as usize;
@@ -284,6 +284,7 @@ async fn run(client: &Client, seed: u64, steps: usize) {
             .iter()
             .map(|&i| Item {
                 key: counters[i].key.clone(),
+                rule: RuleId::default(),
                 limit: counters[i].limit.clone(),
                 mode: match rng.below(12) {
                     0 => Mode::Shadow,

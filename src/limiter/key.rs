@@ -1,12 +1,13 @@
 //! Counter identities. A `CounterKey` encodes (domain, descriptor entries, limit identity) so that
 //! different inputs never share a counter, whatever bytes their keys and values contain and
-//! however long they are.
+//! however long they are. A `RuleId` names the rule a counter belongs to.
 
 use std::fmt;
 use std::fmt::Write as _;
 use std::hash::{BuildHasher, Hasher};
 
 use sha2::{Digest, Sha256};
+use siphasher::sip::SipHasher13 as SipHasher64;
 use siphasher::sip128::{Hasher128, SipHasher13};
 
 /// Keys, values and domains longer than this many bytes count under their SHA-256 digest, so
@@ -186,6 +187,26 @@ mod tests {
     }
 }
 
+/// The rule a counter belongs to, which the embedded store gives a share of its counters: a hash
+/// of the domain and the rule's path (`key_value.key…`), the same across reloads so that a rule
+/// keeps its count. Rule paths come from rule files, not from requests, so the hash needs no key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RuleId(u64);
+
+impl RuleId {
+    pub fn of(domain: &[u8], path: &[u8]) -> RuleId {
+        let mut h = SipHasher64::new();
+        h.write_usize(domain.len());
+        h.write(domain);
+        h.write(path);
+        RuleId(h.finish())
+    }
+
+    pub fn bits(self) -> u64 {
+        self.0
+    }
+}
+
 /// Keyed 128-bit ids of counters (SipHash-1-3 with keys chosen at random per process): no input
 /// can make two counters collide, and a billion of them collide by chance with a probability
 /// under 10⁻²⁰.
@@ -233,6 +254,10 @@ impl Hasher for IdHasher {
         for b in bytes {
             self.0 = self.0.rotate_left(8) ^ u64::from(*b);
         }
+    }
+
+    fn write_u64(&mut self, id: u64) {
+        self.0 = id;
     }
 
     fn write_u128(&mut self, id: u128) {

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 pub use algorithm::Algorithm;
 pub use cache::OverLimitCache;
-pub use key::{CounterIds, CounterKey, DescriptorKey, IdHasher, LONGEST_LITERAL};
+pub use key::{CounterIds, CounterKey, DescriptorKey, IdHasher, LONGEST_LITERAL, RuleId};
 
 use crate::store::{Deadline, Store, StoreError};
 use crate::telemetry::metrics::METRICS;
@@ -169,6 +169,8 @@ impl Counting {
 #[derive(Clone, Debug)]
 pub struct Item {
     pub key: CounterKey,
+    /// The rule the counter belongs to, whose share of the embedded store it takes.
+    pub rule: RuleId,
     pub limit: Limit,
     pub mode: Mode,
     /// Hits to add when the request is admitted; 0 checks without consuming.
@@ -183,8 +185,8 @@ pub struct Item {
 pub struct Check {
     pub items: Vec<Item>,
     /// The instant the request counts at (ms since the Unix epoch), when it names one: only
-    /// `fixed_window` and `sliding_log` limits take it, and an instant already past counts as
-    /// the store's now.
+    /// `fixed_window` and `sliding_log` limits take it, an instant already past counts as the
+    /// store's now, and the service takes none more than `--max-schedule-ahead` ahead.
     pub at: Option<u64>,
     /// A descriptor outside the check counts as a quota limit that is never over, so the quota
     /// limits of the check never deny (envoyproxy/ratelimit's global quota mode counts a
@@ -321,6 +323,7 @@ mod tests {
     fn item(mode: Mode) -> Item {
         Item {
             key: DescriptorKey::new(b"d", &[(b"k", b"v")]).counter("l"),
+            rule: RuleId::default(),
             limit: Limit {
                 name: String::new(),
                 requests_per_unit: 1,

@@ -4,7 +4,8 @@
 //! JSON with 200 (OK), 429 (over limit), 400 (invalid request), 413 (body over
 //! `--max-request-bytes`) or 503 (the store could not decide, under `--on-store-error error`). `/json` moves counters, so it can be served apart or not at all.
 //! Beside the request's fields, `/json` takes `"at"`: an RFC 3339 instant the request counts at
-//! (a message scheduled for then), which `fixed_window` and `sliding_log` limits honour.
+//! (a message scheduled for then, at most `--max-schedule-ahead` ahead), which `fixed_window` and
+//! `sliding_log` limits honour.
 //! Apart, envoyproxy/ratelimit's debug port: `/rlconfig` and the list of its endpoints.
 
 use std::sync::{Arc, LazyLock};
@@ -22,7 +23,6 @@ use super::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use super::rls::Rls;
 use super::{Readiness, Rules};
-use crate::limiter::LONGEST_WINDOW_SECONDS;
 use crate::rules::RuleSet;
 
 static POOL: LazyLock<DescriptorPool> = LazyLock::new(|| {
@@ -190,8 +190,8 @@ pub(super) fn decode(body: &[u8]) -> Result<(RateLimitRequest, Option<u64>), Str
     Ok((request, at))
 }
 
-/// `"at"`: an RFC 3339 instant, in ms since the Unix epoch, no more than the longest window
-/// ahead.
+/// `"at"`: an RFC 3339 instant, in ms since the Unix epoch (how far ahead it may lie is
+/// `--max-schedule-ahead`, which `Rls::answer` holds it to).
 fn instant(at: &serde_json::Value) -> Result<u64, String> {
     let text = at.as_str().ok_or_else(|| {
         "\"at\" must be an RFC 3339 instant in a string, such as \"2026-11-22T11:11:11Z\"\n"
@@ -200,18 +200,7 @@ fn instant(at: &serde_json::Value) -> Result<u64, String> {
     let instant: jiff::Timestamp = text
         .parse()
         .map_err(|e| format!("\"at\" is not an RFC 3339 instant: {e}\n"))?;
-    let ms = u64::try_from(instant.as_millisecond())
-        .map_err(|_| "\"at\" is before 1970\n".to_owned())?;
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
-    if ms > now + LONGEST_WINDOW_SECONDS * 1000 {
-        return Err(format!(
-            "\"at\" is more than {} days ahead\n",
-            LONGEST_WINDOW_SECONDS / 86_400
-        ));
-    }
-    Ok(ms)
+    u64::try_from(instant.as_millisecond()).map_err(|_| "\"at\" is before 1970\n".to_owned())
 }
 
 fn encode(response: &RateLimitResponse) -> Result<String, String> {

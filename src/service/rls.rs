@@ -3,7 +3,7 @@
 //! per descriptor, in order. When the store cannot decide in time, `--on-store-error` answers.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
@@ -22,8 +22,8 @@ use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitRespon
 use crate::config::RuleLimit;
 use crate::limiter::algorithm::{gcra, log};
 use crate::limiter::{
-    Algorithm, Check, Counting, Decision, DescriptorKey, Item, Limit, Limiter, Mode, Source, Unit,
-    Usage, admits,
+    Algorithm, Check, Counting, Decision, DescriptorKey, Item, Limit, Limiter, Mode, RuleId,
+    Source, Unit, Usage, admits,
 };
 use crate::rules::{Match, RuleSet};
 use crate::store::{Deadline, StoreError};
@@ -37,6 +37,9 @@ use crate::telemetry::metrics::{METRICS, Outcome, RuleStats};
 pub struct Bounds {
     pub max_descriptors: usize,
     pub max_entries: usize,
+    /// How far ahead of now a request's instant (`/json`'s `"at"`) may lie: every counter it
+    /// writes, in Redis or the embedded store, lives at most that and its window.
+    pub max_schedule_ahead: Duration,
 }
 
 /// Hits above this count as this: more than any limit (at most 4294967295) holds, so such a
@@ -196,6 +199,14 @@ impl Rls {
                 return Err(Status::invalid_argument(format!(
                     "\"at\" names an instant, which only fixed_window and sliding_log limits count at; this request has a {} limit",
                     item.limit.algorithm.name()
+                )));
+            }
+            let ahead = Duration::from_millis(at.saturating_sub(unix_ms()));
+            if ahead > self.bounds.max_schedule_ahead {
+                METRICS.service_errors.inc();
+                return Err(Status::invalid_argument(format!(
+                    "\"at\" is more than --max-schedule-ahead ({}) ahead",
+                    in_largest_unit(self.bounds.max_schedule_ahead)
                 )));
             }
             check.at = Some(at);
@@ -454,14 +465,28 @@ pub(super) fn plan<'a>(
         };
         let start = check.items.len();
         let mut descriptor_key = None;
+        let mut rule = None;
         let counting = m
             .as_ref()
             .and_then(|m| m.node.counting)
             .unwrap_or(answering.counting);
         let mut push = |limit: Limit, identity: String, mode: Mode| {
             let key = descriptor_key.get_or_insert_with(|| DescriptorKey::new(domain, &counted));
+            // A limit override that no rule matched belongs to the descriptor's keys.
+            let rule = *rule.get_or_insert_with(|| match m {
+                Some(m) => RuleId::of(domain, m.node.path.as_bytes()),
+                None => RuleId::of(
+                    domain,
+                    &entries
+                        .iter()
+                        .map(|(k, _)| *k)
+                        .collect::<Vec<_>>()
+                        .join(&b'.'),
+                ),
+            });
             check.items.push(Item {
                 key: key.counter(&identity),
+                rule,
                 limit,
                 mode: if answering.quota_mode {
                     mode.as_quota()
@@ -725,6 +750,23 @@ fn passed_metadata(
     metadata::describe(request, passed)
 }
 
+/// `d` as a flag would give it: in whole days (`31d`) or hours when it is, else as humantime
+/// writes it (which writes 31 days as `1month 13h 26m 24s`).
+fn in_largest_unit(d: Duration) -> String {
+    match d.as_secs() {
+        s if d.subsec_nanos() == 0 && s > 0 && s % 86_400 == 0 => format!("{}d", s / 86_400),
+        s if d.subsec_nanos() == 0 && s > 0 && s % 3_600 == 0 => format!("{}h", s / 3_600),
+        _ => humantime::format_duration(d).to_string(),
+    }
+}
+
+/// The wall clock, in ms since the Unix epoch.
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 fn header(key: &str, value: impl ToString) -> HeaderValue {
     HeaderValue {
         key: key.to_owned(),
@@ -789,5 +831,14 @@ mod tests {
         for bad in ["", "m", "20", "20x", "-1m", "123456789m", "1.5S"] {
             assert_eq!(timeout(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn the_schedule_horizon_is_named_in_the_largest_whole_unit() {
+        let secs = Duration::from_secs;
+        assert_eq!(in_largest_unit(secs(31 * 86_400)), "31d");
+        assert_eq!(in_largest_unit(secs(3_600)), "1h");
+        assert_eq!(in_largest_unit(secs(90)), "1m 30s");
+        assert_eq!(in_largest_unit(Duration::ZERO), "0s");
     }
 }

@@ -7,6 +7,15 @@
 //! Expired counters are ignored when read and dropped by `sweep`, which the store runs every
 //! second; a full shard refuses new counters at once until then, so that no request ever pays
 //! for a sweep.
+//!
+//! Shares. Each counter is held for its rule (`Item::rule`), and a rule may hold at most its
+//! share of every shard (`--max-keys-per-rule`), so that one rule keyed on values a client
+//! chooses cannot take the whole store. A counter a scheduled request writes for a window that
+//! has not started (it lives more than a window from now) is held apart, among at most
+//! `SCHEDULED_SHARE` of every shard, a rule again holding at most its share of those: counters
+//! for far instants, which no sweep can reclaim before then, never crowd out the present ones.
+//! A new counter past its share is refused, and its item answered over its limit; a shard full
+//! for every rule together refuses with `StoreError::Full`.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
@@ -16,26 +25,99 @@ use super::StoreError;
 use super::demand::{DemandBoard, Demands, Report};
 use crate::limiter::algorithm::{Ask, Verdict, gcra, log, window};
 use crate::limiter::{
-    Algorithm, Check, CounterIds, CounterKey, Counting, Decision, IdHasher, Item, Limit, admits,
+    Algorithm, Check, CounterIds, CounterKey, Counting, Decision, IdHasher, Item, Limit, RuleId,
+    admits,
 };
+use crate::telemetry::Throttle;
+use crate::telemetry::metrics::METRICS;
 
 const SHARDS: usize = 64;
 
+/// The share of the store that counters for windows not started yet (written by scheduled
+/// requests) may hold together: the other three quarters stay for the present.
+const SCHEDULED_SHARE: Percent = Percent(25);
+
+/// When a request refused a new counter is told to try again: the next sweep may make room.
+const REFUSED_RETRY_MS: u64 = 1_000;
+
+/// A share of the store, in percent (1 to 100).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Percent(pub u8);
+
+impl Percent {
+    /// This share of `n`, rounded up: at least 1 of anything.
+    fn of(self, n: usize) -> usize {
+        (n * usize::from(self.0)).div_ceil(100).max(1)
+    }
+}
+
 pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,
-    per_shard: usize,
+    room: Room,
     max_keys: usize,
     ids: CounterIds,
     /// Quota buckets' demands, at most `max_keys` buckets.
     demand: DemandBoard,
 }
 
+/// How many counters one shard holds: in all, for one rule, and for windows not started yet.
+#[derive(Clone, Copy, Debug)]
+struct Room {
+    shard: usize,
+    /// A rule's present counters.
+    rule: usize,
+    scheduled: usize,
+    /// A rule's scheduled counters.
+    rule_scheduled: usize,
+}
+
 /// A counter's identity in this store: the keyed 128-bit hash of its `CounterKey`.
 type Id = u128;
+
+/// Whose share a counter takes: its rule's present counters, or its rule's scheduled ones (the
+/// rule's hash with its lowest bit set).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Holder(u64);
+
+impl Holder {
+    fn new(rule: RuleId, scheduled: bool) -> Holder {
+        Holder(rule.bits() & !1 | u64::from(scheduled))
+    }
+
+    fn scheduled(self) -> bool {
+        self.0 & 1 == 1
+    }
+
+    fn as_scheduled(self) -> Holder {
+        Holder(self.0 | 1)
+    }
+}
+
+/// Which share refused a new counter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Share {
+    /// Its rule's (`--max-keys-per-rule`).
+    Rule,
+    /// That of every rule's scheduled counters together (`SCHEDULED_SHARE`).
+    Scheduled,
+}
+
+impl Share {
+    fn name(self) -> &'static str {
+        match self {
+            Share::Rule => "rule",
+            Share::Scheduled => "scheduled",
+        }
+    }
+}
 
 #[derive(Default)]
 struct Shard {
     counters: HashMap<Id, Counter, IdHasher>,
+    /// Counters held per holder, expired ones not swept yet included; no holder with none.
+    held: HashMap<Holder, usize, IdHasher>,
+    /// Scheduled counters held.
+    scheduled: usize,
 }
 
 /// What a counter holds, by algorithm.
@@ -52,6 +134,7 @@ pub enum Stored {
 struct Counter {
     stored: Stored,
     expires_ms: u64,
+    holder: Holder,
 }
 
 impl Counter {
@@ -61,27 +144,91 @@ impl Counter {
 }
 
 impl Shard {
-    fn live(&self, id: Id, now_ms: u64) -> Option<&Stored> {
-        self.counters
-            .get(&id)
-            .filter(|c| c.live(now_ms))
-            .map(|c| &c.stored)
+    /// Stores `counter` as `id`, moving it to its new holder.
+    fn put(&mut self, id: Id, counter: Counter) {
+        let holder = counter.holder;
+        match self.counters.insert(id, counter) {
+            Some(old) if old.holder == holder => {}
+            Some(old) => {
+                self.release(old.holder);
+                self.hold(holder);
+            }
+            None => self.hold(holder),
+        }
+    }
+
+    fn remove(&mut self, id: Id) {
+        if let Some(old) = self.counters.remove(&id) {
+            self.release(old.holder);
+        }
+    }
+
+    fn hold(&mut self, holder: Holder) {
+        *self.held.entry(holder).or_default() += 1;
+        self.scheduled += usize::from(holder.scheduled());
+    }
+
+    fn release(&mut self, holder: Holder) {
+        release(&mut self.held, &mut self.scheduled, holder);
+    }
+
+    fn held(&self, holder: Holder) -> usize {
+        self.held.get(&holder).copied().unwrap_or(0)
     }
 
     fn sweep(&mut self, now_ms: u64) {
-        self.counters.retain(|_, c| c.live(now_ms));
+        let Shard {
+            counters,
+            held,
+            scheduled,
+        } = self;
+        counters.retain(|_, c| {
+            let live = c.live(now_ms);
+            if !live {
+                release(held, scheduled, c.holder);
+            }
+            live
+        });
     }
 }
 
-/// What admitting a request does to one counter: store it, or forget it (`None`).
-type Write = (Id, Option<Counter>);
+/// Counts one counter of `holder` less.
+fn release(held: &mut HashMap<Holder, usize, IdHasher>, scheduled: &mut usize, holder: Holder) {
+    if let std::collections::hash_map::Entry::Occupied(mut n) = held.entry(holder) {
+        *n.get_mut() -= 1;
+        if *n.get() == 0 {
+            n.remove();
+        }
+    }
+    *scheduled -= usize::from(holder.scheduled());
+}
+
+/// A write decided on, not landed yet.
+struct Pending {
+    id: Id,
+    write: Option<Counter>,
+    /// Counted `always`: it lands whether the request is admitted or not.
+    always: bool,
+    /// It creates a counter the shard does not hold.
+    new: bool,
+    /// The share it takes in its shard (a new counter, or one moving to the scheduled share),
+    /// with the index of the shard among those locked.
+    takes: Option<(usize, Holder)>,
+}
 
 impl MemoryStore {
-    /// A store that holds at most `max_keys` live counters.
-    pub fn new(max_keys: usize) -> Self {
+    /// A store that holds at most `max_keys` live counters, a rule at most `per_rule` of them.
+    pub fn new(max_keys: usize, per_rule: Percent) -> Self {
+        let shard = max_keys.div_ceil(SHARDS).max(1);
+        let scheduled = SCHEDULED_SHARE.of(shard);
         MemoryStore {
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
-            per_shard: max_keys.div_ceil(SHARDS).max(1),
+            room: Room {
+                shard,
+                rule: per_rule.of(shard),
+                scheduled,
+                rule_scheduled: per_rule.of(scheduled),
+            },
             max_keys,
             ids: CounterIds::new(),
             demand: DemandBoard::new(max_keys),
@@ -142,12 +289,23 @@ impl MemoryStore {
         // Items are evaluated in order, each seeing what the items before it would write, so a
         // request naming one counter twice is counted twice.
         let mut verdicts: Vec<Verdict> = Vec::with_capacity(check.items.len());
-        let mut writes: Vec<(Id, Option<Counter>, bool)> = Vec::new();
+        let mut pending: Vec<Pending> = Vec::new();
+        let mut refusals: Vec<Share> = Vec::new();
         for (i, item) in check.items.iter().enumerate() {
-            let stored = match writes.iter().rev().find(|(id, _, _)| *id == ids[i]) {
-                Some((_, written, _)) => written.as_ref().map(|c| &c.stored),
-                None => guards[slot(homes[i])].1.live(ids[i], now_ms),
+            let home = slot(homes[i]);
+            let earlier = pending.iter().rev().find(|p| p.id == ids[i]);
+            let (stored, holder) = match earlier {
+                Some(p) => (
+                    p.write.as_ref().map(|c| &c.stored),
+                    p.write.as_ref().map(|c| c.holder),
+                ),
+                None => match guards[home].1.counters.get(&ids[i]) {
+                    Some(c) => (c.live(now_ms).then_some(&c.stored), Some(c.holder)),
+                    None => (None, None),
+                },
             };
+            // Held already: in the shard (live or not), or by an earlier write of the request.
+            let held = earlier.is_some() || holder.is_some();
             let always = item.counting == Counting::Always;
             let ask = Ask {
                 limit: u64::from(item.limit.requests_per_unit),
@@ -158,52 +316,113 @@ impl MemoryStore {
                 refund: item.refund,
                 always,
             };
-            let (verdict, write) = evaluate(item, &ask, stored);
-            verdicts.push(verdict);
-            if let Some(write) = write {
-                writes.push((ids[i], write, always));
+            let (mut verdict, write) = evaluate(item, &ask, stored);
+            let Some(mut write) = write else {
+                verdicts.push(verdict);
+                continue;
+            };
+            let mut takes = None;
+            if let Some(counter) = &mut write {
+                // Scheduled: a scheduled request made it live past a window from now.
+                let scheduled = at_ms > now_ms && counter.expires_ms > now_ms + ask.window_ms;
+                counter.holder = match holder {
+                    Some(h) if h.scheduled() || !scheduled => h,
+                    Some(h) => h.as_scheduled(),
+                    None => Holder::new(item.rule, scheduled),
+                };
+                if holder != Some(counter.holder) {
+                    takes = Some((home, counter.holder));
+                }
             }
+            if let Some((home, holder)) = takes {
+                let taken = pending.iter().filter_map(|p| p.takes);
+                if let Err(share) = self.fits(&guards[home].1, holder, home, taken) {
+                    // A refund has nothing to give back to a counter it cannot hold.
+                    if !item.refund {
+                        refusals.push(share);
+                        verdict = REFUSED;
+                    }
+                    verdicts.push(verdict);
+                    continue;
+                }
+            }
+            verdicts.push(verdict);
+            pending.push(Pending {
+                id: ids[i],
+                new: !held && write.is_some(),
+                write,
+                always,
+                takes,
+            });
         }
         let admitted = admits(check, |i| verdicts[i].over);
 
         // Counted `always`, a counter's write lands whether the request is admitted or not.
-        let landing: Vec<Write> = writes
+        let landing: Vec<Pending> = pending
             .into_iter()
-            .filter(|(_, _, always)| admitted || *always)
-            .map(|(id, write, _)| (id, write))
+            .filter(|p| admitted || p.always)
             .collect();
         self.make_room(&landing, &guards, &slot)?;
-        for (id, write) in landing {
-            let shard = &mut guards[slot(Self::shard_of(id))].1;
-            match write {
-                Some(counter) => shard.counters.insert(id, counter),
-                None => shard.counters.remove(&id),
-            };
+        for p in landing {
+            let shard = &mut guards[slot(Self::shard_of(p.id))].1;
+            match p.write {
+                Some(counter) => shard.put(p.id, counter),
+                None => shard.remove(p.id),
+            }
         }
-
+        drop(guards);
+        for share in refusals {
+            refused(share);
+        }
         Ok((admitted, verdicts))
+    }
+
+    /// Whether `shard` (locked as `home`) has room for one more counter of `holder` besides
+    /// those the request's earlier writes already `taken`: `Err` names the share that is full.
+    /// A share as large as the shard never refuses: a full shard is `make_room`'s answer.
+    fn fits(
+        &self,
+        shard: &Shard,
+        holder: Holder,
+        home: usize,
+        taken: impl Iterator<Item = (usize, Holder)>,
+    ) -> Result<(), Share> {
+        let room = &self.room;
+        let (mut mine, mut scheduled) = (shard.held(holder), shard.scheduled);
+        for (_, t) in taken.filter(|(h, _)| *h == home) {
+            mine += usize::from(t == holder);
+            scheduled += usize::from(t.scheduled());
+        }
+        if holder.scheduled() && room.scheduled < room.shard && scheduled >= room.scheduled {
+            return Err(Share::Scheduled);
+        }
+        let own = if holder.scheduled() {
+            room.rule_scheduled
+        } else {
+            room.rule
+        };
+        if own < room.shard && mine >= own {
+            return Err(Share::Rule);
+        }
+        Ok(())
     }
 
     /// Fails, before anything is written, when a shard cannot take the new counters. Constant
     /// time: it never sweeps (the expired counters of a full shard go at the next `sweep`).
     fn make_room(
         &self,
-        writes: &[Write],
+        writes: &[Pending],
         guards: &[(usize, MutexGuard<'_, Shard>)],
         slot: &impl Fn(usize) -> usize,
     ) -> Result<(), StoreError> {
         let mut new_per_slot = vec![0usize; guards.len()];
-        for (i, (id, write)) in writes.iter().enumerate() {
-            let first = !writes[..i].iter().any(|(earlier, _)| earlier == id);
-            let home = slot(Self::shard_of(*id));
-            if write.is_some() && first && !guards[home].1.counters.contains_key(id) {
-                new_per_slot[home] += 1;
-            }
+        for p in writes.iter().filter(|p| p.new) {
+            new_per_slot[slot(Self::shard_of(p.id))] += 1;
         }
         let full = guards
             .iter()
             .zip(&new_per_slot)
-            .any(|((_, shard), &new)| new > 0 && shard.counters.len() + new > self.per_shard);
+            .any(|((_, shard), &new)| new > 0 && shard.counters.len() + new > self.room.shard);
         if full {
             return Err(StoreError::Full {
                 max_keys: self.max_keys,
@@ -266,13 +485,42 @@ impl MemoryStore {
     }
 }
 
+/// The verdict on an item whose new counter its share refused: over, with nothing left, until
+/// the next sweep may have made room.
+const REFUSED: Verdict = Verdict {
+    over: true,
+    remaining_after: 0,
+    remaining_before: 0,
+    reset_after_ms: REFUSED_RETRY_MS,
+    reset_before_ms: REFUSED_RETRY_MS,
+    charged: 0,
+};
+
+/// Counts a new counter that `share` refused, and logs the refusals at most once a second.
+fn refused(share: Share) {
+    static RULE: Throttle = Throttle::new();
+    static SCHEDULED: Throttle = Throttle::new();
+    METRICS.memory_refused(share.name());
+    let (throttle, whose) = match share {
+        Share::Rule => (&RULE, "their rule's (--max-keys-per-rule)"),
+        Share::Scheduled => (&SCHEDULED, "that of counters for windows not started yet"),
+    };
+    if let Some(n) = throttle.hit() {
+        tracing::warn!(
+            "{n} new counter(s) refused since the last report, their requests answered over the limit: {whose} share of the embedded store is full"
+        );
+    }
+}
+
 /// Evaluates `item` against what its counter holds, by the module of its algorithm: the verdict
-/// and, if admitting the request changes the counter, what it then holds (`None`: nothing).
+/// and, if admitting the request changes the counter, what it then holds (`None`: nothing),
+/// held among the present counters of the item's rule.
 fn evaluate(item: &Item, ask: &Ask, stored: Option<&Stored>) -> (Verdict, Option<Option<Counter>>) {
     let now_ms = ask.now_ms;
     let counter = |stored: Stored, ttl_ms: u64| Counter {
         stored,
         expires_ms: now_ms + ttl_ms,
+        holder: Holder::new(item.rule, false),
     };
     match item.limit.algorithm {
         algorithm @ (Algorithm::FixedWindow | Algorithm::SlidingWindow) => {
@@ -329,10 +577,21 @@ mod tests {
     use super::*;
     use crate::limiter::{DescriptorKey, Mode, Unit};
 
+    /// A store of `max_keys` counters, which one rule may fill.
+    fn store(max_keys: usize) -> MemoryStore {
+        MemoryStore::new(max_keys, Percent(100))
+    }
+
+    /// A store of `max_keys` counters, a rule holding at most half.
+    fn halved(max_keys: usize) -> MemoryStore {
+        MemoryStore::new(max_keys, Percent(50))
+    }
+
     fn item(value: &str, limit: u32, hits: u64) -> Item {
         Item {
             key: DescriptorKey::new(b"d", &[(b"k", value.as_bytes())])
                 .counter("fixed_window:minute:1"),
+            rule: RuleId::of(b"d", b"k"),
             limit: Limit {
                 name: String::new(),
                 requests_per_unit: limit,
@@ -360,7 +619,7 @@ mod tests {
 
     #[test]
     fn a_denied_check_moves_no_counter() {
-        let store = MemoryStore::new(100);
+        let store = store(100);
         let both = check(vec![item("a", 10, 1), item("b", 1, 1)]);
         assert!(store.apply_at(&both, NOW).unwrap().admitted);
         let denied = store.apply_at(&both, NOW).unwrap();
@@ -373,7 +632,7 @@ mod tests {
 
     #[test]
     fn a_denied_check_moves_only_the_counters_counted_always() {
-        let store = MemoryStore::new(100);
+        let store = store(100);
         let mut charged = item("a", 10, 1);
         charged.counting = Counting::Always;
         let full = item("b", 0, 1);
@@ -385,7 +644,7 @@ mod tests {
 
     #[test]
     fn one_counter_named_twice_is_counted_twice() {
-        let store = MemoryStore::new(100);
+        let store = store(100);
         let twice = check(vec![item("a", 1, 1), item("a", 1, 1)]);
         assert!(!store.apply_at(&twice, NOW).unwrap().admitted);
         let twice = check(vec![item("a", 2, 1), item("a", 2, 1)]);
@@ -396,7 +655,7 @@ mod tests {
 
     #[test]
     fn counters_expire_with_their_window() {
-        let store = MemoryStore::new(100);
+        let store = store(100);
         store.apply_at(&check(vec![item("a", 10, 1)]), NOW).unwrap();
         assert_eq!(store.counters(), 1);
         store.sweep_at(NOW + 59_999);
@@ -407,7 +666,7 @@ mod tests {
 
     #[test]
     fn a_full_shard_takes_new_counters_again_once_swept() {
-        let store = MemoryStore::new(1);
+        let store = store(1);
         let minute = |v: u32| check(vec![item(&v.to_string(), 10, 1)]);
         for v in 0..200 {
             let _ = store.apply_at(&minute(v), NOW);
@@ -423,7 +682,7 @@ mod tests {
 
     #[test]
     fn a_full_store_refuses_new_counters_but_serves_existing_ones() {
-        let store = MemoryStore::new(1);
+        let store = store(1);
         store.apply_at(&check(vec![item("a", 10, 1)]), NOW).unwrap();
         let mut refused = 0;
         for v in 0..200 {
@@ -437,5 +696,165 @@ mod tests {
         assert!(refused > 0);
         assert!(store.counters() <= SHARDS);
         assert!(store.apply_at(&check(vec![item("a", 10, 1)]), NOW).is_ok());
+    }
+
+    /// An item of the rule `rule`, counting `value` in a minute's window of `algorithm`.
+    fn of_rule(rule: &str, value: &str, algorithm: Algorithm) -> Item {
+        let mut item = item(value, 10, 1);
+        item.key = DescriptorKey::new(b"d", &[(rule.as_bytes(), value.as_bytes())])
+            .counter(algorithm.name());
+        item.rule = RuleId::of(b"d", rule.as_bytes());
+        item.limit.algorithm = algorithm;
+        item
+    }
+
+    /// `item` alone, counted at `at` (ms since the Unix epoch).
+    fn at(item: Item, at: u64) -> Check {
+        Check {
+            items: vec![item],
+            at: Some(at),
+            ..Check::default()
+        }
+    }
+
+    /// Asks one new value of `rule` after another; how many were counted before the first was
+    /// refused by its share (answered over, retry in a second).
+    fn fill(store: &MemoryStore, rule: &str, checks: impl Fn(Item) -> Check) -> usize {
+        for n in 0..100_000 {
+            let item = of_rule(rule, &n.to_string(), Algorithm::FixedWindow);
+            let d = store
+                .apply_at(&checks(item), NOW)
+                .expect("a share refuses, not the store");
+            if !d.admitted {
+                assert!(d.usages[0].over);
+                assert_eq!(d.usages[0].reset, std::time::Duration::from_secs(1));
+                return n;
+            }
+        }
+        panic!("{rule} was never refused");
+    }
+
+    #[test]
+    fn a_rule_holds_at_most_its_share_of_a_shard_and_its_new_counters_past_it_are_over() {
+        // One shard's worth: 64 shards of 10, a rule holding 5 of each.
+        let store = halved(640);
+        let counted = fill(&store, "user", |i| check(vec![i]));
+        assert!(counted <= 5 * SHARDS, "{counted}");
+        let other = of_rule("path", "p", Algorithm::FixedWindow);
+        assert!(store.apply_at(&check(vec![other]), NOW).unwrap().admitted);
+        let known = of_rule("user", "0", Algorithm::FixedWindow);
+        let d = store.apply_at(&check(vec![known]), NOW).unwrap();
+        assert_eq!(d.usages[0].remaining, 8, "an existing counter still counts");
+    }
+
+    #[test]
+    fn a_share_as_large_as_the_store_leaves_the_answer_to_a_full_shard() {
+        let store = MemoryStore::new(640, Percent(100));
+        let full = (0..100_000).find_map(|n| {
+            let item = of_rule("user", &n.to_string(), Algorithm::FixedWindow);
+            store.apply_at(&check(vec![item]), NOW).err()
+        });
+        assert_eq!(full, Some(StoreError::Full { max_keys: 640 }));
+    }
+
+    #[test]
+    fn counters_of_windows_not_started_hold_a_share_apart_from_the_present() {
+        // 64 shards of 100: scheduled counters hold at most 25 of each, a rule 13 of those.
+        let store = halved(6_400);
+        let tomorrow = NOW + 86_400_000;
+        let scheduled = fill(&store, "user", |i| at(i, tomorrow));
+        assert!(scheduled <= 13 * SHARDS, "{scheduled}");
+        let held: usize = store
+            .shards
+            .iter()
+            .map(|s| s.lock().unwrap().scheduled)
+            .sum();
+        assert_eq!(held, scheduled);
+        let present = fill(&store, "user", |i| check(vec![i]));
+        assert!(
+            present > 30 * SHARDS,
+            "the rule's present share is whole: {present}"
+        );
+        // Another rule schedules beside it, until the scheduled share itself is full.
+        let other = fill(&store, "path", |i| at(i, tomorrow));
+        assert!(other <= 13 * SHARDS, "{other}");
+    }
+
+    #[test]
+    fn an_instant_in_the_current_window_writes_a_present_counter() {
+        let store = halved(6_400);
+        let item = of_rule("user", "a", Algorithm::FixedWindow);
+        store.apply_at(&at(item, NOW + 30_000), NOW).unwrap();
+        assert_eq!(
+            store
+                .shards
+                .iter()
+                .map(|s| s.lock().unwrap().scheduled)
+                .sum::<usize>(),
+            0
+        );
+    }
+
+    #[test]
+    fn a_log_given_an_entry_ahead_moves_to_the_scheduled_share_and_leaves_with_it() {
+        let store = halved(6_400);
+        let log = || of_rule("log", "a", Algorithm::SlidingLog);
+        let scheduled = || -> usize {
+            store
+                .shards
+                .iter()
+                .map(|s| s.lock().unwrap().scheduled)
+                .sum()
+        };
+        assert!(store.apply_at(&check(vec![log()]), NOW).unwrap().admitted);
+        assert_eq!(scheduled(), 0);
+        let ahead = NOW + 86_400_000;
+        assert!(store.apply_at(&at(log(), ahead), NOW).unwrap().admitted);
+        assert_eq!(scheduled(), 1, "it lives past a window from now");
+        assert!(
+            store
+                .apply_at(&check(vec![log()]), NOW + 1)
+                .unwrap()
+                .admitted
+        );
+        assert_eq!(scheduled(), 1, "a present entry does not move it back");
+        assert_eq!(store.counters(), 1);
+        store.sweep_at(ahead + 60_000);
+        assert_eq!(store.counters(), 0);
+        let shard = store.shards.iter().map(|s| s.lock().unwrap());
+        assert!(
+            shard
+                .into_iter()
+                .all(|s| s.scheduled == 0 && s.held.is_empty())
+        );
+    }
+
+    #[test]
+    fn a_counter_a_write_deletes_releases_its_share() {
+        let store = halved(6_400);
+        let mut bucket = of_rule("bucket", "a", Algorithm::TokenBucket);
+        store.apply_at(&check(vec![bucket.clone()]), NOW).unwrap();
+        assert_eq!(store.counters(), 1);
+        bucket.refund = true;
+        store.apply_at(&check(vec![bucket]), NOW).unwrap();
+        assert_eq!(store.counters(), 0, "a bucket given its hit back is empty");
+        assert!(
+            store
+                .shards
+                .iter()
+                .all(|s| s.lock().unwrap().held.is_empty())
+        );
+    }
+
+    #[test]
+    fn a_refund_past_its_share_is_not_over() {
+        let store = halved(640);
+        fill(&store, "user", |i| check(vec![i]));
+        let refunds = (0..1_000).map(|n| {
+            let mut refund = of_rule("user", &format!("r{n}"), Algorithm::FixedWindow);
+            refund.refund = true;
+            store.apply_at(&check(vec![refund]), NOW).unwrap()
+        });
+        assert!(refunds.into_iter().all(|d| d.admitted && !d.usages[0].over));
     }
 }

@@ -16,7 +16,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 pub use demand::{Demands, Report};
-pub use memory::{MemoryStore, Stored};
+pub use memory::{MemoryStore, Percent, Stored};
 pub use redis::{RedisStore, RedisTls, RedisTlsFlags, redis_key};
 
 use crate::limiter::{Check, CounterKey, Decision};
@@ -39,10 +39,11 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// The embedded store, holding at most `max_keys` live counters. Sweeps expired counters
-    /// every second from a task that ends with the store; call it inside a Tokio runtime.
-    pub fn memory(max_keys: usize) -> Backend {
-        let store = Arc::new(MemoryStore::new(max_keys));
+    /// The embedded store, holding at most `max_keys` live counters, a rule at most `per_rule`
+    /// of them. Sweeps expired counters every second from a task that ends with the store; call
+    /// it inside a Tokio runtime.
+    pub fn memory(max_keys: usize, per_rule: Percent) -> Backend {
+        let store = Arc::new(MemoryStore::new(max_keys, per_rule));
         let weak = Arc::downgrade(&store);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -206,7 +207,8 @@ impl Deadline {
 /// Why a store could not decide.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreError {
-    /// The embedded store holds `--max-keys` live counters and a request needs a new one.
+    /// A shard of the embedded store holds its part of `--max-keys` live counters, and a
+    /// request needs a new one there (within its rule's share).
     Full { max_keys: usize },
     /// No answer before the deadline.
     Timeout,

@@ -80,6 +80,7 @@ pub struct Metrics {
     quota_shadow_denied: Family<QuotaLabels, Counter>,
     quota_actions: Family<ActionLabels, Counter>,
     quota_store_errors: Family<Labels, Counter>,
+    memory_refused: Family<Labels, Counter>,
 }
 
 pub static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
@@ -109,6 +110,7 @@ impl Metrics {
             quota_shadow_denied: Family::default(),
             quota_actions: Family::default(),
             quota_store_errors: Family::default(),
+            memory_refused: Family::default(),
         };
         let mut registry = Registry::default();
         let r = &mut registry;
@@ -177,6 +179,14 @@ impl Metrics {
             "Quota demand records the store could not take, by kind: the bucket kept its last assignment",
             m.quota_store_errors.clone(),
         );
+        r.register(
+            "sluice_memory_refused_counters",
+            "New counters the embedded store refused because their share was full, by share (rule, scheduled): their requests were answered over the limit",
+            m.memory_refused.clone(),
+        );
+        for share in ["rule", "scheduled"] {
+            drop(m.memory_refused.get_or_create(&[("share", share)]));
+        }
         // Every label a counter can take exists from the start, so the first event is an
         // increase a rate or an alert sees.
         for kind in ["full", "timeout", "shed", "down", "unavailable", "data"] {
@@ -224,6 +234,11 @@ impl Metrics {
         self.quota_store_errors
             .get_or_create(&[("kind", kind)])
             .inc();
+    }
+
+    /// A new counter the embedded store refused because its `share` (rule, scheduled) was full.
+    pub fn memory_refused(&self, share: &'static str) {
+        self.memory_refused.get_or_create(&[("share", share)]).inc();
     }
 
     /// A request answered by `--on-store-error`, which answered `answer` (error, allow, deny).

@@ -17,7 +17,8 @@
 //! - A refund removes up to its hits of the newest entries at or before its instant.
 //!
 //! Entries older than one window before the clock can no longer matter: reads skip them and
-//! every write drops them; the log lives until its newest entry stops mattering.
+//! every write drops them; the log lives until its newest entry stops mattering (for an entry
+//! scheduled ahead, at most `--max-schedule-ahead` and a window from now).
 //!
 //! Stored state: the entries' instants in ascending order. Redis: a sorted set scored by instant
 //! whose members are `<instant>:<n>`, `n` numbering the entries of one instant from `0001` up

@@ -9,7 +9,8 @@
 //! Stored state. A fixed window keeps one count per window index: a Redis hash field per index
 //! (fields of windows already over are dropped when a new one is written), a counter of its own
 //! per index in the embedded store. A sliding window keeps `State` as a Redis hash of `w`, `c`
-//! and `p`.
+//! and `p`. A fixed window's count lives until its window ends: one for a scheduled instant, at
+//! most `--max-schedule-ahead` and a window from now.
 
 use super::{Algorithm, Ask, MOST_COUNT, Verdict};
 
