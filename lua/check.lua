@@ -16,14 +16,18 @@
 --          counter: over (1|0), remaining if admitted, remaining if not, ms until reset if
 --          admitted, ms until reset if not, and what its write charges (hits, log entries or
 --          bucket units; 0 for none). lua/undo.lua takes back what a request wrote, given this
---          time.
+--          time. A request one of whose keys holds what no counter does (another type, or
+--          fields that do not read as numbers) is answered -1, the counter's place in it (from
+--          1), the key's type and the error instead, and writes nothing.
 -- Invariant: the clock is Redis TIME, and a request's instant is never earlier; every counter of
 --          a request moves or none does, except that a counter counted always moves either way;
 --          requests are decided in order, each seeing what the
 --          ones before it wrote; a counter named twice is counted twice; every written key gets
 --          an expiry, set as an instant on the TIME clock (PEXPIREAT: Redis' own clock for
 --          relative TTLs is the call's start, which may trail TIME by a millisecond and would
---          end a key early); numbers are written with %d, never in a form that loses digits.
+--          end a key early); numbers are written with %d, never in a form that loses digits;
+--          a key that cannot be read fails only the requests naming it, while an error of the
+--          server's (READONLY, OOM, ...) fails the whole call.
 
 -- Locals: every global lookup in a Redis script goes through the protected globals table.
 local call, floor, max, min, tonumber, format, unpack = redis.call, math.floor, math.max,
@@ -406,29 +410,51 @@ end
 
 -- Requests ---------------------------------------------------------------------------------------
 
+local pcall, error, type, tostring = pcall, error, type, tostring
+
+-- What the counter at `key` with the arguments ARGV[o + 1 .. o + 8] finds at instant `at`, and
+-- how it would be written, given what the request's earlier counters wrote (`latest`).
+local function counter_step(key, o, latest, at)
+  local kind = ARGV[o + 1]
+  local limit, window = tonumber(ARGV[o + 2]), tonumber(ARGV[o + 3])
+  local hits, refund = tonumber(ARGV[o + 5]), ARGV[o + 6] == '1'
+  local always = ARGV[o + 8] == '1'
+  local step
+  if kind == 'l' then
+    step = log_step(key, latest, limit, window, at, hits, refund, always)
+  elseif kind == 'b' then
+    step = bucket_step(key, latest, limit, window, tonumber(ARGV[o + 4]), hits, refund, always)
+  elseif kind == 'f' then
+    step = window_step(false, key, latest, limit, window, at, hits, refund, always)
+  else
+    step = window_step(true, key, latest, limit, window, now, hits, refund, always)
+  end
+  step.mode = ARGV[o + 7]
+  step.always = always
+  return step
+end
+
+-- Answers a request whose i-th counter, at `key`, failed to read with error `e`: the key holds
+-- another type (WRONGTYPE) or what no counter holds (a Lua error on what was read). Any other
+-- error is the server's (READONLY, OOM, ...) and fails the whole call, as it would unguarded.
+local function unreadable(key, i, e)
+  if type(e) == 'table' then e = e.err end
+  e = tostring(e)
+  if e:find('^%u+ ') and not e:find('^WRONGTYPE ') then error({ err = e }, 0) end
+  local r = #reply
+  reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4] = -1, i, call('TYPE', key).ok, e
+end
+
 -- Decides the request whose n counters are KEYS[k + 1 ..] and ARGV[a + 1 ..], at instant `at`;
--- its quota limits deny when all are over if `quota_here`.
+-- its quota limits deny when all are over if `quota_here`. Every counter is read before any is
+-- written, so that a key that cannot be read leaves the request's other counters as they were.
 local function decide(k, a, n, at, quota_here)
   local latest = {}
   local steps = {}
   for i = 1, n do
-    local o = a + (i - 1) * 8
-    local kind, key = ARGV[o + 1], KEYS[k + i]
-    local limit, window = tonumber(ARGV[o + 2]), tonumber(ARGV[o + 3])
-    local hits, refund = tonumber(ARGV[o + 5]), ARGV[o + 6] == '1'
-    local always = ARGV[o + 8] == '1'
-    local step
-    if kind == 'l' then
-      step = log_step(key, latest, limit, window, at, hits, refund, always)
-    elseif kind == 'b' then
-      step = bucket_step(key, latest, limit, window, tonumber(ARGV[o + 4]), hits, refund, always)
-    elseif kind == 'f' then
-      step = window_step(false, key, latest, limit, window, at, hits, refund, always)
-    else
-      step = window_step(true, key, latest, limit, window, now, hits, refund, always)
-    end
-    step.mode = ARGV[o + 7]
-    step.always = always
+    local key = KEYS[k + i]
+    local read, step = pcall(counter_step, key, a + (i - 1) * 8, latest, at)
+    if not read then return unreadable(key, i, step) end
     steps[i] = step
   end
 

@@ -6,15 +6,22 @@
 -- ARGV     the stream id; its demand (a whole number: thousandths of a request per window), or ''
 --          when the stream leaves the bucket; how long (ms) the stream stays counted without
 --          reporting again.
--- Reply    the Redis clock (ms), then, per stream counted, its id and its demand.
+-- Reply    the Redis clock (ms), then, per stream counted, its id and its demand; or -1 and the
+--          key's type when the key holds another type than a hash (left as it is).
 -- Invariant: a stream is counted once, with the demand it last reported, until it leaves or
---          stops reporting for the ms given; the key expires when the last stream would.
+--          stops reporting for the ms given; the key expires when the last stream would; a
+--          field that is not a demand this script wrote is dropped.
 
 local call, tonumber, match = redis.call, tonumber, string.match
 
 local time = call('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local key, stream, demand, stays = KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3])
+
+local held = call('TYPE', key).ok
+if held ~= 'hash' and held ~= 'none' then
+  return { -1, held }
+end
 
 if demand == '' then
   call('HDEL', key, stream)

@@ -13,33 +13,34 @@
 -- Invariant: an undo only lowers what its own request raised, never more than of it can still
 --          count: never below zero, never in another window, TTLs untouched, so it never lets a
 --          later request over the limit. A bucket's charge is assumed to have drained first,
---          which is the least of it the level can still hold.
+--          which is the least of it the level can still hold. A key that holds what no counter
+--          does (another type, or fields that do not read as numbers) is skipped; the others
+--          are still refunded.
 
 local call, format, max, tonumber, unpack = redis.call, string.format, math.max, tonumber, unpack
+local pcall, error, type, tostring = pcall, error, type, tostring
 
 local function int(x)
   return format('%d', x)
 end
 
-local undone = 0
-for i, key in ipairs(KEYS) do
-  local kind = ARGV[4 * i - 3]
-  local a, b, c = tonumber(ARGV[4 * i - 2]), tonumber(ARGV[4 * i - 1]), tonumber(ARGV[4 * i])
+-- Takes back one charge of `kind` (a, b, c as ARGV gives them) from `key`: 1 if it wrote, else 0.
+local function undo(key, kind, a, b, c)
   if kind == 'f' then
     local count = tonumber(call('HGET', key, int(a)))
     if count then
       call('HSET', key, int(a), int(max(count - b, 0)))
-      undone = undone + 1
+      return 1
     end
   elseif kind == 's' then
     local h = call('HMGET', key, 'w', 'c', 'p')
     local w = tonumber(h[1])
     if w == a then
       call('HSET', key, 'c', int(max((tonumber(h[2]) or 0) - b, 0)))
-      undone = undone + 1
+      return 1
     elseif w == a + 1 then
       call('HSET', key, 'p', int(max((tonumber(h[3]) or 0) - b, 0)))
-      undone = undone + 1
+      return 1
     end
   elseif kind == 'l' then
     -- An instant's members sort by their number: the request's own are the last it logged.
@@ -48,7 +49,7 @@ for i, key in ipairs(KEYS) do
     for j = max(#members - b + 1, 1), #members do gone[#gone + 1] = members[j] end
     if #gone > 0 then
       call('ZREM', key, unpack(gone))
-      undone = undone + 1
+      return 1
     end
   elseif kind == 'b' then
     local h = call('HMGET', key, 't', 'l')
@@ -57,9 +58,25 @@ for i, key in ipairs(KEYS) do
       if ours > 0 then
         local level = tonumber(h[2]) - ours
         if level > 0 then call('HSET', key, 'l', int(level)) else call('DEL', key) end
-        undone = undone + 1
+        return 1
       end
     end
+  end
+  return 0
+end
+
+local undone = 0
+for i, key in ipairs(KEYS) do
+  local a, b, c = tonumber(ARGV[4 * i - 2]), tonumber(ARGV[4 * i - 1]), tonumber(ARGV[4 * i])
+  local done, e = pcall(undo, key, ARGV[4 * i - 3], a, b, c)
+  if done then
+    undone = undone + e
+  else
+    -- The key's own doing (WRONGTYPE, or a Lua error on what was read) skips it; an error of
+    -- the server's (READONLY, OOM, ...) fails the call, as it would unguarded.
+    if type(e) == 'table' then e = e.err end
+    e = tostring(e)
+    if e:find('^%u+ ') and not e:find('^WRONGTYPE ') then error({ err = e }, 0) end
   end
 end
 return undone

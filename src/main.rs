@@ -20,7 +20,9 @@ use sluice::rules::RuleSet;
 use sluice::service::rlqs::{QuotaSettings, Quotas, Unmatched};
 use sluice::service::rls::{Answering, Bounds, Fallback, LimitHeaders, OnStoreError};
 use sluice::service::tls::{ServerTls, TlsFlags};
-use sluice::service::{self, Addrs, Edges, Healthcheck, JsonAt, Rules, Setup, Shutdown, reload};
+use sluice::service::{
+    self, Addrs, Edges, Healthcheck, JsonAt, MaxAge, Rules, Setup, Shutdown, reload,
+};
 use sluice::settings::erl;
 use sluice::store::{Backend, RedisTls, RedisTlsFlags};
 use sluice::telemetry::LogFormat;
@@ -50,6 +52,9 @@ enum Command {
         /// One domain may span several files (envoyproxy/ratelimit's MERGE_DOMAIN_CONFIG).
         #[arg(long, env = "SLUICE_MERGE_DOMAINS")]
         merge_domains: bool,
+        /// The most bytes the rule files may hold together, as `serve --max-config-bytes`.
+        #[arg(long, env = "SLUICE_MAX_CONFIG_BYTES", default_value_t = config::DEFAULT_MAX_CONFIG_BYTES)]
+        max_config_bytes: u64,
     },
     /// Explain how rules match a request: each descriptor's walk through the rule tree, the
     /// limits, replaces and modes that apply, and the counters it would move (none is moved).
@@ -167,6 +172,11 @@ struct ServeArgs {
     /// MERGE_DOMAIN_CONFIG); else a domain in two files is an error.
     #[arg(long, env = "SLUICE_MERGE_DOMAINS")]
     merge_domains: bool,
+    /// The most bytes the rule files under --config may hold together: past it, a load is
+    /// refused (at start, the start fails; on a reload, the rules in force stay) before the
+    /// files are read.
+    #[arg(long, env = "SLUICE_MAX_CONFIG_BYTES", default_value_t = config::DEFAULT_MAX_CONFIG_BYTES)]
+    max_config_bytes: u64,
     /// The longest a request waits for the counter store (e.g. 10ms, 1s); a caller's own
     /// shorter grpc-timeout shortens it.
     #[arg(long, env = "SLUICE_STORE_TIMEOUT", default_value = "10ms", value_parser = humantime::parse_duration)]
@@ -208,6 +218,19 @@ struct ServeArgs {
     /// Most requests in flight on one gRPC connection.
     #[arg(long, env = "SLUICE_MAX_CONCURRENT_STREAMS", default_value_t = 1024)]
     max_concurrent_streams: u32,
+    /// Most gRPC connections open at once, fewer if the file descriptor limit leaves fewer; past
+    /// it, a new connection closes the one that has waited longest for a call.
+    #[arg(long, env = "SLUICE_MAX_CONNECTIONS", default_value_t = 10_000)]
+    max_connections: usize,
+    /// Tell a gRPC connection to go (GOAWAY) once it is this old, give or take 10 %, so that
+    /// clients spread over new replicas (envoyproxy/ratelimit's GRPC_MAX_CONNECTION_AGE).
+    /// Without it, connections have no maximum age.
+    #[arg(long, env = "SLUICE_GRPC_MAX_CONNECTION_AGE", value_parser = humantime::parse_duration)]
+    grpc_max_connection_age: Option<Duration>,
+    /// How long a gRPC connection told to go for its age has to finish its calls before it is
+    /// closed (GRPC_MAX_CONNECTION_AGE_GRACE). Without it, until they end.
+    #[arg(long, env = "SLUICE_GRPC_MAX_CONNECTION_AGE_GRACE", value_parser = humantime::parse_duration, requires = "grpc_max_connection_age")]
+    grpc_max_connection_age_grace: Option<Duration>,
     /// How long SIGTERM waits for in-flight calls before exiting anyway.
     #[arg(long, env = "SLUICE_SHUTDOWN_GRACE", default_value = "10s", value_parser = humantime::parse_duration)]
     shutdown_grace: Duration,
@@ -247,6 +270,9 @@ struct ExplainArgs {
     /// Explain as `serve --merge-domains` loads the rules.
     #[arg(long, env = "SLUICE_MERGE_DOMAINS")]
     merge_domains: bool,
+    /// The most bytes the rule files may hold together, as `serve --max-config-bytes`.
+    #[arg(long, env = "SLUICE_MAX_CONFIG_BYTES", default_value_t = config::DEFAULT_MAX_CONFIG_BYTES)]
+    max_config_bytes: u64,
     /// Explain as `serve --quota-mode` answers.
     #[arg(long, env = "SLUICE_QUOTA_MODE")]
     quota_mode: bool,
@@ -337,7 +363,7 @@ impl HealthTls {
 }
 
 fn main() -> ExitCode {
-    let (cli, notes) = match parse() {
+    let (cli, translation) = match parse() {
         Ok(parsed) => parsed,
         Err(message) => {
             eprintln!("{}: {message}", erl::COMMAND);
@@ -348,19 +374,31 @@ fn main() -> ExitCode {
         Command::CheckConfig {
             path,
             merge_domains,
+            max_config_bytes,
         } => check_config(&config::Source {
             path,
             merge_domains,
+            max_bytes: max_config_bytes,
         }),
         Command::Health { target, tls } => health(target.unwrap_or_else(served_grpc_addr), tls),
         Command::Explain(args) => explain(&args),
         Command::Load(options) => load(options),
         Command::Serve(args) => {
             sluice::telemetry::init(args.log_format, args.log_level.as_deref());
-            for note in notes {
-                tracing::warn!("{note}");
+            if let Some(t) = &translation {
+                for unhonoured in &t.unhonoured {
+                    tracing::warn!("{unhonoured}");
+                }
+                for note in &t.notes {
+                    tracing::warn!("{note}");
+                }
             }
-            match serve(*args) {
+            // As `ratelimit`, a value out of bounds names the variable it came from.
+            let checked = check_bounds(&args).map_err(|e| match &translation {
+                Some(t) => anyhow::anyhow!(t.blame(&format!("{e:#}"))),
+                None => e,
+            });
+            match checked.and_then(|()| serve(*args)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!("{e:#}");
@@ -372,22 +410,25 @@ fn main() -> ExitCode {
 }
 
 /// The command line; run as `ratelimit`, `serve` with the flags envoyproxy/ratelimit's
-/// environment means (and any arguments given after them), with what to warn about at start.
-fn parse() -> Result<(Cli, Vec<String>), String> {
+/// environment means (and any arguments given after them), with that translation. A value clap
+/// refuses is named by the variable it came from.
+fn parse() -> Result<(Cli, Option<erl::Translation>), String> {
     let mut args: Vec<OsString> = std::env::args_os().collect();
     if !args.first().is_some_and(erl::runs_as_ratelimit) {
-        return Ok((Cli::parse(), Vec::new()));
+        return Ok((Cli::parse(), None));
     }
     let translation = erl::translate(&|name| std::env::var(name).ok())?;
     let given = args.split_off(1);
-    let cli = Cli::parse_from(args.into_iter().chain(translation.args).chain(given));
-    let notes = translation
-        .unhonoured
-        .iter()
-        .map(ToString::to_string)
-        .chain(translation.notes)
-        .collect();
-    Ok((cli, notes))
+    let translated = translation.args.iter().cloned();
+    match Cli::try_parse_from(args.into_iter().chain(translated).chain(given)) {
+        Ok(cli) => Ok((cli, Some(translation))),
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => {
+            let rendered = e.to_string();
+            let first = rendered.lines().next().unwrap_or_default();
+            Err(translation.blame(first.trim_start_matches("error: ")))
+        }
+    }
 }
 
 fn check_config(source: &config::Source) -> ExitCode {
@@ -444,6 +485,7 @@ fn explain(args: &ExplainArgs) -> ExitCode {
     let loaded = match config::load(&config::Source {
         path: args.path.clone(),
         merge_domains: args.merge_domains,
+        max_bytes: args.max_config_bytes,
     }) {
         Ok(loaded) => loaded,
         Err(errors) => {
@@ -571,9 +613,14 @@ fn check_bounds(args: &ServeArgs) -> anyhow::Result<()> {
         ("--max-entries", args.max_entries),
         ("--max-request-bytes", args.max_request_bytes),
         (
+            "--max-config-bytes",
+            usize::try_from(args.max_config_bytes).unwrap_or(usize::MAX),
+        ),
+        (
             "--max-concurrent-streams",
             args.max_concurrent_streams as usize,
         ),
+        ("--max-connections", args.max_connections),
     ];
     for (flag, value) in at_least_one {
         if value == 0 {
@@ -593,6 +640,12 @@ fn check_bounds(args: &ServeArgs) -> anyhow::Result<()> {
     }
     if args.quota_abandon_after == 0 {
         anyhow::bail!("--quota-abandon-after: must be at least 1");
+    }
+    if args
+        .grpc_max_connection_age
+        .is_some_and(|age| age.is_zero())
+    {
+        anyhow::bail!("--grpc-max-connection-age: must be more than 0 (leave it out for none)");
     }
     if args.store_timeout.is_zero() || args.store_timeout > LONGEST_STORE_TIMEOUT {
         anyhow::bail!(
@@ -616,7 +669,6 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     // Before anything else: from here on a SIGHUP reloads instead of ending the process.
     let hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
-    check_bounds(&args)?;
     if let Some(path) = &args.prometheus_mapper {
         match std::fs::read_to_string(path) {
             Ok(text) => {
@@ -651,6 +703,7 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
             let source = config::Source {
                 path: path.clone(),
                 merge_domains: args.merge_domains,
+                max_bytes: args.max_config_bytes,
             };
             let first = reload::load(&source, args.allow_empty_config)?;
             reload::first(&first);
@@ -690,6 +743,11 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         edges: Edges {
             max_request_bytes: args.max_request_bytes,
             max_concurrent_streams: args.max_concurrent_streams,
+            max_connections: args.max_connections,
+            max_connection_age: args.grpc_max_connection_age.map(|age| MaxAge {
+                age,
+                grace: args.grpc_max_connection_age_grace,
+            }),
         },
         answering: Answering {
             shadow_mode: args.shadow_mode,

@@ -37,11 +37,11 @@ fn args(pairs: &[(&str, &str)]) -> Vec<String> {
         .collect()
 }
 
-/// The value `args` give `flag`, if any.
+/// The value `args` give `flag` (as `flag=value`), if any.
 fn value(pairs: &[(&str, &str)], flag: &str) -> Option<String> {
-    let args = args(pairs);
-    let at = args.iter().position(|a| a == flag)?;
-    args.get(at + 1).cloned()
+    args(pairs)
+        .iter()
+        .find_map(|a| a.strip_prefix(flag)?.strip_prefix('=').map(str::to_owned))
 }
 
 fn split(line: &str) -> Vec<String> {
@@ -75,15 +75,17 @@ fn envoy_gateways_environment_becomes_these_serve_flags() {
     assert_eq!(
         args,
         split(
-            "serve --http-addr 0.0.0.0:8080 --grpc-addr 0.0.0.0:8081 --debug-addr 0.0.0.0:6070 \
-             --xds-server envoy-gateway:18001 --xds-node-id envoy-ratelimit \
-             --xds-tls-ca /certs/ca.crt --xds-tls-cert /certs/tls.crt --xds-tls-key /certs/tls.key \
-             --counting always --local-cache-size 0 \
-             --redis-url redis://redis.redis-system.svc.cluster.local:6379 \
-             --tls-cert /certs/tls.crt --tls-key /certs/tls.key --healthcheck-without-rules \
-             --metrics-addr 0.0.0.0:19001 --metrics-path /metrics \
-             --prometheus-mapper /etc/statsd-exporter/conf.yaml \
-             --log-level info --log-format text"
+            "serve --http-addr=0.0.0.0:8080 --grpc-addr=0.0.0.0:8081 --debug-addr=0.0.0.0:6070 \
+             --xds-server=envoy-gateway:18001 --xds-node-id=envoy-ratelimit \
+             --xds-tls-ca=/certs/ca.crt --xds-tls-cert=/certs/tls.crt --xds-tls-key=/certs/tls.key \
+             --counting=always --local-cache-size=0 \
+             --redis-url=redis://redis.redis-system.svc.cluster.local:6379 \
+             --tls-cert=/certs/tls.crt --tls-key=/certs/tls.key \
+             --grpc-max-connection-age=24h --grpc-max-connection-age-grace=1h \
+             --healthcheck-without-rules \
+             --metrics-addr=0.0.0.0:19001 --metrics-path=/metrics \
+             --prometheus-mapper=/etc/statsd-exporter/conf.yaml \
+             --log-level=info --log-format=text"
         )
     );
     assert_eq!(
@@ -154,9 +156,10 @@ fn an_empty_environment_gets_envoyproxy_ratelimits_defaults_on_the_embedded_stor
     assert_eq!(
         args,
         split(
-            "serve --http-addr 0.0.0.0:8080 --grpc-addr 0.0.0.0:8081 --debug-addr 0.0.0.0:6070 \
-             --config /srv/runtime_data/current/config --counting always --local-cache-size 0 \
-             --healthcheck-without-rules --log-level warn --log-format text"
+            "serve --http-addr=0.0.0.0:8080 --grpc-addr=0.0.0.0:8081 --debug-addr=0.0.0.0:6070 \
+             --config=/srv/runtime_data/current/config --counting=always --local-cache-size=0 \
+             --grpc-max-connection-age=24h --grpc-max-connection-age-grace=1h \
+             --healthcheck-without-rules --log-level=warn --log-format=text"
         )
     );
     assert_eq!(t.notes.len(), 1);
@@ -482,6 +485,110 @@ fn only_variables_set_to_what_would_matter_are_unhonoured() {
     );
 }
 
+/// envoyproxy/ratelimit's opt-in to drop a connection that answers READONLY (a primary demoted
+/// behind a fixed address) is what sluice always does: accepted without a word, whatever its
+/// value, and refused at start when it is not a boolean, as there.
+#[test]
+fn redis_close_connection_on_readonly_error_is_accepted_as_what_sluice_always_does() {
+    let redis = [("REDIS_SOCKET_TYPE", "tcp"), ("REDIS_URL", "r:6379")];
+    for value in ["true", "false"] {
+        let mut env = redis.to_vec();
+        env.push(("REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR", value));
+        let translation = translated(&env).expect("a valid environment");
+        assert_eq!(translation.unhonoured, [], "{value}");
+        assert_eq!(translation.args, translated(&redis).unwrap().args);
+    }
+    let mut env = redis.to_vec();
+    env.push(("REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR", "maybe"));
+    let refused = translated(&env).unwrap_err();
+    assert!(
+        refused.starts_with("REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR=maybe"),
+        "{refused}"
+    );
+}
+
+#[test]
+fn runtime_directories_are_joined_as_gos_filepath_join_joins_them() {
+    let config = |root: &str, sub: &str, app: &str| {
+        let env = [
+            ("RUNTIME_ROOT", root),
+            ("RUNTIME_SUBDIRECTORY", sub),
+            ("RUNTIME_APPDIRECTORY", app),
+        ];
+        value(&env, "--config").unwrap()
+    };
+    // An absolute part does not restart the path.
+    assert_eq!(
+        config("/srv/data", "/sub", "config"),
+        "/srv/data/sub/config"
+    );
+    assert_eq!(
+        config("/srv/data/", "sub/", "/rules/"),
+        "/srv/data/sub/rules"
+    );
+    assert_eq!(
+        config("/srv/data", "./a/../b", "config"),
+        "/srv/data/b/config"
+    );
+    assert_eq!(config("/srv", "../..", "config"), "/config");
+    assert_eq!(config("data", "../..", "config"), "../config");
+}
+
+#[test]
+fn connection_age_variables_become_the_connection_age_flags_with_their_defaults() {
+    assert_eq!(
+        value(&[], "--grpc-max-connection-age").as_deref(),
+        Some("24h")
+    );
+    assert_eq!(
+        value(&[], "--grpc-max-connection-age-grace").as_deref(),
+        Some("1h")
+    );
+    // Go's durations: fractions and several units.
+    let env = [
+        ("GRPC_MAX_CONNECTION_AGE", "1.5h"),
+        ("GRPC_MAX_CONNECTION_AGE_GRACE", "1m30s"),
+    ];
+    assert_eq!(
+        value(&env, "--grpc-max-connection-age").as_deref(),
+        Some("90m")
+    );
+    assert_eq!(
+        value(&env, "--grpc-max-connection-age-grace").as_deref(),
+        Some("90s")
+    );
+    // 0 is gRPC's "none": no maximum age, or no forced close after it.
+    let no_age = [("GRPC_MAX_CONNECTION_AGE", "0")];
+    assert_eq!(value(&no_age, "--grpc-max-connection-age"), None);
+    assert_eq!(value(&no_age, "--grpc-max-connection-age-grace"), None);
+    let no_grace = [("GRPC_MAX_CONNECTION_AGE_GRACE", "0s")];
+    assert_eq!(value(&no_grace, "--grpc-max-connection-age-grace"), None);
+    assert_eq!(
+        translated(&[("GRPC_MAX_CONNECTION_AGE", "10 minutes")]).unwrap_err(),
+        "GRPC_MAX_CONNECTION_AGE=10 minutes: not a duration (such as 300ms, 30s or 1h30m)"
+    );
+    assert_eq!(
+        translated(&[("GRPC_MAX_CONNECTION_AGE_GRACE", "-1s")]).unwrap_err(),
+        "GRPC_MAX_CONNECTION_AGE_GRACE=-1s: must not be negative"
+    );
+    let names: Vec<_> = translated(&env)
+        .unwrap()
+        .unhonoured
+        .iter()
+        .map(|u| u.name)
+        .collect();
+    assert_eq!(names, Vec::<&str>::new(), "both are honoured");
+}
+
+#[test]
+fn a_value_starting_with_a_dash_reaches_its_flag_as_its_value() {
+    let args = args(&[("NEAR_LIMIT_RATIO", "-1")]);
+    assert!(
+        args.contains(&"--near-limit-ratio=-1".to_owned()),
+        "{args:?}"
+    );
+}
+
 // ---- the binary, run as `ratelimit` ----
 
 /// A rule file in envoyproxy/ratelimit's format.
@@ -773,4 +880,64 @@ async fn as_ratelimit_serves_as_uid_65534_without_home_or_working_directory() {
         .await
         .expect("ShouldRateLimit succeeds");
     assert_eq!(answer.into_inner().overall_code, OK);
+}
+
+/// Runs the binary as `ratelimit` with only `env` and ports of its own, and returns how it
+/// exited and what it wrote to stderr: it must exit within 10 s.
+fn refusal(env: &[(&str, &str)]) -> (std::process::ExitStatus, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let link = dir.path().join("ratelimit");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_sluice"), &link).unwrap();
+    std::fs::create_dir_all(dir.path().join("config")).unwrap();
+    std::fs::write(dir.path().join("config/erl.yaml"), RULES).unwrap();
+    let ports = [
+        ("PORT", free_port().to_string()),
+        ("GRPC_PORT", free_port().to_string()),
+        ("DEBUG_PORT", free_port().to_string()),
+        ("HOST", "127.0.0.1".to_owned()),
+        ("GRPC_HOST", "127.0.0.1".to_owned()),
+        ("DEBUG_HOST", "127.0.0.1".to_owned()),
+        ("RUNTIME_ROOT", dir.path().to_str().unwrap().to_owned()),
+    ];
+    let stderr = dir.path().join("stderr");
+    let mut child = Command::new(&link)
+        .env_clear()
+        .envs(ports)
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&stderr).unwrap())
+        .spawn()
+        .expect("ratelimit starts");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "ratelimit still runs with {env:?}: {}",
+                std::fs::read_to_string(&stderr).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status, std::fs::read_to_string(&stderr).unwrap_or_default())
+}
+
+#[test]
+fn as_ratelimit_a_value_sluice_refuses_is_an_error_naming_its_variable() {
+    let (status, stderr) = refusal(&[("NEAR_LIMIT_RATIO", "-1")]);
+    assert!(!status.success());
+    assert!(
+        stderr.contains("NEAR_LIMIT_RATIO=-1: --near-limit-ratio: must be more than 0"),
+        "{stderr}"
+    );
+    let (status, stderr) = refusal(&[("USE_PROMETHEUS", "true"), ("PROMETHEUS_PATH", "metrics")]);
+    assert!(!status.success());
+    assert!(
+        stderr.starts_with("ratelimit: PROMETHEUS_PATH=metrics: invalid value 'metrics'"),
+        "{stderr}"
+    );
 }

@@ -1,12 +1,16 @@
 //! Parses and validates one rule file. Errors carry the line of the offending node and the
 //! wording of envoyproxy/ratelimit's own errors where it has one.
 
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use marked_yaml::types::{MarkedMappingNode, MarkedScalarNode, MarkedSequenceNode};
 use marked_yaml::{LoadError, LoaderOptions, Node};
 
-use super::{ConfigError, DescriptorConfig, DomainConfig, QuotaBucketConfig, RuleLimit};
+use super::{
+    ConfigError, DescriptorConfig, DomainConfig, MOST_BUCKET_KEYS, MOST_DESCRIPTOR_DEPTH,
+    MOST_METADATA_DEPTH, MOST_YAML_DEPTH, QuotaBucketConfig, RuleLimit,
+};
 use crate::limiter::algorithm::{gcra, log};
 use crate::limiter::{Algorithm, Counting, LONGEST_WINDOW_SECONDS, Limit, Mode, Unit};
 
@@ -92,6 +96,14 @@ impl Parser<'_> {
             self.error(1, "config file cannot have empty domain");
             return None;
         }
+        // Before any tree is built: building, dropping and walking one recurse once per level.
+        if let Some(line) = super::nesting::too_deep(text) {
+            self.error(
+                line,
+                format!("YAML collections nest deeper than {MOST_YAML_DEPTH} levels"),
+            );
+            return None;
+        }
         let options = LoaderOptions::default().error_on_duplicate_keys(true);
         let node = match marked_yaml::parse_yaml_with_options(0, text, options) {
             Ok(node) => node,
@@ -118,7 +130,7 @@ impl Parser<'_> {
             self.error(line, "config file cannot have empty domain");
         }
         // Composite keys are named from the domain down, as envoyproxy/ratelimit names them.
-        let descriptors = self.descriptors(map, &format!("{domain}."));
+        let descriptors = self.descriptors(map, &format!("{domain}."), 1);
         let quota_buckets = self.quota_buckets(map);
         Some(DomainConfig {
             file: self.file.to_path_buf(),
@@ -242,16 +254,30 @@ impl Parser<'_> {
         out
     }
 
-    fn descriptors(&mut self, map: &MarkedMappingNode, parent: &str) -> Vec<DescriptorConfig> {
+    /// The rules of `map`'s `descriptors`, nested `depth` levels deep (1 at the top).
+    fn descriptors(
+        &mut self,
+        map: &MarkedMappingNode,
+        parent: &str,
+        depth: usize,
+    ) -> Vec<DescriptorConfig> {
         let mut out: Vec<DescriptorConfig> = Vec::new();
-        for d in self.maps(map, "descriptors") {
-            let Some(descriptor) = self.descriptor(d, parent) else {
+        let rules = self.maps(map, "descriptors");
+        if depth > MOST_DESCRIPTOR_DEPTH {
+            if let Some(first) = rules.first() {
+                self.error(
+                    first.span().start().map_or(1, |m| m.line()),
+                    format!("descriptors nest deeper than {MOST_DESCRIPTOR_DEPTH} levels"),
+                );
+            }
+            return out;
+        }
+        let mut seen = HashSet::new();
+        for d in rules {
+            let Some(descriptor) = self.descriptor(d, parent, depth) else {
                 continue;
             };
-            if out
-                .iter()
-                .any(|o| o.key == descriptor.key && o.value == descriptor.value)
-            {
+            if !seen.insert((descriptor.key.clone(), descriptor.value.clone())) {
                 self.error(
                     descriptor.line,
                     format!(
@@ -266,7 +292,12 @@ impl Parser<'_> {
         out
     }
 
-    fn descriptor(&mut self, map: &MarkedMappingNode, parent: &str) -> Option<DescriptorConfig> {
+    fn descriptor(
+        &mut self,
+        map: &MarkedMappingNode,
+        parent: &str,
+        depth: usize,
+    ) -> Option<DescriptorConfig> {
         let line = map.span().start().map(|m| m.line()).unwrap_or(1);
         self.check_keys(map, DESCRIPTOR_KEYS);
         let key = self.string(map, "key").unwrap_or_default();
@@ -299,9 +330,17 @@ impl Parser<'_> {
             counting
         });
         let limits = self.limits(map);
-        let metadata = map.get_node("metadata").map(yaml_to_json);
+        let metadata = map.get_node("metadata").map(|node| {
+            yaml_to_json(node, 0).unwrap_or_else(|line| {
+                self.error(
+                    line,
+                    format!("metadata nests deeper than {MOST_METADATA_DEPTH} levels"),
+                );
+                serde_json::Value::Null
+            })
+        });
         let path = format!("{parent}{}.", composite(&key, value.as_deref()));
-        let descriptors = self.descriptors(map, &path);
+        let descriptors = self.descriptors(map, &path, depth + 1);
         Some(DescriptorConfig {
             line,
             key,
@@ -319,21 +358,23 @@ impl Parser<'_> {
 
     fn quota_buckets(&mut self, map: &MarkedMappingNode) -> Vec<QuotaBucketConfig> {
         let mut out: Vec<QuotaBucketConfig> = Vec::new();
+        // Each bucket already defined, with its line.
+        let mut seen = HashMap::new();
         for q in self.maps(map, "quota_buckets") {
             let Some(rule) = self.quota_bucket(q) else {
                 continue;
             };
-            if let Some(first) = out.iter().find(|o| o.bucket == rule.bucket) {
+            if let Some(first) = seen.get(&rule.bucket) {
                 self.error(
                     rule.line,
                     format!(
-                        "duplicate quota bucket '{}' (first at line {})",
+                        "duplicate quota bucket '{}' (first at line {first})",
                         crate::config::quota_path(&rule.bucket),
-                        first.line
                     ),
                 );
                 continue;
             }
+            seen.insert(rule.bucket.clone(), rule.line);
             out.push(rule);
         }
         out
@@ -350,6 +391,13 @@ impl Parser<'_> {
                 "a quota bucket needs 'bucket', a mapping of keys to values",
             ),
             Some(node) => match node.as_mapping() {
+                Some(m) if m.len() > MOST_BUCKET_KEYS => self.error(
+                    line_of(node),
+                    format!(
+                        "a quota bucket matches at most {MOST_BUCKET_KEYS} keys, this one {}",
+                        m.len()
+                    ),
+                ),
                 Some(m) if !m.is_empty() => {
                     for (key, value) in m.iter() {
                         let value = match value.as_scalar() {
@@ -437,6 +485,7 @@ impl Parser<'_> {
             };
         }
         let mut out: Vec<RuleLimit> = Vec::new();
+        let mut windows = HashSet::new();
         for m in self.maps(map, "rate_limits") {
             let line = m.span().start().map(|m| m.line()).unwrap_or(1);
             let Some(limit) = self.limit(m) else { continue };
@@ -444,12 +493,7 @@ impl Parser<'_> {
                 self.error(line, "unlimited cannot be one of several rate_limits");
                 continue;
             };
-            let same_window = out.iter().filter_map(|o| o.limit.as_ref()).any(|o| {
-                o.algorithm == l.algorithm
-                    && o.unit == l.unit
-                    && o.unit_multiplier == l.unit_multiplier
-            });
-            if same_window {
+            if !windows.insert((l.algorithm, l.unit, l.unit_multiplier)) {
                 self.error(
                     line,
                     "rate_limits has two limits with the same algorithm and window",
@@ -679,9 +723,13 @@ fn describe_load_error(e: &LoadError, text: &str) -> (usize, String) {
     }
 }
 
-/// Metadata is free-form: kept as JSON for the config dump and responses.
-fn yaml_to_json(node: &Node) -> serde_json::Value {
-    match node {
+/// Metadata is free-form: kept as JSON for the config dump and responses. `depth` is the number
+/// of collections `node` sits in; a collection past `MOST_METADATA_DEPTH` is an error at its line.
+fn yaml_to_json(node: &Node, depth: usize) -> Result<serde_json::Value, usize> {
+    if !matches!(node, Node::Scalar(_)) && depth == MOST_METADATA_DEPTH {
+        return Err(line_of(node));
+    }
+    Ok(match node {
         Node::Scalar(s) if s.may_coerce() => {
             if is_null(s) {
                 serde_json::Value::Null
@@ -696,13 +744,17 @@ fn yaml_to_json(node: &Node) -> serde_json::Value {
             }
         }
         Node::Scalar(s) => serde_json::Value::String(s.as_str().to_owned()),
-        Node::Sequence(seq) => serde_json::Value::Array(seq.iter().map(yaml_to_json).collect()),
+        Node::Sequence(seq) => serde_json::Value::Array(
+            seq.iter()
+                .map(|v| yaml_to_json(v, depth + 1))
+                .collect::<Result<_, _>>()?,
+        ),
         Node::Mapping(map) => serde_json::Value::Object(
             map.iter()
-                .map(|(k, v)| (k.as_str().to_owned(), yaml_to_json(v)))
-                .collect(),
+                .map(|(k, v)| Ok((k.as_str().to_owned(), yaml_to_json(v, depth + 1)?)))
+                .collect::<Result<_, usize>>()?,
         ),
-    }
+    })
 }
 
 #[cfg(test)]

@@ -4,8 +4,10 @@
 //! can come over xDS instead (`xds`), validated the same way.
 
 mod file;
+mod nesting;
 pub mod xds;
 
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -24,6 +26,16 @@ pub const MOST_DESCRIPTOR_DEPTH: usize = 32;
 pub const MOST_METADATA_DEPTH: usize = 16;
 /// The most keys a quota bucket rule may match on.
 pub const MOST_BUCKET_KEYS: usize = 32;
+/// The deepest YAML collections may nest anywhere in a rule file: room for the deepest valid
+/// rule (the top mapping, then a `descriptors` list and a rule per level down to
+/// `MOST_DESCRIPTOR_DEPTH`, then `metadata` `MOST_METADATA_DEPTH` deep) and no more, so that
+/// nothing reading the file's tree recurses deeper than that.
+pub const MOST_YAML_DEPTH: usize = 1 + 2 * MOST_DESCRIPTOR_DEPTH + MOST_METADATA_DEPTH;
+/// The default of `--max-config-bytes`: the most bytes the rule files under `--config` may hold
+/// together. Loading takes about 45 bytes of memory per byte of rules at its peak (4 MiB: about
+/// 230 MB; about 100 for a file of tiny list items), and a Kubernetes ConfigMap holds 1 MiB at
+/// most.
+pub const DEFAULT_MAX_CONFIG_BYTES: u64 = 4 * 1024 * 1024;
 
 /// One domain, as one rule file declares it.
 #[derive(Clone, Debug, PartialEq)]
@@ -86,6 +98,8 @@ pub struct Source {
     /// One domain may span several files (`--merge-domains`, envoyproxy/ratelimit's
     /// `MERGE_DOMAIN_CONFIG`); else a domain declared twice is an error.
     pub merge_domains: bool,
+    /// The most bytes the rule files may hold together (`--max-config-bytes`).
+    pub max_bytes: u64,
 }
 
 /// A problem found in a rule file.
@@ -148,6 +162,8 @@ fn hex(bytes: &[u8]) -> String {
 
 /// Loads one rule file, or every `.yaml`/`.yml` file directly inside a directory (hidden entries,
 /// such as a Kubernetes ConfigMap's `..data`, are skipped; symlinks are followed), in name order.
+/// An entry that cannot be read (a directory, a symlink loop or a link to nothing) is an error
+/// at line 0, as are files together larger than `max_bytes`, found before they are read.
 pub fn load(source: &Source) -> Result<Loaded, Vec<ConfigError>> {
     let path = source.path.as_path();
     let files = rule_files(path).map_err(|message| {
@@ -159,15 +175,42 @@ pub fn load(source: &Source) -> Result<Loaded, Vec<ConfigError>> {
     })?;
     let mut loaded = Loaded::default();
     let mut errors = Vec::new();
-    for file in files {
-        let text = std::fs::read(&file).and_then(|bytes| {
-            loaded
-                .files
-                .push((file.clone(), hex(&Sha256::digest(&bytes))));
-            String::from_utf8(bytes)
-                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+    let mut total = 0u64;
+    for (file, size) in files {
+        let read = size.and_then(|size| {
+            let budget = source.max_bytes.saturating_sub(total);
+            let bytes = read_at_most(&file, size, budget)?;
+            total += bytes.len() as u64;
+            Ok(bytes)
         });
-        match text {
+        let bytes = match read {
+            Ok(bytes) => bytes,
+            Err(Unread::Cannot(message)) => {
+                errors.push(ConfigError {
+                    file,
+                    line: 0,
+                    message,
+                });
+                continue;
+            }
+            Err(Unread::TooLarge(size)) => {
+                let message = format!(
+                    "the rule files come to {} bytes with this one ({size} bytes), more than --max-config-bytes ({})",
+                    total.saturating_add(size),
+                    source.max_bytes
+                );
+                errors.push(ConfigError {
+                    file,
+                    line: 0,
+                    message,
+                });
+                break;
+            }
+        };
+        loaded
+            .files
+            .push((file.clone(), hex(&Sha256::digest(&bytes))));
+        match String::from_utf8(bytes) {
             Ok(text) => match parse(&file, &text) {
                 Ok((domain, warnings)) => {
                     loaded.warnings.extend(warnings);
@@ -190,59 +233,89 @@ pub fn load(source: &Source) -> Result<Loaded, Vec<ConfigError>> {
     }
 }
 
+/// Why a rule file was not read.
+enum Unread {
+    /// It cannot be: the reason.
+    Cannot(String),
+    /// It holds this many bytes (at least), more than the budget left.
+    TooLarge(u64),
+}
+
+/// The bytes of `file`, `size` bytes by its metadata, if it holds no more than `budget`: a file
+/// found larger (by its metadata, or growing while read) is not read past the budget.
+fn read_at_most(file: &Path, size: u64, budget: u64) -> Result<Vec<u8>, Unread> {
+    use std::io::Read;
+    if size > budget {
+        return Err(Unread::TooLarge(size));
+    }
+    let mut bytes = Vec::with_capacity(size as usize);
+    std::fs::File::open(file)
+        .and_then(|f| f.take(budget.saturating_add(1)).read_to_end(&mut bytes))
+        .map_err(|e| Unread::Cannot(format!("cannot read: {e}")))?;
+    if bytes.len() as u64 > budget {
+        return Err(Unread::TooLarge(bytes.len() as u64));
+    }
+    Ok(bytes)
+}
+
 /// A domain declared twice: an error, unless `merge_domains`, which joins them unless they
-/// define the same top-level rule.
+/// define the same top-level rule. Merged files join at the top of the domain's tree, as
+/// envoyproxy/ratelimit joins them: a rule defined twice is an error even when the two would
+/// nest different rules.
 fn domain_collisions(domains: &[DomainConfig], merge_domains: bool) -> Vec<ConfigError> {
     let mut errors = Vec::new();
-    for (i, d) in domains.iter().enumerate() {
-        let earlier: Vec<_> = domains[..i]
+    // Each domain's top-level rules (key, value), from the files read so far.
+    let mut seen: HashMap<&str, HashSet<(&str, Option<&str>)>> = HashMap::new();
+    for d in domains {
+        let rules = d
+            .descriptors
             .iter()
-            .filter(|o| o.domain == d.domain)
-            .collect();
-        if earlier.is_empty() {
+            .map(|rule| (rule.key.as_str(), rule.value.as_deref()));
+        let Some(earlier) = seen.get_mut(d.domain.as_str()) else {
+            let rules = if merge_domains {
+                rules.collect()
+            } else {
+                HashSet::new()
+            };
+            seen.insert(&d.domain, rules);
             continue;
-        }
-        if merge_domains {
-            errors.extend(merge_collisions(d, &earlier));
-        } else {
+        };
+        if !merge_domains {
             errors.push(ConfigError {
                 file: d.file.clone(),
                 line: d.line,
                 message: format!("duplicate domain '{}' in config file", d.domain),
             });
+            continue;
         }
+        for rule in &d.descriptors {
+            if earlier.contains(&(rule.key.as_str(), rule.value.as_deref())) {
+                errors.push(ConfigError {
+                    file: d.file.clone(),
+                    line: rule.line,
+                    message: format!(
+                        "duplicate descriptor composite key '{}.{}'",
+                        d.domain,
+                        file::composite(&rule.key, rule.value.as_deref())
+                    ),
+                });
+            }
+        }
+        earlier.extend(rules);
     }
     errors
 }
 
-/// The top-level rules of `d` that files read before it already define for its domain. Merged
-/// files join at the top of the domain's tree, as envoyproxy/ratelimit joins them: a rule
-/// defined twice is an error even when the two would nest different rules.
-fn merge_collisions(d: &DomainConfig, earlier: &[&DomainConfig]) -> Vec<ConfigError> {
-    d.descriptors
-        .iter()
-        .filter(|rule| {
-            earlier
-                .iter()
-                .flat_map(|o| &o.descriptors)
-                .any(|o| o.key == rule.key && o.value == rule.value)
-        })
-        .map(|rule| ConfigError {
-            file: d.file.clone(),
-            line: rule.line,
-            message: format!(
-                "duplicate descriptor composite key '{}.{}'",
-                d.domain,
-                file::composite(&rule.key, rule.value.as_deref())
-            ),
-        })
-        .collect()
-}
+/// A rule file found, with its size or why it cannot be read.
+type Found = (PathBuf, Result<u64, Unread>);
 
-fn rule_files(path: &Path) -> Result<Vec<PathBuf>, String> {
+/// The rule files under `path`: itself, or each `.yaml`/`.yml` entry directly inside the
+/// directory, in name order.
+fn rule_files(path: &Path) -> Result<Vec<Found>, String> {
     let meta = std::fs::metadata(path).map_err(|e| format!("cannot read: {e}"))?;
     if !meta.is_dir() {
-        return Ok(vec![path.to_path_buf()]);
+        // Whatever it is (a pipe, say): read, within the budget.
+        return Ok(vec![(path.to_path_buf(), Ok(meta.len()))]);
     }
     let mut files = Vec::new();
     for entry in std::fs::read_dir(path).map_err(|e| format!("cannot list: {e}"))? {
@@ -254,13 +327,14 @@ fn rule_files(path: &Path) -> Result<Vec<PathBuf>, String> {
             continue;
         }
         let file = entry.path();
-        if std::fs::metadata(&file)
-            .map(|m| m.is_file())
-            .unwrap_or(false)
-        {
-            files.push(file);
-        }
+        let size = match std::fs::metadata(&file) {
+            Ok(m) if m.is_file() => Ok(m.len()),
+            Ok(m) if m.is_dir() => Err(Unread::Cannot("not a file: a directory".into())),
+            Ok(_) => Err(Unread::Cannot("not a file".into())),
+            Err(e) => Err(Unread::Cannot(format!("cannot read: {e}"))),
+        };
+        files.push((file, size));
     }
-    files.sort();
+    files.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(files)
 }

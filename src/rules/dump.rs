@@ -1,16 +1,52 @@
 //! The rules in force, written out for operators: as JSON (`/config`: every domain and rule with
 //! its source file and line, the files' hashes and the load time) and as text, one line per
-//! limit, in envoyproxy/ratelimit's `/rlconfig` format.
+//! limit, in envoyproxy/ratelimit's `/rlconfig` format. Each is rendered once per rule set, in
+//! time and size linear in the rules: the JSON is indented down to `PRETTY_DEPTH` levels only.
 
+use std::io;
+use std::sync::OnceLock;
 use std::time::UNIX_EPOCH;
 
+use bytes::Bytes;
+use serde::Serialize;
+use serde_json::ser::Formatter;
 use serde_json::{Value, json};
 
 use super::RuleSet;
 use crate::config::{DescriptorConfig, DomainConfig, QuotaBucketConfig, RuleLimit, quota_path};
 use crate::limiter::{Algorithm, Limit, Mode};
 
+/// The dumps of one rule set, once rendered.
+#[derive(Default)]
+pub(super) struct Rendered {
+    json: OnceLock<Bytes>,
+    text: OnceLock<Bytes>,
+}
+
 impl RuleSet {
+    /// `dump_json` as pretty text (`/config`), rendered on the first call.
+    pub fn rendered_json(&self) -> Bytes {
+        self.rendered
+            .json
+            .get_or_init(|| {
+                let mut text = Vec::new();
+                let mut json = serde_json::Serializer::with_formatter(&mut text, Layout::default());
+                // Writing JSON values to memory cannot fail.
+                let _ = self.dump_json().serialize(&mut json);
+                text.push(b'\n');
+                Bytes::from(text)
+            })
+            .clone()
+    }
+
+    /// `dump_text` (`/rlconfig`), rendered on the first call.
+    pub fn rendered_text(&self) -> Bytes {
+        self.rendered
+            .text
+            .get_or_init(|| Bytes::from(self.dump_text()))
+            .clone()
+    }
+
     /// The rules as JSON.
     pub fn dump_json(&self) -> Value {
         let origin = &self.origin;
@@ -45,6 +81,106 @@ impl RuleSet {
             }
         }
         out
+    }
+}
+
+/// How deep the JSON of `/config` is laid out a value per line, indented; deeper values are
+/// written compactly. Every rule down to the third level of nesting is laid out in full; deep
+/// `metadata` or rules cannot make the text grow with the square of their depth.
+const PRETTY_DEPTH: usize = 12;
+
+/// serde_json's pretty layout (two spaces per level) down to `PRETTY_DEPTH`, compact below.
+#[derive(Default)]
+struct Layout {
+    depth: usize,
+    has_value: bool,
+}
+
+impl Layout {
+    fn pretty(&self) -> bool {
+        self.depth <= PRETTY_DEPTH
+    }
+
+    fn open<W: ?Sized + io::Write>(&mut self, out: &mut W, bracket: &[u8]) -> io::Result<()> {
+        self.depth += 1;
+        self.has_value = false;
+        out.write_all(bracket)
+    }
+
+    fn close<W: ?Sized + io::Write>(&mut self, out: &mut W, bracket: &[u8]) -> io::Result<()> {
+        let pretty = self.pretty();
+        self.depth -= 1;
+        if self.has_value && pretty {
+            self.new_line(out)?;
+        }
+        out.write_all(bracket)
+    }
+
+    /// Before a value of an array or a key of an object.
+    fn next<W: ?Sized + io::Write>(&mut self, out: &mut W, first: bool) -> io::Result<()> {
+        if !first {
+            out.write_all(b",")?;
+        }
+        if self.pretty() {
+            self.new_line(out)?;
+        }
+        Ok(())
+    }
+
+    fn new_line<W: ?Sized + io::Write>(&self, out: &mut W) -> io::Result<()> {
+        out.write_all(b"\n")?;
+        for _ in 0..self.depth {
+            out.write_all(b"  ")?;
+        }
+        Ok(())
+    }
+}
+
+impl Formatter for Layout {
+    fn begin_array<W: ?Sized + io::Write>(&mut self, out: &mut W) -> io::Result<()> {
+        self.open(out, b"[")
+    }
+
+    fn end_array<W: ?Sized + io::Write>(&mut self, out: &mut W) -> io::Result<()> {
+        self.close(out, b"]")
+    }
+
+    fn begin_array_value<W: ?Sized + io::Write>(
+        &mut self,
+        out: &mut W,
+        first: bool,
+    ) -> io::Result<()> {
+        self.next(out, first)
+    }
+
+    fn end_array_value<W: ?Sized + io::Write>(&mut self, _: &mut W) -> io::Result<()> {
+        self.has_value = true;
+        Ok(())
+    }
+
+    fn begin_object<W: ?Sized + io::Write>(&mut self, out: &mut W) -> io::Result<()> {
+        self.open(out, b"{")
+    }
+
+    fn end_object<W: ?Sized + io::Write>(&mut self, out: &mut W) -> io::Result<()> {
+        self.close(out, b"}")
+    }
+
+    fn begin_object_key<W: ?Sized + io::Write>(
+        &mut self,
+        out: &mut W,
+        first: bool,
+    ) -> io::Result<()> {
+        self.next(out, first)
+    }
+
+    fn begin_object_value<W: ?Sized + io::Write>(&mut self, out: &mut W) -> io::Result<()> {
+        out.write_all(if self.pretty() { b": " } else { b":" })
+    }
+
+    fn end_object_value<W: ?Sized + io::Write>(&mut self, _: &mut W) -> io::Result<()> {
+        self.has_value = true;
+        Ok(())
     }
 }
 
@@ -222,5 +358,30 @@ mod tests {
              d.k_v.c: unit=HOUR requests_per_unit=5, shadow_mode: true, quota_mode: false, unit_multiplier: 2, algorithm: sliding_window\n\
              d.k_v.c: unit=MINUTE requests_per_unit=6, shadow_mode: true, quota_mode: false, algorithm: token_bucket, burst: 12\n"
         );
+    }
+
+    #[test]
+    fn config_json_is_laid_out_as_serde_json_pretty_down_to_its_depth_then_compact() {
+        let mut deep = json!([1, {"a": []}]);
+        for _ in 0..PRETTY_DEPTH + 3 {
+            deep = json!({ "m": deep, "n": {} });
+        }
+        let shallow = json!({"a": [1, {"b": null, "c": []}], "d": {}});
+        let write = |value: &Value| {
+            let mut text = Vec::new();
+            let mut json = serde_json::Serializer::with_formatter(&mut text, Layout::default());
+            value.serialize(&mut json).unwrap();
+            String::from_utf8(text).unwrap()
+        };
+        assert_eq!(
+            write(&shallow),
+            serde_json::to_string_pretty(&shallow).unwrap()
+        );
+        let text = write(&deep);
+        assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), deep);
+        let longest = text.lines().map(str::len).max().unwrap();
+        let compact = r#""m":[1,{"a":[]}],"n":{}}"#;
+        assert!(text.contains(compact), "{text}");
+        assert!(longest < 2 * PRETTY_DEPTH + 80, "{text}");
     }
 }

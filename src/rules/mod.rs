@@ -40,6 +40,9 @@ pub struct RuleSet {
     origin: Origin,
     /// No configuration has come yet (rules over xDS, before the first snapshot).
     awaiting: bool,
+    /// `/config` and `/rlconfig`, once rendered: a large rule set is rendered once, not per
+    /// request.
+    rendered: dump::Rendered,
 }
 
 /// Where a rule set comes from.
@@ -205,6 +208,7 @@ impl RuleSet {
             configs,
             origin: Origin::default(),
             awaiting: false,
+            rendered: dump::Rendered::default(),
         }
     }
 

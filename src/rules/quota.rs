@@ -25,6 +25,9 @@ pub struct QuotaRule {
 #[derive(Default)]
 pub(super) struct QuotaLevel {
     by_key: HashMap<String, Branches<QuotaNode>>,
+    /// Where each (key, pattern) sits in its key's `patterns`, so that adding a rule never
+    /// scans them.
+    pattern_at: HashMap<(String, String), usize>,
 }
 
 #[derive(Default)]
@@ -37,41 +40,35 @@ impl QuotaLevel {
     /// Adds a rule; a second rule for the same bucket pattern (domains merged across files)
     /// leaves the first in force.
     pub(super) fn add(&mut self, config: &QuotaBucketConfig) {
-        self.add_at(config, 0);
-    }
-
-    fn add_at(&mut self, config: &QuotaBucketConfig, depth: usize) {
-        let Some((key, value)) = config.bucket.get(depth) else {
-            return;
-        };
-        let branches = self.by_key.entry(key.clone()).or_default();
-        let node = match value {
-            None => branches.any.get_or_insert_with(Box::default).as_mut(),
-            Some(v) if v.contains('*') => {
-                let at = branches
-                    .patterns
-                    .iter()
-                    .position(|(p, _)| p.text == v.as_bytes());
-                let at = at.unwrap_or_else(|| {
-                    branches
-                        .patterns
-                        .push((Pattern::new(v), QuotaNode::default()));
-                    branches.patterns.len() - 1
+        let mut level = self;
+        for (at, (key, value)) in config.bucket.iter().enumerate() {
+            let branches = level.by_key.entry(key.clone()).or_default();
+            let node = match value {
+                None => branches.any.get_or_insert_with(Box::default).as_mut(),
+                Some(v) if v.contains('*') => {
+                    let at = *level
+                        .pattern_at
+                        .entry((key.clone(), v.clone()))
+                        .or_insert_with(|| {
+                            branches
+                                .patterns
+                                .push((Pattern::new(v), QuotaNode::default()));
+                            branches.patterns.len() - 1
+                        });
+                    &mut branches.patterns[at].1
+                }
+                Some(v) => branches.exact.entry(v.clone().into_bytes()).or_default(),
+            };
+            if at + 1 == config.bucket.len() {
+                node.rule.get_or_insert_with(|| {
+                    Arc::new(QuotaRule {
+                        path: quota_path(&config.bucket),
+                        limit: config.limit.clone(),
+                        shadow: config.shadow,
+                    })
                 });
-                &mut branches.patterns[at].1
             }
-            Some(v) => branches.exact.entry(v.clone().into_bytes()).or_default(),
-        };
-        if depth + 1 < config.bucket.len() {
-            node.children.add_at(config, depth + 1);
-        } else {
-            node.rule.get_or_insert_with(|| {
-                Arc::new(QuotaRule {
-                    path: quota_path(&config.bucket),
-                    limit: config.limit.clone(),
-                    shadow: config.shadow,
-                })
-            });
+            level = &mut node.children;
         }
     }
 

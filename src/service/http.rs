@@ -23,6 +23,7 @@ use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitRespon
 use super::rls::Rls;
 use super::{Readiness, Rules};
 use crate::limiter::LONGEST_WINDOW_SECONDS;
+use crate::rules::RuleSet;
 
 static POOL: LazyLock<DescriptorPool> = LazyLock::new(|| {
     DescriptorPool::decode(super::DESCRIPTORS).expect("build.rs writes a valid descriptor set")
@@ -41,16 +42,11 @@ pub fn admin(readiness: Readiness, rules: Rules, gauges: Gauges) -> Router {
         .merge(metrics_route("/metrics", gauges))
         .route(
             "/config",
-            get(move || async move {
-                let json = config.current.load().dump_json();
-                let mut text = serde_json::to_string_pretty(&json).unwrap_or_default();
-                text.push('\n');
-                ([(header::CONTENT_TYPE, "application/json")], text)
-            }),
+            get(move || render(config, RuleSet::rendered_json, "application/json")),
         )
         .route(
             "/rlconfig",
-            get(move || async move { rules.current.load().dump_text() }),
+            get(move || render(rules, RuleSet::rendered_text, TEXT)),
         )
         .route(
             "/healthcheck",
@@ -101,8 +97,20 @@ pub fn debug(rules: Rules) -> Router {
         )
         .route(
             "/rlconfig",
-            get(move || async move { rules.current.load().dump_text() }),
+            get(move || render(rules, RuleSet::rendered_text, TEXT)),
         )
+}
+
+const TEXT: &str = "text/plain; charset=utf-8";
+
+/// The rules in force as `page` renders them, on a blocking thread: a large rule set takes a
+/// while to render the first time, and the thread that answers probes must not wait for it.
+async fn render(rules: Rules, page: fn(&RuleSet) -> Bytes, content_type: &'static str) -> Response {
+    let rules = rules.current.load_full();
+    match tokio::task::spawn_blocking(move || page(&rules)).await {
+        Ok(body) => ([(header::CONTENT_TYPE, content_type)], body).into_response(),
+        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
 }
 
 /// The `/json` route, bounded to `max_body` bytes.

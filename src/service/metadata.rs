@@ -8,10 +8,13 @@ use serde_json::Map;
 
 use super::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use super::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use crate::config::MOST_METADATA_DEPTH;
 
 /// The metadata of `request`, with `passed`: the rule metadata of the descriptors that were not
 /// over their limit, in request order. Keys and values that are not UTF-8 are rendered lossily
-/// (U+FFFD), so that no request can make the answer fail.
+/// (U+FFFD), so that no request can make the answer fail. The rules' metadata is sent at most
+/// `MOST_METADATA_DEPTH` collections deep (deeper ones as null; no rule file can hold them): two
+/// protobuf levels each, well within the 100 that protobuf decoders, Envoy's among them, accept.
 pub(super) fn describe<'a>(
     request: &RateLimitRequest,
     passed: impl Iterator<Item = &'a Map<String, serde_json::Value>>,
@@ -33,12 +36,12 @@ pub(super) fn describe<'a>(
     }
     let mut merged = Map::new();
     for metadata in passed {
-        merge(&mut merged, metadata);
+        merge(&mut merged, metadata, 1);
     }
     if !merged.is_empty() {
         fields.insert(
             "metadata".to_owned(),
-            json(serde_json::Value::Object(merged)),
+            json(serde_json::Value::Object(merged), 0),
         );
     }
     Struct { fields }
@@ -76,13 +79,20 @@ fn descriptor(d: &RateLimitDescriptor) -> Value {
     value(Kind::StructValue(Struct { fields }))
 }
 
-/// Adds `src` to `dest` as envoyproxy/ratelimit merges rule metadata: a key already there keeps
-/// its value, except that two mappings merge, recursively.
-fn merge(dest: &mut Map<String, serde_json::Value>, src: &Map<String, serde_json::Value>) {
+/// Adds `src` to `dest`, mappings `depth` collections deep, as envoyproxy/ratelimit merges rule
+/// metadata: a key already there keeps its value, except that two mappings merge, recursively
+/// (down to `MOST_METADATA_DEPTH`, past which nothing is sent).
+fn merge(
+    dest: &mut Map<String, serde_json::Value>,
+    src: &Map<String, serde_json::Value>,
+    depth: usize,
+) {
     for (key, new) in src {
         match (dest.get_mut(key), new) {
-            (Some(serde_json::Value::Object(old)), serde_json::Value::Object(new)) => {
-                merge(old, new);
+            (Some(serde_json::Value::Object(old)), serde_json::Value::Object(new))
+                if depth < MOST_METADATA_DEPTH =>
+            {
+                merge(old, new, depth + 1);
             }
             (Some(_), _) => {}
             (None, _) => {
@@ -92,17 +102,25 @@ fn merge(dest: &mut Map<String, serde_json::Value>, src: &Map<String, serde_json
     }
 }
 
-fn json(v: serde_json::Value) -> Value {
+/// `v` as a protobuf `Value`, inside `depth` collections: a collection that would be deeper than
+/// `MOST_METADATA_DEPTH` is null.
+fn json(v: serde_json::Value, depth: usize) -> Value {
+    let deeper = depth + 1;
     value(match v {
+        serde_json::Value::Array(_) | serde_json::Value::Object(_)
+            if deeper > MOST_METADATA_DEPTH =>
+        {
+            Kind::NullValue(0)
+        }
         serde_json::Value::Null => Kind::NullValue(0),
         serde_json::Value::Bool(b) => Kind::BoolValue(b),
         serde_json::Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(0.0)),
         serde_json::Value::String(s) => Kind::StringValue(s),
         serde_json::Value::Array(a) => Kind::ListValue(ListValue {
-            values: a.into_iter().map(json).collect(),
+            values: a.into_iter().map(|v| json(v, deeper)).collect(),
         }),
         serde_json::Value::Object(o) => Kind::StructValue(Struct {
-            fields: o.into_iter().map(|(k, v)| (k, json(v))).collect(),
+            fields: o.into_iter().map(|(k, v)| (k, json(v, deeper))).collect(),
         }),
     })
 }
@@ -173,10 +191,34 @@ mod tests {
         let src = map(
             serde_json::json!({"team": "b", "tier": {"x": 2, "y": 3}, "list": [2], "new": true}),
         );
-        merge(&mut dest, &src);
+        merge(&mut dest, &src, 1);
         assert_eq!(
             serde_json::Value::Object(dest),
             serde_json::json!({"team": "a", "tier": {"x": 1, "y": 3}, "list": [1], "new": true})
         );
+    }
+
+    /// How many collections deep `v` nests.
+    fn levels(v: &Value) -> usize {
+        match &v.kind {
+            Some(Kind::StructValue(s)) => 1 + s.fields.values().map(levels).max().unwrap_or(0),
+            Some(Kind::ListValue(l)) => 1 + l.values.iter().map(levels).max().unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    #[test]
+    fn metadata_deeper_than_the_cap_is_sent_as_null_past_it() {
+        let mut deep = serde_json::json!(["leaf"]);
+        for _ in 0..MOST_METADATA_DEPTH + 4 {
+            deep = serde_json::json!({ "m": deep });
+        }
+        let request = RateLimitRequest {
+            domain: b"d".to_vec(),
+            ..Default::default()
+        };
+        let deep = map(deep);
+        let described = describe(&request, [&deep, &deep].into_iter());
+        assert_eq!(levels(&described.fields["metadata"]), MOST_METADATA_DEPTH);
     }
 }

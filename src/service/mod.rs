@@ -5,7 +5,9 @@
 //! listener hands each new connection to the next loop in turn and the connection stays there.
 //! On one loop, the answers to the requests that arrived together are written together, where a
 //! work-stealing runtime would wake the connection, and write to the socket, once per answer.
+//! Every listener's connections are bounded (`conns`): how many, how long idle, how old.
 
+mod conns;
 pub mod explain;
 mod gauges;
 mod http;
@@ -23,10 +25,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use arc_swap::ArcSwap;
-use futures_util::StreamExt;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, mpsc, oneshot, watch};
-use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio::task::JoinSet;
 use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
@@ -36,6 +39,9 @@ use pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServi
 use rlqs::{Quotas, Rlqs};
 use rls::{Answering, Bounds, Fallback, Rls};
 use tls::ServerTls;
+
+pub use conns::MaxAge;
+use conns::{Budget, Connections, Slot, Timers, Tracked};
 
 use crate::limiter::{Limiter, OverLimitCache};
 use crate::rules::RuleSet;
@@ -107,6 +113,10 @@ pub struct Edges {
     pub max_request_bytes: usize,
     /// Requests in flight on one HTTP/2 connection.
     pub max_concurrent_streams: u32,
+    /// gRPC connections open at once (fewer if the file descriptor limit leaves fewer).
+    pub max_connections: usize,
+    /// When a gRPC connection is told to go (GOAWAY), and closed.
+    pub max_connection_age: Option<MaxAge>,
 }
 
 /// What a rate limit service is made of; each event loop makes its own from it.
@@ -326,6 +336,17 @@ pub async fn run(
     };
     tracing::info!(grpc = %grpc_listener.local_addr()?, http = %http_listener.local_addr()?, json = ?addrs.json, metrics = ?addrs.metrics, debug = ?addrs.debug, loops, "serving");
 
+    let admin_listeners = 1 + [
+        json_listener.is_some(),
+        metrics_listener.is_some(),
+        debug_listener.is_some(),
+    ]
+    .iter()
+    .filter(|apart| **apart)
+    .count();
+    let budget = Budget::from_limit(loops, admin_listeners, setup.edges.max_connections);
+    let grpc_connections = Connections::new("gRPC", budget.grpc);
+
     let health = HealthReporter::new();
     let readiness = Readiness {
         rules: setup.rules.clone(),
@@ -361,7 +382,12 @@ pub async fn run(
         tokio::spawn(tls.clone().watch());
     }
 
-    let accept = hand_out(grpc_listener, connections, shutdown.clone());
+    let accept = hand_out(
+        grpc_listener,
+        grpc_connections,
+        connections,
+        shutdown.clone(),
+    );
     let gauges = gauges::Gauges {
         backend: setup.backend.clone(),
         cache: setup.cache.clone(),
@@ -385,39 +411,30 @@ pub async fn run(
     if addrs.json == JsonAt::Http {
         admin = admin.merge(json.clone());
     }
-    let http = axum::serve(http_listener, admin).with_graceful_shutdown(shutdown.clone().wait());
+    let admin_http = |name| Connections::new(name, budget.admin);
+    let http = serve_http(
+        http_listener,
+        admin,
+        admin_http("admin HTTP"),
+        shutdown.clone(),
+    );
     let json = async {
-        match json_listener {
-            Some(listener) => axum::serve(listener, json)
-                .with_graceful_shutdown(shutdown.clone().wait())
-                .await
-                .context("/json server"),
-            None => Ok(()),
+        if let Some(listener) = json_listener {
+            serve_http(listener, json, admin_http("/json"), shutdown.clone()).await;
         }
     };
     let metrics = async {
-        match metrics {
-            Some((listener, route)) => axum::serve(listener, route)
-                .with_graceful_shutdown(shutdown.clone().wait())
-                .await
-                .context("metrics server"),
-            None => Ok(()),
+        if let Some((listener, route)) = metrics {
+            serve_http(listener, route, admin_http("metrics"), shutdown.clone()).await;
         }
     };
     let debug = async {
-        match debug_listener {
-            Some(listener) => axum::serve(listener, http::debug(setup.rules.clone()))
-                .with_graceful_shutdown(shutdown.clone().wait())
-                .await
-                .context("debug HTTP server"),
-            None => Ok(()),
+        if let Some(listener) = debug_listener {
+            let route = http::debug(setup.rules.clone());
+            serve_http(listener, route, admin_http("debug HTTP"), shutdown.clone()).await;
         }
     };
-    let ((), http, json, metrics, debug) = tokio::join!(accept, http, json, metrics, debug);
-    http.context("HTTP server")?;
-    json?;
-    metrics?;
-    debug?;
+    tokio::join!(accept, http, json, metrics, debug);
     for loop_finished in finished {
         loop_finished
             .await
@@ -431,15 +448,57 @@ pub async fn run(
 const ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
 /// How long a new connection may stay silent: one that sends nothing only holds a descriptor.
 const FIRST_BYTES: Duration = Duration::from_secs(10);
+/// How long a gRPC connection, once served, may go before its first call: one that never calls
+/// only holds a descriptor and memory.
+const FIRST_REQUEST: Duration = Duration::from_secs(10);
+/// How long a gRPC connection may stay with no call in flight; Envoy opens a new one when it
+/// needs one.
+const IDLE: Duration = Duration::from_secs(300);
+/// How long a peer told to go (GOAWAY) for idleness has to close before it is closed.
+const CLOSE_GRACE: Duration = Duration::from_secs(5);
+/// How long a gRPC call may take to send its request message, on top of `--store-timeout` for
+/// its answer: past both, it is answered DEADLINE_EXCEEDED.
+const REQUEST_MESSAGE: Duration = Duration::from_secs(10);
+/// How long an admin HTTP client may take to send a request's headers, the first or the next
+/// on a kept-alive connection, before the connection is closed.
+const HEADER_READ: Duration = Duration::from_secs(10);
+/// How long an admin HTTP request may take to be answered, its body read included: past it, 408.
+const ADMIN_ANSWER: Duration = Duration::from_secs(30);
+
+/// Accepts the next connection on `listener`. A failed accept (out of file descriptors, a
+/// connection reset while queued) is logged at most once a second through `failed` and
+/// followed by a pause, doubling from 5 ms to `ACCEPT_BACKOFF` while it lasts (`pause`), so that
+/// a lasting one does not spin.
+async fn accept(
+    listener: &TcpListener,
+    pause: &mut Duration,
+    failed: &Throttle,
+    what: &str,
+) -> TcpStream {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                *pause = Duration::ZERO;
+                return stream;
+            }
+            Err(e) => {
+                if let Some(n) = failed.hit() {
+                    tracing::warn!("{n} failed accept(s) of {what} connections: {e}");
+                }
+                *pause = (*pause * 2).clamp(Duration::from_millis(5), ACCEPT_BACKOFF);
+                tokio::time::sleep(*pause).await;
+            }
+        }
+    }
+}
 
 /// Accepts gRPC connections until `shutdown` fires and hands them to the event loops in turn,
-/// each once it has sent its first bytes (within `FIRST_BYTES`, or it is closed).
-/// A failed accept (out of file descriptors, a connection reset while queued) is logged at most
-/// once a second and followed by a pause, doubling from 5 ms to `ACCEPT_BACKOFF` while it lasts,
-/// so that a lasting one does not spin.
+/// each once it has sent its first bytes (within `FIRST_BYTES`, or it is closed) and only if
+/// `connections` has room for it.
 async fn hand_out(
     listener: TcpListener,
-    loops: Vec<mpsc::UnboundedSender<std::net::TcpStream>>,
+    connections: Connections,
+    loops: Vec<mpsc::UnboundedSender<(std::net::TcpStream, Slot)>>,
     shutdown: Shutdown,
 ) {
     static FAILED: Throttle = Throttle::new();
@@ -448,40 +507,84 @@ async fn hand_out(
     let mut next = 0;
     let mut pause = Duration::ZERO;
     loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
+        let stream = tokio::select! {
+            stream = accept(&listener, &mut pause, &FAILED, "gRPC") => stream,
             () = &mut stop => return,
         };
-        let stream = match accepted {
-            Ok((stream, _)) => {
-                pause = Duration::ZERO;
-                stream
-            }
-            Err(e) => {
-                if let Some(n) = FAILED.hit() {
-                    tracing::warn!("{n} failed accept(s) of gRPC connections: {e}");
-                }
-                pause = (pause * 2).clamp(Duration::from_millis(5), ACCEPT_BACKOFF);
-                tokio::select! {
-                    () = tokio::time::sleep(pause) => continue,
-                    () = &mut stop => return,
-                }
-            }
+        let Some(slot) = connections.admit() else {
+            continue;
         };
+        // Lets a connection closed to make room, if waiting on this thread for its first bytes,
+        // give its descriptor back before the next accept takes one.
+        tokio::task::yield_now().await;
         let to_loop = loops[next].clone();
         tokio::spawn(async move {
             let mut first = [0; 1];
-            let peek = stream.peek(&mut first);
-            if let Ok(Ok(_)) = tokio::time::timeout(FIRST_BYTES, peek).await {
+            let peek = tokio::time::timeout(FIRST_BYTES, stream.peek(&mut first));
+            let spoke = tokio::select! {
+                peeked = peek => matches!(peeked, Ok(Ok(_))),
+                () = slot.evicted() => false,
+            };
+            if spoke {
                 match stream.set_nodelay(true).and_then(|()| stream.into_std()) {
                     // Fails only while the loops stop.
-                    Ok(stream) => drop(to_loop.send(stream)),
+                    Ok(stream) => drop(to_loop.send((stream, slot))),
                     Err(e) => tracing::warn!("setting up a gRPC connection: {e}"),
                 }
             }
         });
         next = (next + 1) % loops.len();
     }
+}
+
+/// Serves `router` over HTTP/1.1 on `listener` until `shutdown` fires, then lets the
+/// connections finish what they are answering. Each connection has `HEADER_READ` to send the
+/// headers of a request and `ADMIN_ANSWER` for its answer; `connections` bounds how many.
+async fn serve_http(
+    listener: TcpListener,
+    router: axum::Router,
+    connections: Connections,
+    shutdown: Shutdown,
+) {
+    static FAILED: Throttle = Throttle::new();
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ);
+    let http1 = Arc::new(http1);
+    let timers = Timers {
+        grace: CLOSE_GRACE,
+        ..Timers::default()
+    };
+    let late = || {
+        use axum::response::IntoResponse;
+        let message = format!("no answer within {}s\n", ADMIN_ANSWER.as_secs());
+        (axum::http::StatusCode::REQUEST_TIMEOUT, message).into_response()
+    };
+    let mut served = JoinSet::new();
+    let stop = shutdown.clone().wait();
+    tokio::pin!(stop);
+    let mut pause = Duration::ZERO;
+    loop {
+        let stream = tokio::select! {
+            stream = accept(&listener, &mut pause, &FAILED, "HTTP") => stream,
+            Some(_) = served.join_next(), if !served.is_empty() => continue,
+            () = &mut stop => break,
+        };
+        let Some(slot) = connections.admit() else {
+            continue;
+        };
+        let service = Tracked::new(router.clone(), &slot, ADMIN_ANSWER, late);
+        let http1 = http1.clone();
+        let shutdown = shutdown.clone();
+        served.spawn(async move {
+            let io = TokioIo::new(stream);
+            let connection = http1.serve_connection(io, TowerToHyperService::new(service));
+            conns::supervise(connection, &slot, &timers, shutdown).await;
+        });
+    }
+    drop(listener);
+    while served.join_next().await.is_some() {}
 }
 
 /// What one event loop serves.
@@ -493,10 +596,10 @@ struct Grpc {
 
 impl Grpc {
     /// Runs a single-threaded runtime on this thread serving the connections sent on `incoming`,
-    /// once its store is open (said on `ready`).
+    /// once its store is open (said on `ready`), until `shutdown` fires and they are finished.
     fn serve(
         self,
-        incoming: mpsc::UnboundedReceiver<std::net::TcpStream>,
+        mut incoming: mpsc::UnboundedReceiver<(std::net::TcpStream, Slot)>,
         ready: oneshot::Sender<Result<(), StoreError>>,
     ) -> anyhow::Result<()> {
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -521,8 +624,7 @@ impl Grpc {
             let max = edges.max_request_bytes;
             let reflection_v1 = reflection().build_v1().context("reflection v1")?;
             let reflection_v1alpha = reflection().build_v1alpha().context("reflection v1alpha")?;
-            let server = tonic::transport::Server::builder()
-                .max_concurrent_streams(edges.max_concurrent_streams)
+            let routes = tonic::service::Routes::builder()
                 .add_service(
                     HealthServer::new(HealthService::from_health_reporter(self.health))
                         .max_decoding_message_size(max),
@@ -530,20 +632,98 @@ impl Grpc {
                 .add_service(reflection_v1.max_decoding_message_size(max))
                 .add_service(reflection_v1alpha.max_decoding_message_size(max))
                 .add_service(RateLimitServiceServer::from_arc(rls).max_decoding_message_size(max))
-                .add_service(RateLimitQuotaServiceServer::new(rlqs).max_decoding_message_size(max));
-            let stop = self.shutdown.wait();
-            match self.setup.tls {
-                None => {
-                    let incoming = UnboundedReceiverStream::new(incoming).map(TcpStream::from_std);
-                    server.serve_with_incoming_shutdown(incoming, stop).await
-                }
-                Some(tls) => {
-                    let incoming = tls.handshakes(incoming);
-                    server.serve_with_incoming_shutdown(incoming, stop).await
+                .add_service(RateLimitQuotaServiceServer::new(rlqs).max_decoding_message_size(max))
+                .clone()
+                .routes()
+                .prepare();
+            let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+            http2
+                .timer(TokioTimer::new())
+                .max_concurrent_streams(edges.max_concurrent_streams);
+            let serving = Arc::new(Serving {
+                routes,
+                http2,
+                tls: self.setup.tls.clone(),
+                answer_within: REQUEST_MESSAGE + self.setup.fallback.store_timeout,
+                timers: Timers {
+                    first_request: Some(FIRST_REQUEST),
+                    idle: Some(IDLE),
+                    max_age: edges.max_connection_age,
+                    grace: CLOSE_GRACE,
+                },
+            });
+            let mut served = JoinSet::new();
+            let stop = self.shutdown.clone().wait();
+            tokio::pin!(stop);
+            loop {
+                tokio::select! {
+                    handed = incoming.recv() => match handed {
+                        Some((stream, slot)) => {
+                            let serving = serving.clone();
+                            served.spawn(serving.connection(stream, slot, self.shutdown.clone()));
+                        }
+                        None => break,
+                    },
+                    Some(_) = served.join_next(), if !served.is_empty() => {}
+                    () = &mut stop => break,
                 }
             }
-            .context("gRPC server")
+            while served.join_next().await.is_some() {}
+            Ok(())
         })
+    }
+}
+
+/// How an event loop serves each of its gRPC connections.
+struct Serving {
+    routes: tonic::service::Routes,
+    http2: hyper::server::conn::http2::Builder<TokioExecutor>,
+    tls: Option<ServerTls>,
+    answer_within: Duration,
+    timers: Timers,
+}
+
+impl Serving {
+    /// Serves one connection (after its TLS handshake, if TLS is on) until it ends or its
+    /// `slot` is needed by another.
+    async fn connection(
+        self: Arc<Self>,
+        stream: std::net::TcpStream,
+        slot: Slot,
+        shutdown: Shutdown,
+    ) {
+        let Ok(stream) = TcpStream::from_std(stream) else {
+            return;
+        };
+        let late = || {
+            tonic::Status::deadline_exceeded(format!(
+                "no request message within {}s",
+                REQUEST_MESSAGE.as_secs()
+            ))
+            .into_http()
+        };
+        let service = TowerToHyperService::new(Tracked::new(
+            self.routes.clone(),
+            &slot,
+            self.answer_within,
+            late,
+        ));
+        match &self.tls {
+            None => {
+                let connection = self.http2.serve_connection(TokioIo::new(stream), service);
+                conns::supervise(connection, &slot, &self.timers, shutdown).await;
+            }
+            Some(tls) => {
+                let handshaken = tokio::select! {
+                    tls = tls.accept(stream) => tls,
+                    () = slot.evicted() => None,
+                };
+                if let Some(stream) = handshaken {
+                    let connection = self.http2.serve_connection(TokioIo::new(stream), service);
+                    conns::supervise(connection, &slot, &self.timers, shutdown).await;
+                }
+            }
+        }
     }
 }
 

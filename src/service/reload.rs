@@ -1,9 +1,12 @@
 //! Rule loading and hot reload. The rules under `--config` are reloaded on `SIGHUP` and on any
 //! change under that path (a file written in place, renamed, added or removed, a Kubernetes
-//! ConfigMap's `..data` symlink swapped), once the changes have settled for `SETTLE`. Every file
-//! is validated before anything changes; then the new rules replace the old ones at once. A bad
-//! file is logged with `file:line`, counted, and the rules in force stay. Counters live in the
-//! store, keyed by what a limit counts, so every limit a reload leaves unchanged keeps its count.
+//! ConfigMap's `..data` symlink swapped), once the changes have settled for `SETTLE` (or
+//! `LONGEST_SETTLE` after the first, if they never do). Reloads run on a blocking thread, one at
+//! a time and at most one per `PACE`: what comes meanwhile (any number of SIGHUPs, changes) makes
+//! one more. Every file is validated before anything changes; then the new rules replace the old
+//! ones at once. A bad file is logged with `file:line`, counted, and the rules in force stay.
+//! Counters live in the store, keyed by what a limit counts, so every limit a reload leaves
+//! unchanged keeps its count.
 //!
 //! Rules over xDS (`--xds-server`) take the same swap: each valid snapshot replaces the rules at
 //! once, an invalid one is counted and logged while the rules in force stay. Files are then not
@@ -17,6 +20,7 @@ use notify::event::{AccessKind, AccessMode, ModifyKind};
 use notify::{EventKind, RecursiveMode, Watcher};
 use tokio::signal::unix::Signal;
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use super::Rules;
 use crate::config::xds::{Snapshot, Subscription};
@@ -27,6 +31,12 @@ use crate::telemetry::metrics::METRICS;
 
 /// How long changes must stop before a reload: an editor's or kubelet's several writes make one.
 const SETTLE: Duration = Duration::from_millis(200);
+/// The longest a change waits for the changes after it to settle: a file rewritten without
+/// pause is still reloaded.
+const LONGEST_SETTLE: Duration = Duration::from_secs(1);
+/// The least time from one reload to the next: a storm of SIGHUPs or changes is one reload per
+/// `PACE`, the last of them never lost.
+const PACE: Duration = Duration::from_millis(200);
 
 /// Loads and validates the rules of `source`; none at all is an error unless `allow_empty`.
 /// Errors are logged, one per line, as `file:line: message`.
@@ -79,17 +89,40 @@ pub async fn watch(rules: Rules, source: Source, allow_empty: bool, mut hangup: 
         }
     };
     loop {
-        tokio::select! {
+        let trigger = tokio::select! {
             signal = hangup.recv() => {
                 if signal.is_none() {
                     return;
                 }
-                reload(&rules, &source, allow_empty, "SIGHUP");
+                "SIGHUP"
             }
             () = changed.notified() => {
-                while tokio::time::timeout(SETTLE, changed.notified()).await.is_ok() {}
-                reload(&rules, &source, allow_empty, "file change");
+                settle(&changed).await;
+                "file change"
             }
+        };
+        // SIGHUPs meanwhile are coalesced into one by `hangup`, changes into one by `changed`.
+        let (rules, source) = (rules.clone(), source.clone());
+        let reloading =
+            tokio::task::spawn_blocking(move || reload(&rules, &source, allow_empty, trigger));
+        if let Err(e) = reloading.await {
+            METRICS.reload_failed();
+            tracing::error!("{trigger}: the reload failed ({e}); the rules in force stay");
+        }
+        tokio::time::sleep(PACE).await;
+    }
+}
+
+/// Waits until the changes have stopped for `SETTLE`, or for `LONGEST_SETTLE` since the first.
+async fn settle(changed: &Notify) {
+    let give_up = Instant::now() + LONGEST_SETTLE;
+    loop {
+        let quiet_until = give_up.min(Instant::now() + SETTLE);
+        let stopped = tokio::time::timeout_at(quiet_until, changed.notified())
+            .await
+            .is_err();
+        if stopped || Instant::now() >= give_up {
+            return;
         }
     }
 }

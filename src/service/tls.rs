@@ -9,14 +9,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use arc_swap::ArcSwap;
-use futures_util::{Stream, StreamExt};
 use rustls::ServerConfig;
 use rustls::server::WebPkiClientVerifier;
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::certs::{self, PemFile};
 use crate::telemetry::Throttle;
@@ -122,46 +119,24 @@ impl ServerTls {
         }
     }
 
-    /// The connections from `incoming` that complete their handshake, each made in a task of its
-    /// own within `HANDSHAKE`; a failed one is logged at most once a second and closed.
-    pub(super) fn handshakes(
-        self,
-        mut incoming: mpsc::UnboundedReceiver<std::net::TcpStream>,
-    ) -> impl Stream<Item = io::Result<TlsStream<TcpStream>>> {
-        let (done, handshaken) = mpsc::unbounded_channel();
-        tokio::spawn(async move {
-            while let Some(stream) = incoming.recv().await {
-                let acceptor = TlsAcceptor::from(self.0.current.load_full());
-                let done = done.clone();
-                tokio::spawn(async move {
-                    if let Some(tls) = handshake(acceptor, stream).await {
-                        // Fails only while the event loop stops.
-                        let _ = done.send(tls);
-                    }
-                });
-            }
-        });
-        UnboundedReceiverStream::new(handshaken).map(Ok)
+    /// The connection's handshake with the configuration in force, within `HANDSHAKE`; a failed
+    /// one is logged at most once a second and the connection closed.
+    pub(super) async fn accept(&self, stream: TcpStream) -> Option<TlsStream<TcpStream>> {
+        handshake(TlsAcceptor::from(self.0.current.load_full()), stream).await
     }
 }
 
-async fn handshake(
-    acceptor: TlsAcceptor,
-    stream: std::net::TcpStream,
-) -> Option<TlsStream<TcpStream>> {
+async fn handshake(acceptor: TlsAcceptor, stream: TcpStream) -> Option<TlsStream<TcpStream>> {
     static FAILED: Throttle = Throttle::new();
     let peer = stream
         .peer_addr()
         .map_or_else(|_| "an unknown peer".to_owned(), |a| a.to_string());
-    let accepted = match TcpStream::from_std(stream) {
-        Ok(stream) => match tokio::time::timeout(HANDSHAKE, acceptor.accept(stream)).await {
-            Ok(accepted) => accepted,
-            Err(_) => Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("no TLS handshake within {HANDSHAKE:?}"),
-            )),
-        },
-        Err(e) => Err(e),
+    let accepted = match tokio::time::timeout(HANDSHAKE, acceptor.accept(stream)).await {
+        Ok(accepted) => accepted,
+        Err(_) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("no TLS handshake within {HANDSHAKE:?}"),
+        )),
     };
     match accepted {
         Ok(tls) => Some(tls),

@@ -7,6 +7,7 @@
 use std::ffi::OsString;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::Path;
+use std::time::Duration;
 
 /// Reads one environment variable: `None` when unset.
 pub type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
@@ -33,6 +34,17 @@ pub struct Translation {
     pub unhonoured: Vec<Unhonoured>,
     /// Choices made where the environment is silent, to be logged at start.
     pub notes: Vec<String>,
+    /// The variable behind each flag given a variable's value.
+    pub sources: Vec<Source>,
+}
+
+/// The variable that gave a flag its value, to be named in an error about that value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Source {
+    pub flag: &'static str,
+    pub name: &'static str,
+    /// What the variable holds.
+    pub value: String,
 }
 
 /// A variable sluice reads but cannot honour (its value is not kept: some hold credentials).
@@ -62,6 +74,7 @@ pub fn translate(env: Env<'_>) -> Result<Translation, String> {
     answering(&vars, &mut out)?;
     store(&vars, &mut out)?;
     grpc_tls(&vars, &mut out)?;
+    connection_age(&vars, &mut out)?;
     health(&vars, &mut out)?;
     metrics(&vars, &mut out)?;
     logs(&vars, &mut out)?;
@@ -91,6 +104,19 @@ impl Vars<'_> {
         }
     }
 
+    /// A duration as Go's `time.ParseDuration` reads it, with the text it was read from (the
+    /// default's when unset): at least 0.
+    fn duration(&self, name: &str, default: &str) -> Result<(Duration, String), String> {
+        let text = self.or(name, default);
+        match go_duration(&text) {
+            Some(Ok(d)) => Ok((d, text)),
+            Some(Err(())) => Err(format!("{name}={text}: must not be negative")),
+            None => Err(format!(
+                "{name}={text}: not a duration (such as 300ms, 30s or 1h30m)"
+            )),
+        }
+    }
+
     fn number(&self, name: &str, default: u64) -> Result<u64, String> {
         match self.get(name) {
             None => Ok(default),
@@ -107,9 +133,48 @@ impl Translation {
         self.args.push(flag.into());
     }
 
+    /// `flag=value`, as one argument: a value can never be read as a flag (`-1`, `--x`).
     fn arg(&mut self, flag: &str, value: impl Into<OsString>) {
-        self.args.push(flag.into());
-        self.args.push(value.into());
+        let mut arg = OsString::from(flag);
+        arg.push("=");
+        arg.push(value.into());
+        self.args.push(arg);
+    }
+
+    /// `flag` given what variable `name` holds.
+    fn var(&mut self, flag: &'static str, name: &'static str, given: String) {
+        self.arg(flag, &given);
+        self.sources.push(Source {
+            flag,
+            name,
+            value: given,
+        });
+    }
+
+    /// `flag` given `value`, read from variable `name` holding `given`.
+    fn var_as(&mut self, flag: &'static str, name: &'static str, given: String, value: &str) {
+        self.arg(flag, value);
+        self.sources.push(Source {
+            flag,
+            name,
+            value: given,
+        });
+    }
+
+    /// `message`, an error about a flag's value (clap's, naming `'--flag <VALUE>'`, or one
+    /// starting `--flag:`), led by the variable that gave the flag its value, if one did:
+    /// `NAME=value: message`.
+    pub fn blame(&self, message: &str) -> String {
+        let names = |source: &&Source| {
+            message.match_indices(source.flag).any(|(at, flag)| {
+                let after = message[at + flag.len()..].chars().next();
+                !after.is_some_and(|c| c.is_ascii_alphanumeric() || c == '-')
+            })
+        };
+        match self.sources.iter().find(names) {
+            Some(source) => format!("{}={}: {message}", source.name, source.value),
+            None => message.to_owned(),
+        }
     }
 }
 
@@ -151,9 +216,11 @@ fn socket_addr(host: &str, port: u16) -> Result<SocketAddr, String> {
 fn rules(vars: &Vars, out: &mut Translation) -> Result<(), String> {
     match vars.or("CONFIG_TYPE", "FILE").as_str() {
         "FILE" => {
-            let dir = Path::new(&vars.or("RUNTIME_ROOT", "/srv/runtime_data/current"))
-                .join(vars.or("RUNTIME_SUBDIRECTORY", ""))
-                .join(vars.or("RUNTIME_APPDIRECTORY", "config"));
+            let dir = go_join(&[
+                &vars.or("RUNTIME_ROOT", "/srv/runtime_data/current"),
+                &vars.or("RUNTIME_SUBDIRECTORY", ""),
+                &vars.or("RUNTIME_APPDIRECTORY", "config"),
+            ]);
             out.arg("--config", dir);
             if vars.flag("FORCE_START_WITHOUT_INITIAL_CONFIG")? {
                 out.flag("--allow-empty-config");
@@ -175,36 +242,50 @@ fn rules(vars: &Vars, out: &mut Translation) -> Result<(), String> {
 /// The rules from an xDS server (`CONFIG_GRPC_XDS_*`), over TLS when
 /// `CONFIG_GRPC_XDS_SERVER_USE_TLS` says.
 fn xds(vars: &Vars, out: &mut Translation) -> Result<(), String> {
-    out.arg(
+    out.var(
         "--xds-server",
+        "CONFIG_GRPC_XDS_SERVER_URL",
         vars.or("CONFIG_GRPC_XDS_SERVER_URL", "localhost:18000"),
     );
-    out.arg(
+    out.var(
         "--xds-node-id",
+        "CONFIG_GRPC_XDS_NODE_ID",
         vars.or("CONFIG_GRPC_XDS_NODE_ID", "default"),
     );
     if let Some(metadata) = vars.get("CONFIG_GRPC_XDS_NODE_METADATA") {
-        out.arg("--xds-node-metadata", metadata);
+        out.var(
+            "--xds-node-metadata",
+            "CONFIG_GRPC_XDS_NODE_METADATA",
+            metadata,
+        );
     }
     if vars.flag("CONFIG_GRPC_XDS_SERVER_USE_TLS")? {
         let ca = vars.get("CONFIG_GRPC_XDS_SERVER_TLS_CACERT").ok_or(
             "CONFIG_GRPC_XDS_SERVER_USE_TLS=true needs CONFIG_GRPC_XDS_SERVER_TLS_CACERT: the CA \
              of the xDS server's certificate",
         )?;
-        out.arg("--xds-tls-ca", ca);
+        out.var("--xds-tls-ca", "CONFIG_GRPC_XDS_SERVER_TLS_CACERT", ca);
         let cert = vars.get("CONFIG_GRPC_XDS_CLIENT_TLS_CERT");
         let key = vars.get("CONFIG_GRPC_XDS_CLIENT_TLS_KEY");
         if let (Some(cert), Some(key)) = (cert, key) {
-            out.arg("--xds-tls-cert", cert);
-            out.arg("--xds-tls-key", key);
+            out.var("--xds-tls-cert", "CONFIG_GRPC_XDS_CLIENT_TLS_CERT", cert);
+            out.var("--xds-tls-key", "CONFIG_GRPC_XDS_CLIENT_TLS_KEY", key);
         }
         if let Some(san) = vars.get("CONFIG_GRPC_XDS_SERVER_TLS_SAN") {
-            out.arg("--xds-tls-server-name", san);
+            out.var(
+                "--xds-tls-server-name",
+                "CONFIG_GRPC_XDS_SERVER_TLS_SAN",
+                san,
+            );
         }
     }
     let max = vars.number("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", 0)?;
     if max > 0 {
-        out.arg("--xds-max-message-bytes", max.to_string());
+        out.var(
+            "--xds-max-message-bytes",
+            "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES",
+            max.to_string(),
+        );
     }
     Ok(())
 }
@@ -227,7 +308,7 @@ fn answering(vars: &Vars, out: &mut Translation) -> Result<(), String> {
         ("LIMIT_RESET_HEADER", "--limit-reset-header"),
     ] {
         if let Some(name) = vars.get(var) {
-            out.arg(flag, name);
+            out.var(flag, var, name);
         }
     }
     // Unset, envoyproxy/ratelimit charges every hit, denied or not (Envoy Gateway's request and
@@ -242,7 +323,7 @@ fn answering(vars: &Vars, out: &mut Translation) -> Result<(), String> {
         ratio
             .parse::<f64>()
             .map_err(|_| format!("NEAR_LIMIT_RATIO={ratio}: not a number"))?;
-        out.arg("--near-limit-ratio", ratio);
+        out.var("--near-limit-ratio", "NEAR_LIMIT_RATIO", ratio);
     }
     let bytes = vars.number("LOCAL_CACHE_SIZE_IN_BYTES", 0)?;
     let entries = bytes.div_ceil(LOCAL_CACHE_BYTES_PER_ENTRY);
@@ -268,6 +349,9 @@ fn store(vars: &Vars, out: &mut Translation) -> Result<(), String> {
             ));
         }
     }
+    // A connection that answers READONLY (a primary demoted behind a fixed address) is always
+    // dropped and made again: the opt-in asks for what sluice does anyway.
+    vars.flag("REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR")?;
     let Some(url) = vars.get("REDIS_URL") else {
         out.notes.push(
             "REDIS_URL is not set: counters are kept in this process's embedded store, not \
@@ -278,21 +362,27 @@ fn store(vars: &Vars, out: &mut Translation) -> Result<(), String> {
     };
     out.arg("--redis-url", redis_url(vars, &url)?);
     if let Some(prefix) = vars.get("CACHE_KEY_PREFIX") {
-        out.arg("--redis-key-prefix", prefix);
+        out.var("--redis-key-prefix", "CACHE_KEY_PREFIX", prefix);
     }
     if vars.flag("REDIS_TLS")? {
         if let Some(ca) = vars.get("REDIS_TLS_CACERT") {
-            out.arg("--redis-ca", ca);
+            out.var("--redis-ca", "REDIS_TLS_CACERT", ca);
         }
         let cert = vars.get("REDIS_TLS_CLIENT_CERT");
         let key = vars.get("REDIS_TLS_CLIENT_KEY");
         if let (Some(cert), Some(key)) = (cert, key) {
-            out.arg("--redis-cert", cert);
-            out.arg("--redis-key", key);
+            out.var("--redis-cert", "REDIS_TLS_CLIENT_CERT", cert);
+            out.var("--redis-key", "REDIS_TLS_CLIENT_KEY", key);
         }
     }
-    if let Some(timeout) = vars.get("REDIS_TIMEOUT") {
-        out.arg("--store-timeout", timeout);
+    if vars.get("REDIS_TIMEOUT").is_some() {
+        let (timeout, given) = vars.duration("REDIS_TIMEOUT", "")?;
+        out.var_as(
+            "--store-timeout",
+            "REDIS_TIMEOUT",
+            given,
+            &flag_duration(timeout),
+        );
     }
     Ok(())
 }
@@ -410,10 +500,36 @@ fn grpc_tls(vars: &Vars, out: &mut Translation) -> Result<(), String> {
             "GRPC_SERVER_USE_TLS=true needs GRPC_SERVER_TLS_CERT and GRPC_SERVER_TLS_KEY".into(),
         );
     };
-    out.arg("--tls-cert", cert);
-    out.arg("--tls-key", key);
+    out.var("--tls-cert", "GRPC_SERVER_TLS_CERT", cert);
+    out.var("--tls-key", "GRPC_SERVER_TLS_KEY", key);
     if let Some(ca) = vars.get("GRPC_CLIENT_TLS_CACERT") {
-        out.arg("--tls-client-ca", ca);
+        out.var("--tls-client-ca", "GRPC_CLIENT_TLS_CACERT", ca);
+    }
+    Ok(())
+}
+
+/// gRPC keepalive's MaxConnectionAge (`GRPC_MAX_CONNECTION_AGE`, 24h there by default) and
+/// MaxConnectionAgeGrace (`GRPC_MAX_CONNECTION_AGE_GRACE`, 1h), where 0 means none: no maximum
+/// age, or no forced close after it.
+fn connection_age(vars: &Vars, out: &mut Translation) -> Result<(), String> {
+    let (age, given) = vars.duration("GRPC_MAX_CONNECTION_AGE", "24h")?;
+    let (grace, given_grace) = vars.duration("GRPC_MAX_CONNECTION_AGE_GRACE", "1h")?;
+    if age.is_zero() {
+        return Ok(());
+    }
+    out.var_as(
+        "--grpc-max-connection-age",
+        "GRPC_MAX_CONNECTION_AGE",
+        given,
+        &flag_duration(age),
+    );
+    if !grace.is_zero() {
+        out.var_as(
+            "--grpc-max-connection-age-grace",
+            "GRPC_MAX_CONNECTION_AGE_GRACE",
+            given_grace,
+            &flag_duration(grace),
+        );
     }
     Ok(())
 }
@@ -446,9 +562,13 @@ fn metrics(vars: &Vars, out: &mut Translation) -> Result<(), String> {
         .map_err(|_| format!("PROMETHEUS_ADDR={addr}: not a port"))?;
     let addr = socket_addr(host, port).map_err(|e| format!("PROMETHEUS_ADDR: {e}"))?;
     out.arg("--metrics-addr", addr.to_string());
-    out.arg("--metrics-path", vars.or("PROMETHEUS_PATH", "/metrics"));
+    out.var(
+        "--metrics-path",
+        "PROMETHEUS_PATH",
+        vars.or("PROMETHEUS_PATH", "/metrics"),
+    );
     if let Some(mapper) = vars.get("PROMETHEUS_MAPPER_YAML") {
-        out.arg("--prometheus-mapper", mapper);
+        out.var("--prometheus-mapper", "PROMETHEUS_MAPPER_YAML", mapper);
     }
     Ok(())
 }
@@ -478,6 +598,109 @@ fn logs(vars: &Vars, out: &mut Translation) -> Result<(), String> {
     Ok(())
 }
 
+/// Go's `filepath.Join`: the non-empty `parts` joined by `/` (an absolute part does not restart
+/// the path, as Rust's `Path::join` would), cleaned lexically as Go's `filepath.Clean` does.
+fn go_join(parts: &[&str]) -> String {
+    let joined: Vec<&str> = parts.iter().copied().filter(|p| !p.is_empty()).collect();
+    if joined.is_empty() {
+        return String::new();
+    }
+    let path = joined.join("/");
+    let rooted = path.starts_with('/');
+    let mut kept: Vec<&str> = Vec::new();
+    for part in path.split('/') {
+        match part {
+            "" | "." => {}
+            ".." if kept.last().is_some_and(|last| *last != "..") => {
+                kept.pop();
+            }
+            // `..` at the root stays at the root.
+            ".." if rooted => {}
+            part => kept.push(part),
+        }
+    }
+    match (rooted, kept.join("/")) {
+        (true, rest) => format!("/{rest}"),
+        (false, rest) if rest.is_empty() => ".".to_owned(),
+        (false, rest) => rest,
+    }
+}
+
+/// A duration written as Go's `time.ParseDuration` reads it (`0`, `300ms`, `1.5h`, `1h30m`,
+/// `2us`): `None` when it is not one, `Some(Err(()))` when it is negative.
+fn go_duration(text: &str) -> Option<Result<Duration, ()>> {
+    let (negative, mut rest) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text.strip_prefix('+').unwrap_or(text)),
+    };
+    if rest == "0" {
+        return Some(Ok(Duration::ZERO));
+    }
+    if rest.is_empty() {
+        return None;
+    }
+    let mut nanos: u128 = 0;
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit() && c != '.')
+            .unwrap_or(rest.len());
+        let (number, after) = rest.split_at(digits);
+        let units = after
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(after.len());
+        let (unit, after) = after.split_at(units);
+        let scale: u128 = match unit {
+            "ns" => 1,
+            "us" | "\u{b5}s" | "\u{3bc}s" => 1_000,
+            "ms" => 1_000_000,
+            "s" => 1_000_000_000,
+            "m" => 60_000_000_000,
+            "h" => 3_600_000_000_000,
+            _ => return None,
+        };
+        let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+        if whole.is_empty() && fraction.is_empty() || fraction.contains('.') {
+            return None;
+        }
+        let whole: u128 = if whole.is_empty() {
+            0
+        } else {
+            whole.parse().ok()?
+        };
+        let mut part = whole.checked_mul(scale)?;
+        let mut unit_fraction = scale;
+        for digit in fraction.bytes() {
+            unit_fraction /= 10;
+            part += u128::from(digit - b'0') * unit_fraction;
+        }
+        nanos = nanos.checked_add(part)?;
+        rest = after;
+    }
+    if negative && nanos > 0 {
+        return Some(Err(()));
+    }
+    let nanos = u64::try_from(nanos).ok()?;
+    Some(Ok(Duration::from_nanos(nanos)))
+}
+
+/// `duration` as a `serve` flag takes it, in its largest whole unit.
+fn flag_duration(duration: Duration) -> String {
+    let nanos = duration.as_nanos();
+    let units: [(u128, &str); 5] = [
+        (3_600_000_000_000, "h"),
+        (60_000_000_000, "m"),
+        (1_000_000_000, "s"),
+        (1_000_000, "ms"),
+        (1_000, "us"),
+    ];
+    for (size, unit) in units {
+        if nanos.is_multiple_of(size) {
+            return format!("{}{unit}", nanos / size);
+        }
+    }
+    format!("{nanos}ns")
+}
+
 /// Variables sluice cannot honour, when set to something that would matter.
 fn unhonoured(vars: &Vars) -> Result<Vec<Unhonoured>, String> {
     let on = |name| vars.flag(name);
@@ -495,16 +718,6 @@ fn unhonoured(vars: &Vars) -> Result<Vec<Unhonoured>, String> {
             "GRPC_UDS",
             set("GRPC_UDS"),
             "gRPC is served on GRPC_HOST:GRPC_PORT only",
-        ),
-        (
-            "GRPC_MAX_CONNECTION_AGE",
-            set("GRPC_MAX_CONNECTION_AGE"),
-            "connections live until the client or SIGTERM ends them",
-        ),
-        (
-            "GRPC_MAX_CONNECTION_AGE_GRACE",
-            set("GRPC_MAX_CONNECTION_AGE_GRACE"),
-            "connections live until the client or SIGTERM ends them",
         ),
         (
             "GRPC_CLIENT_TLS_SAN",

@@ -2,6 +2,8 @@
 //! once when the store's idle health check fails, when requests get the `--on-store-error` answer
 //! at once instead of waiting for a store that does not answer; closed only by the store's
 //! background probe. It starts open: a store has to be reached once before it decides anything.
+//! Only Redis' own failures count: a reply saying that one key cannot be read is an answer, and
+//! one bad key must not take the store away from every other request.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};

@@ -216,6 +216,15 @@ pub enum StoreError {
     Down,
     /// Redis answered with an error, or the connection failed.
     Unavailable(String),
+    /// A Redis key where a counter (or a quota demand record) should be holds something else:
+    /// another type, or fields sluice did not write. Only the requests naming it fail; Redis
+    /// answered, so it is not counted as down.
+    Data {
+        /// The key, its bytes escaped as ASCII.
+        key: String,
+        /// What is wrong with it.
+        why: String,
+    },
     /// The Redis URL or options are wrong.
     Config(String),
 }
@@ -232,13 +241,17 @@ impl fmt::Display for StoreError {
             }
             StoreError::Shed => f.write_str("too many requests are waiting for Redis"),
             StoreError::Down => f.write_str("Redis is unreachable (circuit breaker open)"),
+            StoreError::Data { key, why } => write!(
+                f,
+                "the Redis key \"{key}\" is not a counter sluice can read: {why}"
+            ),
             StoreError::Unavailable(why) | StoreError::Config(why) => f.write_str(why),
         }
     }
 }
 
 impl StoreError {
-    /// The kind, as the metrics label it: full, timeout, shed, down or unavailable.
+    /// The kind, as the metrics label it: full, timeout, shed, down, unavailable or data.
     pub fn kind(&self) -> &'static str {
         match self {
             StoreError::Full { .. } => "full",
@@ -246,7 +259,13 @@ impl StoreError {
             StoreError::Shed => "shed",
             StoreError::Down => "down",
             StoreError::Unavailable(_) | StoreError::Config(_) => "unavailable",
+            StoreError::Data { .. } => "data",
         }
+    }
+
+    /// A key at fault rather than the store: Redis answered.
+    pub fn is_data(&self) -> bool {
+        matches!(self, StoreError::Data { .. })
     }
 }
 

@@ -129,7 +129,7 @@ impl Metrics {
         );
         r.register(
             "sluice_store_errors",
-            "Requests the store could not decide, by kind (full, timeout, shed, down, unavailable)",
+            "Requests the store could not decide, by kind (full, timeout, shed, down, unavailable; data: a key sluice cannot read)",
             m.store_errors.clone(),
         );
         r.register(
@@ -179,7 +179,7 @@ impl Metrics {
         );
         // Every label a counter can take exists from the start, so the first event is an
         // increase a rate or an alert sees.
-        for kind in ["full", "timeout", "shed", "down", "unavailable"] {
+        for kind in ["full", "timeout", "shed", "down", "unavailable", "data"] {
             drop(m.store_errors.get_or_create(&[("kind", kind)]));
             drop(m.quota_store_errors.get_or_create(&[("kind", kind)]));
         }

@@ -144,6 +144,8 @@ pub struct Controlled {
     pub port: u16,
     pub url: String,
     child: Option<Child>,
+    /// Its working directory, where a replica writes the copy it receives.
+    dir: tempfile::TempDir,
 }
 
 impl Controlled {
@@ -154,6 +156,7 @@ impl Controlled {
             port,
             url: format!("redis://127.0.0.1:{port}"),
             child: None,
+            dir: tempfile::tempdir().expect("a directory for the server"),
         }
     }
 
@@ -164,13 +167,16 @@ impl Controlled {
         redis
     }
 
-    /// Starts the server (again) on its port and waits until it answers PING.
+    /// Starts the server (again) on its port and waits until it answers PING. A replica of it
+    /// gets its first copy at once (no diskless-sync delay).
     pub fn start(&mut self) {
         assert!(self.child.is_none(), "already running");
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string()])
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .args(["--protected-mode", "no"])
+            .args(["--protected-mode", "no", "--repl-diskless-sync-delay", "0"])
+            .arg("--dir")
+            .arg(self.dir.path())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -11,7 +11,7 @@ use fred::prelude::Value;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
 
-use super::{ARGS_PER_ITEM, Answer, Charge, Conn, Undo, encode, take_request};
+use super::{ARGS_PER_ITEM, Answer, Charge, Conn, Undo, encode, split_clock, take_request};
 use crate::limiter::Check;
 use crate::telemetry::metrics::METRICS;
 
@@ -94,7 +94,7 @@ async fn call(conn: Conn, requests: Vec<Pending>, counters: usize, _permit: Owne
         args.extend(request.args);
         waiting.push((request.keys, request.charges, request.reply));
     }
-    let reply: Vec<i64> = match conn.eval(&conn.check, keys, args).await {
+    let reply: Vec<Value> = match conn.eval(&conn.check, keys, args).await {
         Ok(reply) => reply,
         Err(e) => {
             for (_, _, reply) in waiting {
@@ -103,10 +103,11 @@ async fn call(conn: Conn, requests: Vec<Pending>, counters: usize, _permit: Owne
             return;
         }
     };
-    let (now_ms, mut rest) = reply.split_first().map_or((0, &[][..]), |(n, r)| (*n, r));
+    let (now_ms, mut rest) = split_clock(&reply).unwrap_or((0, &[]));
     let mut undo = Undo::default();
     for (keys, charges, reply) in waiting {
-        let answer = take_request(&mut rest, keys.len());
+        // A request on a key that cannot be read gets its error; the others, their decisions.
+        let answer = take_request(&mut rest, &keys);
         let decided = answer.as_ref().ok().cloned();
         if reply.send(answer).is_err()
             && let Some((admitted, verdicts)) = decided

@@ -1,11 +1,11 @@
 //! A request on a Redis Cluster: its counters grouped by hash slot (all limits of one descriptor
-//! share a slot), one script call per group, all at once. When one group denies after another
-//! admitted, every admitted group is refunded in the window it was charged in (charges counted
-//! `always` excepted: they land whatever the answer); when the caller is gone by the time the
-//! answer is ready, everything the calls wrote is refunded. The refunds of a denied request are queued on their
-//! connections before the answer leaves, so this process's next request on those counters sees
-//! them; until they land, another replica may see a counter a little higher: a Cluster can
-//! briefly under-admit, never over-admit.
+//! share a slot), one script call per group, all at once. When one group denies (or cannot read
+//! a key) after another admitted, every admitted group is refunded in the window it was charged
+//! in (charges counted `always` excepted: they land whatever the answer); when the caller is gone
+//! by the time the answer is ready, everything the calls wrote is refunded. The refunds of a
+//! denied request are queued on their connections before the answer leaves, so this process's
+//! next request on those counters sees them; until they land, another replica may see a counter
+//! a little higher: a Cluster can briefly under-admit, never over-admit.
 
 use std::collections::BTreeMap;
 
@@ -16,6 +16,7 @@ use tokio::sync::oneshot;
 use super::{Answer, Charge, Conn, Undo};
 use crate::limiter::algorithm::Verdict;
 use crate::limiter::{Check, admits};
+use crate::store::StoreError;
 
 /// Decides `check` (whose counters are `keys`) and sends the answer on `reply`; runs to the end
 /// even when the caller has stopped waiting, so that nothing it charged stays charged.
@@ -48,7 +49,12 @@ pub(super) async fn decide(
                     verdicts[i] = Some(v);
                 }
             }
-            Err(e) => failure = Some(e),
+            // An outage outranks a key that cannot be read: it is what the breaker must hear.
+            Err(e) => {
+                if failure.as_ref().is_none_or(StoreError::is_data) {
+                    failure = Some(e);
+                }
+            }
         }
     }
     let admitted = failure.is_none()

@@ -8,9 +8,11 @@
 //! Commands are never re-sent (a script re-sent after a broken connection could count a request
 //! twice) and never wait for a reconnection: while the client is not connected they fail at once,
 //! and after `FAILURES_TO_OPEN` failures in a row the breaker answers for Redis until the probe
-//! reaches it again. A connection is dropped only when the network stops acknowledging (TCP user
-//! timeout), never because Redis is slow: a paused Redis answers every call when it resumes, and
-//! what it admitted for callers that have gone is refunded.
+//! reaches it again. A connection is dropped when the network stops acknowledging (TCP user
+//! timeout) or when it reaches a node that is no longer a primary (`WRONG_NODE`), never because
+//! Redis is slow: a paused Redis answers every call when it resumes, and what it admitted for
+//! callers that have gone is refunded. A key that holds what no counter does fails only the
+//! requests naming it (`StoreError::Data`), and never counts against Redis.
 
 mod batch;
 mod cluster;
@@ -25,6 +27,7 @@ use fred::clients::WithOptions;
 use fred::interfaces::ClientLike;
 use fred::prelude::*;
 use fred::socket2::TcpKeepalive;
+use fred::types::config::ReconnectError;
 use fred::types::scripts::Script;
 use fred::types::{ClusterHash, CustomCommand, FromValue};
 use tokio::sync::{mpsc, oneshot};
@@ -48,6 +51,16 @@ const PROBE_INTERVAL: Duration = Duration::from_millis(200);
 /// How often, and how patiently, a closed breaker's probe pings Redis, so that an outage is
 /// noticed (and reported by readiness) even when no request comes.
 const PING_INTERVAL: Duration = Duration::from_secs(1);
+/// Error replies meaning the connection now reaches a node that cannot run the scripts: a
+/// primary demoted behind a fixed address (a Kubernetes Service, a cloud primary endpoint, DNS),
+/// a replica cut off from its primary, a node loading its data. fred drops the connection the
+/// first one comes on (once, whatever calls were in flight on it) and reconnects as the
+/// reconnect policy says, reaching whichever node the address leads to now.
+const WRONG_NODE: [(&str, ReconnectError); 3] = [
+    ("READONLY", ReconnectError::ReadOnly),
+    ("MASTERDOWN", ReconnectError::MasterDown),
+    ("LOADING", ReconnectError::Loading),
+];
 
 pub struct RedisStore {
     conn: Conn,
@@ -94,6 +107,7 @@ impl RedisStore {
                     user_timeout: Some(Duration::from_secs(5)),
                     ..Default::default()
                 };
+                c.reconnect_errors = WRONG_NODE.iter().map(|(_, e)| e.clone()).collect();
             })
             .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2))
             .build()
@@ -147,11 +161,7 @@ impl RedisStore {
             // No answer in time, or dropped from the queue once its time had run out.
             Ok(Err(_)) | Err(_) => Err(StoreError::Timeout),
         };
-        match &answer {
-            Ok(_) => self.breaker.success(),
-            Err(StoreError::Timeout) if !deadline.store_own => {}
-            Err(e) => self.breaker.failure(e),
-        }
+        self.count(&answer, deadline);
         let (admitted, verdicts) = answer?;
         Ok(Decision::of(check, admitted, &verdicts))
     }
@@ -173,30 +183,48 @@ impl RedisStore {
                 .map_or(Value::from(""), |d| Value::from(d.to_string())),
             Value::from(report.stays_ms.to_string()),
         ];
+        let key = self.key(bucket);
         let call = self
             .conn
-            .eval::<Vec<Value>>(&self.conn.demand, vec![self.key(bucket)], args);
+            .eval::<Vec<Value>>(&self.conn.demand, vec![key.clone()], args);
         let answer = match tokio::time::timeout_at(deadline.at, call).await {
-            Ok(answer) => answer.and_then(demands),
+            Ok(answer) => answer.and_then(|reply| demands(reply, &key)),
             Err(_) => Err(StoreError::Timeout),
         };
-        match &answer {
-            Ok(_) => self.breaker.success(),
+        self.count(&answer, deadline);
+        answer
+    }
+
+    /// Tells the breaker how a call with `deadline` went: an answer, even one saying a key
+    /// cannot be read, is a success; missing a deadline the caller set sooner is neither.
+    fn count<T>(&self, answer: &Result<T, StoreError>, deadline: Deadline) {
+        match answer {
+            Ok(_) | Err(StoreError::Data { .. }) => self.breaker.success(),
             Err(StoreError::Timeout) if !deadline.store_own => {}
             Err(e) => self.breaker.failure(e),
         }
-        answer
     }
 }
 
-/// The demand script's reply: the clock, then pairs of stream id and demand.
-fn demands(reply: Vec<Value>) -> Result<Demands, StoreError> {
+/// The demand script's reply for the bucket at `key`: the clock, then pairs of stream id and
+/// demand; or -1 and the type the key holds instead of a hash.
+fn demands(reply: Vec<Value>, key: &[u8]) -> Result<Demands, StoreError> {
     let malformed = || StoreError::Unavailable("the demand script answered malformed".into());
     let mut values = reply.into_iter();
-    let now_ms = values
-        .next()
-        .and_then(|v| v.as_u64())
-        .ok_or_else(malformed)?;
+    let now_ms = match values.next().and_then(|v| v.as_i64()) {
+        Some(-1) => {
+            let held = values
+                .next()
+                .and_then(|v| v.as_string())
+                .unwrap_or_default();
+            return Err(StoreError::Data {
+                key: key.escape_ascii().to_string(),
+                why: format!("it holds a {held}, not a hash of quota demands"),
+            });
+        }
+        Some(now_ms) => u64::try_from(now_ms).map_err(|_| malformed())?,
+        None => return Err(malformed()),
+    };
     let mut streams = Vec::new();
     while let Some(stream) = values.next() {
         let stream = stream.as_string().ok_or_else(malformed)?;
@@ -327,7 +355,21 @@ impl Conn {
             }
             other => other,
         }
-        .map_err(|e| StoreError::Unavailable(format!("redis: {e}")))
+        .map_err(|e| {
+            static WRONG: Throttle = Throttle::new();
+            if WRONG_NODE
+                .iter()
+                .any(|(reply, _)| e.details().starts_with(reply))
+                && let Some(n) = WRONG.hit()
+            {
+                tracing::warn!(
+                    "Redis answered like a node that is no longer a primary ({n} time(s) since \
+                     the last report): reconnecting, to reach the primary. {}",
+                    e.details()
+                );
+            }
+            StoreError::Unavailable(format!("redis: {e}"))
+        })
     }
 
     /// Runs the check script over the items `at` of `check` as one request. With `quota_here`
@@ -340,14 +382,10 @@ impl Conn {
         quota_here: bool,
     ) -> Result<Ran, StoreError> {
         let args = encode(check, at, quota_here);
-        let group_keys = at.iter().map(|&i| keys[i].clone()).collect();
-        let reply: Vec<i64> = self.eval(&self.check, group_keys, args).await?;
-        let Some((&now_ms, mut rest)) = reply.split_first() else {
-            return Err(StoreError::Unavailable(
-                "the check script answered nothing".into(),
-            ));
-        };
-        let (admitted, verdicts) = take_request(&mut rest, at.len())?;
+        let group_keys: Vec<Bytes> = at.iter().map(|&i| keys[i].clone()).collect();
+        let reply: Vec<Value> = self.eval(&self.check, group_keys.clone(), args).await?;
+        let (now_ms, mut rest) = split_clock(&reply)?;
+        let (admitted, verdicts) = take_request(&mut rest, &group_keys)?;
         Ok(Ran {
             now_ms,
             admitted,
@@ -466,29 +504,83 @@ fn flag(on: bool) -> Value {
     Value::from_static_str(if on { "1" } else { "0" })
 }
 
-/// Takes the answer to a request of `counters` counters off the front of a script reply:
-/// admitted, then six numbers per counter.
-fn take_request(reply: &mut &[i64], counters: usize) -> Answer {
-    let Some((answer, rest)) = reply.split_at_checked(1 + REPLY_PER_ITEM * counters) else {
-        return Err(StoreError::Unavailable(format!(
-            "the check script answered {} numbers for {counters} more counters",
-            reply.len()
-        )));
+/// The check script's clock, and the requests' answers after it.
+fn split_clock(reply: &[Value]) -> Result<(i64, &[Value]), StoreError> {
+    match reply.split_first() {
+        Some((now_ms, rest)) => Ok((now_ms.as_i64().ok_or_else(malformed_reply)?, rest)),
+        None => Err(StoreError::Unavailable(
+            "the check script answered nothing".into(),
+        )),
+    }
+}
+
+/// A check script reply sluice cannot read: never expected, counted against Redis.
+fn malformed_reply() -> StoreError {
+    StoreError::Unavailable("the check script answered malformed".into())
+}
+
+/// Takes the answer to a request on the counters `keys` off the front of a script reply:
+/// admitted (1|0), then six numbers per counter; or -1, the place (from 1) of the counter whose
+/// key could not be read, the key's type and the error.
+fn take_request(reply: &mut &[Value], keys: &[Bytes]) -> Answer {
+    let short = |len: usize| {
+        StoreError::Unavailable(format!(
+            "the check script answered {len} values for {} more counters",
+            keys.len()
+        ))
+    };
+    let number = |v: &Value| v.as_i64().ok_or_else(malformed_reply);
+    let admitted = match reply.first().map(number).transpose()? {
+        Some(-1) => {
+            let [_, at, held, error, rest @ ..] = *reply else {
+                return Err(short(reply.len()));
+            };
+            *reply = rest;
+            let key = at
+                .as_usize()
+                .and_then(|at| keys.get(at.checked_sub(1)?))
+                .ok_or_else(malformed_reply)?;
+            let text = |v: &Value| {
+                v.as_str_lossy()
+                    .map(|t| t.into_owned())
+                    .ok_or_else(malformed_reply)
+            };
+            return Err(unreadable(key, &text(held)?, &text(error)?));
+        }
+        Some(admitted) => admitted == 1,
+        None => return Err(short(0)),
+    };
+    let Some((answer, rest)) = reply.split_at_checked(1 + REPLY_PER_ITEM * keys.len()) else {
+        return Err(short(reply.len()));
     };
     *reply = rest;
-    let number = |n: i64| n.max(0) as u64;
-    let verdicts = answer[1..]
-        .chunks_exact(REPLY_PER_ITEM)
-        .map(|c| Verdict {
-            over: c[0] == 1,
-            remaining_after: number(c[1]),
-            remaining_before: number(c[2]),
-            reset_after_ms: number(c[3]),
-            reset_before_ms: number(c[4]),
-            charged: number(c[5]),
-        })
-        .collect();
-    Ok((answer[0] == 1, verdicts))
+    let mut verdicts = Vec::with_capacity(keys.len());
+    for c in answer[1..].chunks_exact(REPLY_PER_ITEM) {
+        let count = |v: &Value| number(v).map(|n| n.max(0) as u64);
+        verdicts.push(Verdict {
+            over: number(&c[0])? == 1,
+            remaining_after: count(&c[1])?,
+            remaining_before: count(&c[2])?,
+            reset_after_ms: count(&c[3])?,
+            reset_before_ms: count(&c[4])?,
+            charged: count(&c[5])?,
+        });
+    }
+    Ok((admitted, verdicts))
+}
+
+/// The error of a request whose counter at `key` could not be read: it holds a `held` (Redis'
+/// type name), and reading it failed with `error`.
+fn unreadable(key: &[u8], held: &str, error: &str) -> StoreError {
+    let why = if error.starts_with("WRONGTYPE") {
+        format!("it holds a {held}")
+    } else {
+        format!("its {held} holds what sluice does not write ({error})")
+    };
+    StoreError::Data {
+        key: key.escape_ascii().to_string(),
+        why,
+    }
 }
 
 /// The Redis key of a counter under `prefix`: the prefix, a hash tag derived from the
@@ -515,24 +607,59 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 mod tests {
     use super::*;
 
+    fn values(numbers: &[i64]) -> Vec<Value> {
+        numbers.iter().map(|&n| Value::Integer(n)).collect()
+    }
+
     #[test]
     fn a_batched_reply_splits_into_requests() {
-        let reply = [
+        let reply = values(&[
             1, 0, 4, 5, 900, 1000, 1, 1, 0, 0, 250, 250, 0, 0, 1, 0, 0, 30, 30, 0,
-        ];
+        ]);
+        let keys = |n: usize| vec![Bytes::from_static(b"k"); n];
         let mut rest = &reply[..];
-        let (admitted, v) = take_request(&mut rest, 2).unwrap();
+        let (admitted, v) = take_request(&mut rest, &keys(2)).unwrap();
         assert!(admitted);
         assert_eq!(v[0].remaining_after, 4);
         assert_eq!(v[0].reset_after_ms, 900);
         assert_eq!(v[0].charged, 1);
         assert!(v[1].over);
         assert_eq!(v[1].reset_before_ms, 250);
-        let (admitted, v) = take_request(&mut rest, 1).unwrap();
+        let (admitted, v) = take_request(&mut rest, &keys(1)).unwrap();
         assert!(!admitted);
         assert_eq!(v[0].reset_before_ms, 30);
         assert!(rest.is_empty());
-        assert!(take_request(&mut &[1, 0][..], 1).is_err());
+        assert!(take_request(&mut &values(&[1, 0])[..], &keys(1)).is_err());
+    }
+
+    #[test]
+    fn a_request_on_a_key_that_cannot_be_read_fails_alone_naming_the_key() {
+        let text = |t: &str| Value::String(t.into());
+        let mut reply = vec![Value::Integer(-1), Value::Integer(2), text("list")];
+        reply.push(text(
+            "WRONGTYPE Operation against a key holding the wrong kind of value",
+        ));
+        reply.extend(values(&[0, 1, 0, 0, 5, 5, 0]));
+        let keys = [Bytes::from_static(b"p:a"), Bytes::from_static(b"p:\"b\"")];
+        let mut rest = &reply[..];
+        let error = take_request(&mut rest, &keys).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            r#"the Redis key "p:\"b\"" is not a counter sluice can read: it holds a list"#
+        );
+        assert_eq!(error.kind(), "data");
+        let (admitted, v) = take_request(&mut rest, &keys[..1]).unwrap();
+        assert!(
+            !admitted && v[0].over,
+            "the next request is read as it was answered"
+        );
+        assert!(rest.is_empty());
+        let unread = unreadable(b"k", "hash", "user_script:9: attempt to compare nil");
+        assert_eq!(
+            unread.to_string(),
+            "the Redis key \"k\" is not a counter sluice can read: its hash holds what sluice \
+             does not write (user_script:9: attempt to compare nil)"
+        );
     }
 
     #[test]
