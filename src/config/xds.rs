@@ -410,14 +410,7 @@ fn convert(
         });
     }
     // While collisions are sought, a top-level rule's line is its index + 1: it names the rule.
-    let number = |domains: &mut [DomainConfig], line: &dyn Fn(usize) -> usize| {
-        for d in domains {
-            for (j, rule) in d.descriptors.iter_mut().enumerate() {
-                rule.line = line(j);
-            }
-        }
-    };
-    number(&mut loaded.domains, &|j| j + 1);
+    number_rules(&mut loaded.domains, true);
     for e in domain_collisions(&loaded.domains, merge_domains) {
         errors.add(|| {
             let path = match e.line {
@@ -427,11 +420,20 @@ fn convert(
             format!("{}: {path}: {}", e.file.display(), e.message)
         });
     }
-    number(&mut loaded.domains, &|_| 0);
+    number_rules(&mut loaded.domains, false);
     if errors.total > 0 {
         return Err(errors);
     }
     Ok(loaded)
+}
+
+/// Gives each top-level rule its index + 1 as its line (`numbered`), or line 0 (none).
+fn number_rules(domains: &mut [DomainConfig], numbered: bool) {
+    for d in domains {
+        for (j, rule) in d.descriptors.iter_mut().enumerate() {
+            rule.line = if numbered { j + 1 } else { 0 };
+        }
+    }
 }
 
 /// A resource's name: its `name`, else its domain, else its place in the response.
