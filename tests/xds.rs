@@ -419,3 +419,166 @@ async fn envoy_gateway_snapshots_match_requests_as_its_envoy_sends_them() {
         .expect("the C limit applies");
     assert_eq!((limit.requests_per_unit, limit.unit), (5, 1));
 }
+
+/// `n` domains (resources) of 20 rules each.
+fn many_domains(n: usize) -> Vec<RateLimitConfig> {
+    (0..n)
+        .map(|i| {
+            let rules = (0..20)
+                .map(|j| rule(&format!("k{j}"), "", RateLimitUnit::Hour, 10))
+                .collect();
+            domain(&format!("d{i}"), rules)
+        })
+        .collect()
+}
+
+/// `GET /healthz`, given at most `limit` to answer: its status, or `None` without an answer.
+fn healthz_within(addr: std::net::SocketAddr, limit: Duration) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect_timeout(&addr, limit).ok()?;
+    stream.set_read_timeout(Some(limit)).ok()?;
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .ok()?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).ok()?;
+    String::from_utf8_lossy(&raw)
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn probes_are_answered_while_a_large_snapshot_is_converted() {
+    const PROMPT: Duration = Duration::from_secs(2);
+    let server = XdsServer::start();
+    server.set("1", &[limit_d(0)]);
+    let sluice = start(Store::Memory, &server, &[]).await;
+    assert!(server.wait_for(WAIT, acked("1")).await.is_some());
+
+    let mut large = many_domains(5_000);
+    large.push(limit_d(0));
+    server.set("2", &large);
+    let http = sluice.http;
+    let probes = tokio::task::block_in_place(|| {
+        let started = Instant::now();
+        let mut probes = 0;
+        while !server.received().iter().any(|r| acked("2")(r)) {
+            assert!(started.elapsed() < Duration::from_secs(120), "no ACK");
+            assert_eq!(
+                healthz_within(http, PROMPT),
+                Some(200),
+                "/healthz answers within {PROMPT:?} while the snapshot is converted"
+            );
+            probes += 1;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        probes
+    });
+    assert!(probes > 0);
+    assert_eq!(code(&sluice, "d4999", &[("k19", "x")]).await, OK);
+    assert_eq!(code(&sluice, "d", &[("k", "x")]).await, OVER_LIMIT);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_resent_unchanged_snapshot_is_acked_without_being_converted_again() {
+    let server = XdsServer::start();
+    server.set("1", &[limit_d(0)]);
+    let sluice = start(Store::Memory, &server, &["--log-level", "info"]).await;
+    assert!(server.wait_for(WAIT, acked("1")).await.is_some());
+    assert!(!sluice.log_text().contains("not converted again"));
+
+    // SIGHUP starts a new stream, on which the server sends the same snapshot again.
+    common::redis::signal(sluice.pid(), "HUP");
+    let started = Instant::now();
+    while server.received().iter().filter(|r| acked("1")(r)).count() < 2 {
+        assert!(started.elapsed() < WAIT, "the re-sent snapshot is ACKed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let log = sluice.log_text();
+    assert!(
+        log.contains("xDS version 1: the resources in force, not converted again"),
+        "{log}"
+    );
+    assert_eq!(log.matches("rules loaded").count(), 1, "{log}");
+    assert_eq!(code(&sluice, "d", &[("k", "x")]).await, OVER_LIMIT);
+}
+
+/// Domain `deep`: one rule under `levels` nested descriptors.
+fn nested(levels: usize) -> RateLimitConfig {
+    let mut d = rule("k", "", RateLimitUnit::Hour, 1);
+    for _ in 1..levels {
+        d = nest("k", "", vec![d]);
+    }
+    domain("deep", vec![d])
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_resource_nested_too_deep_is_nacked_and_the_old_rules_stay() {
+    let server = XdsServer::start();
+    server.set("1", &[limit_d(0)]);
+    let sluice = start(Store::Memory, &server, &[]).await;
+    assert!(server.wait_for(WAIT, acked("1")).await.is_some());
+
+    let deepest = sluice::config::MOST_DESCRIPTOR_DEPTH;
+    server.set("2", &[limit_d(5), nested(deepest)]);
+    assert!(server.wait_for(WAIT, acked("2")).await.is_some());
+    assert_eq!(code(&sluice, "d", &[("k", "x")]).await, OK);
+
+    for (version, levels) in [("3", deepest + 1), ("4", 1_000)] {
+        server.set(version, &[limit_d(0), nested(levels)]);
+        let nack = server
+            .wait_for(WAIT, |r| r.nonce == version)
+            .await
+            .unwrap_or_else(|| panic!("an answer to version {version}"));
+        assert_eq!(nack.version, "2", "{levels} levels are NACKed");
+        let error = nack.error.unwrap();
+        assert!(error.starts_with("xds:deep: "), "{error}");
+        if levels == deepest + 1 {
+            assert!(error.contains(&format!("deeper than {deepest}")), "{error}");
+        }
+        assert_eq!(code(&sluice, "d", &[("k", "y")]).await, OK);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn many_bad_resources_sent_again_and_again_give_a_few_log_lines_and_a_short_nack() {
+    const BAD: usize = 2_000;
+    let server = XdsServer::start();
+    server.set("1", &[limit_d(0)]);
+    let sluice = start(Store::Memory, &server, &[]).await;
+    assert!(server.wait_for(WAIT, acked("1")).await.is_some());
+    let lines_before = sluice.log_text().lines().count();
+
+    let bad: Vec<RateLimitConfig> = (0..BAD)
+        .map(|i| {
+            let unknown_unit = rule("k", "", RateLimitUnit::Unknown, 1);
+            domain(&format!("bad{i}"), vec![unknown_unit])
+        })
+        .collect();
+    let started = Instant::now();
+    for n in 2..22 {
+        let version = n.to_string();
+        server.set(&version, &bad);
+        let nack = server
+            .wait_for(Duration::from_secs(30), |r| r.nonce == version)
+            .await
+            .unwrap_or_else(|| panic!("an answer to version {version}"));
+        let error = nack.error.expect("a NACK");
+        assert!(error.len() <= 16 * 1024, "{} bytes", error.len());
+        assert!(
+            error.starts_with(
+                "xds:bad0: descriptors[0].rate_limit.unit: invalid rate limit unit 'UNKNOWN'\n\
+                 xds:bad1: descriptors[0].rate_limit.unit: invalid rate limit unit 'UNKNOWN'\n"
+            ),
+            "{error}"
+        );
+        assert!(error.contains(&format!("{BAD} errors in all")), "{error}");
+    }
+    // Repeated rejections are logged at most once a second.
+    let seconds = started.elapsed().as_secs() as usize;
+    let lines = sluice.log_text().lines().count() - lines_before;
+    assert!(lines <= seconds + 2, "{lines} lines in {seconds} s");
+    assert_eq!(code(&sluice, "d", &[("k", "x")]).await, OVER_LIMIT);
+}

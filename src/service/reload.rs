@@ -26,6 +26,7 @@ use super::Rules;
 use crate::config::xds::{Snapshot, Subscription};
 use crate::config::{self, Source};
 use crate::rules::RuleSet;
+use crate::telemetry::Throttle;
 use crate::telemetry::metrics::METRICS;
 
 /// How long changes must stop before a reload: an editor's or kubelet's several writes make one.
@@ -200,7 +201,9 @@ fn swap(rules: &Rules, loaded: RuleSet, trigger: &str) {
 
 /// Follows the xDS server of `subscription` until the process ends: the first valid snapshot
 /// is counted and logged as a load, the next ones as reloads (one that changes nothing is not
-/// swapped), an invalid one as a failed reload. SIGHUP (`hangup`) starts a new stream at once.
+/// swapped), an invalid one as a failed reload. Snapshots are converted, and the rules built and
+/// swapped, on a blocking thread; rejections are logged at most once a second. SIGHUP
+/// (`hangup`) starts a new stream at once.
 pub async fn follow_xds(rules: Rules, subscription: Subscription, mut hangup: Signal) {
     let resubscribe = Arc::new(Notify::new());
     let on_hangup = resubscribe.clone();
@@ -209,7 +212,7 @@ pub async fn follow_xds(rules: Rules, subscription: Subscription, mut hangup: Si
             on_hangup.notify_one();
         }
     });
-    let apply = move |snapshot| match snapshot {
+    let apply = move |snapshot: Snapshot| match snapshot {
         Snapshot::Valid {
             version,
             rules: loaded,
@@ -225,15 +228,29 @@ pub async fn follow_xds(rules: Rules, subscription: Subscription, mut hangup: Si
                 swap(&rules, loaded, &format!("xDS version {version}"));
             }
         }
-        Snapshot::Rejected { version, errors } => {
-            METRICS.reload_failed();
-            for e in &errors {
-                tracing::error!("{e}");
+        Snapshot::Unchanged { version } => {
+            static UNCHANGED: Throttle = Throttle::new();
+            if UNCHANGED.hit().is_some() {
+                tracing::info!(
+                    "xDS version {version}: the resources in force, not converted again"
+                );
             }
-            tracing::error!(
-                "xDS version {version}: {} error(s), rejected (NACK); the rules in force stay",
-                errors.len()
-            );
+        }
+        Snapshot::Rejected {
+            version,
+            rejection,
+            again,
+        } => {
+            METRICS.reload_failed();
+            static REJECTED: Throttle = Throttle::new();
+            if let Some(rejected) = REJECTED.hit() {
+                let seen = if again { ", as last time" } else { "" };
+                tracing::error!(
+                    rejected_since_last_line = rejected,
+                    "xDS version {version} rejected (NACK){seen}, the rules in force stay: {}",
+                    rejection.summary()
+                );
+            }
         }
     };
     subscription.follow(apply, resubscribe).await;
