@@ -3,7 +3,7 @@
 //! through and denied; sluice answers every report of a bucket at once with the Envoy's share of
 //! the bucket's global limit, as a token bucket Envoy enforces itself. No request waits for sluice.
 //!
-//! Envoy 1.40 enforces only what it is told in this shape (see the README's RLQS section): a token
+//! Envoy 1.40 enforces only what it is told in this shape (see docs/quota-service.md): a token
 //! bucket with an explicit `tokens_per_fill` and a whole-second `fill_interval`, or a blanket rule;
 //! an assignment with a whole-second time to live, which expires without a new one, so it is sent
 //! again on every report. The first report of a bucket on a stream subscribes the stream to it.
