@@ -55,7 +55,7 @@ const SHOWN_ERRORS: usize = 10;
 const LONGEST_ERROR: usize = 1024;
 
 /// An xDS server to take the rules from, and how sluice introduces itself to it.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Server {
     /// HOST:PORT, without a scheme.
     pub address: String,
@@ -71,7 +71,7 @@ pub struct Server {
 
 /// TLS towards an xDS server: the CAs trusted besides the system's, the client certificate
 /// presented, and the name the server's certificate must carry (default: the host of its address).
-#[derive(Clone, Debug, Default)]
+#[derive(Debug)]
 pub struct Tls {
     pub ca: Option<PathBuf>,
     /// The PEM certificate chain and its private key.

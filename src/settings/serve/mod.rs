@@ -16,16 +16,15 @@ mod xds;
 use clap::Args;
 
 use crate::service::Addrs;
-
-pub use answers::AnswerFlags;
-pub use compat::ErlFlags;
-pub use listen::ListenerFlags;
-pub use policy::PolicyFlags;
-pub use quota::QuotaFlags;
-pub use rules::RuleFlags;
-pub use store::StoreFlags;
-pub use telemetry::TelemetryFlags;
-pub use tls::TlsFlags;
+use answers::AnswerFlags;
+use compat::ErlFlags;
+use listen::ListenerFlags;
+use policy::PolicyFlags;
+use quota::QuotaFlags;
+use rules::RuleFlags;
+use store::StoreFlags;
+use telemetry::TelemetryFlags;
+use tls::TlsFlags;
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -73,4 +72,49 @@ fn at_least_one(flag: &str, value: usize) -> anyhow::Result<()> {
         anyhow::bail!("{flag}: must be at least 1");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{HashMap, HashSet};
+
+    use clap::CommandFactory;
+
+    use crate::settings::Cli;
+
+    #[test]
+    fn every_command_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    /// A group without a heading of its own would show its flags under the previous group's.
+    #[test]
+    fn every_group_of_serve_flags_has_a_heading_of_its_own() {
+        let cli = Cli::command();
+        let serve = cli.find_subcommand("serve").expect("serve is a command");
+        let mut owners = HashMap::new();
+        for group in serve.get_groups() {
+            let headings: HashSet<_> = serve
+                .get_arguments()
+                .filter(|arg| group.get_args().any(|id| id == arg.get_id()))
+                .map(|arg| arg.get_help_heading())
+                .collect();
+            for heading in headings {
+                let heading =
+                    heading.unwrap_or_else(|| panic!("{} has no heading", group.get_id()));
+                let owner = owners.insert(heading, group.get_id());
+                assert!(
+                    owner.is_none(),
+                    "{heading}: {owner:?} and {}",
+                    group.get_id()
+                );
+            }
+        }
+        let loose: Vec<_> = serve
+            .get_arguments()
+            .filter(|arg| arg.get_id() != "help" && arg.get_help_heading().is_none())
+            .map(|arg| arg.get_id().to_string())
+            .collect();
+        assert!(loose.is_empty(), "flags without a heading: {loose:?}");
+    }
 }
