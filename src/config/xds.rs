@@ -54,45 +54,35 @@ const SHOWN_ERRORS: usize = 10;
 /// The longest error shown, in bytes: a longer one (resource names and keys can be long) is cut.
 const LONGEST_ERROR: usize = 1024;
 
-/// The `serve` flags of the xDS client.
-#[derive(clap::Args, Clone, Debug, Default)]
-pub struct XdsFlags {
-    /// Take the rules from this xDS server (HOST:PORT, no scheme), instead of --config:
-    /// envoyproxy/ratelimit's CONFIG_GRPC_XDS_SERVER_URL.
-    #[arg(long, env = "SLUICE_XDS_SERVER", value_name = "HOST:PORT")]
-    pub xds_server: Option<String>,
-    /// The node id sent to the xDS server (Envoy Gateway serves `envoy-ratelimit`).
-    #[arg(long, env = "SLUICE_XDS_NODE_ID", default_value = "default")]
-    pub xds_node_id: String,
-    /// The node metadata sent to the xDS server, `k=v,k2=v2` (string values; an entry without
-    /// `=` is skipped, as envoyproxy/ratelimit skips it).
-    #[arg(long, env = "SLUICE_XDS_NODE_METADATA", default_value = "")]
-    pub xds_node_metadata: String,
-    /// Trust the CAs of this PEM file for the xDS server's certificate, besides the system's;
-    /// any --xds-tls-* flag makes the connection TLS.
-    #[arg(long, env = "SLUICE_XDS_TLS_CA", requires = "xds_server")]
-    pub xds_tls_ca: Option<PathBuf>,
-    /// Present this PEM client certificate chain to the xDS server.
-    #[arg(long, env = "SLUICE_XDS_TLS_CERT", requires_all = ["xds_tls_key", "xds_server"])]
-    pub xds_tls_cert: Option<PathBuf>,
-    /// The PEM private key of --xds-tls-cert: PKCS#8, PKCS#1 (RSA PRIVATE KEY) or SEC1.
-    #[arg(long, env = "SLUICE_XDS_TLS_KEY", requires = "xds_tls_cert")]
-    pub xds_tls_key: Option<PathBuf>,
-    /// The name the xDS server's certificate must carry (default: the host of --xds-server).
-    #[arg(long, env = "SLUICE_XDS_TLS_SERVER_NAME", requires = "xds_server")]
-    pub xds_tls_server_name: Option<String>,
-    /// The largest xDS response accepted, in bytes: Envoy Gateway sends every domain in one.
-    #[arg(long, env = "SLUICE_XDS_MAX_MESSAGE_BYTES", default_value_t = 64 * 1024 * 1024)]
-    pub xds_max_message_bytes: usize,
+/// An xDS server to take the rules from, and how sluice introduces itself to it.
+#[derive(Debug)]
+pub struct Server {
+    /// HOST:PORT, without a scheme.
+    pub address: String,
+    /// The node id sent to the server.
+    pub node_id: String,
+    /// The node metadata sent to the server (string values).
+    pub node_metadata: Vec<(String, String)>,
+    /// TLS towards the server; `None` for plaintext.
+    pub tls: Option<Tls>,
+    /// The largest response accepted, in bytes.
+    pub max_message_bytes: usize,
 }
 
-impl XdsFlags {
-    /// The subscription these flags describe, with its TLS files read and checked now; `None`
-    /// without --xds-server.
-    pub fn subscription(&self, merge_domains: bool) -> anyhow::Result<Option<Subscription>> {
-        let Some(server) = &self.xds_server else {
-            return Ok(None);
-        };
+/// TLS towards an xDS server: the CAs trusted besides the system's, the client certificate
+/// presented, and the name the server's certificate must carry (default: the host of its address).
+#[derive(Debug)]
+pub struct Tls {
+    pub ca: Option<PathBuf>,
+    /// The PEM certificate chain and its private key.
+    pub identity: Option<(PathBuf, PathBuf)>,
+    pub server_name: Option<String>,
+}
+
+impl Server {
+    /// The subscription to this server, with its TLS files read and checked now.
+    pub fn subscription(&self, merge_domains: bool) -> anyhow::Result<Subscription> {
+        let server = &self.address;
         if server.contains("://") {
             anyhow::bail!("--xds-server {server}: HOST:PORT, without a scheme");
         }
@@ -102,8 +92,7 @@ impl XdsFlags {
             }
             _ => anyhow::bail!("--xds-server {server}: HOST:PORT expected"),
         };
-        let tls = self.xds_tls_ca.is_some() || self.xds_tls_cert.is_some();
-        let scheme = if tls { "https" } else { "http" };
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
         let mut endpoint = Endpoint::from_shared(format!("{scheme}://{server}"))
             .with_context(|| format!("--xds-server {server}"))?
             .connect_timeout(CONNECT_TIMEOUT)
@@ -111,41 +100,42 @@ impl XdsFlags {
             .keep_alive_timeout(KEEPALIVE_TIMEOUT)
             .keep_alive_while_idle(true)
             .tcp_nodelay(true);
-        if tls {
-            let name = self.xds_tls_server_name.as_deref().unwrap_or(host);
+        if let Some(tls) = &self.tls {
+            let name = tls.server_name.as_deref().unwrap_or(host);
             endpoint = endpoint
-                .tls_config(self.tls(name)?)
+                .tls_config(tls.config(name)?)
                 .context("the xDS TLS configuration")?;
         }
         let metadata = self
-            .xds_node_metadata
-            .split(',')
-            .filter_map(|entry| entry.split_once('='))
+            .node_metadata
+            .iter()
             .map(|(k, v)| {
                 let value = Value {
-                    kind: Some(Kind::StringValue(v.to_owned())),
+                    kind: Some(Kind::StringValue(v.clone())),
                 };
-                (k.to_owned(), value)
+                (k.clone(), value)
             })
             .collect();
-        Ok(Some(Subscription {
+        Ok(Subscription {
             server: server.clone(),
             endpoint,
             node: Node {
-                id: self.xds_node_id.clone(),
+                id: self.node_id.clone(),
                 metadata: Some(Struct { fields: metadata }),
                 ..Default::default()
             },
-            max_message_bytes: self.xds_max_message_bytes,
+            max_message_bytes: self.max_message_bytes,
             merge_domains,
-        }))
+        })
     }
+}
 
-    /// TLS towards the xDS server: the system's CAs and --xds-tls-ca's, the client certificate
-    /// when given. The files are checked here, so that a bad one stops the start.
-    fn tls(&self, server_name: &str) -> anyhow::Result<ClientTlsConfig> {
+impl Tls {
+    /// The client configuration: the system's CAs and `ca`'s, the client certificate when
+    /// given. The files are checked here, so that a bad one stops the start.
+    fn config(&self, server_name: &str) -> anyhow::Result<ClientTlsConfig> {
         let mut roots = certs::system_roots();
-        if let Some(path) = &self.xds_tls_ca {
+        if let Some(path) = &self.ca {
             let ca = PemFile::new("--xds-tls-ca", path);
             roots.roots.extend(ca.roots(&ca.read()?)?.roots);
         }
@@ -157,11 +147,7 @@ impl XdsFlags {
         let mut tls = ClientTlsConfig::new()
             .trust_anchors(roots.roots)
             .domain_name(server_name);
-        if let Some((cert, key)) = self
-            .xds_tls_cert
-            .as_deref()
-            .zip(self.xds_tls_key.as_deref())
-        {
+        if let Some((cert, key)) = &self.identity {
             let (cert, key) = (
                 PemFile::new("--xds-tls-cert", cert),
                 PemFile::new("--xds-tls-key", key),

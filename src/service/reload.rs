@@ -38,9 +38,47 @@ const LONGEST_SETTLE: Duration = Duration::from_secs(1);
 /// `PACE`, the last of them never lost.
 const PACE: Duration = Duration::from_millis(200);
 
+/// Where the rules come from.
+pub enum Feed {
+    /// Rule files (`--config`), reloaded when they change; none at all is an error unless
+    /// `allow_empty`.
+    Files { source: Source, allow_empty: bool },
+    /// An xDS server's snapshots (`--xds-server`).
+    Xds(Box<Subscription>),
+}
+
+/// The rules of `feed`: read now from files (an error stops the start), or awaited from the xDS
+/// server; then kept current until the process ends, SIGHUP (`hangup`) included.
+pub fn start(feed: Feed, hangup: Signal) -> anyhow::Result<Rules> {
+    match feed {
+        Feed::Xds(subscription) => {
+            tracing::info!(
+                server = subscription.server(),
+                "rules over xDS: every request is refused (UNAVAILABLE) until the first configuration"
+            );
+            let rules = Rules::new(RuleSet::awaiting());
+            tokio::spawn(follow_xds(rules.clone(), *subscription, hangup));
+            Ok(rules)
+        }
+        Feed::Files {
+            source,
+            allow_empty,
+        } => {
+            let loaded = load(&source, allow_empty)?;
+            first(&loaded);
+            let rules = Rules::new(loaded);
+            if !rules.loaded() {
+                tracing::warn!("no rules loaded: not ready until a reload finds some");
+            }
+            tokio::spawn(watch(rules.clone(), source, allow_empty, hangup));
+            Ok(rules)
+        }
+    }
+}
+
 /// Loads and validates the rules of `source`; none at all is an error unless `allow_empty`.
 /// Errors are logged, one per line, as `file:line: message`.
-pub fn load(source: &Source, allow_empty: bool) -> anyhow::Result<RuleSet> {
+fn load(source: &Source, allow_empty: bool) -> anyhow::Result<RuleSet> {
     let path = source.path.as_path();
     match config::load(source) {
         Ok(loaded) if loaded.domains.is_empty() && !allow_empty => anyhow::bail!(
@@ -63,7 +101,7 @@ pub fn load(source: &Source, allow_empty: bool) -> anyhow::Result<RuleSet> {
 }
 
 /// Puts the first rules in force: counted and logged as a load, not a reload.
-pub fn first(rules: &RuleSet) {
+fn first(rules: &RuleSet) {
     let origin = rules.origin();
     METRICS.rules_loaded(&origin.hash, false);
     tracing::info!(
@@ -75,7 +113,7 @@ pub fn first(rules: &RuleSet) {
 
 /// Reloads `rules` from `source` on every SIGHUP (`hangup`) and file change, until the process
 /// ends. Without a file watcher (one could not be set up), SIGHUP still reloads.
-pub async fn watch(rules: Rules, source: Source, allow_empty: bool, mut hangup: Signal) {
+async fn watch(rules: Rules, source: Source, allow_empty: bool, mut hangup: Signal) {
     let path = source.path.as_path();
     let changed = Arc::new(Notify::new());
     let _watcher = match watcher(path, changed.clone()) {
@@ -204,7 +242,7 @@ fn swap(rules: &Rules, loaded: RuleSet, trigger: &str) {
 /// swapped), an invalid one as a failed reload. Snapshots are converted, and the rules built and
 /// swapped, on a blocking thread; rejections are logged at most once a second. SIGHUP
 /// (`hangup`) starts a new stream at once.
-pub async fn follow_xds(rules: Rules, subscription: Subscription, mut hangup: Signal) {
+async fn follow_xds(rules: Rules, subscription: Subscription, mut hangup: Signal) {
     let resubscribe = Arc::new(Notify::new());
     let on_hangup = resubscribe.clone();
     tokio::spawn(async move {

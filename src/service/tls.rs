@@ -3,7 +3,7 @@
 //! and the handshake each connection makes on its event loop before it is served.
 
 use std::io;
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,21 +23,6 @@ const HANDSHAKE: Duration = Duration::from_secs(10);
 /// How often the PEM files are read to see whether they changed.
 const POLL: Duration = Duration::from_secs(1);
 
-/// The `serve` flags of gRPC over TLS: the PEM files it is made of, read again whenever they
-/// change.
-#[derive(clap::Args, Clone, Debug)]
-pub struct TlsFlags {
-    /// Serve gRPC over TLS only, presenting this PEM certificate chain (leaf first).
-    #[arg(long, env = "SLUICE_TLS_CERT", requires = "tls_key")]
-    pub tls_cert: Option<PathBuf>,
-    /// The PEM private key of --tls-cert: PKCS#8, PKCS#1 (RSA) or SEC1 (EC).
-    #[arg(long, env = "SLUICE_TLS_KEY", requires = "tls_cert")]
-    pub tls_key: Option<PathBuf>,
-    /// Require every client to present a certificate signed by a CA of this PEM bundle (mTLS).
-    #[arg(long, env = "SLUICE_TLS_CLIENT_CA", requires = "tls_cert")]
-    pub tls_client_ca: Option<PathBuf>,
-}
-
 /// The server's TLS configuration in force, shared by every event loop; a connection handshakes
 /// with the one in force when it arrives and keeps it.
 #[derive(Clone)]
@@ -51,19 +36,14 @@ struct Shared {
 }
 
 impl ServerTls {
-    /// Reads the files `flags` name and makes the configuration from them (`None` without
-    /// them: plaintext); an error names the flag and the file at fault.
-    pub fn load(flags: &TlsFlags) -> anyhow::Result<Option<ServerTls>> {
-        let (Some(cert), Some(key)) = (&flags.tls_cert, &flags.tls_key) else {
-            return Ok(None);
-        };
+    /// Reads the PEM certificate chain `cert` (leaf first), its private key `key` and, for
+    /// mTLS, the CAs a client's certificate must chain to, and makes the configuration from
+    /// them; an error names the flag and the file at fault.
+    pub fn load(cert: &Path, key: &Path, client_ca: Option<&Path>) -> anyhow::Result<ServerTls> {
         let files = Files {
             cert: PemFile::new("--tls-cert", cert),
             key: PemFile::new("--tls-key", key),
-            client_ca: flags
-                .tls_client_ca
-                .as_deref()
-                .map(|path| PemFile::new("--tls-client-ca", path)),
+            client_ca: client_ca.map(|path| PemFile::new("--tls-client-ca", path)),
         };
         let pem = files.read()?;
         let config = files.config(&pem)?;
@@ -71,11 +51,11 @@ impl ServerTls {
             client_certificates = files.client_ca.is_some(),
             "gRPC serves TLS only"
         );
-        Ok(Some(ServerTls(Arc::new(Shared {
+        Ok(ServerTls(Arc::new(Shared {
             current: ArcSwap::from_pointee(config),
             loaded: Ok(pem),
             files,
-        }))))
+        })))
     }
 
     /// Reads the files every `POLL` and puts a set that changed in force once it has stayed the

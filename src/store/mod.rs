@@ -17,7 +17,7 @@ use tokio::time::Instant;
 
 pub use demand::{Demands, Report};
 pub use memory::{MemoryStore, Percent, Stored};
-pub use redis::{RedisStore, RedisTls, RedisTlsFlags, redis_key};
+pub use redis::{RedisStore, RedisTls, redis_key};
 
 use crate::limiter::{Check, CounterKey, Decision};
 use breaker::Breaker;

@@ -39,7 +39,7 @@ use crate::limiter::algorithm::Verdict;
 use crate::limiter::{Algorithm, Check, CounterKey, Counting, Decision, Item, Mode};
 use crate::telemetry::Throttle;
 use batch::Pending;
-pub use tls::{RedisTls, RedisTlsFlags};
+pub use tls::RedisTls;
 
 const ARGS_PER_ITEM: usize = 8;
 /// Numbers the check script answers per counter.

@@ -2,7 +2,7 @@
 //! the system's) and the client certificate it presents (`--redis-cert`, `--redis-key`), read once
 //! at start into one rustls configuration that every connection shares.
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -11,40 +11,29 @@ use rustls::ClientConfig;
 
 use crate::certs::{self, PemFile};
 
-/// The `serve` flags of TLS to Redis (`redis_url` names `serve`'s `--redis-url`, which clap
-/// checks exists).
-#[derive(clap::Args, Clone, Debug, Default)]
-pub struct RedisTlsFlags {
-    /// Trust the CAs of this PEM file for Redis' certificate, instead of the system's.
-    #[arg(long, env = "SLUICE_REDIS_CA", requires = "redis_url")]
-    pub redis_ca: Option<PathBuf>,
-    /// Present this PEM client certificate chain to Redis.
-    #[arg(long, env = "SLUICE_REDIS_CERT", requires_all = ["redis_key", "redis_url"])]
-    pub redis_cert: Option<PathBuf>,
-    /// The PEM private key of --redis-cert.
-    #[arg(long, env = "SLUICE_REDIS_KEY", requires = "redis_cert")]
-    pub redis_key: Option<PathBuf>,
-}
-
 /// How sluice speaks TLS to Redis.
 #[derive(Clone)]
 pub struct RedisTls(Arc<ClientConfig>);
 
 impl RedisTls {
-    /// The TLS configuration for `url` from `flags`: trusting the CAs of `--redis-ca` (else the
-    /// system's) and presenting `--redis-cert` when given; `None` for a URL without TLS, which
-    /// takes none of them.
-    pub fn load(url: &str, flags: &RedisTlsFlags) -> anyhow::Result<Option<RedisTls>> {
-        let identity = flags.redis_cert.as_deref().zip(flags.redis_key.as_deref());
+    /// The TLS configuration for `url`: trusting the CAs of the PEM file `ca` (`--redis-ca`,
+    /// else the system's) and presenting the certificate chain and key of `identity`
+    /// (`--redis-cert`, `--redis-key`) when given; `None` for a URL without TLS, which takes
+    /// none of them.
+    pub fn load(
+        url: &str,
+        ca: Option<&Path>,
+        identity: Option<(&Path, &Path)>,
+    ) -> anyhow::Result<Option<RedisTls>> {
         if !uses_tls(url) {
-            let given = match (&flags.redis_ca, identity) {
+            let given = match (ca, identity) {
                 (Some(_), _) => "--redis-ca",
                 (None, Some(_)) => "--redis-cert and --redis-key",
                 (None, None) => return Ok(None),
             };
             anyhow::bail!("{given}: only for a TLS --redis-url (rediss://…)");
         }
-        let roots = match &flags.redis_ca {
+        let roots = match ca {
             Some(path) => {
                 let file = PemFile::new("--redis-ca", path);
                 file.roots(&file.read()?)?
@@ -119,18 +108,16 @@ mod tests {
 
     #[test]
     fn tls_files_with_a_plain_url_are_refused() {
-        let ca = RedisTlsFlags {
-            redis_ca: Some("ca.pem".into()),
-            ..Default::default()
-        };
-        let error = RedisTls::load("redis://127.0.0.1:6379", &ca).err().unwrap();
+        let ca = Some(Path::new("ca.pem"));
+        let error = RedisTls::load("redis://127.0.0.1:6379", ca, None)
+            .err()
+            .unwrap();
         assert_eq!(
             error.to_string(),
             "--redis-ca: only for a TLS --redis-url (rediss://…)"
         );
-        let none = RedisTlsFlags::default();
         assert!(
-            RedisTls::load("redis://127.0.0.1:6379", &none)
+            RedisTls::load("redis://127.0.0.1:6379", None, None)
                 .unwrap()
                 .is_none()
         );

@@ -1,0 +1,49 @@
+//! The quota service (RLQS): what a bucket no rule matches is assigned, how long an assignment
+//! lasts without a report, and when an idle bucket is abandoned.
+
+use std::time::Duration;
+
+use clap::Args;
+
+use crate::service::rlqs::{QuotaSettings, Unmatched};
+
+#[derive(Args)]
+#[command(next_help_heading = "Quota service (RLQS)")]
+pub struct QuotaFlags {
+    /// What the quota service (RLQS) assigns a bucket no quota_buckets rule matches: allow (all
+    /// of its requests) or deny (all of them).
+    #[arg(long, env = "SLUICE_QUOTA_UNMATCHED", value_enum, default_value_t = Unmatched::Allow)]
+    quota_unmatched: Unmatched,
+    /// How long an Envoy enforces a quota assignment without hearing from sluice again, in whole
+    /// seconds (e.g. 30s); each report renews it. Past it, Envoy falls back to the bucket's
+    /// no_assignment_behavior.
+    #[arg(long, env = "SLUICE_QUOTA_ASSIGNMENT_TTL", default_value = "30s", value_parser = humantime::parse_duration)]
+    quota_assignment_ttl: Duration,
+    /// Reports of no request in a row (Envoy reports every 5 s) after which an Envoy is told to
+    /// abandon a quota bucket.
+    #[arg(long, env = "SLUICE_QUOTA_ABANDON_AFTER", default_value_t = 6)]
+    quota_abandon_after: u32,
+}
+
+impl QuotaFlags {
+    pub(super) fn check(&self) -> anyhow::Result<()> {
+        let ttl = self.quota_assignment_ttl;
+        if ttl.subsec_nanos() != 0 || ttl.is_zero() {
+            anyhow::bail!(
+                "--quota-assignment-ttl: must be whole seconds, at least 1s (Envoy reads no fraction)"
+            );
+        }
+        if self.quota_abandon_after == 0 {
+            anyhow::bail!("--quota-abandon-after: must be at least 1");
+        }
+        Ok(())
+    }
+
+    pub fn settings(&self) -> QuotaSettings {
+        QuotaSettings {
+            unmatched: self.quota_unmatched,
+            ttl: self.quota_assignment_ttl,
+            abandon_after: self.quota_abandon_after,
+        }
+    }
+}

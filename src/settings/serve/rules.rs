@@ -1,0 +1,68 @@
+//! Where `serve` takes its rules from: rule files under `--config` (watched, reloaded on change
+//! and SIGHUP, bounded in size), or an xDS server (`xds`).
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use super::at_least_one;
+use super::xds::XdsFlags;
+use crate::config;
+use crate::service::reload::Feed;
+
+#[derive(Args)]
+#[command(next_help_heading = "Rules and reload")]
+pub struct RuleFlags {
+    /// A rule file, or a directory of them (one domain per file); or --xds-server instead.
+    #[arg(
+        long,
+        env = "SLUICE_CONFIG",
+        required_unless_present = "xds_server",
+        conflicts_with = "xds_server"
+    )]
+    config: Option<PathBuf>,
+    /// Start with no rules (an empty rules directory) instead of refusing to: not ready until a
+    /// reload (SIGHUP) finds some.
+    #[arg(long, env = "SLUICE_ALLOW_EMPTY_CONFIG")]
+    allow_empty_config: bool,
+    /// One domain may span several files, their rules joined into one tree (envoyproxy/ratelimit's
+    /// MERGE_DOMAIN_CONFIG); else a domain in two files is an error.
+    #[arg(long, env = "SLUICE_MERGE_DOMAINS")]
+    merge_domains: bool,
+    /// The most bytes the rule files under --config may hold together: past it, a load is
+    /// refused (at start, the start fails; on a reload, the rules in force stay) before the
+    /// files are read.
+    #[arg(long, env = "SLUICE_MAX_CONFIG_BYTES", default_value_t = config::DEFAULT_MAX_CONFIG_BYTES)]
+    max_config_bytes: u64,
+    #[command(flatten)]
+    xds: XdsFlags,
+}
+
+impl RuleFlags {
+    pub(super) fn check(&self) -> anyhow::Result<()> {
+        at_least_one(
+            "--max-config-bytes",
+            usize::try_from(self.max_config_bytes).unwrap_or(usize::MAX),
+        )
+    }
+
+    /// Where the rules come from, an xDS server's TLS files read and checked now.
+    pub fn feed(&self) -> anyhow::Result<Feed> {
+        if let Some(server) = self.xds.server() {
+            return Ok(Feed::Xds(Box::new(
+                server.subscription(self.merge_domains)?,
+            )));
+        }
+        let Some(path) = &self.config else {
+            anyhow::bail!("--config or --xds-server is needed");
+        };
+        Ok(Feed::Files {
+            source: config::Source {
+                path: path.clone(),
+                merge_domains: self.merge_domains,
+                max_bytes: self.max_config_bytes,
+            },
+            allow_empty: self.allow_empty_config,
+        })
+    }
+}
