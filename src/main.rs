@@ -188,6 +188,14 @@ struct ServeArgs {
     /// abandon a quota bucket.
     #[arg(long, env = "SLUICE_QUOTA_ABANDON_AFTER", default_value_t = 6)]
     quota_abandon_after: u32,
+    /// Most quota buckets tracked at once, over every stream (a bucket two Envoys report counts
+    /// twice); a bucket reported past it gets its rule's whole limit, undivided.
+    #[arg(long, env = "SLUICE_QUOTA_MAX_BUCKETS", default_value_t = 100_000)]
+    quota_max_buckets: usize,
+    /// Most quota streams (one per Envoy and domain) tracked at once; the buckets of a stream
+    /// past it get their rules' whole limits, undivided, until another stream ends.
+    #[arg(long, env = "SLUICE_QUOTA_MAX_STREAMS", default_value_t = 1_000)]
+    quota_max_streams: usize,
     /// Most live counters the embedded store holds; a request needing a new one beyond that gets
     /// the --on-store-error answer.
     #[arg(long, env = "SLUICE_MAX_KEYS", default_value_t = 1_000_000)]
@@ -594,6 +602,9 @@ fn check_bounds(args: &ServeArgs) -> anyhow::Result<()> {
     if args.quota_abandon_after == 0 {
         anyhow::bail!("--quota-abandon-after: must be at least 1");
     }
+    if args.quota_max_buckets == 0 || args.quota_max_streams == 0 {
+        anyhow::bail!("--quota-max-buckets, --quota-max-streams: must be at least 1");
+    }
     if args.store_timeout.is_zero() || args.store_timeout > LONGEST_STORE_TIMEOUT {
         anyhow::bail!(
             "--store-timeout: must be more than 0 and at most {}",
@@ -676,6 +687,14 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
             RedisTls::load(url, &args.redis_tls)?,
         ),
     };
+    let quotas = QuotaSettings {
+        unmatched: args.quota_unmatched,
+        ttl: args.quota_assignment_ttl,
+        abandon_after: args.quota_abandon_after,
+        max_buckets: args.quota_max_buckets,
+        max_streams: args.quota_max_streams,
+    };
+    let quotas = std::sync::Arc::new(Quotas::start(quotas, &backend)?);
     let setup = Setup {
         rules,
         backend,
@@ -710,11 +729,7 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
             without_rules: args.healthcheck_without_rules,
             follows_store: args.healthcheck_follows_store,
         },
-        quotas: std::sync::Arc::new(Quotas::new(QuotaSettings {
-            unmatched: args.quota_unmatched,
-            ttl: args.quota_assignment_ttl,
-            abandon_after: args.quota_abandon_after,
-        })),
+        quotas,
     };
     let (stop, shutdown) = Shutdown::new();
     let grace = args.shutdown_grace;

@@ -11,12 +11,14 @@ use std::time::Duration;
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::BlanketRule;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQuotaUsageReports};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
+    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+};
 
 use common::metrics::scrape;
-use common::quota::{PATIENCE, QuotaStream, blanket, bucket, only, share, tokens};
+use common::quota::{Flood, PATIENCE, QuotaStream, blanket, bucket, only, share, tokens};
 use common::redis::Controlled;
-use common::{Sluice, Store};
+use common::{Sluice, Store, request};
 
 const DOMAIN: &str = "quota";
 
@@ -515,4 +517,176 @@ async fn three_streams_get_a_third_each_in_whole_numbers_envoy_reads() {
         (total - 20.0).abs() < 1e-9,
         "the thirds add up to 20: {total}"
     );
+}
+
+/// A quota metric that carries no labels, read from `/metrics`.
+fn gauge(sluice: &Sluice, name: &str) -> f64 {
+    scrape(sluice.http).value(name, &[])
+}
+
+/// Waits, for at most 5 s, until the gauge `name` reads `value`.
+async fn gauge_reaches(sluice: &Sluice, name: &str, value: f64) {
+    for _ in 0..50 {
+        if gauge(sluice, name) == value {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(gauge(sluice, name), value, "{name}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn buckets_past_the_process_wide_bound_get_the_whole_limit_untracked() {
+    let mut sluice =
+        Sluice::start_with(&[("quota.yaml", RULES)], &["--quota-max-buckets", "100"]).await;
+    let ids: Vec<BucketId> = (0..100).map(|n| tenant(&format!("t{n}"))).collect();
+    let mut first = QuotaStream::open(&sluice, DOMAIN).await;
+    first
+        .report(&ids.iter().map(|id| (id, 1, 0)).collect::<Vec<_>>())
+        .await;
+    assert_eq!(first.answer().await.bucket_action.len(), 100);
+    assert_eq!(gauge(&sluice, "sluice_quota_tracked_buckets"), 100.0);
+
+    let mut second = QuotaStream::open(&sluice, DOMAIN).await;
+    assert_eq!(
+        tokens(&second.ask(&ids[0], 1, 0).await, 1),
+        20,
+        "past the bound, a bucket the first stream holds: the whole limit, as if alone"
+    );
+    assert!(
+        first.quiet_for(Duration::from_millis(300)).await,
+        "and the first stream's share is not divided"
+    );
+    let more: Vec<BucketId> = (0..50).map(|n| tenant(&format!("u{n}"))).collect();
+    second
+        .report(&more.iter().map(|id| (id, 1, 0)).collect::<Vec<_>>())
+        .await;
+    let mut answered = 0;
+    while answered < more.len() {
+        let answer = second.answer().await;
+        for action in &answer.bucket_action {
+            let single = RateLimitQuotaResponse {
+                bucket_action: vec![action.clone()],
+            };
+            let id = action.bucket_id.as_ref().expect("a bucket id");
+            assert_eq!(tokens(&only(&single, id), 1), 20);
+        }
+        answered += answer.bucket_action.len();
+    }
+    let metrics = scrape(sluice.http);
+    assert_eq!(metrics.value("sluice_quota_tracked_buckets", &[]), 100.0);
+    assert_eq!(
+        metrics.value("sluice_quota_untracked_total", &[("bound", "buckets")]),
+        51.0
+    );
+
+    drop(first);
+    gauge_reaches(&sluice, "sluice_quota_tracked_buckets", 0.0).await;
+    assert_eq!(tokens(&second.ask(&ids[0], 1, 0).await, 1), 20);
+    let mut third = QuotaStream::open(&sluice, DOMAIN).await;
+    assert_eq!(
+        tokens(&third.ask(&ids[0], 1, 0).await, 1),
+        10,
+        "once the first stream has left, the bucket is tracked and divided again"
+    );
+    assert_eq!(tokens(&only(&second.answer().await, &ids[0]), 1), 10);
+    assert!(sluice.alive());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn streams_past_the_process_wide_bound_get_the_whole_limit_untracked() {
+    let mut sluice =
+        Sluice::start_with(&[("quota.yaml", RULES)], &["--quota-max-streams", "2"]).await;
+    let acme = tenant("acme");
+    let mut first = QuotaStream::open(&sluice, DOMAIN).await;
+    assert_eq!(tokens(&first.ask(&acme, 1, 0).await, 1), 20);
+    let mut second = QuotaStream::open(&sluice, DOMAIN).await;
+    assert_eq!(tokens(&second.ask(&acme, 1, 0).await, 1), 10);
+    assert_eq!(tokens(&only(&first.answer().await, &acme), 1), 10);
+
+    let mut third = QuotaStream::open(&sluice, DOMAIN).await;
+    assert_eq!(
+        tokens(&third.ask(&acme, 1, 0).await, 1),
+        20,
+        "a stream past the bound: the whole limit of each bucket, as if alone"
+    );
+    assert!(first.quiet_for(Duration::from_millis(300)).await);
+    assert!(
+        second.quiet_for(Duration::from_millis(300)).await,
+        "the others' shares are not divided"
+    );
+    let metrics = scrape(sluice.http);
+    assert_eq!(metrics.value("sluice_quota_tracked_streams", &[]), 2.0);
+    assert_eq!(
+        metrics.value("sluice_quota_untracked_total", &[("bound", "streams")]),
+        1.0
+    );
+
+    drop(second);
+    gauge_reaches(&sluice, "sluice_quota_tracked_streams", 1.0).await;
+    assert_eq!(
+        tokens(&third.ask(&acme, 1, 0).await, 1),
+        10,
+        "counted once another stream has left: divided"
+    );
+    assert!(sluice.alive());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rate_limit_answers_stay_prompt_while_many_streams_report_many_buckets() {
+    const RLS_RULES: &str = "
+domain: rls
+descriptors:
+  - key: k
+    rate_limit: {unit: second, requests_per_unit: 1000000}
+";
+    // One event loop, and reports of 5,000 buckets with 300-byte values (1.6 MB each): every
+    // report is a lot of work, on a process that answers rate limit requests too.
+    let mut sluice = Sluice::start_with(
+        &[("quota.yaml", RULES), ("rls.yaml", RLS_RULES)],
+        &[
+            "--threads",
+            "1",
+            "--max-request-bytes",
+            "4194304",
+            "--quota-max-buckets",
+            "5000",
+        ],
+    )
+    .await;
+    let (streams, buckets) = (10, 5_000);
+    let round = (streams * buckets) as u64;
+    let flood = Flood::start(&sluice, DOMAIN, streams, buckets, 300).await;
+    assert!(
+        flood.wait_answered(round, Duration::from_secs(60)).await,
+        "every stream's first report answered"
+    );
+    let mut client = sluice.client().await;
+    let until = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut n = 0;
+    // Until every stream has had another report answered.
+    while flood.answered() < 2 * round && tokio::time::Instant::now() < until {
+        let asked = tokio::time::timeout(
+            Duration::from_secs(1),
+            client.should_rate_limit(request("rls", &[&[("k", "v")]])),
+        )
+        .await;
+        assert!(
+            matches!(&asked, Ok(Ok(answer)) if answer.get_ref().overall_code == common::OK),
+            "request {n} answered OK within 1 s while the reports flood in: {asked:?}"
+        );
+        if n % 10 == 0 {
+            let tracked = gauge(&sluice, "sluice_quota_tracked_buckets");
+            assert!(tracked <= 5000.0, "{tracked} buckets tracked");
+        }
+        n += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        flood.answered() >= 2 * round,
+        "the reports kept being answered: {} bucket actions",
+        flood.answered()
+    );
+    assert_eq!(gauge(&sluice, "sluice_quota_tracked_buckets"), 5000.0);
+    assert!(sluice.alive());
 }

@@ -80,6 +80,7 @@ pub struct Metrics {
     quota_shadow_denied: Family<QuotaLabels, Counter>,
     quota_actions: Family<ActionLabels, Counter>,
     quota_store_errors: Family<Labels, Counter>,
+    quota_untracked: Family<Labels, Counter>,
 }
 
 pub static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
@@ -109,6 +110,7 @@ impl Metrics {
             quota_shadow_denied: Family::default(),
             quota_actions: Family::default(),
             quota_store_errors: Family::default(),
+            quota_untracked: Family::default(),
         };
         let mut registry = Registry::default();
         let r = &mut registry;
@@ -177,11 +179,19 @@ impl Metrics {
             "Quota demand records the store could not take, by kind: the bucket kept its last assignment",
             m.quota_store_errors.clone(),
         );
+        r.register(
+            "sluice_quota_untracked",
+            "Bucket reports answered untracked, with the rule's whole limit, by the bound that was full: stream_buckets (the stream's), buckets or streams (the process's)",
+            m.quota_untracked.clone(),
+        );
         // Every label a counter can take exists from the start, so the first event is an
         // increase a rate or an alert sees.
         for kind in ["full", "timeout", "shed", "down", "unavailable"] {
             drop(m.store_errors.get_or_create(&[("kind", kind)]));
             drop(m.quota_store_errors.get_or_create(&[("kind", kind)]));
+        }
+        for bound in ["stream_buckets", "buckets", "streams"] {
+            drop(m.quota_untracked.get_or_create(&[("bound", bound)]));
         }
         for answer in ["error", "allow", "deny"] {
             drop(m.policy_answers.get_or_create(&[("answer", answer)]));
@@ -211,12 +221,19 @@ impl Metrics {
             .inc_by(denied);
     }
 
-    /// A bucket action sent for a bucket of the rule `labels`.
-    pub fn quota_action(&self, labels: &QuotaLabels, action: &'static str) {
+    /// `n` bucket actions sent for buckets of the rule `labels`.
+    pub fn quota_actions(&self, labels: &QuotaLabels, action: &'static str, n: u64) {
         let [domain, rule] = labels.clone();
         self.quota_actions
             .get_or_create(&[domain, rule, ("action", action.to_owned())])
-            .inc();
+            .inc_by(n);
+    }
+
+    /// `n` bucket reports answered untracked because `bound` was full.
+    pub fn quota_untracked(&self, bound: &'static str, n: u64) {
+        self.quota_untracked
+            .get_or_create(&[("bound", bound)])
+            .inc_by(n);
     }
 
     /// A quota demand record the store could not take.
