@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::BlanketRule;
@@ -656,7 +657,7 @@ descriptors:
     .await;
     let (streams, buckets) = (10, 5_000);
     let round = (streams * buckets) as u64;
-    let flood = Flood::start(&sluice, DOMAIN, streams, buckets, 300).await;
+    let flood = Flood::start(sluice.grpc, DOMAIN, streams, buckets, 300).await;
     assert!(
         flood.wait_answered(round, Duration::from_secs(60)).await,
         "every stream's first report answered"
@@ -689,4 +690,137 @@ descriptors:
     );
     assert_eq!(gauge(&sluice, "sluice_quota_tracked_buckets"), 5000.0);
     assert!(sluice.alive());
+}
+
+/// The resident memory of process `pid`, in MB.
+fn rss_mb(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|kb| kb.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// `sluice load` at a steady 1000 requests a second for 10 s against `sluice`: its p50 and p99
+/// latency (µs) and its errors.
+async fn rls_latency(sluice: &Sluice) -> (u64, u64, serde_json::Value) {
+    let grpc = sluice.grpc.to_string();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args([
+                "load",
+                "--target",
+                &grpc,
+                "--domain",
+                "rls",
+                "--descriptor",
+                "k=v",
+            ])
+            .args(["--rate", "1000", "--concurrency", "8", "--connections", "2"])
+            .args(["--duration", "10s", "--json", "--quiet"])
+            .output()
+    })
+    .await
+    .expect("sluice load runs")
+    .expect("sluice load starts");
+    let report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("sluice load prints JSON");
+    let latency = &report["latency_us"];
+    let micros = |q: &str| latency[q].as_u64().unwrap_or(0);
+    (micros("p50"), micros("p99"), report["errors"].clone())
+}
+
+/// The figures of the quota flood: resident memory and `ShouldRateLimit` latency, idle and while
+/// 100 streams report 10,000 buckets each over and over, on the embedded store and on Redis,
+/// with the default bounds. A measurement, not a specification: run it on a release build,
+/// `cargo test --release --test rlqs -- --ignored --nocapture figures`.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "a measurement, for a release build"]
+async fn figures_of_100_streams_reporting_10000_buckets_each() {
+    const RLS_RULES: &str = "
+domain: rls
+descriptors:
+  - key: k
+    rate_limit: {unit: second, requests_per_unit: 1000000000}
+";
+    let (streams, buckets) = (100, 10_000);
+    let lowest_priority = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .on_thread_start(|| {
+            let thread = std::fs::read_link("/proc/thread-self").expect("Linux");
+            let tid = thread.file_name().expect("a thread id").to_string_lossy();
+            let _ = std::process::Command::new("renice")
+                .args(["-n", "19", "-p", &tid])
+                .output();
+        })
+        .build()
+        .expect("a runtime");
+    let stores = match std::env::var("FIGURES_STORE").as_deref() {
+        Ok("memory") => vec![Store::Memory],
+        Ok("redis") => vec![Store::Redis],
+        _ => vec![Store::Memory, Store::Redis],
+    };
+    for store in stores {
+        // A report of 10,000 buckets is about 500 kB.
+        let sluice = Sluice::on(
+            store,
+            &[("quota.yaml", RULES), ("rls.yaml", RLS_RULES)],
+            &["--store-timeout", "10ms", "--max-request-bytes", "1048576"],
+        )
+        .await;
+        let pid = sluice.pid();
+        let rss_idle = rss_mb(pid);
+        let (p50_idle, p99_idle, errors_idle) = rls_latency(&sluice).await;
+
+        // The most resident memory seen, in whole MB.
+        let most_rss = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let sampler = {
+            let most_rss = most_rss.clone();
+            tokio::spawn(async move {
+                loop {
+                    most_rss.fetch_max(rss_mb(pid) as u64, std::sync::atomic::Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            })
+        };
+        // The Envoys the flood stands for run on other hosts: its client runs at the lowest CPU
+        // priority, so that its work is not charged to sluice's.
+        let grpc = sluice.grpc;
+        let flood = lowest_priority
+            .spawn(async move { Flood::start(grpc, DOMAIN, streams, buckets, 0).await })
+            .await
+            .expect("the flood starts");
+        let started = std::time::Instant::now();
+        // While the first reports subscribe, then while they keep coming.
+        let (first_round, (p50_first, p99_first, errors_first)) = tokio::join!(
+            flood.wait_answered((streams * buckets) as u64, Duration::from_secs(120)),
+            rls_latency(&sluice),
+        );
+        let round_seconds = started.elapsed().as_secs_f64();
+        let answered_before = flood.answered();
+        let measured = std::time::Instant::now();
+        let (p50_flood, p99_flood, errors_flood) = rls_latency(&sluice).await;
+        let actions_per_second =
+            (flood.answered() - answered_before) as f64 / measured.elapsed().as_secs_f64();
+        sampler.abort();
+        let metrics = scrape(sluice.http);
+        let untracked: f64 = metrics
+            .samples_of("sluice_quota_untracked_total")
+            .iter()
+            .map(|(_, v)| v)
+            .sum();
+        println!(
+            "{store:?}: RSS idle {rss_idle:.0} MB, flood max {} MB; tracked buckets {}, streams {}, untracked bucket reports {untracked}; \
+             first round of {} bucket reports answered: {first_round} (after {round_seconds:.1} s), then {actions_per_second:.0} bucket actions/s; \
+             ShouldRateLimit at 1000/s: idle p50 {p50_idle} µs p99 {p99_idle} µs (errors {errors_idle}), first round p50 {p50_first} µs p99 {p99_first} µs (errors {errors_first}), flood p50 {p50_flood} µs p99 {p99_flood} µs (errors {errors_flood})",
+            most_rss.load(std::sync::atomic::Ordering::Relaxed),
+            metrics.value("sluice_quota_tracked_buckets", &[]),
+            metrics.value("sluice_quota_tracked_streams", &[]),
+            streams * buckets,
+        );
+        drop(flood);
+    }
+    lowest_priority.shutdown_background();
 }

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use arc_swap::ArcSwap;
+use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use prost::Message;
 use tokio::sync::{Semaphore, mpsc};
@@ -72,10 +73,10 @@ const RECORDS_IN_FLIGHT: usize = 16;
 const BUCKETS_AT_A_TIME: usize = 256;
 /// Buckets that may be divided at once on one replica (their ids hashed to as many turns).
 const TURNS: usize = 256;
-/// Answers waiting to be written to one stream; a push that finds it full is dropped (the
-/// stream's next report is answered anyway), and an answer to a report waits, holding back the
-/// stream's next report.
-const OUTBOX: usize = 16;
+/// Answers waiting to be written to one stream (each of at most `BUCKETS_AT_A_TIME` buckets); a
+/// push that finds it full is dropped (the stream's next report is answered anyway), and an answer
+/// to a report waits, holding back the rest of the report.
+const OUTBOX: usize = 8;
 
 /// What a bucket no rule matches gets (`--quota-unmatched`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -500,7 +501,7 @@ impl QuotaStream {
         let mut tally = Tally::new(domain_label);
         let mut usages = report.bucket_quota_usages.into_iter();
         while usages.len() > 0 {
-            let some: Vec<BucketQuotaUsage> = usages.by_ref().take(BUCKETS_AT_A_TIME).collect();
+            let some: Vec<Bytes> = usages.by_ref().take(BUCKETS_AT_A_TIME).collect();
             self.answer(some, &rules, &mut tally).await;
             // The other streams have their turn.
             tokio::task::yield_now().await;
@@ -508,12 +509,17 @@ impl QuotaStream {
         tally.count();
     }
 
-    /// Handles some buckets of a report, and answers them in one message.
-    async fn answer(&mut self, usages: Vec<BucketQuotaUsage>, rules: &RuleSet, tally: &mut Tally) {
+    /// Handles some buckets of a report (each as it came on the wire: they are decoded one at a
+    /// time), and answers them in one message.
+    async fn answer(&mut self, usages: Vec<Bytes>, rules: &RuleSet, tally: &mut Tally) {
         let now = Instant::now();
         let mut actions = Vec::with_capacity(usages.len());
         let mut shared = Vec::new();
         for usage in usages {
+            // One that does not decode is skipped, as one without a bucket id is.
+            let Ok(usage) = BucketQuotaUsage::decode(usage) else {
+                continue;
+            };
             let Some(bucket_id) = usage.bucket_id.filter(|b| !b.bucket.is_empty()) else {
                 continue;
             };

@@ -175,11 +175,12 @@ pub struct Flood {
 }
 
 impl Flood {
-    /// `streams` streams of `domain`, each on a connection of its own (as each Envoy has), stream
+    /// `streams` streams of `domain` to sluice's gRPC address `grpc`, each on a connection of its
+    /// own (as each Envoy has), on the calling runtime; stream
     /// `s` reporting the buckets `{name: per-tenant, tenant: s<s>-<b>}` for `b` below `buckets`
     /// in every report, each tenant value padded with `x` to `value_bytes`.
     pub async fn start(
-        sluice: &Sluice,
+        grpc: std::net::SocketAddr,
         domain: &str,
         streams: usize,
         buckets: usize,
@@ -208,8 +209,13 @@ impl Flood {
                     })
                     .collect(),
             };
-            let client = RateLimitQuotaServiceClient::new(sluice.channel().await)
-                .max_decoding_message_size(usize::MAX);
+            let channel = tonic::transport::Channel::from_shared(format!("http://{grpc}"))
+                .expect("a gRPC address")
+                .connect()
+                .await
+                .expect("gRPC connects");
+            let client =
+                RateLimitQuotaServiceClient::new(channel).max_decoding_message_size(usize::MAX);
             let answered = answered.clone();
             tasks.push(tokio::spawn(async move {
                 let mut client = client;
