@@ -5,9 +5,10 @@
 //! quota bucket id's values, read as `bytes`: protobuf `string` and `bytes` share one wire
 //! encoding, so any request decodes, while a `string` field would turn bytes that are not UTF-8
 //! (which Envoy forwards from request headers as they came) into a decode error. A quota report's
-//! bucket usages are left encoded, as `bytes`, for the same reason a nested message and bytes
-//! share one: each is decoded when it is handled, so a waiting report takes its size on the wire,
-//! not the several times more of its decoded maps.
+//! bucket usages, and an answer's bucket actions, are declared `bytes` too, for the same reason (a
+//! nested message and bytes share one encoding): each usage is decoded when it is handled, so a
+//! waiting report takes its size on the wire, not the several times more of its decoded maps; and
+//! each action is encoded where it is decided, not on the event loop that writes the answer.
 
 use prost::Message;
 use prost_types::DescriptorProto;
@@ -42,6 +43,7 @@ fn main() {
                 // A map's values may be bytes; its keys may not (and Envoy's configuration names
                 // them).
                 "RateLimitQuotaUsageReports" => encoded(message, "bucket_quota_usages"),
+                "RateLimitQuotaResponse" => encoded(message, "bucket_action"),
                 "BucketId" => message
                     .nested_type
                     .iter_mut()
@@ -56,6 +58,7 @@ fn main() {
         .include_file("rls.rs")
         .compile_well_known_types(true)
         .bytes(".envoy.service.rate_limit_quota.v3.RateLimitQuotaUsageReports.bucket_quota_usages")
+        .bytes(".envoy.service.rate_limit_quota.v3.RateLimitQuotaResponse.bucket_action")
         .extern_path(".google.protobuf", "::envoy_types::pb::google::protobuf")
         .extern_path(".envoy.config", "::envoy_types::pb::envoy::config")
         .extern_path(".envoy.type", "crate::service::pb::envoy_type")

@@ -374,6 +374,15 @@ impl Bound {
             Bound::Streams => "streams",
         }
     }
+
+    /// Its name in the log.
+    fn described(self) -> &'static str {
+        match self {
+            Bound::StreamBuckets => "the stream's bound (10,000 buckets, 16 MiB of bucket ids)",
+            Bound::Buckets => "--quota-max-buckets",
+            Bound::Streams => "--quota-max-streams",
+        }
+    }
 }
 
 /// What one report adds to the metrics, added up per rule and counted once at its end rather
@@ -457,8 +466,8 @@ impl Tally {
             static FULL: Throttle = Throttle::new();
             if let Some(reports) = FULL.hit() {
                 tracing::warn!(
-                    "{reports} quota report(s) since the last warning had buckets answered untracked, with their rules' whole limits, because a bound was full (this one: {n} past {}): see sluice_quota_untracked_total",
-                    bound.name()
+                    "{reports} quota report(s) since the last warning had buckets answered untracked, with their rules' whole limits, because a bound was full (the latest: {n} bucket(s) past {}); see sluice_quota_untracked_total",
+                    bound.described()
                 );
             }
         }
@@ -476,14 +485,19 @@ impl QuotaStream {
                 () = self.outbox.closed() => break,
             };
             match report {
-                Ok(Some(report)) => self.on_report(report).await,
+                Ok(Some(report)) => {
+                    if !self.on_report(report).await {
+                        break;
+                    }
+                }
                 Ok(None) | Err(_) => break,
             }
         }
         self.leave().await;
     }
 
-    async fn on_report(&mut self, report: RateLimitQuotaUsageReports) {
+    /// Answers a report; false when its Envoy takes no answers (see `answer`).
+    async fn on_report(&mut self, report: RateLimitQuotaUsageReports) -> bool {
         if !report.domain.is_empty() {
             self.domain = report.domain;
         }
@@ -500,18 +514,22 @@ impl QuotaStream {
         };
         let mut tally = Tally::new(domain_label);
         let mut usages = report.bucket_quota_usages.into_iter();
-        while usages.len() > 0 {
+        let mut answered = true;
+        while answered && usages.len() > 0 {
             let some: Vec<Bytes> = usages.by_ref().take(BUCKETS_AT_A_TIME).collect();
-            self.answer(some, &rules, &mut tally).await;
+            answered = self.answer(some, &rules, &mut tally).await;
             // The other streams have their turn.
             tokio::task::yield_now().await;
         }
         tally.count();
+        answered
     }
 
     /// Handles some buckets of a report (each as it came on the wire: they are decoded one at a
-    /// time), and answers them in one message.
-    async fn answer(&mut self, usages: Vec<Bytes>, rules: &RuleSet, tally: &mut Tally) {
+    /// time), and answers them in one message. False when the answer waited for room in the
+    /// outbox for as long as an assignment lives: Envoy takes its answers at once, so its
+    /// assignments have expired anyway, and the stream is ended rather than held.
+    async fn answer(&mut self, usages: Vec<Bytes>, rules: &RuleSet, tally: &mut Tally) -> bool {
         let now = Instant::now();
         let mut actions = Vec::with_capacity(usages.len());
         let mut shared = Vec::new();
@@ -573,10 +591,10 @@ impl QuotaStream {
             if tracked && idle >= self.quotas.settings.abandon_after {
                 self.abandon(&key, id).await;
                 tally.action(&labels, "abandon");
-                actions.push(BucketAction {
+                actions.push(encode(BucketAction {
                     bucket_id: Some(bucket_id),
                     bucket_action: Some(Action::AbandonAction(AbandonAction {})),
-                });
+                }));
                 continue;
             }
             let step = Step {
@@ -634,7 +652,7 @@ impl QuotaStream {
                 actions.push(self.action(step, answer, tally));
             }
             if actions.is_empty() {
-                return;
+                return true;
             }
             let response = RateLimitQuotaResponse {
                 bucket_action: actions,
@@ -644,8 +662,14 @@ impl QuotaStream {
                 Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => None,
             }
         };
-        if let Some(response) = late {
-            let _ = self.outbox.send(response).await;
+        match late {
+            Some(response) => {
+                let waited = self.outbox.send(response);
+                tokio::time::timeout(self.quotas.settings.ttl, waited)
+                    .await
+                    .is_ok()
+            }
+            None => true,
         }
     }
 
@@ -849,7 +873,7 @@ impl QuotaStream {
     }
 
     /// The answer for one bucket, counted.
-    fn action(&self, step: &Step, assignment: Assignment, tally: &mut Tally) -> BucketAction {
+    fn action(&self, step: &Step, assignment: Assignment, tally: &mut Tally) -> Bytes {
         tally.action(&step.labels, assignment.name());
         assign(step.bucket_id.clone(), assignment, self.quotas.settings.ttl)
     }
@@ -906,8 +930,8 @@ impl QuotaStream {
     }
 }
 
-/// A bucket action assigning `assignment` for `ttl`.
-fn assign(bucket_id: BucketId, assignment: Assignment, ttl: Duration) -> BucketAction {
+/// A bucket action assigning `assignment` for `ttl`, encoded.
+fn assign(bucket_id: BucketId, assignment: Assignment, ttl: Duration) -> Bytes {
     let strategy = match assignment {
         Assignment::TokenBucket {
             max_tokens,
@@ -923,7 +947,7 @@ fn assign(bucket_id: BucketId, assignment: Assignment, ttl: Duration) -> BucketA
         Assignment::AllowAll => Strategy::BlanketRule(BlanketRule::AllowAll as i32),
         Assignment::DenyAll => Strategy::BlanketRule(BlanketRule::DenyAll as i32),
     };
-    BucketAction {
+    encode(BucketAction {
         bucket_id: Some(bucket_id),
         bucket_action: Some(Action::QuotaAssignmentAction(QuotaAssignmentAction {
             assignment_time_to_live: Some(whole_seconds(ttl.as_secs())),
@@ -931,7 +955,13 @@ fn assign(bucket_id: BucketId, assignment: Assignment, ttl: Duration) -> BucketA
                 strategy: Some(strategy),
             }),
         })),
-    }
+    })
+}
+
+/// A bucket action as an answer carries it: encoded here, on the quota service's thread, so that
+/// the event loop writing the answer only copies it.
+fn encode(action: BucketAction) -> Bytes {
+    action.encode_to_vec().into()
 }
 
 fn whole_seconds(seconds: u64) -> ProtoDuration {

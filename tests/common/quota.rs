@@ -13,6 +13,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use futures_util::StreamExt as _;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
@@ -172,21 +173,24 @@ pub fn blanket(strategy: &Strategy) -> BlanketRule {
 pub struct Flood {
     tasks: Vec<tokio::task::JoinHandle<()>>,
     answered: Arc<AtomicU64>,
+    /// Ends every stream's reports when dropped.
+    _stop: tokio::sync::watch::Sender<()>,
 }
 
 impl Flood {
     /// `streams` streams of `domain` to sluice's gRPC address `grpc`, each on a connection of its
     /// own (as each Envoy has), on the calling runtime; stream
     /// `s` reporting the buckets `{name: per-tenant, tenant: s<s>-<b>}` for `b` below `buckets`
-    /// in every report, each tenant value padded with `x` to `value_bytes`.
+    /// in every report, each tenant value padded with `x` to `value_bytes`; every `pace` (as
+    /// Envoy reports every 5 s), or else as fast as sluice takes them.
     pub async fn start(
         grpc: std::net::SocketAddr,
         domain: &str,
-        streams: usize,
-        buckets: usize,
-        value_bytes: usize,
+        (streams, buckets, value_bytes): (usize, usize, usize),
+        pace: Option<Duration>,
     ) -> Flood {
         let answered = Arc::new(AtomicU64::new(0));
+        let (stop, stopped) = tokio::sync::watch::channel(());
         let mut tasks = Vec::with_capacity(streams);
         for s in 0..streams {
             let report = RateLimitQuotaUsageReports {
@@ -217,9 +221,21 @@ impl Flood {
             let client =
                 RateLimitQuotaServiceClient::new(channel).max_decoding_message_size(usize::MAX);
             let answered = answered.clone();
+            let mut stopped = stopped.clone();
             tasks.push(tokio::spawn(async move {
                 let mut client = client;
-                let reports = futures_util::stream::repeat(report);
+                let reports = futures_util::stream::unfold(true, move |first| {
+                    let report = report.clone();
+                    async move {
+                        if let (Some(pace), false) = (pace, first) {
+                            tokio::time::sleep(pace).await;
+                        }
+                        Some((report, false))
+                    }
+                })
+                .take_until(async move {
+                    let _ = stopped.changed().await;
+                });
                 let Ok(answers) = client.stream_rate_limit_quotas(reports).await else {
                     return;
                 };
@@ -229,7 +245,11 @@ impl Flood {
                 }
             }));
         }
-        Flood { tasks, answered }
+        Flood {
+            tasks,
+            answered,
+            _stop: stop,
+        }
     }
 
     /// Bucket actions answered so far, over every stream.
@@ -251,6 +271,7 @@ impl Flood {
 }
 
 impl Drop for Flood {
+    /// Ends every stream (its reports end, as an Envoy's stream does).
     fn drop(&mut self) {
         for task in &self.tasks {
             task.abort();
