@@ -385,8 +385,9 @@ impl Bound {
     }
 }
 
-/// What one report adds to the metrics, added up per rule and counted once at its end rather
-/// than once per bucket; and the labels of its rules, made once.
+/// What a report adds to the metrics, added up per rule and counted before each answer is sent
+/// (so that the metrics show it once the Envoy has it) rather than once per bucket; and the
+/// labels of its rules, made once.
 struct Tally {
     domain: String,
     /// By rule path.
@@ -448,25 +449,25 @@ impl Tally {
         self.untracked[bound as usize] += 1;
     }
 
-    /// Counts it all in the metrics, and warns (at most once a second) of buckets answered
-    /// untracked.
-    fn count(self) {
-        for (labels, counts) in &self.counts {
-            METRICS.quota_reported(labels, counts.allowed, counts.denied);
-            for (name, sent) in &counts.actions {
-                METRICS.quota_actions(labels, name, *sent);
+    /// Counts what it holds in the metrics, and empties it; warns (at most once a second) of
+    /// buckets answered untracked.
+    fn count(&mut self) {
+        for (labels, counts) in self.counts.drain() {
+            METRICS.quota_reported(&labels, counts.allowed, counts.denied);
+            for (name, sent) in counts.actions {
+                METRICS.quota_actions(&labels, name, sent);
             }
         }
         for bound in Bound::ALL {
-            let n = self.untracked[bound as usize];
+            let n = std::mem::take(&mut self.untracked[bound as usize]);
             if n == 0 {
                 continue;
             }
             METRICS.quota_untracked(bound.name(), n);
             static FULL: Throttle = Throttle::new();
-            if let Some(reports) = FULL.hit() {
+            if let Some(answers) = FULL.hit() {
                 tracing::warn!(
-                    "{reports} quota report(s) since the last warning had buckets answered untracked, with their rules' whole limits, because a bound was full (the latest: {n} bucket(s) past {}); see sluice_quota_untracked_total",
+                    "quota buckets answered untracked, with their rules' whole limits, because a bound was full: {n} past {} in the latest answer, {answers} answer(s) with some since the last warning; see sluice_quota_untracked_total",
                     bound.described()
                 );
             }
@@ -521,7 +522,6 @@ impl QuotaStream {
             // The other streams have their turn.
             tokio::task::yield_now().await;
         }
-        tally.count();
         answered
     }
 
@@ -651,6 +651,7 @@ impl QuotaStream {
                 };
                 actions.push(self.action(step, answer, tally));
             }
+            tally.count();
             if actions.is_empty() {
                 return true;
             }
@@ -909,14 +910,10 @@ impl QuotaStream {
     }
 
     /// At the stream's end: its buckets leave the division, so that the Envoy's next stream (on
-    /// this replica or another) is not counted twice, and what it tracked is given back.
+    /// this replica or another) is not counted twice; then what it tracked is given back.
     async fn leave(self) {
         for key in self.buckets.keys() {
             self.unsubscribe(self.quotas.ids.id(key, 0));
-        }
-        self.quotas.tracked_buckets.give_back(self.buckets.len());
-        if self.counted {
-            self.quotas.tracked_streams.give_back(1);
         }
         let shared: Vec<&CounterKey> = self
             .buckets
@@ -927,6 +924,10 @@ impl QuotaStream {
         futures_util::stream::iter(shared)
             .for_each_concurrent(RECORDS_IN_FLIGHT, |key| self.leave_division(key))
             .await;
+        self.quotas.tracked_buckets.give_back(self.buckets.len());
+        if self.counted {
+            self.quotas.tracked_streams.give_back(1);
+        }
     }
 }
 
