@@ -4,7 +4,11 @@
 //! `envoy.service.rate_limit_quota.v3`, with the request's domain and entry keys and values, and a
 //! quota bucket id's values, read as `bytes`: protobuf `string` and `bytes` share one wire
 //! encoding, so any request decodes, while a `string` field would turn bytes that are not UTF-8
-//! (which Envoy forwards from request headers as they came) into a decode error.
+//! (which Envoy forwards from request headers as they came) into a decode error. A quota report's
+//! bucket usages, and an answer's bucket actions, are declared `bytes` too, for the same reason (a
+//! nested message and bytes share one encoding): each usage is decoded when it is handled, so a
+//! waiting report takes its size on the wire, not the several times more of its decoded maps; and
+//! each action is encoded where it is decided, not on the event loop that writes the answer.
 
 use prost::Message;
 use prost_types::DescriptorProto;
@@ -38,6 +42,8 @@ fn main() {
                     .for_each(|entry| as_bytes(entry, &["key", "value"])),
                 // A map's values may be bytes; its keys may not (and Envoy's configuration names
                 // them).
+                "RateLimitQuotaUsageReports" => encoded(message, "bucket_quota_usages"),
+                "RateLimitQuotaResponse" => encoded(message, "bucket_action"),
                 "BucketId" => message
                     .nested_type
                     .iter_mut()
@@ -51,6 +57,8 @@ fn main() {
         .build_client(false)
         .include_file("rls.rs")
         .compile_well_known_types(true)
+        .bytes(".envoy.service.rate_limit_quota.v3.RateLimitQuotaUsageReports.bucket_quota_usages")
+        .bytes(".envoy.service.rate_limit_quota.v3.RateLimitQuotaResponse.bucket_action")
         .extern_path(".google.protobuf", "::envoy_types::pb::google::protobuf")
         .extern_path(".envoy.config", "::envoy_types::pb::envoy::config")
         .extern_path(".envoy.type", "crate::service::pb::envoy_type")
@@ -70,4 +78,21 @@ fn as_bytes(message: &mut DescriptorProto, names: &[&str]) {
             field.set_type(Type::Bytes);
         }
     }
+}
+
+/// Declares the message field `name` of `message` as `bytes`: its messages stay encoded.
+fn encoded(message: &mut DescriptorProto, name: &str) {
+    let field = message
+        .field
+        .iter_mut()
+        .find(|f| f.name() == name)
+        .unwrap_or_else(|| {
+            panic!(
+                "{} has a field {name}",
+                message.name.as_deref().unwrap_or("")
+            )
+        });
+    assert_eq!(field.r#type(), Type::Message, "{name} is a message");
+    field.set_type(Type::Bytes);
+    field.type_name = None;
 }

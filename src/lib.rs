@@ -9,7 +9,8 @@
 //!   answers by `--on-store-error` when the store cannot decide; it loads and hot-reloads the
 //!   rules and serves metrics, the rules in force and explanations of how they match a request
 //!   (`service::explain`) on the admin HTTP server. `service::rlqs` serves the quota service's
-//!   streams: each report of a bucket is answered with that Envoy's share of its limit.
+//!   streams, on a thread of their own: each report of a bucket is answered with that Envoy's
+//!   share of its limit, within bounds on what is tracked for the whole process.
 //! - [`rules`] — the matcher built from rule files: (domain, descriptor entries) → the limits that
 //!   apply, with envoyproxy/ratelimit's exact / wildcard / key-only precedence, and the explain
 //!   walk that tells how each entry matched; quota bucket ids are matched the same way.

@@ -196,9 +196,11 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(mapper) = args.erl.mapper()? {
         metrics::use_mapper(mapper);
     }
+    let backend = args.store.backend()?;
+    let quotas = Arc::new(Quotas::start(args.quota.settings(), &backend)?);
     let setup = Setup {
         rules: reload::start(args.rules.feed()?, hangup)?,
-        backend: args.store.backend()?,
+        backend,
         cache: args.store.cache(),
         bounds: args.policy.bounds(),
         fallback: args.policy.fallback(),
@@ -206,7 +208,7 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         edges: args.listen.edges(),
         tls: args.tls.server_tls()?,
         healthcheck: args.erl.healthcheck(),
-        quotas: Arc::new(Quotas::new(args.quota.settings())),
+        quotas,
     };
     let shutdown = on_signal(args.listen.shutdown_grace());
     let served = service::run(setup, args.addrs(), args.listen.loops(), shutdown)

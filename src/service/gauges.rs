@@ -70,6 +70,17 @@ impl Gauges {
             "Requests per second this replica has assigned to its Envoys, per quota bucket rule (allow-all assignments count none; a shadow-mode rule counts what it would assign)",
             rates,
         );
+        let (buckets, streams) = self.quotas.tracked();
+        r.register(
+            "sluice_quota_tracked_buckets",
+            "Quota buckets tracked on this replica, one per stream and bucket (at most --quota-max-buckets)",
+            ConstGauge::new(buckets as i64),
+        );
+        r.register(
+            "sluice_quota_tracked_streams",
+            "Quota streams tracked on this replica (at most --quota-max-streams)",
+            ConstGauge::new(streams as i64),
+        );
         process(&mut r);
         // Envoy Gateway's "Global Ratelimit" dashboard charts this Go runtime gauge of
         // envoyproxy/ratelimit; a value keeps its panel from showing "no data".

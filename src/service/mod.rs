@@ -163,12 +163,12 @@ impl Setup {
         )))
     }
 
-    /// A quota service for the calling runtime, with a store of its own.
+    /// A quota service for the calling runtime (its streams are served on the quota service's
+    /// own thread).
     fn rlqs(&self, shutdown: Shutdown) -> Result<Rlqs, StoreError> {
         Ok(Rlqs::new(
             self.quotas.clone(),
             self.rules.current.clone(),
-            self.backend.open()?,
             shutdown,
         ))
     }

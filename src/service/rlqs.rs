@@ -9,17 +9,24 @@
 //! again on every report. The first report of a bucket on a stream subscribes the stream to it.
 //! When one report changes how a bucket divides, the other streams of that bucket on this replica
 //! get their new shares at once; streams on other replicas get theirs with their next report.
+//!
+//! Every stream is served on a thread of its own (`Quotas::start`), with a store of its own: a
+//! flood of reports is decoded, matched and recorded there, never on the event loops that answer
+//! `ShouldRateLimit`. What the service tracks is bounded for the whole process as well as per
+//! stream; past a bound, a bucket is answered untracked, with its rule's whole limit.
 
 use std::collections::HashMap;
-use std::hash::BuildHasher;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use arc_swap::ArcSwap;
+use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
-use tokio::sync::mpsc;
+use prost::Message;
+use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -29,13 +36,14 @@ use super::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::
     AbandonAction, BucketAction as Action, QuotaAssignmentAction,
 };
 use super::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaService;
+use super::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
 use super::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
-use crate::limiter::{CounterKey, DescriptorKey, Limit};
+use crate::limiter::{CounterIds, CounterKey, DescriptorKey, IdHasher, Limit};
 use crate::quota::{Assignment, MILLI, demand, divide, settle};
 use crate::rules::{QuotaRule, RuleSet};
-use crate::store::{Deadline, Report, Store};
+use crate::store::{Backend, Deadline, Demands, Report, Store, StoreError};
 use crate::telemetry::Throttle;
 use crate::telemetry::metrics::{METRICS, QuotaLabels, UNKNOWN_DOMAIN, UNMATCHED_RULE};
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
@@ -53,16 +61,26 @@ const STORE_DEADLINE: Duration = Duration::from_secs(1);
 /// Buckets one stream may hold, and the bytes of their ids; a bucket reported past either is
 /// answered without being tracked or divided: with its rule's whole limit, as if its Envoy were
 /// alone (a client that makes up bucket values gets no more than a limit per value, as it would
-/// from buckets that are tracked).
+/// from buckets that are tracked). `--quota-max-buckets` and `--quota-max-streams` bound the same
+/// for the whole process.
 const MOST_BUCKETS_PER_STREAM: usize = 10_000;
 const MOST_BUCKET_BYTES_PER_STREAM: usize = 16 << 20;
-/// Demand records one report may have in flight at once.
-const RECORDS_AT_ONCE: usize = 64;
-/// Buckets that may be divided at once on one replica (their keys hashed to as many turns).
+/// Demand records (store calls) in flight at once on this replica, over every stream: a flood
+/// of reports waits its turn here, not in Redis ahead of the rate limit checks.
+const RECORDS_IN_FLIGHT: usize = 16;
+/// Buckets of a report handled at a time, and answered in one message: between two such turns
+/// the other streams have theirs, and no answer takes its connection's event loop long to encode.
+const BUCKETS_AT_A_TIME: usize = 256;
+/// Buckets that may be divided at once on one replica (their ids hashed to as many turns).
 const TURNS: usize = 256;
-/// Answers waiting to be written to one stream; a push that finds it full is dropped (the
-/// stream's next report is answered anyway).
-const OUTBOX: usize = 64;
+/// The quota service's thread runs at this nice value, below the event loops': when the CPUs
+/// are busy, the kernel runs a loop that has a rate limit request to answer before the quota
+/// work, which waits seconds without harm (Envoy reports every 5 s, and an assignment lives 30 s).
+const NICE: i32 = 10;
+/// Answers waiting to be written to one stream (each of at most `BUCKETS_AT_A_TIME` buckets); a
+/// push that finds it full is dropped (the stream's next report is answered anyway), and an answer
+/// to a report waits, holding back the rest of the report.
+const OUTBOX: usize = 8;
 
 /// What a bucket no rule matches gets (`--quota-unmatched`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -79,29 +97,78 @@ pub struct QuotaSettings {
     pub ttl: Duration,
     /// Reports of nothing in a row after which a stream is told to abandon a bucket.
     pub abandon_after: u32,
+    /// Most buckets tracked at once over every stream (a bucket two streams report counts twice).
+    pub max_buckets: usize,
+    /// Most streams tracked at once.
+    pub max_streams: usize,
 }
 
-/// The streams served by this replica, shared by every event loop: each bucket's local
-/// subscribers and what each was last sent, so that one stream's report can re-divide the others'.
+/// A process-wide allowance of things tracked: streams or buckets, at most `most` at once.
+struct Allowance {
+    most: usize,
+    taken: AtomicUsize,
+}
+
+impl Allowance {
+    fn new(most: usize) -> Self {
+        Allowance {
+            most,
+            taken: AtomicUsize::new(0),
+        }
+    }
+
+    /// Takes one, if one is left.
+    fn take(&self) -> bool {
+        self.taken
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.most).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    fn give_back(&self, n: usize) {
+        self.taken.fetch_sub(n, Ordering::AcqRel);
+    }
+
+    fn taken(&self) -> usize {
+        self.taken.load(Ordering::Acquire)
+    }
+}
+
+/// The streams served by this replica: each bucket's local subscribers and what each was last
+/// sent, so that one stream's report can re-divide the others'; what is tracked; and the thread
+/// and store that serve them.
 pub struct Quotas {
     settings: QuotaSettings,
     /// This replica's name among the replicas sharing a store.
     replica: String,
     next_stream: AtomicU64,
-    buckets: Mutex<HashMap<CounterKey, Subscribers>>,
-    /// Turns to divide a bucket, one bucket at a time: a bucket takes the turn its key hashes to.
+    /// Per bucket, by the keyed 128-bit hash of its key (as the embedded store indexes
+    /// counters), the streams subscribed to it on this replica.
+    buckets: Mutex<HashMap<u128, Vec<Subscriber>, IdHasher>>,
+    ids: CounterIds,
+    /// Turns to divide a bucket, one bucket at a time: a bucket takes the turn its id hashes to.
     turns: Box<[tokio::sync::Mutex<()>]>,
-    hasher: std::hash::RandomState,
+    /// (stream, bucket) pairs tracked (`--quota-max-buckets`), and streams (`--quota-max-streams`).
+    tracked_buckets: Allowance,
+    tracked_streams: Allowance,
+    /// Demand records in flight (`RECORDS_IN_FLIGHT`).
+    records: Semaphore,
+    /// The runtime of the thread every stream is served on.
+    runtime: tokio::runtime::Handle,
+    /// That thread's store: demand records never share an event loop's connections.
+    store: Store,
 }
-
-/// A bucket's subscribers on this replica, by stream number.
-type Subscribers = HashMap<u64, Subscriber>;
 
 /// One stream subscribed to one bucket.
 struct Subscriber {
+    /// The stream's number on this replica.
+    stream: u64,
     outbox: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
-    bucket_id: BucketId,
-    labels: QuotaLabels,
+    /// The bucket id as the stream reported it, encoded (a few dozen bytes, where the decoded
+    /// map takes hundreds), for pushes.
+    bucket_id: Box<[u8]>,
+    labels: Arc<QuotaLabels>,
     /// What it was last sent.
     sent: Assignment,
     /// The share that was, in thousandths of a request per window, when it was one.
@@ -111,18 +178,60 @@ struct Subscriber {
 }
 
 impl Quotas {
-    pub fn new(settings: QuotaSettings) -> Self {
+    /// Starts the thread that serves every quota stream, with a store of its own on `backend`.
+    pub fn start(settings: QuotaSettings, backend: &Backend) -> anyhow::Result<Quotas> {
+        let (opened, store) = std::sync::mpsc::channel();
+        let backend = backend.clone();
+        std::thread::Builder::new()
+            .name("sluice-quota".into())
+            .spawn(move || {
+                // On Linux the nice value is the calling thread's alone.
+                if let Err(e) = rustix::process::setpriority_process(None, NICE) {
+                    tracing::warn!("the quota service's thread keeps its CPU priority: {e}");
+                }
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build();
+                let runtime = match runtime {
+                    Ok(runtime) => runtime,
+                    Err(e) => {
+                        let _ = opened.send(Err(anyhow::Error::from(e)));
+                        return;
+                    }
+                };
+                runtime.block_on(async move {
+                    match backend.open() {
+                        Ok(store) => {
+                            let _ = opened.send(Ok((tokio::runtime::Handle::current(), store)));
+                            // Serves the streams spawned on it for the life of the process.
+                            std::future::pending::<()>().await;
+                        }
+                        Err(e) => {
+                            let _ = opened.send(Err(e.into()));
+                        }
+                    }
+                });
+            })
+            .context("starting the quota service's thread")?;
+        let (runtime, store) = store
+            .recv()
+            .context("the quota service's thread stopped")??;
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();
-        Quotas {
+        Ok(Quotas {
             settings,
             replica: format!("{:x}-{:x}", std::process::id(), now.as_nanos()),
             next_stream: AtomicU64::new(1),
             buckets: Mutex::default(),
+            ids: CounterIds::new(),
             turns: (0..TURNS).map(|_| tokio::sync::Mutex::new(())).collect(),
-            hasher: std::hash::RandomState::new(),
-        }
+            tracked_buckets: Allowance::new(settings.max_buckets),
+            tracked_streams: Allowance::new(settings.max_streams),
+            records: Semaphore::new(RECORDS_IN_FLIGHT),
+            runtime,
+            store,
+        })
     }
 
     /// The name in the store of this replica's stream `number`, unique across replicas.
@@ -130,12 +239,11 @@ impl Quotas {
         format!("{}:{number}", self.replica)
     }
 
-    fn turn(&self, key: &CounterKey) -> &tokio::sync::Mutex<()> {
-        let at = self.hasher.hash_one(key) as usize % self.turns.len();
-        &self.turns[at]
+    fn turn(&self, id: u128) -> &tokio::sync::Mutex<()> {
+        &self.turns[(id % self.turns.len() as u128) as usize]
     }
 
-    fn buckets(&self) -> std::sync::MutexGuard<'_, HashMap<CounterKey, Subscribers>> {
+    fn buckets(&self) -> std::sync::MutexGuard<'_, HashMap<u128, Vec<Subscriber>, IdHasher>> {
         self.buckets.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -143,35 +251,35 @@ impl Quotas {
     /// per second assigned to them (blanket "allow all" assignments count no rate; a shadow-mode
     /// bucket counts the share it would be sent).
     pub fn by_rule(&self) -> Vec<(QuotaLabels, usize, f64)> {
-        let mut out: HashMap<QuotaLabels, (usize, f64)> = HashMap::new();
-        for subscriber in self.buckets().values().flat_map(HashMap::values) {
+        let mut out: HashMap<Arc<QuotaLabels>, (usize, f64)> = HashMap::new();
+        for subscriber in self.buckets().values().flatten() {
             let entry = out.entry(subscriber.labels.clone()).or_default();
             entry.0 += 1;
             entry.1 += subscriber.sent.rate().unwrap_or(0.0);
         }
-        out.into_iter().map(|(l, (n, rate))| (l, n, rate)).collect()
+        out.into_iter()
+            .map(|(l, (n, rate))| ((*l).clone(), n, rate))
+            .collect()
+    }
+
+    /// (stream, bucket) pairs tracked on this replica, and streams tracked.
+    pub fn tracked(&self) -> (usize, usize) {
+        (self.tracked_buckets.taken(), self.tracked_streams.taken())
     }
 }
 
-/// The quota service of one event loop.
+/// The quota service of one event loop: it hands each stream to the quota service's thread.
 pub struct Rlqs {
     quotas: Arc<Quotas>,
     rules: Arc<ArcSwap<RuleSet>>,
-    store: Arc<Store>,
     shutdown: Shutdown,
 }
 
 impl Rlqs {
-    pub fn new(
-        quotas: Arc<Quotas>,
-        rules: Arc<ArcSwap<RuleSet>>,
-        store: Store,
-        shutdown: Shutdown,
-    ) -> Self {
+    pub fn new(quotas: Arc<Quotas>, rules: Arc<ArcSwap<RuleSet>>, shutdown: Shutdown) -> Self {
         Rlqs {
             quotas,
             rules,
-            store: Arc::new(store),
             shutdown,
         }
     }
@@ -194,13 +302,15 @@ impl RateLimitQuotaService for Rlqs {
             number,
             quotas: self.quotas.clone(),
             rules: self.rules.clone(),
-            store: self.store.clone(),
             outbox,
             domain: String::new(),
+            counted: false,
             buckets: HashMap::new(),
             held_bytes: 0,
         };
-        tokio::spawn(stream.run(request.into_inner(), self.shutdown.clone()));
+        self.quotas
+            .runtime
+            .spawn(stream.run(request.into_inner(), self.shutdown.clone()));
         Ok(Response::new(Box::pin(ReceiverStream::new(answers))))
     }
 }
@@ -213,11 +323,13 @@ struct QuotaStream {
     number: u64,
     quotas: Arc<Quotas>,
     rules: Arc<ArcSwap<RuleSet>>,
-    store: Arc<Store>,
     outbox: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
     /// The domain the stream reports for: Envoy names it in every report, gRPC's clients only in
     /// the first.
     domain: String,
+    /// It is counted among the process's tracked streams; until it is, every bucket it reports
+    /// is answered untracked.
+    counted: bool,
     buckets: HashMap<CounterKey, Held>,
     /// The bytes of the ids of `buckets`.
     held_bytes: usize,
@@ -239,12 +351,136 @@ struct Held {
 /// What one report of one bucket comes to before the store is asked.
 struct Step {
     key: CounterKey,
+    /// The keyed hash of `key`, which indexes the bucket's subscribers.
+    id: u128,
     bucket_id: BucketId,
-    labels: QuotaLabels,
+    labels: Arc<QuotaLabels>,
     rule: Option<Arc<QuotaRule>>,
     allowed: u64,
     elapsed: Option<Duration>,
     tracked: bool,
+}
+
+/// The bound that was full when a bucket was answered untracked, as the metrics name it.
+#[derive(Clone, Copy)]
+enum Bound {
+    /// The stream's own (`MOST_BUCKETS_PER_STREAM`, `MOST_BUCKET_BYTES_PER_STREAM`).
+    StreamBuckets,
+    /// `--quota-max-buckets`.
+    Buckets,
+    /// `--quota-max-streams`.
+    Streams,
+}
+
+impl Bound {
+    const ALL: [Bound; 3] = [Bound::StreamBuckets, Bound::Buckets, Bound::Streams];
+
+    fn name(self) -> &'static str {
+        match self {
+            Bound::StreamBuckets => "stream_buckets",
+            Bound::Buckets => "buckets",
+            Bound::Streams => "streams",
+        }
+    }
+
+    /// Its name in the log.
+    fn described(self) -> &'static str {
+        match self {
+            Bound::StreamBuckets => "the stream's bound (10,000 buckets, 16 MiB of bucket ids)",
+            Bound::Buckets => "--quota-max-buckets",
+            Bound::Streams => "--quota-max-streams",
+        }
+    }
+}
+
+/// What a report adds to the metrics, added up per rule and counted before each answer is sent
+/// (so that the metrics show it once the Envoy has it) rather than once per bucket; and the
+/// labels of its rules, made once.
+struct Tally {
+    domain: String,
+    /// By rule path.
+    labels: HashMap<String, Arc<QuotaLabels>>,
+    counts: HashMap<Arc<QuotaLabels>, RuleCounts>,
+    /// By `Bound`.
+    untracked: [u64; 3],
+}
+
+/// What a report adds to one rule's series.
+#[derive(Default)]
+struct RuleCounts {
+    allowed: u64,
+    denied: u64,
+    /// Actions sent, by name.
+    actions: Vec<(&'static str, u64)>,
+}
+
+impl Tally {
+    fn new(domain: String) -> Self {
+        Tally {
+            domain,
+            labels: HashMap::new(),
+            counts: HashMap::new(),
+            untracked: [0; 3],
+        }
+    }
+
+    /// The series of `rule` (`None`: unmatched).
+    fn labels(&mut self, rule: Option<&QuotaRule>) -> Arc<QuotaLabels> {
+        let path = rule.map_or(UNMATCHED_RULE, |r| r.path.as_str());
+        if let Some(labels) = self.labels.get(path) {
+            return labels.clone();
+        }
+        let labels = Arc::new([("domain", self.domain.clone()), ("rule", path.to_owned())]);
+        self.labels.insert(path.to_owned(), labels.clone());
+        labels
+    }
+
+    fn counts(&mut self, labels: &Arc<QuotaLabels>) -> &mut RuleCounts {
+        self.counts.entry(labels.clone()).or_default()
+    }
+
+    fn reported(&mut self, labels: &Arc<QuotaLabels>, allowed: u64, denied: u64) {
+        let counts = self.counts(labels);
+        counts.allowed = counts.allowed.saturating_add(allowed);
+        counts.denied = counts.denied.saturating_add(denied);
+    }
+
+    fn action(&mut self, labels: &Arc<QuotaLabels>, name: &'static str) {
+        let actions = &mut self.counts(labels).actions;
+        match actions.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, sent)) => *sent += 1,
+            None => actions.push((name, 1)),
+        }
+    }
+
+    fn untracked(&mut self, bound: Bound) {
+        self.untracked[bound as usize] += 1;
+    }
+
+    /// Counts what it holds in the metrics, and empties it; warns (at most once a second) of
+    /// buckets answered untracked.
+    fn count(&mut self) {
+        for (labels, counts) in self.counts.drain() {
+            METRICS.quota_reported(&labels, counts.allowed, counts.denied);
+            for (name, sent) in counts.actions {
+                METRICS.quota_actions(&labels, name, sent);
+            }
+        }
+        for bound in Bound::ALL {
+            let n = std::mem::take(&mut self.untracked[bound as usize]);
+            if n == 0 {
+                continue;
+            }
+            METRICS.quota_untracked(bound.name(), n);
+            static FULL: Throttle = Throttle::new();
+            if let Some(answers) = FULL.hit() {
+                tracing::warn!(
+                    "quota buckets answered untracked, with their rules' whole limits, because a bound was full: {n} past {} in the latest answer, {answers} answer(s) with some since the last warning; see sluice_quota_untracked_total",
+                    bound.described()
+                );
+            }
+        }
+    }
 }
 
 impl QuotaStream {
@@ -258,28 +494,58 @@ impl QuotaStream {
                 () = self.outbox.closed() => break,
             };
             match report {
-                Ok(Some(report)) => self.on_report(report).await,
+                Ok(Some(report)) => {
+                    if !self.on_report(report).await {
+                        break;
+                    }
+                }
                 Ok(None) | Err(_) => break,
             }
         }
         self.leave().await;
     }
 
-    async fn on_report(&mut self, report: RateLimitQuotaUsageReports) {
+    /// Answers a report; false when its Envoy takes no answers (see `answer`).
+    async fn on_report(&mut self, report: RateLimitQuotaUsageReports) -> bool {
         if !report.domain.is_empty() {
             self.domain = report.domain;
         }
+        // A stream past the bound on streams is counted once another has left.
+        if !self.counted {
+            self.counted = self.quotas.tracked_streams.take();
+        }
         let rules = self.rules.load_full();
-        let now = Instant::now();
-        let mut actions = Vec::new();
-        let mut shared = Vec::new();
         // Series are named by the rule files only: a domain without rules is not named.
         let domain_label = if rules.has_domain(self.domain.as_bytes()) {
             self.domain.clone()
         } else {
             UNKNOWN_DOMAIN.to_owned()
         };
-        for usage in report.bucket_quota_usages {
+        let mut tally = Tally::new(domain_label);
+        let mut usages = report.bucket_quota_usages.into_iter();
+        let mut answered = true;
+        while answered && usages.len() > 0 {
+            let some: Vec<Bytes> = usages.by_ref().take(BUCKETS_AT_A_TIME).collect();
+            answered = self.answer(some, &rules, &mut tally).await;
+            // The other streams have their turn.
+            tokio::task::yield_now().await;
+        }
+        answered
+    }
+
+    /// Handles some buckets of a report (each as it came on the wire: they are decoded one at a
+    /// time), and answers them in one message. False when the answer waited for room in the
+    /// outbox for as long as an assignment lives: Envoy takes its answers at once, so its
+    /// assignments have expired anyway, and the stream is ended rather than held.
+    async fn answer(&mut self, usages: Vec<Bytes>, rules: &RuleSet, tally: &mut Tally) -> bool {
+        let now = Instant::now();
+        let mut actions = Vec::with_capacity(usages.len());
+        let mut shared = Vec::new();
+        for usage in usages {
+            // One that does not decode is skipped, as one without a bucket id is.
+            let Ok(usage) = BucketQuotaUsage::decode(usage) else {
+                continue;
+            };
             let Some(bucket_id) = usage.bucket_id.filter(|b| !b.bucket.is_empty()) else {
                 continue;
             };
@@ -293,24 +559,15 @@ impl QuotaStream {
             let as_bytes: Vec<(&[u8], &[u8])> =
                 entries.iter().map(|(k, v)| (k.as_bytes(), *v)).collect();
             let key = DescriptorKey::new(self.domain.as_bytes(), &as_bytes).counter("rlqs");
-            let labels: QuotaLabels = [
-                ("domain", domain_label.clone()),
-                (
-                    "rule",
-                    rule.as_ref()
-                        .map_or(UNMATCHED_RULE.to_owned(), |r| r.path.clone()),
-                ),
-            ];
+            let labels = tally.labels(rule.as_deref());
             let (allowed, denied) = (usage.num_requests_allowed, usage.num_requests_denied);
-            METRICS.quota_reported(&labels, allowed, denied);
+            tally.reported(&labels, allowed, denied);
             let size = bucket_id
                 .bucket
                 .iter()
                 .map(|(k, v)| k.len() + v.len())
                 .sum::<usize>();
-            let tracked = self.buckets.contains_key(&key)
-                || (self.buckets.len() < MOST_BUCKETS_PER_STREAM
-                    && self.held_bytes + size <= MOST_BUCKET_BYTES_PER_STREAM);
+            let tracked = self.buckets.contains_key(&key) || self.room_for(size, tally);
             let (elapsed, idle) = match self.buckets.get_mut(&key) {
                 Some(held) => {
                     let elapsed = now.saturating_duration_since(held.reported);
@@ -338,17 +595,19 @@ impl QuotaStream {
                     (None, 0)
                 }
             };
+            let id = self.quotas.ids.id(&key, 0);
             if tracked && idle >= self.quotas.settings.abandon_after {
-                self.abandon(&key).await;
-                METRICS.quota_action(&labels, "abandon");
-                actions.push(BucketAction {
+                self.abandon(&key, id).await;
+                tally.action(&labels, "abandon");
+                actions.push(encode(BucketAction {
                     bucket_id: Some(bucket_id),
                     bucket_action: Some(Action::AbandonAction(AbandonAction {})),
-                });
+                }));
                 continue;
             }
             let step = Step {
                 key,
+                id,
                 bucket_id,
                 labels,
                 rule,
@@ -373,14 +632,14 @@ impl QuotaStream {
                         }
                         self.subscribe(&step, assignment, None, false);
                     }
-                    actions.push(self.action(&step, assignment));
+                    actions.push(self.action(&step, assignment, tally));
                 }
                 (None, _) => shared.push((step, requests)),
             }
         }
         let divided: Vec<(Step, Assignment, bool)> = futures_util::stream::iter(shared)
             .map(|(step, requests)| self.divide(step, requests))
-            .buffer_unordered(RECORDS_AT_ONCE)
+            .buffer_unordered(RECORDS_IN_FLIGHT)
             .collect()
             .await;
         // Each divided bucket is answered with the latest share this stream got, its own or one
@@ -390,18 +649,19 @@ impl QuotaStream {
             let buckets = self.quotas.buckets();
             for (step, share, shadow) in &divided {
                 let latest = buckets
-                    .get(&step.key)
-                    .and_then(|local| local.get(&self.number))
+                    .get(&step.id)
+                    .and_then(|local| local.iter().find(|s| s.stream == self.number))
                     .map_or(*share, |s| s.sent);
                 let answer = if *shadow {
                     Assignment::AllowAll
                 } else {
                     latest
                 };
-                actions.push(self.action(step, answer));
+                actions.push(self.action(step, answer, tally));
             }
+            tally.count();
             if actions.is_empty() {
-                return;
+                return true;
             }
             let response = RateLimitQuotaResponse {
                 bucket_action: actions,
@@ -411,13 +671,38 @@ impl QuotaStream {
                 Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => None,
             }
         };
-        if let Some(response) = late {
-            let _ = self.outbox.send(response).await;
+        match late {
+            Some(response) => {
+                let waited = self.outbox.send(response);
+                tokio::time::timeout(self.quotas.settings.ttl, waited)
+                    .await
+                    .is_ok()
+            }
+            None => true,
         }
     }
 
+    /// Whether a bucket new to the stream, with `size` bytes of id, can be tracked: the stream is
+    /// counted among the process's streams, within its own bounds, and a bucket is left in the
+    /// process's allowance (taken here). Else the tally counts the bound that was full.
+    fn room_for(&self, size: usize, tally: &mut Tally) -> bool {
+        let full = if !self.counted {
+            Bound::Streams
+        } else if self.buckets.len() >= MOST_BUCKETS_PER_STREAM
+            || self.held_bytes + size > MOST_BUCKET_BYTES_PER_STREAM
+        {
+            Bound::StreamBuckets
+        } else if self.quotas.tracked_buckets.take() {
+            return true;
+        } else {
+            Bound::Buckets
+        };
+        tally.untracked(full);
+        false
+    }
+
     /// The assignment of a bucket whose answer needs no division: unmatched, unlimited, a limit
-    /// of 0, or past the stream's bounds on buckets (the whole limit).
+    /// of 0, or untracked (the whole limit).
     fn fixed(&self, step: &Step) -> Option<Assignment> {
         let Some(rule) = &step.rule else {
             return Some(match self.quotas.settings.unmatched {
@@ -443,7 +728,7 @@ impl QuotaStream {
     async fn divide(&self, step: Step, requests: u64) -> (Step, Assignment, bool) {
         // One division of a bucket at a time on this replica: each sees the demands recorded
         // before it, and its pushes and share land after theirs.
-        let _turn = self.quotas.turn(&step.key).lock().await;
+        let _turn = self.quotas.turn(step.id).lock().await;
         let rule = step.rule.as_ref().expect("a shared bucket has a rule");
         let limit = rule.limit.as_ref().expect("a shared bucket has a limit");
         let total = u64::from(limit.requests_per_unit);
@@ -457,21 +742,21 @@ impl QuotaStream {
             demand: Some(wanted),
             stays_ms: DEMAND_STAYS.as_millis() as u64,
         };
-        let deadline = Deadline::new(STORE_DEADLINE, None);
-        let (share, milli) = match self.store.record_demand(&step.key, report, deadline).await {
+        let (share, milli) = match self.record(&step.key, report).await {
             Ok(demands) => {
                 let wants: Vec<u64> = demands.streams.iter().map(|(_, d)| *d).collect();
                 let shares = divide(total * MILLI, &wants);
+                // The streams come sorted by id.
                 let share_of = |stream: &str| {
                     demands
                         .streams
-                        .iter()
-                        .position(|(s, _)| s == stream)
+                        .binary_search_by(|(s, _)| s.as_str().cmp(stream))
+                        .ok()
                         .map(|at| shares[at])
                 };
-                self.push(&step, |stream| share_of(stream), limit);
+                self.push(&step, share_of, limit);
                 let due = share_of(&self.id).unwrap_or(total * MILLI);
-                let milli = settle(self.last_share(&step.key), due);
+                let milli = settle(self.last_share(step.id), due);
                 (Assignment::share(milli, limit), Some(milli))
             }
             Err(e) => {
@@ -482,7 +767,7 @@ impl QuotaStream {
                         "{n} quota demand record(s) since the last report failed, the buckets keep their last assignments: {e}"
                     );
                 }
-                self.kept(&step.key, limit)
+                self.kept(step.id, limit)
             }
         };
         if let (Some(elapsed), true) = (step.elapsed, rule.shadow) {
@@ -497,21 +782,40 @@ impl QuotaStream {
         (step, share, shadow)
     }
 
+    /// One demand record, once one of the replica's `RECORDS_IN_FLIGHT` is free.
+    async fn record(&self, bucket: &CounterKey, report: Report<'_>) -> Result<Demands, StoreError> {
+        let _in_flight = self
+            .quotas
+            .records
+            .acquire()
+            .await
+            .expect("the semaphore is never closed");
+        let deadline = Deadline::new(STORE_DEADLINE, None);
+        self.quotas
+            .store
+            .record_demand(bucket, report, deadline)
+            .await
+    }
+
     /// The share this stream was last sent for a bucket, if it was sent one.
-    fn last_share(&self, key: &CounterKey) -> Option<u64> {
+    fn last_share(&self, id: u128) -> Option<u64> {
         let buckets = self.quotas.buckets();
-        buckets.get(key)?.get(&self.number)?.share
+        buckets
+            .get(&id)?
+            .iter()
+            .find(|s| s.stream == self.number)?
+            .share
     }
 
     /// What a bucket gets while the store cannot answer: what this stream was last sent, or for
     /// a bucket new to it the limit divided among this replica's streams of the bucket.
-    fn kept(&self, key: &CounterKey, limit: &Limit) -> (Assignment, Option<u64>) {
+    fn kept(&self, id: u128, limit: &Limit) -> (Assignment, Option<u64>) {
         let buckets = self.quotas.buckets();
-        let local = buckets.get(key);
-        if let Some(s) = local.and_then(|l| l.get(&self.number)) {
+        let local = buckets.get(&id);
+        if let Some(s) = local.and_then(|l| l.iter().find(|s| s.stream == self.number)) {
             return (s.sent, s.share);
         }
-        let streams = local.map_or(0, HashMap::len) as u64 + 1;
+        let streams = local.map_or(0, Vec::len) as u64 + 1;
         let milli = u64::from(limit.requests_per_unit) * MILLI / streams;
         (Assignment::share(milli, limit), Some(milli))
     }
@@ -520,15 +824,14 @@ impl QuotaStream {
     /// they changed.
     fn push(&self, step: &Step, share_of: impl Fn(&str) -> Option<u64>, limit: &Limit) {
         let mut buckets = self.quotas.buckets();
-        let Some(local) = buckets.get_mut(&step.key) else {
+        let Some(local) = buckets.get_mut(&step.id) else {
             return;
         };
-        for (number, subscriber) in local.iter_mut() {
-            if *number == self.number || subscriber.shadow {
+        for subscriber in local.iter_mut() {
+            if subscriber.stream == self.number || subscriber.shadow {
                 continue;
             }
-            let id = self.quotas.stream_id(*number);
-            let Some(due) = share_of(&id) else {
+            let Some(due) = share_of(&self.quotas.stream_id(subscriber.stream)) else {
                 continue;
             };
             let milli = settle(subscriber.share, due);
@@ -536,62 +839,70 @@ impl QuotaStream {
             if assignment == subscriber.sent {
                 continue;
             }
+            let Ok(bucket_id) = BucketId::decode(&*subscriber.bucket_id) else {
+                continue;
+            };
             let pushed = RateLimitQuotaResponse {
-                bucket_action: vec![assign(
-                    subscriber.bucket_id.clone(),
-                    assignment,
-                    self.quotas.settings.ttl,
-                )],
+                bucket_action: vec![assign(bucket_id, assignment, self.quotas.settings.ttl)],
             };
             // A full outbox drops the push; the stream's next answer carries the share anyway.
             subscriber.sent = assignment;
             subscriber.share = Some(milli);
             if subscriber.outbox.try_send(Ok(pushed)).is_ok() {
-                METRICS.quota_action(&subscriber.labels, assignment.name());
+                METRICS.quota_actions(&subscriber.labels, assignment.name(), 1);
             }
         }
     }
 
     /// Remembers what the stream was sent for a bucket, for pushes and for store outages.
     fn subscribe(&self, step: &Step, sent: Assignment, share: Option<u64>, shadow: bool) {
-        self.quotas
-            .buckets()
-            .entry(step.key.clone())
-            .or_default()
-            .insert(
-                self.number,
-                Subscriber {
+        let mut buckets = self.quotas.buckets();
+        let local = buckets.entry(step.id).or_default();
+        match local.iter_mut().find(|s| s.stream == self.number) {
+            Some(subscriber) => {
+                subscriber.labels = step.labels.clone();
+                subscriber.sent = sent;
+                subscriber.share = share;
+                subscriber.shadow = shadow;
+            }
+            None => {
+                // Most buckets have one subscriber: no room for more until there is one.
+                local.reserve_exact(1);
+                local.push(Subscriber {
+                    stream: self.number,
                     outbox: self.outbox.clone(),
-                    bucket_id: step.bucket_id.clone(),
+                    bucket_id: step.bucket_id.encode_to_vec().into(),
                     labels: step.labels.clone(),
                     sent,
                     share,
                     shadow,
-                },
-            );
+                });
+            }
+        }
     }
 
     /// The answer for one bucket, counted.
-    fn action(&self, step: &Step, assignment: Assignment) -> BucketAction {
-        METRICS.quota_action(&step.labels, assignment.name());
+    fn action(&self, step: &Step, assignment: Assignment, tally: &mut Tally) -> Bytes {
+        tally.action(&step.labels, assignment.name());
         assign(step.bucket_id.clone(), assignment, self.quotas.settings.ttl)
     }
 
     /// Forgets a bucket the stream is told to abandon.
-    async fn abandon(&mut self, key: &CounterKey) {
+    async fn abandon(&mut self, key: &CounterKey, id: u128) {
         if let Some(held) = self.buckets.remove(key) {
             self.held_bytes -= held.size;
+            self.quotas.tracked_buckets.give_back(1);
         }
-        self.unsubscribe(key);
+        self.unsubscribe(id);
         self.leave_division(key).await;
     }
 
-    fn unsubscribe(&self, key: &CounterKey) {
+    fn unsubscribe(&self, id: u128) {
         let mut buckets = self.quotas.buckets();
-        if let Some(local) = buckets.get_mut(key) {
-            local.remove(&self.number);
+        if let Some(local) = buckets.get_mut(&id) {
+            local.retain(|s| s.stream != self.number);
             if local.is_empty() {
-                buckets.remove(key);
+                buckets.remove(&id);
             }
         }
     }
@@ -603,35 +914,33 @@ impl QuotaStream {
             demand: None,
             stays_ms: DEMAND_STAYS.as_millis() as u64,
         };
-        let _ = self
-            .store
-            .record_demand(key, report, Deadline::new(STORE_DEADLINE, None))
-            .await;
+        let _ = self.record(key, report).await;
     }
 
     /// At the stream's end: its buckets leave the division, so that the Envoy's next stream (on
-    /// this replica or another) is not counted twice.
+    /// this replica or another) is not counted twice; then what it tracked is given back.
     async fn leave(self) {
         for key in self.buckets.keys() {
-            self.unsubscribe(key);
+            self.unsubscribe(self.quotas.ids.id(key, 0));
         }
-        let shared: Vec<CounterKey> = self
+        let shared: Vec<&CounterKey> = self
             .buckets
             .iter()
             .filter(|(_, held)| held.shared)
-            .map(|(key, _)| key.clone())
+            .map(|(key, _)| key)
             .collect();
         futures_util::stream::iter(shared)
-            .for_each_concurrent(RECORDS_AT_ONCE, |key| {
-                let stream = &self;
-                async move { stream.leave_division(&key).await }
-            })
+            .for_each_concurrent(RECORDS_IN_FLIGHT, |key| self.leave_division(key))
             .await;
+        self.quotas.tracked_buckets.give_back(self.buckets.len());
+        if self.counted {
+            self.quotas.tracked_streams.give_back(1);
+        }
     }
 }
 
-/// A bucket action assigning `assignment` for `ttl`.
-fn assign(bucket_id: BucketId, assignment: Assignment, ttl: Duration) -> BucketAction {
+/// A bucket action assigning `assignment` for `ttl`, encoded.
+fn assign(bucket_id: BucketId, assignment: Assignment, ttl: Duration) -> Bytes {
     let strategy = match assignment {
         Assignment::TokenBucket {
             max_tokens,
@@ -647,7 +956,7 @@ fn assign(bucket_id: BucketId, assignment: Assignment, ttl: Duration) -> BucketA
         Assignment::AllowAll => Strategy::BlanketRule(BlanketRule::AllowAll as i32),
         Assignment::DenyAll => Strategy::BlanketRule(BlanketRule::DenyAll as i32),
     };
-    BucketAction {
+    encode(BucketAction {
         bucket_id: Some(bucket_id),
         bucket_action: Some(Action::QuotaAssignmentAction(QuotaAssignmentAction {
             assignment_time_to_live: Some(whole_seconds(ttl.as_secs())),
@@ -655,7 +964,13 @@ fn assign(bucket_id: BucketId, assignment: Assignment, ttl: Duration) -> BucketA
                 strategy: Some(strategy),
             }),
         })),
-    }
+    })
+}
+
+/// A bucket action as an answer carries it: encoded here, on the quota service's thread, so that
+/// the event loop writing the answer only copies it.
+fn encode(action: BucketAction) -> Bytes {
+    action.encode_to_vec().into()
 }
 
 fn whole_seconds(seconds: u64) -> ProtoDuration {

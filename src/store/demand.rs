@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use super::StoreError;
-use crate::limiter::CounterKey;
+use crate::limiter::{CounterIds, CounterKey, IdHasher};
 
 /// Every stream counted in a bucket after a report, and the store's clock.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -28,12 +28,21 @@ pub struct Report<'a> {
     pub stays_ms: u64,
 }
 
-/// Per stream of one bucket: its demand and when it stops being counted (ms).
-type Streams = HashMap<String, (u64, u64)>;
+/// One stream counted in a bucket.
+struct Standing {
+    stream: Box<str>,
+    /// Thousandths of a request per window.
+    demand: u64,
+    /// When it stops being counted (ms).
+    until_ms: u64,
+}
 
-/// The embedded store's demands, per bucket.
+/// The embedded store's demands: per bucket, indexed by the keyed 128-bit hash of its key (as
+/// the embedded store indexes counters), the streams counted, sorted by id. Most buckets have
+/// one stream, so a bucket takes about a hundred bytes.
 pub struct DemandBoard {
-    buckets: Mutex<HashMap<CounterKey, Streams>>,
+    buckets: Mutex<HashMap<u128, Vec<Standing>, IdHasher>>,
+    ids: CounterIds,
     max_buckets: usize,
 }
 
@@ -42,6 +51,7 @@ impl DemandBoard {
     pub fn new(max_buckets: usize) -> Self {
         DemandBoard {
             buckets: Mutex::default(),
+            ids: CounterIds::new(),
             max_buckets,
         }
     }
@@ -53,8 +63,9 @@ impl DemandBoard {
         report: Report,
         now_ms: u64,
     ) -> Result<Demands, StoreError> {
+        let id = self.ids.id(bucket, 0);
         let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
-        if !buckets.contains_key(bucket) {
+        if !buckets.contains_key(&id) {
             if report.demand.is_none() {
                 return Ok(Demands {
                     now_ms,
@@ -67,24 +78,34 @@ impl DemandBoard {
                 });
             }
         }
-        let streams = buckets.entry(bucket.clone()).or_default();
-        match report.demand {
-            Some(demand) => {
-                streams.insert(report.stream.to_owned(), (demand, now_ms + report.stays_ms));
+        let streams = buckets.entry(id).or_insert_with(|| Vec::with_capacity(1));
+        streams.retain(|s| s.until_ms > now_ms);
+        let at = streams.binary_search_by(|s| (*s.stream).cmp(report.stream));
+        match (report.demand, at) {
+            (Some(demand), Ok(at)) => {
+                streams[at].demand = demand;
+                streams[at].until_ms = now_ms + report.stays_ms;
             }
-            None => {
-                streams.remove(report.stream);
+            (Some(demand), Err(at)) => streams.insert(
+                at,
+                Standing {
+                    stream: report.stream.into(),
+                    demand,
+                    until_ms: now_ms + report.stays_ms,
+                },
+            ),
+            (None, Ok(at)) => {
+                streams.remove(at);
             }
+            (None, Err(_)) => {}
         }
-        streams.retain(|_, (_, expiry)| *expiry > now_ms);
-        let mut counted: Vec<(String, u64)> = streams
+        let counted = streams
             .iter()
-            .map(|(stream, (demand, _))| (stream.clone(), *demand))
+            .map(|s| (s.stream.to_string(), s.demand))
             .collect();
         if streams.is_empty() {
-            buckets.remove(bucket);
+            buckets.remove(&id);
         }
-        counted.sort();
         Ok(Demands {
             now_ms,
             streams: counted,
@@ -95,7 +116,7 @@ impl DemandBoard {
     pub fn sweep(&self, now_ms: u64) {
         let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
         buckets.retain(|_, streams| {
-            streams.retain(|_, (_, expiry)| *expiry > now_ms);
+            streams.retain(|s| s.until_ms > now_ms);
             !streams.is_empty()
         });
     }

@@ -81,6 +81,7 @@ pub struct Metrics {
     quota_actions: Family<ActionLabels, Counter>,
     quota_store_errors: Family<Labels, Counter>,
     memory_refused: Family<Labels, Counter>,
+    quota_untracked: Family<Labels, Counter>,
 }
 
 pub static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
@@ -111,6 +112,7 @@ impl Metrics {
             quota_actions: Family::default(),
             quota_store_errors: Family::default(),
             memory_refused: Family::default(),
+            quota_untracked: Family::default(),
         };
         let mut registry = Registry::default();
         let r = &mut registry;
@@ -187,11 +189,19 @@ impl Metrics {
         for share in ["rule", "scheduled"] {
             drop(m.memory_refused.get_or_create(&[("share", share)]));
         }
+        r.register(
+            "sluice_quota_untracked",
+            "Bucket reports answered untracked, with the rule's whole limit, by the bound that was full: stream_buckets (the stream's), buckets or streams (the process's)",
+            m.quota_untracked.clone(),
+        );
         // Every label a counter can take exists from the start, so the first event is an
         // increase a rate or an alert sees.
         for kind in ["full", "timeout", "shed", "down", "unavailable", "data"] {
             drop(m.store_errors.get_or_create(&[("kind", kind)]));
             drop(m.quota_store_errors.get_or_create(&[("kind", kind)]));
+        }
+        for bound in ["stream_buckets", "buckets", "streams"] {
+            drop(m.quota_untracked.get_or_create(&[("bound", bound)]));
         }
         for answer in ["error", "allow", "deny"] {
             drop(m.policy_answers.get_or_create(&[("answer", answer)]));
@@ -221,12 +231,19 @@ impl Metrics {
             .inc_by(denied);
     }
 
-    /// A bucket action sent for a bucket of the rule `labels`.
-    pub fn quota_action(&self, labels: &QuotaLabels, action: &'static str) {
+    /// `n` bucket actions sent for buckets of the rule `labels`.
+    pub fn quota_actions(&self, labels: &QuotaLabels, action: &'static str, n: u64) {
         let [domain, rule] = labels.clone();
         self.quota_actions
             .get_or_create(&[domain, rule, ("action", action.to_owned())])
-            .inc();
+            .inc_by(n);
+    }
+
+    /// `n` bucket reports answered untracked because `bound` was full.
+    pub fn quota_untracked(&self, bound: &'static str, n: u64) {
+        self.quota_untracked
+            .get_or_create(&[("bound", bound)])
+            .inc_by(n);
     }
 
     /// A quota demand record the store could not take.

@@ -1,6 +1,8 @@
 //! The Rate Limit Quota Service driven by hand, as one Envoy drives its stream: reports of
 //! buckets, and the assignments they get, checked for the shapes Envoy 1.40 enforces.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
@@ -11,6 +13,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use futures_util::StreamExt as _;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
@@ -162,5 +165,116 @@ pub fn blanket(strategy: &Strategy) -> BlanketRule {
     match strategy {
         Strategy::BlanketRule(rule) => BlanketRule::try_from(*rule).expect("a known rule"),
         other => panic!("expected a blanket rule, got {other:?}"),
+    }
+}
+
+/// Streams that report the same many buckets over and over, as fast as sluice takes them, each
+/// reading its answers, until dropped.
+pub struct Flood {
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    answered: Arc<AtomicU64>,
+    /// Ends every stream's reports when dropped.
+    _stop: tokio::sync::watch::Sender<()>,
+}
+
+impl Flood {
+    /// `streams` streams of `domain` to sluice's gRPC address `grpc`, each on a connection of its
+    /// own (as each Envoy has), on the calling runtime; stream
+    /// `s` reporting the buckets `{name: per-tenant, tenant: s<s>-<b>}` for `b` below `buckets`
+    /// in every report, each tenant value padded with `x` to `value_bytes`; every `pace` (as
+    /// Envoy reports every 5 s), or else as fast as sluice takes them.
+    pub async fn start(
+        grpc: std::net::SocketAddr,
+        domain: &str,
+        (streams, buckets, value_bytes): (usize, usize, usize),
+        pace: Option<Duration>,
+    ) -> Flood {
+        let answered = Arc::new(AtomicU64::new(0));
+        let (stop, stopped) = tokio::sync::watch::channel(());
+        let mut tasks = Vec::with_capacity(streams);
+        for s in 0..streams {
+            let report = RateLimitQuotaUsageReports {
+                domain: domain.to_owned(),
+                bucket_quota_usages: (0..buckets)
+                    .map(|b| BucketQuotaUsage {
+                        bucket_id: Some(bucket(&[
+                            ("name", "per-tenant"),
+                            (
+                                "tenant",
+                                &format!("{:x<value_bytes$}", format!("s{s}-{b}-")),
+                            ),
+                        ])),
+                        time_elapsed: Some(ProtoDuration {
+                            seconds: 5,
+                            nanos: 0,
+                        }),
+                        num_requests_allowed: 1,
+                        num_requests_denied: 0,
+                    })
+                    .collect(),
+            };
+            let channel = tonic::transport::Channel::from_shared(format!("http://{grpc}"))
+                .expect("a gRPC address")
+                .connect()
+                .await
+                .expect("gRPC connects");
+            let client =
+                RateLimitQuotaServiceClient::new(channel).max_decoding_message_size(usize::MAX);
+            let answered = answered.clone();
+            let mut stopped = stopped.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut client = client;
+                let reports = futures_util::stream::unfold(true, move |first| {
+                    let report = report.clone();
+                    async move {
+                        if let (Some(pace), false) = (pace, first) {
+                            tokio::time::sleep(pace).await;
+                        }
+                        Some((report, false))
+                    }
+                })
+                .take_until(async move {
+                    let _ = stopped.changed().await;
+                });
+                let Ok(answers) = client.stream_rate_limit_quotas(reports).await else {
+                    return;
+                };
+                let mut answers = answers.into_inner();
+                while let Ok(Some(answer)) = answers.message().await {
+                    answered.fetch_add(answer.bucket_action.len() as u64, Ordering::Relaxed);
+                }
+            }));
+        }
+        Flood {
+            tasks,
+            answered,
+            _stop: stop,
+        }
+    }
+
+    /// Bucket actions answered so far, over every stream.
+    pub fn answered(&self) -> u64 {
+        self.answered.load(Ordering::Relaxed)
+    }
+
+    /// Waits, for at most `limit`, until `actions` bucket actions have been answered in all.
+    pub async fn wait_answered(&self, actions: u64, limit: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        while self.answered() < actions {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        true
+    }
+}
+
+impl Drop for Flood {
+    /// Ends every stream (its reports end, as an Envoy's stream does).
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
     }
 }

@@ -1,5 +1,6 @@
 //! The quota service (RLQS): what a bucket no rule matches is assigned, how long an assignment
-//! lasts without a report, and when an idle bucket is abandoned.
+//! lasts without a report, when an idle bucket is abandoned, and how many buckets and streams are
+//! tracked at once.
 
 use std::time::Duration;
 
@@ -23,6 +24,14 @@ pub struct QuotaFlags {
     /// abandon a quota bucket.
     #[arg(long, env = "SLUICE_QUOTA_ABANDON_AFTER", default_value_t = 6)]
     quota_abandon_after: u32,
+    /// Most quota buckets tracked at once, over every stream (a bucket two Envoys report counts
+    /// twice); a bucket reported past it gets its rule's whole limit, undivided.
+    #[arg(long, env = "SLUICE_QUOTA_MAX_BUCKETS", default_value_t = 100_000)]
+    quota_max_buckets: usize,
+    /// Most quota streams (one per Envoy and domain) tracked at once; the buckets of a stream
+    /// past it get their rules' whole limits, undivided, until another stream ends.
+    #[arg(long, env = "SLUICE_QUOTA_MAX_STREAMS", default_value_t = 1_000)]
+    quota_max_streams: usize,
 }
 
 impl QuotaFlags {
@@ -36,6 +45,9 @@ impl QuotaFlags {
         if self.quota_abandon_after == 0 {
             anyhow::bail!("--quota-abandon-after: must be at least 1");
         }
+        if self.quota_max_buckets == 0 || self.quota_max_streams == 0 {
+            anyhow::bail!("--quota-max-buckets, --quota-max-streams: must be at least 1");
+        }
         Ok(())
     }
 
@@ -44,6 +56,8 @@ impl QuotaFlags {
             unmatched: self.quota_unmatched,
             ttl: self.quota_assignment_ttl,
             abandon_after: self.quota_abandon_after,
+            max_buckets: self.quota_max_buckets,
+            max_streams: self.quota_max_streams,
         }
     }
 }
