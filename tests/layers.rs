@@ -35,8 +35,8 @@ impl std::fmt::Display for Import {
     }
 }
 
-/// A token of Rust source, comments and literals left out, with its line.
-#[derive(Clone, Debug, PartialEq)]
+/// A token of Rust source, comments and literals left out.
+#[derive(Debug, PartialEq)]
 enum Token {
     Ident(String),
     /// `::`
@@ -194,61 +194,54 @@ fn names_at(tokens: &[(Token, usize)], i: usize) -> Vec<String> {
 /// module among `tops` other than its own.
 fn imports(file: &str, module: &[String], source: &str, tops: &BTreeSet<String>) -> Vec<Import> {
     let tokens = tokens(source);
+    let ident =
+        |i: usize, word: &str| matches!(tokens.get(i), Some((Token::Ident(w), _)) if w == word);
+    let path_at = |i: usize| matches!(tokens.get(i), Some((Token::Path, _)));
     let mut found = Vec::new();
-    // Inline modules (`mod tests { … }`) open here, with the brace depth each closes at.
-    let mut inline: Vec<(String, usize)> = Vec::new();
+    // The brace depth at which each inline module open here (`mod tests { … }`) closes.
+    let mut inline: Vec<usize> = Vec::new();
     let mut depth = 0;
-    let mut i = 0;
-    while i < tokens.len() {
-        let (token, line) = &tokens[i];
+    for (i, (token, line)) in tokens.iter().enumerate() {
         let mut targets = Vec::new();
         match token {
             Token::Punct('{') => depth += 1,
             Token::Punct('}') => {
-                if inline.last().is_some_and(|(_, at)| *at == depth) {
+                if inline.last() == Some(&depth) {
                     inline.pop();
                 }
                 depth -= 1;
             }
             Token::Ident(word) if word == "mod" => {
-                if let (Some((Token::Ident(name), _)), Some((Token::Punct('{'), _))) =
-                    (tokens.get(i + 1), tokens.get(i + 2))
-                {
-                    inline.push((name.clone(), depth + 1));
+                if let Some((Token::Punct('{'), _)) = tokens.get(i + 2) {
+                    inline.push(depth + 1);
                 }
             }
-            Token::Ident(word)
-                if word == "crate" && tokens.get(i + 1).map(|t| &t.0) == Some(&Token::Path) =>
-            {
+            Token::Ident(word) if word == "crate" && path_at(i + 1) => {
                 targets = names_at(&tokens, i + 2);
             }
-            Token::Ident(word) if word == "super" && (i == 0 || tokens[i - 1].0 != Token::Path) => {
-                let mut ups = 0;
+            // The first `super` of a path: it leaves the top-level module when it climbs as
+            // many levels as the module is deep.
+            Token::Ident(word) if word == "super" && (i == 0 || !path_at(i - 1)) => {
                 let mut j = i;
-                while tokens.get(j).map(|t| &t.0) == Some(&Token::Ident("super".into()))
-                    && tokens.get(j + 1).map(|t| &t.0) == Some(&Token::Path)
-                {
-                    ups += 1;
+                while ident(j, "super") && path_at(j + 1) {
                     j += 2;
                 }
-                let here = module.len() + inline.len();
-                if ups == here {
+                if (j - i) / 2 == module.len() + inline.len() {
                     targets = names_at(&tokens, j);
                 }
             }
             _ => {}
         }
         for to in targets {
-            if tops.contains(&to) && module.first() != Some(&to) {
+            if tops.contains(&to) && module[0] != to {
                 found.push(Import {
-                    from: module.first().cloned().unwrap_or_default(),
+                    from: module[0].clone(),
                     to,
                     file: file.to_owned(),
                     line: *line,
                 });
             }
         }
-        i += 1;
     }
     found
 }
