@@ -76,6 +76,7 @@ impl RedisStore {
 
     /// Decides `check`, queued for the next batched call, or in calls per slot on a Cluster;
     /// either way they run to the end when the caller gives up, refunding what they admitted.
+    /// The guard waits until `deadline`, past which the batcher no longer sends the request.
     pub async fn apply(&self, check: &Check, deadline: Deadline) -> Result<Decision, StoreError> {
         let keys: Vec<Bytes> = check.items.iter().map(|i| self.key(&i.key)).collect();
         let (reply, answer) = oneshot::channel();
