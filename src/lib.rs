@@ -1,11 +1,15 @@
 //! sluice: a global rate limit service for Envoy (`envoy.service.ratelimit.v3`), and a quota
 //! service (`envoy.service.rate_limit_quota.v3`) that divides global limits among Envoys.
 //!
-//! A request travels top-down through these modules; a lower one never imports a higher one.
+//! A request travels top-down through these modules. Imports point down the path, and to the
+//! limiter: it is the floor the others stand on, importing no other module; the stores build on
+//! its types, and `service::decide` joins the two. No imports go round in a circle
+//! (tests/layers.rs checks both).
 //!
 //! - [`service`] — the network surface: the gRPC `RateLimitService` (plus health and reflection)
 //!   and the admin HTTP server, with the bounds of each edge and the readiness both report. It
-//!   validates requests, resolves hits, turns one decision into one status per descriptor, and
+//!   validates requests, resolves hits, has each request decided by `service::decide` (the local
+//!   over-limit cache, else the store), turns one decision into one status per descriptor, and
 //!   answers by `--on-store-error` when the store cannot decide; it loads and hot-reloads the
 //!   rules and serves metrics, the rules in force and explanations of how they match a request
 //!   (`service::explain`) on the admin HTTP server. `service::rlqs` serves the quota service's
@@ -18,11 +22,15 @@
 //!   max-min fair division, and the assignment (token bucket or blanket rule) each Envoy gets.
 //! - [`limiter`] — what a limit is (`Limit`, `Algorithm`, `Mode`), each algorithm's math shared by
 //!   every store, counter identities (`CounterKey`), the all-or-nothing `Check` → `Decision`, and
-//!   the local over-limit cache that denies without a store call.
-//! - [`store`] — where counters live: the embedded in-process store, or Redis through one Lua
-//!   script per request (`lua/check.lua`), behind a deadline per call, a bounded queue and a
-//!   circuit breaker, refunding (`lua/undo.lua`) what it admitted for callers it did not answer;
-//!   and the quota service's demands, shared by every replica (`lua/demand.lua`).
+//!   the rules of the local over-limit cache that denies without a store call. Pure: no store,
+//!   no metrics, no I/O.
+//! - [`store`] — where counters live, built on the limiter's types: the embedded in-process store,
+//!   or Redis through one Lua script per request (`lua/check.lua`), its connections
+//!   (`store::redis::conn`) apart from its script calls (`store::redis::script`), refunding
+//!   (`lua/undo.lua`) what it admitted for callers it did not answer; and the quota service's
+//!   demands, shared by every replica (`lua/demand.lua`). Every call, to either, goes through one
+//!   guard (`store::guard`): a deadline, a circuit breaker, and where requests queue, a bound
+//!   past which they are shed.
 //!
 //! Beside the path: [`config`] reads and validates rule files (or follows an xDS server's
 //! `RateLimitConfig` resources, `config::xds`) into typed structs at the edge,

@@ -1,22 +1,16 @@
-//! What a limit is and how a request is decided: `Limit` and its `Algorithm`, the `Check` that
-//! gathers every counter a request touches, and the `Limiter` that hands a check to the store and
-//! returns its all-or-nothing `Decision`.
+//! What a limit is and how a request is decided, with no store in sight: `Limit` and its
+//! `Algorithm`, the `Check` that gathers every counter a request touches, the all-or-nothing rule
+//! that turns what a store found into one `Decision`, and the over-limit cache's rules.
 
 pub mod algorithm;
 mod cache;
 mod key;
 
-use std::sync::Arc;
 use std::time::Duration;
-
-use tokio::time::Instant;
 
 pub use algorithm::Algorithm;
 pub use cache::OverLimitCache;
 pub use key::{CounterIds, CounterKey, DescriptorKey, IdHasher, LONGEST_LITERAL, RuleId};
-
-use crate::store::{Deadline, Store, StoreError};
-use crate::telemetry::metrics::METRICS;
 
 /// The time unit of a limit. Months are 30 days and years 365 days, as envoyproxy/ratelimit has it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -278,42 +272,6 @@ pub fn admits(check: &Check, over: impl Fn(usize) -> bool) -> bool {
         }
     }
     quotas == 0 || quotas_over < quotas
-}
-
-/// Decides checks against a store, denying from the local over-limit cache when it can.
-pub struct Limiter {
-    store: Store,
-    cache: Option<Arc<OverLimitCache>>,
-}
-
-impl Limiter {
-    pub fn new(store: Store, cache: Option<Arc<OverLimitCache>>) -> Self {
-        Limiter { store, cache }
-    }
-
-    /// Decides `check`; the store must answer by `deadline`. A check without items is admitted
-    /// without asking the store, and one that counters known to be full deny is denied without
-    /// asking it.
-    pub async fn decide(&self, check: &Check, deadline: Deadline) -> Result<Decision, StoreError> {
-        if check.items.is_empty() {
-            return Ok(Decision {
-                admitted: true,
-                usages: Vec::new(),
-            });
-        }
-        let asked = Instant::now();
-        if let Some(denied) = self.cache.as_ref().and_then(|c| c.deny(check, asked)) {
-            return Ok(denied);
-        }
-        let decided = self.store.apply(check, deadline).await;
-        METRICS
-            .store_call_seconds
-            .observe(asked.elapsed().as_secs_f64());
-        if let (Some(cache), Ok(decision)) = (&self.cache, &decided) {
-            cache.learn(check, decision, asked);
-        }
-        decided
-    }
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 //! Every listener's connections are bounded (`conns`): how many, how long idle, how old.
 
 mod conns;
+mod decide;
 pub mod explain;
 mod gauges;
 mod http;
@@ -42,8 +43,9 @@ use tls::ServerTls;
 
 pub use conns::MaxAge;
 use conns::{Budget, Connections, Slot, Timers, Tracked};
+use decide::Decider;
 
-use crate::limiter::{Limiter, OverLimitCache};
+use crate::limiter::OverLimitCache;
 use crate::rules::RuleSet;
 use crate::store::{Backend, StoreError};
 use crate::telemetry::Throttle;
@@ -156,7 +158,7 @@ impl Setup {
         let store = self.backend.open()?;
         Ok(Arc::new(Rls::new(
             self.rules.current.clone(),
-            Limiter::new(store, self.cache.clone()),
+            Decider::new(store, self.cache.clone()),
             self.bounds,
             self.fallback,
             self.answering.clone(),

@@ -12,6 +12,7 @@ use envoy_types::pb::google::protobuf;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
+use super::decide::Decider;
 use super::metadata;
 use super::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use super::pb::envoy::service::ratelimit::v3::rate_limit_response::{
@@ -22,8 +23,8 @@ use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitRespon
 use crate::config::RuleLimit;
 use crate::limiter::algorithm::{gcra, log};
 use crate::limiter::{
-    Algorithm, Check, Counting, Decision, DescriptorKey, Item, Limit, Limiter, Mode, RuleId,
-    Source, Unit, Usage, admits,
+    Algorithm, Check, Counting, Decision, DescriptorKey, Item, Limit, Mode, RuleId, Source, Unit,
+    Usage, admits,
 };
 use crate::rules::{Match, RuleSet};
 use crate::store::{Deadline, StoreError};
@@ -95,10 +96,10 @@ pub struct LimitHeaders {
     pub reset: String,
 }
 
-/// The rate limit service: current rules, the limiter and the request bounds.
+/// The rate limit service: current rules, the decider and the request bounds.
 pub struct Rls {
     rules: Arc<ArcSwap<RuleSet>>,
-    limiter: Limiter,
+    decider: Decider,
     bounds: Bounds,
     fallback: Fallback,
     answering: Answering,
@@ -155,14 +156,14 @@ impl Plan<'_> {
 impl Rls {
     pub fn new(
         rules: Arc<ArcSwap<RuleSet>>,
-        limiter: Limiter,
+        decider: Decider,
         bounds: Bounds,
         fallback: Fallback,
         answering: Answering,
     ) -> Self {
         Rls {
             rules,
-            limiter,
+            decider,
             bounds,
             fallback,
             answering,
@@ -212,7 +213,7 @@ impl Rls {
             check.at = Some(at);
         }
         let deadline = Deadline::new(self.fallback.store_timeout, caller_timeout);
-        match self.limiter.decide(&check, deadline).await {
+        match self.decider.decide(&check, deadline).await {
             Ok(decision) => {
                 count(&plans, &check, &decision, &self.answering);
                 let response = respond(request, &plans, &check, &decision, &self.answering);

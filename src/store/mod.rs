@@ -1,26 +1,25 @@
 //! Where counters live. Every store applies a whole `Check` atomically: it evaluates each counter
 //! with the window math, admits the request only if the limiter's rule allows it, and then moves
-//! every counter of the request or none. Every call has a `Deadline`: a store that cannot decide
-//! in time says so, and never charges a request whose caller it did not answer.
+//! every counter of the request or none. Every call goes through the store's `guard`: it has a
+//! `Deadline`, and a store that cannot decide in time says so, and never charges a request whose
+//! caller it did not answer. Stores build on the limiter's types; the limiter knows no store.
 
-mod breaker;
 mod demand;
+mod guard;
 mod memory;
 mod redis;
 
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Notify;
-use tokio::time::Instant;
-
 pub use demand::{Demands, Report};
+pub use guard::Deadline;
 pub use memory::{MemoryStore, Percent, Stored};
 pub use redis::{RedisStore, RedisTls, redis_key};
 
 use crate::limiter::{Check, CounterKey, Decision};
-use breaker::Breaker;
+use guard::{Breakers, Guard};
 
 /// Where the counters are, from which each event loop opens a `Store` of its own: the one
 /// embedded store, shared, or a Redis deployment, reached on the loop's own connections.
@@ -33,8 +32,7 @@ pub enum Backend {
         tls: Option<RedisTls>,
         /// The breakers of every store opened on this deployment: it is reachable when all are
         /// closed.
-        breakers: Arc<Mutex<Vec<Arc<Breaker>>>>,
-        changed: Arc<Notify>,
+        breakers: Breakers,
     },
 }
 
@@ -65,8 +63,7 @@ impl Backend {
             url,
             key_prefix,
             tls,
-            breakers: Arc::default(),
-            changed: Arc::default(),
+            breakers: Breakers::default(),
         }
     }
 
@@ -74,21 +71,23 @@ impl Backend {
     /// calls fail at once and the backend is not reachable. Fails only on a malformed URL.
     pub fn open(&self) -> Result<Store, StoreError> {
         match self {
-            Backend::Memory(store) => Ok(Store::Memory(store.clone())),
+            Backend::Memory(store) => Ok(Store {
+                guard: Guard::new(None),
+                counters: Counters::Memory(store.clone()),
+            }),
             Backend::Redis {
                 url,
                 key_prefix,
                 tls,
                 breakers,
-                changed,
             } => {
-                let breaker = Arc::new(Breaker::new(changed.clone()));
+                let breaker = breakers.breaker();
                 let store = RedisStore::connect(url, key_prefix, tls.as_ref(), breaker.clone())?;
-                breakers
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(breaker);
-                Ok(Store::Redis(Box::new(store)))
+                breakers.add(breaker.clone());
+                Ok(Store {
+                    guard: Guard::new(Some(breaker)),
+                    counters: Counters::Redis(Box::new(store)),
+                })
             }
         }
     }
@@ -106,11 +105,7 @@ impl Backend {
     pub fn reachable(&self) -> bool {
         match self {
             Backend::Memory(_) => true,
-            Backend::Redis { breakers, .. } => breakers
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .iter()
-                .all(|b| !b.is_open()),
+            Backend::Redis { breakers, .. } => breakers.all_closed(),
         }
     }
 
@@ -118,14 +113,7 @@ impl Backend {
     pub fn open_breakers(&self) -> Option<usize> {
         match self {
             Backend::Memory(_) => None,
-            Backend::Redis { breakers, .. } => Some(
-                breakers
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .iter()
-                    .filter(|b| b.is_open())
-                    .count(),
-            ),
+            Backend::Redis { breakers, .. } => Some(breakers.open()),
         }
     }
 
@@ -141,25 +129,34 @@ impl Backend {
     pub async fn changed(&self) {
         match self {
             Backend::Memory(_) => std::future::pending().await,
-            Backend::Redis { changed, .. } => changed.notified().await,
+            Backend::Redis { breakers, .. } => breakers.changed().await,
         }
     }
 }
 
+/// The counter store an event loop decides against: a backend behind its guard.
+pub struct Store {
+    guard: Guard,
+    counters: Counters,
+}
+
 /// The counter stores sluice can run on.
-pub enum Store {
+enum Counters {
     Memory(Arc<MemoryStore>),
     Redis(Box<RedisStore>),
 }
 
 impl Store {
     pub async fn apply(&self, check: &Check, deadline: Deadline) -> Result<Decision, StoreError> {
-        match self {
-            Store::Memory(memory) => memory.apply(check),
-            // Boxed: the Redis call's state is kilobytes, which would otherwise be moved with
-            // every request's future, on either store.
-            Store::Redis(redis) => Box::pin(redis.apply(check, deadline)).await,
-        }
+        let call = async {
+            match &self.counters {
+                Counters::Memory(memory) => memory.apply(check),
+                // Boxed: the Redis call's state is kilobytes, which would otherwise be moved with
+                // every request's future, on either store.
+                Counters::Redis(redis) => Box::pin(redis.apply(check, deadline)).await,
+            }
+        };
+        self.guard.call(deadline, call).await
     }
 
     /// Records one stream's demand for a quota bucket and answers every stream's.
@@ -169,38 +166,13 @@ impl Store {
         report: Report<'_>,
         deadline: Deadline,
     ) -> Result<Demands, StoreError> {
-        match self {
-            Store::Memory(memory) => memory.record_demand(bucket, report),
-            Store::Redis(redis) => redis.record_demand(bucket, report, deadline).await,
-        }
-    }
-}
-
-/// When a store call must have its answer.
-#[derive(Clone, Copy, Debug)]
-pub struct Deadline {
-    pub at: Instant,
-    /// The store's own timeout set it, rather than a caller that gives up sooner: only then does
-    /// missing it count against the store.
-    pub store_own: bool,
-}
-
-impl Deadline {
-    /// `timeout` from now, or sooner when the caller gives up within `caller`: a fifth of the
-    /// caller's time (at least 1 ms) is kept for the answer to travel back.
-    pub fn new(timeout: Duration, caller: Option<Duration>) -> Deadline {
-        let now = Instant::now();
-        let keep = |c: Duration| c.saturating_sub((c / 5).max(Duration::from_millis(1)));
-        match caller.map(keep) {
-            Some(budget) if budget < timeout => Deadline {
-                at: now + budget,
-                store_own: false,
-            },
-            _ => Deadline {
-                at: now + timeout,
-                store_own: true,
-            },
-        }
+        let call = async {
+            match &self.counters {
+                Counters::Memory(memory) => memory.record_demand(bucket, report),
+                Counters::Redis(redis) => redis.record_demand(bucket, report).await,
+            }
+        };
+        self.guard.call(deadline, call).await
     }
 }
 
@@ -272,26 +244,3 @@ impl StoreError {
 }
 
 impl std::error::Error for StoreError {}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MS: Duration = Duration::from_millis(1);
-
-    #[test]
-    fn the_store_timeout_applies_unless_the_caller_gives_up_sooner() {
-        let own = Deadline::new(10 * MS, None);
-        assert!(own.store_own);
-        let patient = Deadline::new(10 * MS, Some(1000 * MS));
-        assert!(patient.store_own);
-        let hasty = Deadline::new(10 * MS, Some(10 * MS));
-        assert!(!hasty.store_own);
-        assert!(
-            hasty.at < own.at,
-            "a fifth of the caller's 10 ms is kept for the way back"
-        );
-        let instant = Deadline::new(10 * MS, Some(Duration::ZERO));
-        assert!(!instant.store_own);
-    }
-}

@@ -11,7 +11,9 @@ use fred::prelude::Value;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
 
-use super::{ARGS_PER_ITEM, Answer, Charge, Conn, Undo, encode, split_clock, take_request};
+use super::script::{
+    ARGS_PER_ITEM, Answer, Charge, Scripts, Undo, encode, split_clock, take_request,
+};
 use crate::limiter::Check;
 use crate::telemetry::metrics::METRICS;
 
@@ -58,7 +60,7 @@ impl Pending {
 
 /// Sends the requests waiting in `queue` in batched script calls, at most `CALLS_IN_FLIGHT` at
 /// once: a request that arrives while the calls are busy rides in the next one.
-pub(super) async fn run(conn: Conn, mut queue: mpsc::Receiver<Pending>) {
+pub(super) async fn run(scripts: Scripts, mut queue: mpsc::Receiver<Pending>) {
     let calls = Arc::new(Semaphore::new(CALLS_IN_FLIGHT));
     while let Some(first) = queue.recv().await {
         let Ok(permit) = calls.clone().acquire_owned().await else {
@@ -78,13 +80,18 @@ pub(super) async fn run(conn: Conn, mut queue: mpsc::Receiver<Pending>) {
             }
         }
         if !requests.is_empty() {
-            tokio::spawn(call(conn.clone(), requests, counters, permit));
+            tokio::spawn(call(scripts.clone(), requests, counters, permit));
         }
     }
 }
 
 /// One batched call for `requests`, holding `counters` counters in all.
-async fn call(conn: Conn, requests: Vec<Pending>, counters: usize, _permit: OwnedSemaphorePermit) {
+async fn call(
+    scripts: Scripts,
+    requests: Vec<Pending>,
+    counters: usize,
+    _permit: OwnedSemaphorePermit,
+) {
     let mut keys = Vec::with_capacity(counters);
     let mut args = Vec::with_capacity(3 * requests.len() + counters * ARGS_PER_ITEM);
     let mut waiting = Vec::with_capacity(requests.len());
@@ -94,7 +101,7 @@ async fn call(conn: Conn, requests: Vec<Pending>, counters: usize, _permit: Owne
         args.extend(request.args);
         waiting.push((request.keys, request.charges, request.reply));
     }
-    let reply: Vec<Value> = match conn.eval(&conn.check, keys, args).await {
+    let reply: Vec<Value> = match scripts.check(keys, args).await {
         Ok(reply) => reply,
         Err(e) => {
             for (_, _, reply) in waiting {
@@ -119,5 +126,5 @@ async fn call(conn: Conn, requests: Vec<Pending>, counters: usize, _permit: Owne
             }
         }
     }
-    conn.undo(undo).await;
+    scripts.undo(undo).await;
 }

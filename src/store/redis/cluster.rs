@@ -13,7 +13,7 @@ use bytes::Bytes;
 use futures_util::future::join_all;
 use tokio::sync::oneshot;
 
-use super::{Answer, Charge, Conn, Undo};
+use super::script::{Answer, Charge, Scripts, Undo};
 use crate::limiter::algorithm::Verdict;
 use crate::limiter::{Check, admits};
 use crate::store::StoreError;
@@ -21,7 +21,7 @@ use crate::store::StoreError;
 /// Decides `check` (whose counters are `keys`) and sends the answer on `reply`; runs to the end
 /// even when the caller has stopped waiting, so that nothing it charged stays charged.
 pub(super) async fn decide(
-    conn: Conn,
+    scripts: Scripts,
     check: Check,
     keys: Vec<Bytes>,
     reply: oneshot::Sender<Answer>,
@@ -34,7 +34,7 @@ pub(super) async fn decide(
     let ran = join_all(
         groups
             .iter()
-            .map(|g| conn.run(&check, &keys, g, quota_here)),
+            .map(|g| scripts.run(&check, &keys, g, quota_here)),
     )
     .await;
     let mut verdicts: Vec<Option<Verdict>> = vec![None; check.items.len()];
@@ -72,7 +72,7 @@ pub(super) async fn decide(
                     undo.add(&keys[i], charge, verdict, now_ms);
                 }
             }
-            conn.undo(undo)
+            scripts.undo(undo)
         }))
     };
     // Denied, a group that admitted its items takes back what the request's admission charged;

@@ -1,14 +1,17 @@
 //! The circuit breaker of one Redis store: open after `FAILURES_TO_OPEN` failures in a row, or at
 //! once when the store's idle health check fails, when requests get the `--on-store-error` answer
-//! at once instead of waiting for a store that does not answer; closed only by the store's
-//! background probe. It starts open: a store has to be reached once before it decides anything.
-//! Only Redis' own failures count: a reply saying that one key cannot be read is an answer, and
-//! one bad key must not take the store away from every other request.
+//! at once instead of waiting for a store that does not answer (fail fast); closed only by the
+//! store's background probe. It starts open: a store has to be reached once before it decides
+//! anything. Only Redis' own failures count: a reply saying that one key cannot be read is an
+//! answer, and one bad key must not take the store away from every other request.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
+
+use super::Deadline;
+use crate::store::StoreError;
 
 /// Consecutive failed or timed-out calls that open the breaker.
 pub const FAILURES_TO_OPEN: u32 = 5;
@@ -21,7 +24,7 @@ pub struct Breaker {
 }
 
 impl Breaker {
-    pub fn new(changed: Arc<Notify>) -> Self {
+    fn new(changed: Arc<Notify>) -> Self {
         Breaker {
             open: AtomicBool::new(true),
             failures: AtomicU32::new(0),
@@ -33,13 +36,31 @@ impl Breaker {
         self.open.load(Ordering::Relaxed)
     }
 
-    pub fn success(&self) {
+    /// Fails a call at once while the breaker is open.
+    pub fn admit(&self) -> Result<(), StoreError> {
+        if self.is_open() {
+            return Err(StoreError::Down);
+        }
+        Ok(())
+    }
+
+    /// Hears how a call with `deadline` went: an answer, even one saying a key cannot be read,
+    /// is a success; missing a deadline the caller set sooner is neither.
+    pub fn count<T>(&self, answer: &Result<T, StoreError>, deadline: Deadline) {
+        match answer {
+            Ok(_) | Err(StoreError::Data { .. }) => self.success(),
+            Err(StoreError::Timeout) if !deadline.store_own => {}
+            Err(e) => self.failure(e),
+        }
+    }
+
+    fn success(&self) {
         if self.failures.load(Ordering::Relaxed) != 0 {
             self.failures.store(0, Ordering::Relaxed);
         }
     }
 
-    pub fn failure(&self, why: &impl std::fmt::Display) {
+    fn failure(&self, why: &impl std::fmt::Display) {
         let failures = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
         if failures >= FAILURES_TO_OPEN {
             self.trip(&format_args!(
@@ -65,6 +86,51 @@ impl Breaker {
             tracing::info!("Redis answers: deciding from its counters");
             self.changed.notify_one();
         }
+    }
+}
+
+/// The breakers of every store opened on one deployment, which is reachable when all are closed.
+#[derive(Clone, Default)]
+pub struct Breakers {
+    all: Arc<Mutex<Vec<Arc<Breaker>>>>,
+    /// Told when any of them opens or closes.
+    changed: Arc<Notify>,
+}
+
+impl Breakers {
+    /// A new breaker (open) for a store on the deployment, counted once `add`ed.
+    pub fn breaker(&self) -> Arc<Breaker> {
+        Arc::new(Breaker::new(self.changed.clone()))
+    }
+
+    pub fn add(&self, breaker: Arc<Breaker>) {
+        self.all
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(breaker);
+    }
+
+    pub fn all_closed(&self) -> bool {
+        self.all
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .all(|b| !b.is_open())
+    }
+
+    /// Breakers open now.
+    pub fn open(&self) -> usize {
+        self.all
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|b| b.is_open())
+            .count()
+    }
+
+    /// Woken whenever a breaker opens or closes.
+    pub async fn changed(&self) {
+        self.changed.notified().await
     }
 }
 

@@ -1,0 +1,159 @@
+//! Connections to Redis: the URL forms (standalone, TLS, Sentinel, Cluster), the reconnect policy,
+//! the replies that mean a connection reaches a node that is no longer a primary (`WRONG_NODE`),
+//! and the probe that loads the scripts and pings, closing and opening the store's breaker.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use fred::clients::WithOptions;
+use fred::interfaces::ClientLike;
+use fred::prelude::*;
+use fred::socket2::TcpKeepalive;
+use fred::types::config::ReconnectError;
+use fred::types::scripts::Script;
+use fred::types::{CustomCommand, FromValue};
+
+use super::RedisTls;
+use crate::store::StoreError;
+use crate::store::guard::Breaker;
+use crate::telemetry::Throttle;
+
+/// How often an open breaker's probe tries Redis.
+const PROBE_INTERVAL: Duration = Duration::from_millis(200);
+/// How often, and how patiently, a closed breaker's probe pings Redis, so that an outage is
+/// noticed (and reported by readiness) even when no request comes.
+const PING_INTERVAL: Duration = Duration::from_secs(1);
+/// Error replies meaning the connection now reaches a node that cannot run the scripts: a
+/// primary demoted behind a fixed address (a Kubernetes Service, a cloud primary endpoint, DNS),
+/// a replica cut off from its primary, a node loading its data. fred drops the connection the
+/// first one comes on (once, whatever calls were in flight on it) and reconnects as the
+/// reconnect policy says, reaching whichever node the address leads to now.
+const WRONG_NODE: [(&str, ReconnectError); 3] = [
+    ("READONLY", ReconnectError::ReadOnly),
+    ("MASTERDOWN", ReconnectError::MasterDown),
+    ("LOADING", ReconnectError::Loading),
+];
+
+/// A Redis client.
+#[derive(Clone)]
+pub(super) struct Conn {
+    client: Client,
+    /// The same client, failing commands at once while it is not connected rather than holding
+    /// them until it reconnects, where they would arrive after their caller gave up.
+    at_once: WithOptions<Client>,
+}
+
+impl Conn {
+    /// A client of `url` (`redis://`, `rediss://`, `redis-cluster://`, `redis-sentinel://`),
+    /// connecting in the background and retrying with backoff. `tls`, given for a TLS URL,
+    /// replaces the client's default (the system's CAs, no client certificate). Fails only on a
+    /// malformed URL.
+    pub(super) fn connect(url: &str, tls: Option<&RedisTls>) -> Result<Conn, StoreError> {
+        let config_error = |e: Error| StoreError::Config(format!("--redis-url: {e}"));
+        let mut config = Config::from_url(url).map_err(config_error)?;
+        if let Some(tls) = tls {
+            config.tls = Some(tls.connector());
+        }
+        // The first connection follows the reconnect policy too: sluice serves before Redis.
+        config.fail_fast = false;
+        let client = Builder::from_config(config)
+            .with_connection_config(|c| {
+                c.max_command_attempts = 1;
+                c.connection_timeout = Duration::from_secs(2);
+                c.internal_command_timeout = Duration::from_secs(2);
+                c.tcp = TcpConfig {
+                    nodelay: Some(true),
+                    keepalive: Some(
+                        TcpKeepalive::new()
+                            .with_time(Duration::from_secs(5))
+                            .with_interval(Duration::from_secs(1)),
+                    ),
+                    user_timeout: Some(Duration::from_secs(5)),
+                    ..Default::default()
+                };
+                c.reconnect_errors = WRONG_NODE.iter().map(|(_, e)| e.clone()).collect();
+            })
+            .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2))
+            .build()
+            .map_err(config_error)?;
+        client.connect();
+        let at_once = client.with_options(&Options {
+            fail_fast: true,
+            ..Default::default()
+        });
+        Ok(Conn { client, at_once })
+    }
+
+    /// Whether it reaches a Cluster.
+    pub(super) fn clustered(&self) -> bool {
+        self.client.is_clustered()
+    }
+
+    /// Sends `command` with `args` once, failing at once while not connected.
+    pub(super) async fn send<R: FromValue>(
+        &self,
+        command: CustomCommand,
+        args: Vec<Value>,
+    ) -> Result<R, Error> {
+        self.at_once.custom(command, args).await
+    }
+
+    /// Loads `scripts` on every primary.
+    async fn load(&self, scripts: &[Script]) -> Result<(), Error> {
+        for script in scripts {
+            script.load(&self.client).await?;
+        }
+        Ok(())
+    }
+}
+
+/// What a command Redis failed comes to. A reply saying that the connection reaches a node that
+/// is no longer a primary is logged: fred reconnects, to reach the primary.
+pub(super) fn failed(e: Error) -> StoreError {
+    static WRONG: Throttle = Throttle::new();
+    if WRONG_NODE
+        .iter()
+        .any(|(reply, _)| e.details().starts_with(reply))
+        && let Some(n) = WRONG.hit()
+    {
+        tracing::warn!(
+            "Redis answered like a node that is no longer a primary ({n} time(s) since the last \
+             report): reconnecting, to reach the primary. {}",
+            e.details()
+        );
+    }
+    StoreError::Unavailable(format!("redis: {e}"))
+}
+
+/// While the breaker is open, loads the `scripts` on every primary, every `PROBE_INTERVAL`; once
+/// that succeeds, closes it. A load waits while the client reconnects, and for a paused Redis to
+/// resume, so it succeeds as soon as Redis answers again. While the breaker is closed, pings
+/// Redis every `PING_INTERVAL` and opens it when no answer comes within that time.
+pub(super) async fn probe(conn: Conn, scripts: Vec<Script>, breaker: Arc<Breaker>) {
+    static FAILED: Throttle = Throttle::new();
+    let mut tick = tokio::time::interval(PROBE_INTERVAL);
+    let mut last_ping = tokio::time::Instant::now();
+    loop {
+        tick.tick().await;
+        if breaker.is_open() {
+            match conn.load(&scripts).await {
+                Ok(()) => breaker.close(),
+                Err(e) => {
+                    if let Some(n) = FAILED.hit() {
+                        tracing::warn!(
+                            "Redis is not reachable ({n} tries since the last report): {e}"
+                        );
+                    }
+                }
+            }
+        } else if last_ping.elapsed() >= PING_INTERVAL {
+            last_ping = tokio::time::Instant::now();
+            let ping = conn.at_once.ping::<()>(None);
+            match tokio::time::timeout(PING_INTERVAL, ping).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => breaker.trip(&e),
+                Err(_) => breaker.trip(&"no answer to PING within 1 s"),
+            }
+        }
+    }
+}

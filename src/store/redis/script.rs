@@ -1,0 +1,435 @@
+//! The scripts and how they are called: `lua/check.lua`, `lua/undo.lua` and `lua/demand.lua`,
+//! each sent by `EVALSHA` (its source by `EVAL` after a `NOSCRIPT`), their arguments encoded and
+//! their replies read back; and what a request charged, for the refund of a caller that gave up.
+
+use bytes::Bytes;
+use fred::prelude::Value;
+use fred::types::scripts::Script;
+use fred::types::{ClusterHash, CustomCommand, FromValue};
+
+use super::conn::{self, Conn};
+use crate::limiter::algorithm::Verdict;
+use crate::limiter::{Algorithm, Check, Counting, Item, Mode};
+use crate::store::StoreError;
+use crate::store::demand::{Demands, Report};
+use crate::telemetry::Throttle;
+
+pub(super) const ARGS_PER_ITEM: usize = 8;
+/// Numbers the check script answers per counter.
+const REPLY_PER_ITEM: usize = 6;
+
+/// What a request gets from its script calls: admitted, and what each counter found.
+pub(super) type Answer = Result<(bool, Vec<Verdict>), StoreError>;
+
+/// The scripts, called on one client.
+#[derive(Clone)]
+pub(super) struct Scripts {
+    conn: Conn,
+    check: Lua,
+    undo: Lua,
+    demand: Lua,
+}
+
+/// A script: its source, for `EVAL` after a `NOSCRIPT`, and its SHA-1.
+#[derive(Clone)]
+struct Lua {
+    source: &'static str,
+    script: Script,
+}
+
+impl Lua {
+    fn new(source: &'static str) -> Self {
+        Lua {
+            source,
+            script: Script::from_lua(source),
+        }
+    }
+}
+
+/// What one script call decided for a group of counters taken as one request.
+pub(super) struct Ran {
+    /// Redis' clock when the script ran, in ms: a charged counter was charged in window
+    /// `now_ms / window`.
+    pub(super) now_ms: i64,
+    pub(super) admitted: bool,
+    pub(super) verdicts: Vec<Verdict>,
+}
+
+impl Scripts {
+    pub(super) fn new(conn: Conn) -> Self {
+        Scripts {
+            conn,
+            check: Lua::new(include_str!("../../../lua/check.lua")),
+            undo: Lua::new(include_str!("../../../lua/undo.lua")),
+            demand: Lua::new(include_str!("../../../lua/demand.lua")),
+        }
+    }
+
+    /// Every script, for the probe to load on every primary.
+    pub(super) fn all(&self) -> Vec<Script> {
+        [&self.check, &self.undo, &self.demand]
+            .map(|lua| lua.script.clone())
+            .into()
+    }
+
+    /// One script call. NOSCRIPT means the script did not run: send its source instead, which
+    /// also caches it again. EVAL cannot answer NOSCRIPT, so a cache flushed again meanwhile does
+    /// not fail the call.
+    async fn eval<R: FromValue>(
+        &self,
+        lua: &Lua,
+        keys: Vec<Bytes>,
+        args: Vec<Value>,
+    ) -> Result<R, StoreError> {
+        // The keys share a slot (one call per slot on a Cluster), which picks the node.
+        let slot = ClusterHash::Custom(keys.first().map_or(0, |k| fred::util::redis_keyslot(k)));
+        let mut command = Vec::with_capacity(2 + keys.len() + args.len());
+        command.push(Value::from(lua.script.sha1().clone()));
+        command.push(Value::from(keys.len() as i64));
+        command.extend(keys.into_iter().map(Value::Bytes));
+        command.extend(args);
+        let evalsha = CustomCommand::new_static("EVALSHA", slot.clone(), false);
+        match self.conn.send(evalsha, command.clone()).await {
+            Err(e) if e.details().starts_with("NOSCRIPT") => {
+                command[0] = Value::from_static_str(lua.source);
+                let eval = CustomCommand::new_static("EVAL", slot, false);
+                self.conn.send(eval, command).await
+            }
+            other => other,
+        }
+        .map_err(conn::failed)
+    }
+
+    /// One call of the check script over requests whose counters are `keys`, with `args`
+    /// encoded by `encode` one request after another; its reply, read by `split_clock` and
+    /// `take_request`.
+    pub(super) async fn check(
+        &self,
+        keys: Vec<Bytes>,
+        args: Vec<Value>,
+    ) -> Result<Vec<Value>, StoreError> {
+        self.eval(&self.check, keys, args).await
+    }
+
+    /// Runs the check script over the items `at` of `check` as one request. With `quota_here`
+    /// the script applies the quota rule itself (the items are the whole request).
+    pub(super) async fn run(
+        &self,
+        check: &Check,
+        keys: &[Bytes],
+        at: &[usize],
+        quota_here: bool,
+    ) -> Result<Ran, StoreError> {
+        let args = encode(check, at, quota_here);
+        let group_keys: Vec<Bytes> = at.iter().map(|&i| keys[i].clone()).collect();
+        let reply: Vec<Value> = self.check(group_keys.clone(), args).await?;
+        let (now_ms, mut rest) = split_clock(&reply)?;
+        let (admitted, verdicts) = take_request(&mut rest, &group_keys)?;
+        Ok(Ran {
+            now_ms,
+            admitted,
+            verdicts,
+        })
+    }
+
+    /// Sends `undo` (one call: its counters must share a Cluster slot); a failure is logged.
+    pub(super) async fn undo(&self, undo: Undo) {
+        static FAILED: Throttle = Throttle::new();
+        if undo.keys.is_empty() {
+            return;
+        }
+        if let Err(e) = self.eval::<i64>(&self.undo, undo.keys, undo.args).await
+            && let Some(n) = FAILED.hit()
+        {
+            tracing::warn!("{n} refund(s) of requests nobody was answered for failed: {e}");
+        }
+    }
+
+    /// Records a stream's demand for the quota bucket at `key` with one call of
+    /// `lua/demand.lua`.
+    pub(super) async fn demand(
+        &self,
+        key: Bytes,
+        report: Report<'_>,
+    ) -> Result<Demands, StoreError> {
+        let args = vec![
+            Value::from(report.stream),
+            report
+                .demand
+                .map_or(Value::from(""), |d| Value::from(d.to_string())),
+            Value::from(report.stays_ms.to_string()),
+        ];
+        let reply = self
+            .eval::<Vec<Value>>(&self.demand, vec![key.clone()], args)
+            .await?;
+        demands(reply, &key)
+    }
+}
+
+/// What `lua/undo.lua` needs to take back what a request wrote on one of its counters, beside
+/// what the check script said it charged.
+#[derive(Clone, Copy)]
+pub(super) struct Charge {
+    algorithm: Algorithm,
+    limit: u64,
+    window_ms: u64,
+    /// The instant the request named, if any.
+    at: Option<u64>,
+    /// Counted `always`: the charge landed whether the request was admitted or not.
+    pub(super) always: bool,
+}
+
+impl Charge {
+    pub(super) fn of(item: &Item, at: Option<u64>) -> Self {
+        Charge {
+            algorithm: item.limit.algorithm,
+            limit: u64::from(item.limit.requests_per_unit),
+            window_ms: item.limit.window_ms(),
+            at,
+            always: item.counting == Counting::Always,
+        }
+    }
+
+    /// Whether the check script wrote this charge for a request `admitted` or not.
+    pub(super) fn landed(&self, admitted: bool) -> bool {
+        admitted || self.always
+    }
+}
+
+/// Refunds for admitted requests: the counters they charged and, for each, what the charge was,
+/// as `lua/undo.lua` takes them.
+#[derive(Default)]
+pub(super) struct Undo {
+    keys: Vec<Bytes>,
+    args: Vec<Value>,
+}
+
+impl Undo {
+    /// Adds what the check script, in a call that ran at `now_ms`, charged to `key` as
+    /// `verdict` says (a sliding log or a bucket records nothing for hits that do not fit,
+    /// unless counted `always`).
+    pub(super) fn add(&mut self, key: &Bytes, charge: Charge, verdict: &Verdict, now_ms: i64) {
+        if verdict.charged == 0 {
+            return;
+        }
+        let now = now_ms.max(0) as u64;
+        let at = charge.at.map_or(now, |at| at.max(now));
+        let charged = verdict.charged;
+        let (kind, a, b, c) = match charge.algorithm {
+            Algorithm::FixedWindow => ("f", at / charge.window_ms, charged, 0),
+            Algorithm::SlidingWindow => ("s", now / charge.window_ms, charged, 0),
+            Algorithm::SlidingLog => ("l", at, charged, 0),
+            Algorithm::TokenBucket | Algorithm::LeakyBucket => ("b", now, charged, charge.limit),
+        };
+        self.keys.push(key.clone());
+        self.args.push(Value::from_static_str(kind));
+        self.args.extend([a, b, c].map(|n| Value::from(n as i64)));
+    }
+}
+
+/// The script's arguments for one request made of the items `at` of `check`: their count, the
+/// instant it names ('0': none), whether its quota limits may deny (`quota_here`, unless a
+/// descriptor outside the check passes as a quota), then each item.
+pub(super) fn encode(check: &Check, at: &[usize], quota_here: bool) -> Vec<Value> {
+    let mut args: Vec<Value> = Vec::with_capacity(3 + at.len() * ARGS_PER_ITEM);
+    args.push(Value::from(at.len() as i64));
+    args.push(Value::from(check.at.unwrap_or(0) as i64));
+    args.push(flag(quota_here && !check.quota_passes));
+    for &i in at {
+        let item = &check.items[i];
+        args.push(Value::from_static_str(match item.limit.algorithm {
+            Algorithm::FixedWindow => "f",
+            Algorithm::SlidingWindow => "s",
+            Algorithm::SlidingLog => "l",
+            Algorithm::TokenBucket | Algorithm::LeakyBucket => "b",
+        }));
+        args.push(Value::from(i64::from(item.limit.requests_per_unit)));
+        args.push(Value::from(item.limit.window_ms() as i64));
+        args.push(Value::from(i64::from(item.limit.burst)));
+        args.push(Value::from(item.hits as i64));
+        args.push(flag(item.refund));
+        args.push(Value::from_static_str(match item.mode {
+            Mode::Enforce => "e",
+            Mode::Shadow => "s",
+            Mode::Quota => "q",
+            Mode::ShadowQuota => "p",
+        }));
+        args.push(flag(item.counting == Counting::Always));
+    }
+    args
+}
+
+fn flag(on: bool) -> Value {
+    Value::from_static_str(if on { "1" } else { "0" })
+}
+
+/// The check script's clock, and the requests' answers after it.
+pub(super) fn split_clock(reply: &[Value]) -> Result<(i64, &[Value]), StoreError> {
+    match reply.split_first() {
+        Some((now_ms, rest)) => Ok((now_ms.as_i64().ok_or_else(malformed_reply)?, rest)),
+        None => Err(StoreError::Unavailable(
+            "the check script answered nothing".into(),
+        )),
+    }
+}
+
+/// A check script reply sluice cannot read: never expected, counted against Redis.
+fn malformed_reply() -> StoreError {
+    StoreError::Unavailable("the check script answered malformed".into())
+}
+
+/// Takes the answer to a request on the counters `keys` off the front of a script reply:
+/// admitted (1|0), then six numbers per counter; or -1, the place (from 1) of the counter whose
+/// key could not be read, the key's type and the error.
+pub(super) fn take_request(reply: &mut &[Value], keys: &[Bytes]) -> Answer {
+    let short = |len: usize| {
+        StoreError::Unavailable(format!(
+            "the check script answered {len} values for {} more counters",
+            keys.len()
+        ))
+    };
+    let number = |v: &Value| v.as_i64().ok_or_else(malformed_reply);
+    let admitted = match reply.first().map(number).transpose()? {
+        Some(-1) => {
+            let [_, at, held, error, rest @ ..] = *reply else {
+                return Err(short(reply.len()));
+            };
+            *reply = rest;
+            let key = at
+                .as_usize()
+                .and_then(|at| keys.get(at.checked_sub(1)?))
+                .ok_or_else(malformed_reply)?;
+            let text = |v: &Value| {
+                v.as_str_lossy()
+                    .map(|t| t.into_owned())
+                    .ok_or_else(malformed_reply)
+            };
+            return Err(unreadable(key, &text(held)?, &text(error)?));
+        }
+        Some(admitted) => admitted == 1,
+        None => return Err(short(0)),
+    };
+    let Some((answer, rest)) = reply.split_at_checked(1 + REPLY_PER_ITEM * keys.len()) else {
+        return Err(short(reply.len()));
+    };
+    *reply = rest;
+    let mut verdicts = Vec::with_capacity(keys.len());
+    for c in answer[1..].chunks_exact(REPLY_PER_ITEM) {
+        let count = |v: &Value| number(v).map(|n| n.max(0) as u64);
+        verdicts.push(Verdict {
+            over: number(&c[0])? == 1,
+            remaining_after: count(&c[1])?,
+            remaining_before: count(&c[2])?,
+            reset_after_ms: count(&c[3])?,
+            reset_before_ms: count(&c[4])?,
+            charged: count(&c[5])?,
+        });
+    }
+    Ok((admitted, verdicts))
+}
+
+/// The error of a request whose counter at `key` could not be read: it holds a `held` (Redis'
+/// type name), and reading it failed with `error`.
+fn unreadable(key: &[u8], held: &str, error: &str) -> StoreError {
+    let why = if error.starts_with("WRONGTYPE") {
+        format!("it holds a {held}")
+    } else {
+        format!("its {held} holds what sluice does not write ({error})")
+    };
+    StoreError::Data {
+        key: key.escape_ascii().to_string(),
+        why,
+    }
+}
+
+/// The demand script's reply for the bucket at `key`: the clock, then pairs of stream id and
+/// demand; or -1 and the type the key holds instead of a hash.
+fn demands(reply: Vec<Value>, key: &[u8]) -> Result<Demands, StoreError> {
+    let malformed = || StoreError::Unavailable("the demand script answered malformed".into());
+    let mut values = reply.into_iter();
+    let now_ms = match values.next().and_then(|v| v.as_i64()) {
+        Some(-1) => {
+            let held = values
+                .next()
+                .and_then(|v| v.as_string())
+                .unwrap_or_default();
+            return Err(StoreError::Data {
+                key: key.escape_ascii().to_string(),
+                why: format!("it holds a {held}, not a hash of quota demands"),
+            });
+        }
+        Some(now_ms) => u64::try_from(now_ms).map_err(|_| malformed())?,
+        None => return Err(malformed()),
+    };
+    let mut streams = Vec::new();
+    while let Some(stream) = values.next() {
+        let stream = stream.as_string().ok_or_else(malformed)?;
+        let demand = values
+            .next()
+            .and_then(|v| v.as_u64())
+            .ok_or_else(malformed)?;
+        streams.push((stream, demand));
+    }
+    streams.sort();
+    Ok(Demands { now_ms, streams })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(numbers: &[i64]) -> Vec<Value> {
+        numbers.iter().map(|&n| Value::Integer(n)).collect()
+    }
+
+    #[test]
+    fn a_batched_reply_splits_into_requests() {
+        let reply = values(&[
+            1, 0, 4, 5, 900, 1000, 1, 1, 0, 0, 250, 250, 0, 0, 1, 0, 0, 30, 30, 0,
+        ]);
+        let keys = |n: usize| vec![Bytes::from_static(b"k"); n];
+        let mut rest = &reply[..];
+        let (admitted, v) = take_request(&mut rest, &keys(2)).unwrap();
+        assert!(admitted);
+        assert_eq!(v[0].remaining_after, 4);
+        assert_eq!(v[0].reset_after_ms, 900);
+        assert_eq!(v[0].charged, 1);
+        assert!(v[1].over);
+        assert_eq!(v[1].reset_before_ms, 250);
+        let (admitted, v) = take_request(&mut rest, &keys(1)).unwrap();
+        assert!(!admitted);
+        assert_eq!(v[0].reset_before_ms, 30);
+        assert!(rest.is_empty());
+        assert!(take_request(&mut &values(&[1, 0])[..], &keys(1)).is_err());
+    }
+
+    #[test]
+    fn a_request_on_a_key_that_cannot_be_read_fails_alone_naming_the_key() {
+        let text = |t: &str| Value::String(t.into());
+        let mut reply = vec![Value::Integer(-1), Value::Integer(2), text("list")];
+        reply.push(text(
+            "WRONGTYPE Operation against a key holding the wrong kind of value",
+        ));
+        reply.extend(values(&[0, 1, 0, 0, 5, 5, 0]));
+        let keys = [Bytes::from_static(b"p:a"), Bytes::from_static(b"p:\"b\"")];
+        let mut rest = &reply[..];
+        let error = take_request(&mut rest, &keys).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            r#"the Redis key "p:\"b\"" is not a counter sluice can read: it holds a list"#
+        );
+        assert_eq!(error.kind(), "data");
+        let (admitted, v) = take_request(&mut rest, &keys[..1]).unwrap();
+        assert!(
+            !admitted && v[0].over,
+            "the next request is read as it was answered"
+        );
+        assert!(rest.is_empty());
+        let unread = unreadable(b"k", "hash", "user_script:9: attempt to compare nil");
+        assert_eq!(
+            unread.to_string(),
+            "the Redis key \"k\" is not a counter sluice can read: its hash holds what sluice \
+             does not write (user_script:9: attempt to compare nil)"
+        );
+    }
+}

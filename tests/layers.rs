@@ -1,0 +1,430 @@
+//! The crate's layers, read from its source: which top-level module of `src/` each file imports
+//! (`use crate::x`, `crate::x::` paths, `super::` paths that leave their top-level module), no
+//! import circle among them, and a pure limiter, which the stores and the service build on.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// What the limiter sits below or beside: it imports none of them.
+const NOT_FOR_THE_LIMITER: [&str; 7] = [
+    "store",
+    "service",
+    "telemetry",
+    "quota",
+    "rules",
+    "config",
+    "settings",
+];
+
+/// One module's import of another top-level module, and where it is.
+#[derive(Clone, Debug)]
+struct Import {
+    from: String,
+    to: String,
+    file: String,
+    line: usize,
+}
+
+impl std::fmt::Display for Import {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} → {} ({}:{})",
+            self.from, self.to, self.file, self.line
+        )
+    }
+}
+
+/// A token of Rust source, comments and literals left out.
+#[derive(Debug, PartialEq)]
+enum Token {
+    Ident(String),
+    /// `::`
+    Path,
+    Punct(char),
+}
+
+/// The tokens of `source` that paths are made of: identifiers, `::` and punctuation. Comments,
+/// strings and characters are skipped, so that neither docs nor messages count as imports.
+fn tokens(source: &str) -> Vec<(Token, usize)> {
+    let chars: Vec<char> = source.chars().collect();
+    let at = |i: usize| chars.get(i).copied().unwrap_or('\0');
+    let mut out = Vec::new();
+    let (mut i, mut line) = (0, 1);
+    while i < chars.len() {
+        match chars[i] {
+            '\n' => {
+                line += 1;
+                i += 1;
+            }
+            '/' if at(i + 1) == '/' => {
+                while i < chars.len() && chars[i] != '\n' {
+                    i += 1;
+                }
+            }
+            '/' if at(i + 1) == '*' => {
+                let mut depth = 0;
+                while i < chars.len() {
+                    match (at(i), at(i + 1)) {
+                        ('/', '*') => (depth, i) = (depth + 1, i + 2),
+                        ('*', '/') if depth == 1 => {
+                            i += 2;
+                            break;
+                        }
+                        ('*', '/') => (depth, i) = (depth - 1, i + 2),
+                        (c, _) => {
+                            line += usize::from(c == '\n');
+                            i += 1;
+                        }
+                    }
+                }
+            }
+            '"' => i = skip_string(&chars, i, None, &mut line),
+            // A character ('x', '\n', '\u{7f}') or a lifetime ('a).
+            '\'' if at(i + 1) == '\\' => {
+                i += 2;
+                while !matches!(at(i), '\'' | '\0') {
+                    i += 1;
+                }
+                i += 1;
+            }
+            '\'' if at(i + 2) == '\'' => i += 3,
+            ':' if at(i + 1) == ':' => {
+                out.push((Token::Path, line));
+                i += 2;
+            }
+            c if c.is_alphabetic() || c == '_' => {
+                let start = i;
+                while at(i).is_alphanumeric() || at(i) == '_' {
+                    i += 1;
+                }
+                let word: String = chars[start..i].iter().collect();
+                let hashes = chars[i..].iter().take_while(|&&c| c == '#').count();
+                let raw = matches!(word.as_str(), "r" | "br" | "cr");
+                if (raw || matches!(word.as_str(), "b" | "c")) && at(i + hashes) == '"' {
+                    // A string with a prefix: b"…", c"…", r"…", r#"…"#, br"…".
+                    let raw = raw.then_some(hashes);
+                    i = skip_string(&chars, i + hashes, raw, &mut line);
+                } else if word != "b" || at(i) != '\'' {
+                    out.push((Token::Ident(word), line));
+                }
+            }
+            c if c.is_whitespace() || c.is_ascii_digit() => i += 1,
+            c => {
+                out.push((Token::Punct(c), line));
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
+/// The index after the string whose opening quote is at `open`: a raw one (`Some` of its
+/// hashes) ends at a quote and as many hashes and has no escapes.
+fn skip_string(chars: &[char], open: usize, raw: Option<usize>, line: &mut usize) -> usize {
+    let mut i = open + 1;
+    while i < chars.len() {
+        match (chars[i], raw) {
+            ('\\', None) => i += 2,
+            ('"', None) => return i + 1,
+            ('"', Some(hashes))
+                if chars[i + 1..]
+                    .iter()
+                    .take(hashes)
+                    .filter(|&&c| c == '#')
+                    .count()
+                    == hashes =>
+            {
+                return i + 1 + hashes;
+            }
+            (c, _) => {
+                *line += usize::from(c == '\n');
+                i += 1;
+            }
+        }
+    }
+    i
+}
+
+/// The module a file of `src/` holds: `src/store/redis/mod.rs` → `["store", "redis"]`.
+fn module_of(relative: &Path) -> Vec<String> {
+    let mut parts: Vec<String> = relative
+        .iter()
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect();
+    let file = parts.pop().expect("a file name");
+    match file.as_str() {
+        "mod.rs" | "lib.rs" => {}
+        other => parts.push(other.trim_end_matches(".rs").to_owned()),
+    }
+    parts
+}
+
+/// The top-level modules named right after a path's prefix at `i`: one name, or each item of a
+/// `{…}` group.
+fn names_at(tokens: &[(Token, usize)], i: usize) -> Vec<String> {
+    match tokens.get(i) {
+        Some((Token::Ident(name), _)) => vec![name.clone()],
+        Some((Token::Punct('{'), _)) => {
+            let (mut depth, mut names, mut first) = (0, Vec::new(), true);
+            for (token, _) in &tokens[i..] {
+                match token {
+                    Token::Punct('{') => depth += 1,
+                    Token::Punct('}') => {
+                        depth -= 1;
+                        if depth == 0 {
+                            break;
+                        }
+                    }
+                    Token::Punct(',') if depth == 1 => first = true,
+                    Token::Ident(name) if depth == 1 && first => {
+                        names.push(name.clone());
+                        first = false;
+                    }
+                    _ => {}
+                }
+            }
+            names
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// Every import, by the file of module `module` (its top-level module first), of a top-level
+/// module among `tops` other than its own.
+fn imports(file: &str, module: &[String], source: &str, tops: &BTreeSet<String>) -> Vec<Import> {
+    let tokens = tokens(source);
+    let ident =
+        |i: usize, word: &str| matches!(tokens.get(i), Some((Token::Ident(w), _)) if w == word);
+    let path_at = |i: usize| matches!(tokens.get(i), Some((Token::Path, _)));
+    let mut found = Vec::new();
+    // The brace depth at which each inline module open here (`mod tests { … }`) closes.
+    let mut inline: Vec<usize> = Vec::new();
+    let mut depth = 0;
+    for (i, (token, line)) in tokens.iter().enumerate() {
+        let mut targets = Vec::new();
+        match token {
+            Token::Punct('{') => depth += 1,
+            Token::Punct('}') => {
+                if inline.last() == Some(&depth) {
+                    inline.pop();
+                }
+                depth -= 1;
+            }
+            Token::Ident(word) if word == "mod" => {
+                if let Some((Token::Punct('{'), _)) = tokens.get(i + 2) {
+                    inline.push(depth + 1);
+                }
+            }
+            Token::Ident(word) if word == "crate" && path_at(i + 1) => {
+                targets = names_at(&tokens, i + 2);
+            }
+            // The first `super` of a path: it leaves the top-level module when it climbs as
+            // many levels as the module is deep.
+            Token::Ident(word) if word == "super" && (i == 0 || !path_at(i - 1)) => {
+                let mut j = i;
+                while ident(j, "super") && path_at(j + 1) {
+                    j += 2;
+                }
+                if (j - i) / 2 == module.len() + inline.len() {
+                    targets = names_at(&tokens, j);
+                }
+            }
+            _ => {}
+        }
+        for to in targets {
+            if tops.contains(&to) && module[0] != to {
+                found.push(Import {
+                    from: module[0].clone(),
+                    to,
+                    file: file.to_owned(),
+                    line: *line,
+                });
+            }
+        }
+    }
+    found
+}
+
+/// The library's sources under `src/` (the binary, `main.rs`, is a crate of its own above it).
+fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("src/ is readable") {
+        let path = entry.expect("a directory entry").path();
+        if path.is_dir() {
+            sources(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// Every import among the top-level modules of `src/`.
+fn crate_imports() -> Vec<Import> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&src, &mut files);
+    files.sort();
+    files.retain(|f| f != &src.join("main.rs") && !f.starts_with(src.join("bin")));
+    let modules: Vec<(PathBuf, Vec<String>)> = files
+        .iter()
+        .map(|f| {
+            (
+                f.clone(),
+                module_of(f.strip_prefix(&src).expect("under src/")),
+            )
+        })
+        .collect();
+    let tops: BTreeSet<String> = modules
+        .iter()
+        .filter_map(|(_, m)| m.first().cloned())
+        .collect();
+    let mut all = Vec::new();
+    for (file, module) in &modules {
+        let source = std::fs::read_to_string(file).expect("a readable source file");
+        let name = file
+            .strip_prefix(env!("CARGO_MANIFEST_DIR"))
+            .expect("in the crate")
+            .display()
+            .to_string();
+        all.extend(imports(&name, module, &source, &tops));
+    }
+    all
+}
+
+/// The first import of each (from, to) pair of modules.
+fn graph(imports: &[Import]) -> BTreeMap<String, BTreeMap<String, Import>> {
+    let mut graph: BTreeMap<String, BTreeMap<String, Import>> = BTreeMap::new();
+    for import in imports {
+        graph
+            .entry(import.from.clone())
+            .or_default()
+            .entry(import.to.clone())
+            .or_insert_with(|| import.clone());
+    }
+    graph
+}
+
+/// The import circles of `graph`: for each module on one (in name order), the shortest way back
+/// to it, unless an earlier circle already holds it.
+fn circles(graph: &BTreeMap<String, BTreeMap<String, Import>>) -> Vec<Vec<Import>> {
+    let mut found: Vec<Vec<Import>> = Vec::new();
+    for start in graph.keys() {
+        if found.iter().flatten().any(|i| &i.from == start) {
+            continue;
+        }
+        // Breadth first, remembering how each module was reached.
+        let mut reached: BTreeMap<&String, &Import> = BTreeMap::new();
+        let mut frontier = vec![start];
+        let mut back = None;
+        while back.is_none() && !frontier.is_empty() {
+            let mut next = Vec::new();
+            for from in frontier {
+                for (to, import) in graph.get(from).into_iter().flatten() {
+                    if to == start {
+                        back = Some(import);
+                        break;
+                    }
+                    if !reached.contains_key(to) {
+                        reached.insert(to, import);
+                        next.push(to);
+                    }
+                }
+                if back.is_some() {
+                    break;
+                }
+            }
+            frontier = next;
+        }
+        if let Some(last) = back {
+            let mut circle = vec![last.clone()];
+            while &circle[0].from != start {
+                circle.insert(0, reached[&circle[0].from].clone());
+            }
+            found.push(circle);
+        }
+    }
+    found
+}
+
+#[test]
+fn no_import_circle_among_the_top_level_modules() {
+    let graph = graph(&crate_imports());
+    let found = circles(&graph);
+    let report: Vec<String> = found
+        .iter()
+        .map(|circle| {
+            let path: Vec<&str> = circle.iter().map(|i| i.from.as_str()).collect();
+            let edges: Vec<String> = circle.iter().map(|i| format!("  {i}")).collect();
+            format!(
+                "{} → {}\n{}",
+                path.join(" → "),
+                circle[0].from,
+                edges.join("\n")
+            )
+        })
+        .collect();
+    assert!(
+        report.is_empty(),
+        "import circles among src/'s modules (a lower module must not import a higher one):\n{}",
+        report.join("\n")
+    );
+}
+
+#[test]
+fn the_limiter_imports_nothing_above_or_beside_it() {
+    let wrong: Vec<String> = crate_imports()
+        .into_iter()
+        .filter(|i| i.from == "limiter" && NOT_FOR_THE_LIMITER.contains(&i.to.as_str()))
+        .map(|i| format!("  {i}"))
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "the limiter is pure (limits, algorithms, counter identities, Check → Decision, the \
+         cache's rules); it imports:\n{}",
+        wrong.join("\n")
+    );
+}
+
+#[test]
+fn the_imports_read_are_those_the_layers_have() {
+    let graph = graph(&crate_imports());
+    let imported = |from: &str, to: &str| graph.get(from).is_some_and(|m| m.contains_key(to));
+    assert!(imported("service", "rules"), "{graph:#?}");
+    assert!(imported("service", "store"));
+    assert!(imported("rules", "limiter"));
+    assert!(imported("store", "limiter"));
+}
+
+#[test]
+fn every_form_of_a_path_is_read_and_nothing_else() {
+    let tops: BTreeSet<String> = ["a", "b", "c", "d", "e", "f"].map(String::from).into();
+    let source = r###"
+        //! Mentions crate::f in a comment.
+        use crate::a::Thing;
+        use crate::{b::Other, c};
+        pub(crate) fn f() -> &'static str { let _ = crate::d::run(); "crate::f::x" }
+        /* crate::f /* nested */ crate::f */
+        const RAW: &str = r#"crate::f "quoted" "#;
+        const BYTE: u8 = b'"';
+        const CHAR: char = '"';
+        mod tests {
+            use super::*;
+            use super::super::super::e::Inner;
+        }
+    "###;
+    let module = ["x".to_owned(), "y".to_owned()];
+    let found: Vec<(String, usize)> = imports("src/x/y.rs", &module, source, &tops)
+        .into_iter()
+        .map(|i| (i.to, i.line))
+        .collect();
+    let expected: Vec<(String, usize)> = [("a", 3), ("b", 4), ("c", 4), ("d", 5), ("e", 12)]
+        .map(|(m, l)| (m.to_owned(), l))
+        .into();
+    assert_eq!(found, expected);
+    let at_top = imports("src/x/mod.rs", &module[..1], "use super::f::Y;", &tops);
+    assert_eq!(
+        at_top.len(),
+        1,
+        "super:: of a top-level module is the crate"
+    );
+}
