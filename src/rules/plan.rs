@@ -297,3 +297,110 @@ impl Plan<'_> {
 fn is_replaced(limit: &RuleLimit, replaced: &[&str]) -> bool {
     !limit.name.is_empty() && replaced.contains(&limit.name.as_str())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    const RULES: &str = "
+domain: d
+descriptors:
+  - key: ip
+    rate_limits:
+      - {unit: second, requests_per_unit: 10, name: per_ip}
+      - {unit: hour, requests_per_unit: 100}
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 5, replaces: [{name: per_ip}]}
+  - key: log
+    rate_limit: {unit: second, requests_per_unit: 3, algorithm: sliding_log}
+  - key: free
+    rate_limit: {unit: second, requests_per_unit: 1, name: gone}
+  - key: taker
+    rate_limit: {unit: second, requests_per_unit: 1, replaces: [{name: gone}]}
+";
+
+    fn rules() -> RuleSet {
+        let (domain, _) = crate::config::parse(Path::new("t.yaml"), RULES).expect("valid rules");
+        RuleSet::new(vec![domain])
+    }
+
+    fn asked(key: &'static str) -> Asked<'static> {
+        Asked {
+            entries: vec![(key.as_bytes(), b"v".as_slice())],
+            hits: 1,
+            refund: false,
+            limit: None,
+        }
+    }
+
+    const GLOBAL: Global = Global {
+        quota_mode: false,
+        counting: Counting::Admitted,
+    };
+
+    fn items<'a>(plan: &Plan, check: &'a Check) -> &'a [Item] {
+        match plan {
+            Plan::Limited { items, .. } => &check.items[items.clone()],
+            Plan::Free | Plan::Unlimited => &[],
+        }
+    }
+
+    #[test]
+    fn a_limit_another_descriptor_replaces_is_dropped_and_a_descriptor_left_without_any_is_free() {
+        let rules = rules();
+        let request = [asked("ip"), asked("user"), asked("free"), asked("taker")];
+        let (plans, check) = rules.plan(b"d", &request, GLOBAL, false);
+        let ip = items(&plans[0], &check);
+        assert_eq!(ip.len(), 1, "per_ip is replaced by user's rule");
+        assert_eq!(ip[0].limit.requests_per_unit, 100);
+        assert_eq!(items(&plans[1], &check).len(), 1);
+        assert!(matches!(plans[2], Plan::Free));
+        assert_eq!(check.items.len(), 3);
+    }
+
+    #[test]
+    fn an_override_takes_the_rules_algorithm_within_what_it_can_count_and_counts_apart() {
+        let rules = rules();
+        let mut overridden = asked("log");
+        overridden.limit = Some(Override {
+            requests_per_unit: 5_000,
+            unit: Unit::Minute,
+        });
+        let request = [overridden, asked("log")];
+        let (plans, check) = rules.plan(b"d", &request, GLOBAL, false);
+        let [over, rule] = [items(&plans[0], &check), items(&plans[1], &check)];
+        assert_eq!(over[0].limit.algorithm, Algorithm::SlidingLog);
+        assert_eq!(over[0].limit.requests_per_unit, log::MOST_ENTRIES);
+        assert_eq!(over[0].limit.unit, Unit::Minute);
+        assert_eq!(over[0].mode, Mode::Enforce);
+        assert!(
+            over[0].key != rule[0].key,
+            "an override counts apart from the rule"
+        );
+        assert!(matches!(plans[0], Plan::Limited { metadata: None, .. }));
+    }
+
+    #[test]
+    fn under_global_quota_mode_every_limit_is_a_quota_one_and_a_free_descriptor_passes() {
+        let rules = rules();
+        let global = Global {
+            quota_mode: true,
+            ..GLOBAL
+        };
+        let request = [asked("user"), asked("unknown")];
+        let (plans, check) = rules.plan(b"d", &request, global, false);
+        assert_eq!(items(&plans[0], &check)[0].mode, Mode::Quota);
+        assert!(matches!(plans[1], Plan::Free));
+        assert!(check.quota_passes);
+    }
+
+    #[test]
+    fn an_unknown_domain_plans_every_descriptor_free() {
+        let rules = rules();
+        let (plans, check) = rules.plan(b"other", &[asked("ip")], GLOBAL, false);
+        assert!(matches!(plans[..], [Plan::Free]));
+        assert!(check.items.is_empty());
+    }
+}
