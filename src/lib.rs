@@ -17,7 +17,9 @@
 //!   share of its limit, within bounds on what is tracked for the whole process.
 //! - [`rules`] — the matcher built from rule files: (domain, descriptor entries) → the limits that
 //!   apply, with envoyproxy/ratelimit's exact / wildcard / key-only precedence, and the explain
-//!   walk that tells how each entry matched; quota bucket ids are matched the same way.
+//!   walk that tells how each entry matched; quota bucket ids are matched the same way. Its
+//!   `plan` turns a request's descriptors into one `Check` (limit overrides and `replaces`
+//!   applied, hits and modes set) and names the metric series each descriptor is counted in.
 //! - [`quota`] — how a quota bucket's limit is shared out: demand per window from each report,
 //!   max-min fair division, and the assignment (token bucket or blanket rule) each Envoy gets.
 //! - [`limiter`] — what a limit is (`Limit`, `Algorithm`, `Mode`), each algorithm's math shared by
@@ -35,7 +37,9 @@
 //! Beside the path: [`config`] reads and validates rule files (or follows an xDS server's
 //! `RateLimitConfig` resources, `config::xds`) into typed structs at the edge,
 //! [`telemetry`] sets up logging (and keeps events every request can hit from flooding it) and
-//! holds the Prometheus metrics every layer counts into, and [`load`] is the client-side load
+//! holds the Prometheus metrics every layer counts into (`telemetry::metrics`: the registry,
+//! per-rule series and their cap, envoyproxy/ratelimit's statsd stats through its
+//! statsd_exporter mapping, the response-time summary), and [`load`] is the client-side load
 //! generator of `sluice load`.
 //!
 //! Before any of it: [`settings`] holds every command's flags, `serve`'s as one clap group per

@@ -6,10 +6,12 @@
 //! string.
 //!
 //! Each rule holds its metric counters, named as envoyproxy/ratelimit names its stats: the rule's
-//! path of `key_value` (or `key` alone) steps joined by dots.
+//! path of `key_value` (or `key` alone) steps joined by dots. `plan` turns a request's
+//! descriptors into the one `Check` the limiter decides.
 
 mod dump;
 mod explain;
+pub mod plan;
 mod quota;
 
 pub use dump::{limit_json, rule_limit_json};
@@ -308,7 +310,7 @@ impl RuleSet {
     /// the request's value (a `share_threshold` pattern's entries keep the pattern); else each
     /// entry as its rule names it, with the request's value where that rule has
     /// `value_to_metric`. Values are cut to `LONGEST_LITERAL` bytes.
-    pub fn metric_name(&self, domain: &[u8], entries: &[(&[u8], &[u8])], leaf: &Node) -> String {
+    fn metric_name(&self, domain: &[u8], entries: &[(&[u8], &[u8])], leaf: &Node) -> String {
         let detailed = leaf.detailed_metric;
         let mut name = String::new();
         self.walk(domain, entries, |node, how, key, value| {

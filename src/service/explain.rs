@@ -1,8 +1,8 @@
 //! `sluice explain` and `POST /explain`: for a request, each descriptor's walk through the rule
 //! tree (`RuleSet::explain`, the request path's own matching), then what the request path plans
-//! from it, by the same `plan` as `rls`: the limits chosen, those `replaces` dropped, the hits,
-//! and the counter (and Redis key) each limit moves. Nothing is counted: no store is asked and
-//! no metric moves.
+//! from it, by the same `RuleSet::plan` (`rules::plan`) as `rls`: the limits chosen, those
+//! `replaces` dropped, the hits, and the counter (and Redis key) each limit moves. Nothing is
+//! counted: no store is asked and no metric moves.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -21,8 +21,9 @@ use super::http::decode;
 use super::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use super::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use super::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use super::rls::{Answering, Bounds, Plan, hits, override_unit, pairs, plan};
+use super::rls::{Answering, Bounds, descriptors};
 use crate::limiter::{Item, Mode};
+use crate::rules::plan::{Asked, Plan};
 use crate::rules::{Matched, RuleSet, Stop, Walk, limit_json, rule_limit_json};
 use crate::store::redis_key;
 
@@ -165,25 +166,26 @@ pub fn explain(
         .validate(request)
         .map_err(|s| s.message().to_owned())?;
     let domain = request.domain.as_slice();
-    let (plans, check) = plan(rules, request, answering, false);
-    let walks: Vec<Walk> = request
-        .descriptors
+    let asked = descriptors(request);
+    let (plans, check) = rules.plan(domain, &asked, answering.global(), false);
+    let walks: Vec<Walk> = asked
         .iter()
-        .map(|d| rules.explain(domain, &pairs(d)))
+        .map(|d| rules.explain(domain, &d.entries))
         .collect();
     let descriptors = request
         .descriptors
         .iter()
+        .zip(&asked)
         .zip(&walks)
         .zip(&plans)
-        .map(|((descriptor, walk), plan)| {
+        .map(|(((descriptor, asked), walk), plan)| {
             let items = match plan {
                 Plan::Limited { items, .. } => &check.items[items.clone()],
                 Plan::Free | Plan::Unlimited => &[],
             };
             explain_descriptor(
-                request,
                 descriptor,
+                asked,
                 walk,
                 plan,
                 items,
@@ -201,8 +203,8 @@ pub fn explain(
 }
 
 fn explain_descriptor(
-    request: &RateLimitRequest,
     descriptor: &RateLimitDescriptor,
+    asked: &Asked,
     walk: &Walk,
     plan: &Plan,
     items: &[Item],
@@ -285,13 +287,13 @@ fn explain_descriptor(
         entries,
         stop,
         rule,
-        limit_override: descriptor.limit.as_ref().map(|o| {
+        limit_override: asked.limit.map(|o| {
             json!({
                 "requests_per_unit": o.requests_per_unit,
-                "unit": override_unit(o.unit).map_or("unknown", |u| u.name()),
+                "unit": o.unit.name(),
             })
         }),
-        hits: hits(request, descriptor),
+        hits: asked.hits,
         hits_from: if descriptor.hits_addend.is_some() {
             "descriptor"
         } else {

@@ -1,6 +1,7 @@
 //! `envoy.service.ratelimit.v3.RateLimitService`: validates a request, resolves each descriptor's
-//! limits and hits, asks the limiter for one all-or-nothing decision and answers with one status
-//! per descriptor, in order. When the store cannot decide in time, `--on-store-error` answers.
+//! hits, has the rules plan its limits (`rules::plan`), asks the limiter for one all-or-nothing
+//! decision and answers with one status per descriptor, in order (with headers and dynamic
+//! metadata as configured). When the store cannot decide in time, `--on-store-error` answers.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -20,16 +21,12 @@ use super::pb::envoy::service::ratelimit::v3::rate_limit_response::{
 };
 use super::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use crate::config::RuleLimit;
-use crate::limiter::algorithm::{gcra, log};
-use crate::limiter::{
-    Algorithm, Check, Counting, Decision, DescriptorKey, Item, Limit, Mode, RuleId, Source, Unit,
-    Usage, admits,
-};
-use crate::rules::{Match, RuleSet};
+use crate::limiter::{Check, Counting, Decision, Limit, Mode, Source, Unit, Usage, admits};
+use crate::rules::RuleSet;
+use crate::rules::plan::{Asked, Global, Override, Plan};
 use crate::store::{Deadline, StoreError};
 use crate::telemetry::Throttle;
-use crate::telemetry::metrics::{METRICS, Outcome, RuleStats};
+use crate::telemetry::metrics::METRICS;
 
 /// Limits on the shape of a request, which Envoy's route configuration decides (not its
 /// clients), so that no caller can make a check unboundedly large. Keys and values may be any
@@ -105,50 +102,12 @@ pub struct Rls {
     answering: Answering,
 }
 
-/// What one request descriptor turned into.
-pub(super) enum Plan<'a> {
-    /// No rule applies (unknown domain, no match, or every limit replaced).
-    Free,
-    Unlimited,
-    /// These items of the check are this descriptor's limits, counted in `stats` (none for a
-    /// limit override no rule matched).
-    Limited {
-        items: std::ops::Range<usize>,
-        stats: Option<Stats<'a>>,
-        /// The matched rule's `metadata` (none for a limit override: the rule's limit does not
-        /// apply).
-        metadata: Option<&'a serde_json::Map<String, serde_json::Value>>,
-    },
-}
-
-/// The metric counters a descriptor's hits go to.
-pub(super) enum Stats<'a> {
-    /// Its rule's own.
-    Rule(&'a RuleStats),
-    /// A series named from the request's values.
-    Request(Arc<RuleStats>),
-}
-
-impl Stats<'_> {
-    fn get(&self) -> &RuleStats {
-        match self {
-            Stats::Rule(s) => s,
-            Stats::Request(s) => s,
-        }
-    }
-}
-
-impl Plan<'_> {
-    /// The status of a descriptor whose counters are not known: a free or unlimited one as
-    /// always, a limited one OK without a limit.
-    fn unknown_status(&self) -> DescriptorStatus {
-        DescriptorStatus {
-            code: Code::Ok as i32,
-            limit_remaining: match self {
-                Plan::Unlimited => u32::MAX,
-                Plan::Free | Plan::Limited { .. } => 0,
-            },
-            ..Default::default()
+impl Answering {
+    /// What planning applies to every rule.
+    pub(super) fn global(&self) -> Global {
+        Global {
+            quota_mode: self.quota_mode,
+            counting: self.counting,
         }
     }
 }
@@ -189,7 +148,8 @@ impl Rls {
             // failure_mode_deny decides.
             return Err(Status::unavailable("no rate limit configuration loaded"));
         }
-        let (plans, mut check) = plan(&rules, request, &self.answering, true);
+        let asked = descriptors(request);
+        let (plans, mut check) = rules.plan(&request.domain, &asked, self.answering.global(), true);
         if let Some(at) = at {
             if let Some(item) = check
                 .items
@@ -261,8 +221,7 @@ impl Rls {
                 _ => Status::unavailable(e.to_string()),
             }),
             OnStoreError::Allow => {
-                let statuses: Vec<DescriptorStatus> =
-                    plans.iter().map(Plan::unknown_status).collect();
+                let statuses: Vec<DescriptorStatus> = plans.iter().map(unknown_status).collect();
                 Ok(RateLimitResponse {
                     overall_code: Code::Ok as i32,
                     dynamic_metadata: self
@@ -375,7 +334,7 @@ fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
     })
 }
 
-pub(super) fn override_unit(unit: i32) -> Option<Unit> {
+fn override_unit(unit: i32) -> Option<Unit> {
     Some(match RateLimitUnit::try_from(unit).ok()? {
         RateLimitUnit::Unknown => return None,
         RateLimitUnit::Second => Unit::Second,
@@ -401,191 +360,33 @@ fn response_unit(unit: Unit) -> rate_limit::Unit {
 
 /// Hits a descriptor consumes: its own `hits_addend` when set (0 checks only), else the
 /// request's, where 0 means 1; at most `MOST_HITS`.
-pub(super) fn hits(request: &RateLimitRequest, descriptor: &RateLimitDescriptor) -> u64 {
+fn hits(request: &RateLimitRequest, descriptor: &RateLimitDescriptor) -> u64 {
     match descriptor.hits_addend {
         Some(h) => h.value.min(MOST_HITS),
         None => u64::from(request.hits_addend.max(1)),
     }
 }
 
-/// A descriptor's entries as (key, value) pairs, as the rules match them.
-pub(super) fn pairs(descriptor: &RateLimitDescriptor) -> Vec<(&[u8], &[u8])> {
-    descriptor
-        .entries
-        .iter()
-        .map(|e| (e.key.as_slice(), e.value.as_slice()))
-        .collect()
-}
-
-/// Resolves every descriptor into its limits, as `answering` has them counted, and gathers them
-/// into one check; `metered`: count it in the metrics (a request), or not (an explanation).
-pub(super) fn plan<'a>(
-    rules: &'a RuleSet,
-    request: &'a RateLimitRequest,
-    answering: &Answering,
-    metered: bool,
-) -> (Vec<Plan<'a>>, Check) {
-    let domain = request.domain.as_slice();
-    let mut check = Check::default();
-    if !rules.has_domain(domain) {
-        if metered {
-            METRICS.unknown_domain.inc();
-        }
-        return (
-            request.descriptors.iter().map(|_| Plan::Free).collect(),
-            check,
-        );
-    }
-    let matches: Vec<_> = request
+/// The request's descriptors as the rules plan them: their entries as (key, value) pairs, their
+/// hits resolved, and the unit of their limit override read (a validated request's is known).
+pub(super) fn descriptors(request: &RateLimitRequest) -> Vec<Asked<'_>> {
+    request
         .descriptors
         .iter()
-        .map(|d| {
-            let entries = pairs(d);
-            let m = rules.resolve(domain, &entries);
-            (entries, m)
-        })
-        .collect();
-    // A limit named in any matched rule's `replaces` is dropped from every descriptor.
-    let replaced: Vec<&str> = matches
-        .iter()
-        .filter_map(|(_, m)| m.as_ref())
-        .flat_map(|m| m.node.limits.iter())
-        .flat_map(|l| l.replaces.iter().map(String::as_str))
-        .collect();
-    let mut plans = Vec::with_capacity(matches.len());
-    for (descriptor, (entries, m)) in request.descriptors.iter().zip(&matches) {
-        let hits = hits(request, descriptor);
-        let refund = descriptor.is_negative_hits;
-        let counted: Vec<(&[u8], &[u8])> = match m {
-            Some(m) => entries
+        .map(|d| Asked {
+            entries: d
+                .entries
                 .iter()
-                .zip(&m.counted_values)
-                .map(|((k, _), v)| (*k, *v))
+                .map(|e| (e.key.as_slice(), e.value.as_slice()))
                 .collect(),
-            None => entries.clone(),
-        };
-        let start = check.items.len();
-        let mut descriptor_key = None;
-        let mut rule = None;
-        let counting = m
-            .as_ref()
-            .and_then(|m| m.node.counting)
-            .unwrap_or(answering.counting);
-        let mut push = |limit: Limit, identity: String, mode: Mode| {
-            let key = descriptor_key.get_or_insert_with(|| DescriptorKey::new(domain, &counted));
-            // A limit override that no rule matched belongs to the descriptor's keys.
-            let rule = *rule.get_or_insert_with(|| match m {
-                Some(m) => RuleId::of(domain, m.node.path.as_bytes()),
-                None => RuleId::of(
-                    domain,
-                    &entries
-                        .iter()
-                        .map(|(k, _)| *k)
-                        .collect::<Vec<_>>()
-                        .join(&b'.'),
-                ),
-            });
-            check.items.push(Item {
-                key: key.counter(&identity),
-                rule,
-                limit,
-                mode: if answering.quota_mode {
-                    mode.as_quota()
-                } else {
-                    mode
-                },
-                hits,
-                refund,
-                counting,
-            });
-        };
-        if let Some(o) = &descriptor.limit {
-            let unit = override_unit(o.unit).expect("validated");
-            let algorithm = m
-                .as_ref()
-                .and_then(|m| m.node.limits.iter().find_map(|l| l.limit.as_ref()))
-                .map_or(Algorithm::FixedWindow, |l| l.algorithm);
-            let identity = format!(
-                "override:{}:{}:{}",
-                algorithm.name(),
-                unit.name(),
-                o.requests_per_unit
-            );
-            // Within what the rule's algorithm can count: a sliding log's entries, a bucket's
-            // exact arithmetic.
-            let window_ms = unit.seconds() * 1000;
-            let requests_per_unit = match algorithm {
-                Algorithm::SlidingLog => o.requests_per_unit.min(log::MOST_ENTRIES),
-                _ => o.requests_per_unit,
-            };
-            let most_burst = u32::try_from(gcra::MOST_UNITS / window_ms).unwrap_or(u32::MAX);
-            let limit = Limit {
-                name: String::new(),
-                requests_per_unit,
-                unit,
-                unit_multiplier: 1,
-                algorithm,
-                burst: requests_per_unit.min(most_burst),
-            };
-            push(limit, identity, Mode::Enforce);
-        } else if let Some(m) = m {
-            let kept = || m.node.limits.iter().filter(|l| !is_replaced(l, &replaced));
-            if m.node.limits.iter().any(|l| l.limit.is_none()) {
-                plans.push(Plan::Unlimited);
-                continue;
-            }
-            for rule in kept() {
-                let limit = rule.limit.clone().expect("unlimited handled above");
-                let identity = format!(
-                    "{}:{}:{}",
-                    limit.algorithm.name(),
-                    limit.unit.name(),
-                    limit.unit_multiplier
-                );
-                push(limit, identity, m.node.mode);
-            }
-        }
-        let end = check.items.len();
-        plans.push(if end > start {
-            Plan::Limited {
-                items: start..end,
-                stats: m
-                    .as_ref()
-                    .filter(|_| metered)
-                    .map(|m| stats_of(rules, domain, entries, m)),
-                metadata: match descriptor.limit {
-                    Some(_) => None,
-                    None => m.as_ref().and_then(|m| m.node.metadata.as_ref()),
-                },
-            }
-        } else {
-            // Under global quota mode, envoyproxy/ratelimit counts a descriptor without a limit
-            // as a quota descriptor within its limit.
-            check.quota_passes |= answering.quota_mode;
-            Plan::Free
-        });
-    }
-    (plans, check)
-}
-
-/// Where a matched descriptor's hits are counted: its rule's series, or one named from the
-/// request's values when the rule says so (while `DETAILED_SERIES` allows).
-fn stats_of<'a>(
-    rules: &'a RuleSet,
-    domain: &[u8],
-    entries: &[(&[u8], &[u8])],
-    m: &Match<'a>,
-) -> Stats<'a> {
-    let node = m.node;
-    if !node.named_by_request {
-        return Stats::Rule(&node.stats);
-    }
-    let name = rules.metric_name(domain, entries, node);
-    let domain = String::from_utf8_lossy(domain);
-    match METRICS.detailed(&domain, &name, &node.path) {
-        Some(s) => Stats::Request(s),
-        None => Stats::Rule(&node.stats),
-    }
+            hits: hits(request, d),
+            refund: d.is_negative_hits,
+            limit: d.limit.as_ref().map(|o| Override {
+                requests_per_unit: o.requests_per_unit,
+                unit: override_unit(o.unit).expect("validated"),
+            }),
+        })
+        .collect()
 }
 
 /// Counts each decided descriptor's hits in its rule's metrics.
@@ -594,60 +395,21 @@ fn count(plans: &[Plan], check: &Check, decision: &Decision, answering: &Answeri
         METRICS.global_shadow_mode.inc();
     }
     for plan in plans {
-        let Plan::Limited {
-            items,
-            stats: Some(stats),
-            ..
-        } = plan
-        else {
-            continue;
-        };
-        let Some(shown) = shown(items, check, decision) else {
-            continue;
-        };
-        let usage = &decision.usages[shown];
-        let item = &check.items[shown];
-        let limit = u64::from(item.limit.capacity());
-        let outcome = if usage.over {
-            Outcome::Over {
-                limit,
-                charged_from: (item.counting == Counting::Always)
-                    .then(|| limit.saturating_sub(usage.left_before)),
-                shadow: item.mode.is_shadow(),
-                from_cache: usage.source == Source::LocalCache,
-            }
-        } else {
-            Outcome::Within {
-                limit,
-                used: limit.saturating_sub(usage.remaining),
-            }
-        };
-        stats
-            .get()
-            .count(item.hits, outcome, answering.near_limit_ratio);
+        plan.count(check, decision, answering.near_limit_ratio);
     }
 }
 
-/// The item a descriptor's status reports: the limit that denied, else the one closest to
-/// denying, among those evaluated (none when the local cache denied the request on another's
-/// account).
-fn shown(items: &std::ops::Range<usize>, check: &Check, decision: &Decision) -> Option<usize> {
-    let usages = &decision.usages;
-    let denying = |i: &usize| usages[*i].over && !check.items[*i].mode.is_shadow();
-    items
-        .clone()
-        .filter(denying)
-        .max_by_key(|&i| usages[i].reset)
-        .or_else(|| {
-            items
-                .clone()
-                .filter(|&i| usages[i].source != Source::Unknown)
-                .min_by_key(|&i| usages[i].remaining)
-        })
-}
-
-fn is_replaced(limit: &RuleLimit, replaced: &[&str]) -> bool {
-    !limit.name.is_empty() && replaced.contains(&limit.name.as_str())
+/// The status of a descriptor whose counters are not known: a free or unlimited one as always,
+/// a limited one OK without a limit.
+fn unknown_status(plan: &Plan) -> DescriptorStatus {
+    DescriptorStatus {
+        code: Code::Ok as i32,
+        limit_remaining: match plan {
+            Plan::Unlimited => u32::MAX,
+            Plan::Free | Plan::Limited { .. } => 0,
+        },
+        ..Default::default()
+    }
 }
 
 /// The answer to a decided request: one status per descriptor, in order, with resets in whole
@@ -666,39 +428,36 @@ fn respond(
     // the least remaining, first come; but an enforced (not quota) denial always, last come.
     let mut headed: Option<usize> = None;
     for plan in plans {
-        statuses.push(match plan {
-            Plan::Free | Plan::Unlimited => plan.unknown_status(),
-            Plan::Limited { items, .. } => match shown(items, check, decision) {
-                None => plan.unknown_status(),
-                Some(shown) => {
-                    let usage = &decision.usages[shown];
-                    let item = &check.items[shown];
-                    let over = usage.over && !item.mode.is_shadow();
-                    let reset = whole_seconds(usage.reset);
-                    if over && !decision.admitted {
-                        retry_after = retry_after.max(reset);
-                    }
-                    let remaining = u32::try_from(usage.remaining).unwrap_or(u32::MAX);
-                    let least = headed.is_none_or(|h| remaining < statuses[h].limit_remaining);
-                    if least || (over && item.mode != Mode::Quota) {
-                        headed = Some(statuses.len());
-                    }
-                    DescriptorStatus {
-                        code: if over { Code::OverLimit } else { Code::Ok } as i32,
-                        current_limit: Some(RateLimit {
-                            name: item.limit.name.clone(),
-                            requests_per_unit: item.limit.requests_per_unit,
-                            unit: reported_unit(&item.limit) as i32,
-                        }),
-                        limit_remaining: remaining,
-                        duration_until_reset: Some(protobuf::Duration {
-                            seconds: reset as i64,
-                            nanos: 0,
-                        }),
-                        quota: None,
-                    }
+        statuses.push(match plan.shown(check, decision) {
+            None => unknown_status(plan),
+            Some(shown) => {
+                let usage = &decision.usages[shown];
+                let item = &check.items[shown];
+                let over = usage.over && !item.mode.is_shadow();
+                let reset = whole_seconds(usage.reset);
+                if over && !decision.admitted {
+                    retry_after = retry_after.max(reset);
                 }
-            },
+                let remaining = u32::try_from(usage.remaining).unwrap_or(u32::MAX);
+                let least = headed.is_none_or(|h| remaining < statuses[h].limit_remaining);
+                if least || (over && item.mode != Mode::Quota) {
+                    headed = Some(statuses.len());
+                }
+                DescriptorStatus {
+                    code: if over { Code::OverLimit } else { Code::Ok } as i32,
+                    current_limit: Some(RateLimit {
+                        name: item.limit.name.clone(),
+                        requests_per_unit: item.limit.requests_per_unit,
+                        unit: reported_unit(&item.limit) as i32,
+                    }),
+                    limit_remaining: remaining,
+                    duration_until_reset: Some(protobuf::Duration {
+                        seconds: reset as i64,
+                        nanos: 0,
+                    }),
+                    quota: None,
+                }
+            }
         });
     }
     let denied = !decision.admitted && !answering.shadow_mode;

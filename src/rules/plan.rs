@@ -1,0 +1,406 @@
+//! Request planning: each descriptor of a request resolved against the rules into the limits
+//! that apply (`replaces` and the request's own limit taken into account, hits and modes set),
+//! gathered into one `Check` for the limiter, with the metric series its hits are counted in.
+//! The service reads the protobuf request into `Asked` descriptors; `service::explain` plans
+//! with the very same `RuleSet::plan`, unmetered.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use super::{Match, RuleSet};
+use crate::config::RuleLimit;
+use crate::limiter::algorithm::{gcra, log};
+use crate::limiter::{
+    Algorithm, Check, Counting, Decision, DescriptorKey, Item, Limit, Mode, RuleId, Source, Unit,
+};
+use crate::telemetry::metrics::{METRICS, Outcome, RuleStats};
+
+/// One request descriptor, as the rules plan it.
+pub struct Asked<'a> {
+    /// Its entries, as (key, value) pairs in order.
+    pub entries: Vec<(&'a [u8], &'a [u8])>,
+    /// Hits each of its limits consumes (or gives back, with `refund`).
+    pub hits: u64,
+    pub refund: bool,
+    /// The request's own limit for it, which replaces the rule's.
+    pub limit: Option<Override>,
+}
+
+/// A limit a request brings for one of its descriptors.
+#[derive(Clone, Copy, Debug)]
+pub struct Override {
+    pub requests_per_unit: u32,
+    pub unit: Unit,
+}
+
+/// What applies to every rule: `--quota-mode` (every limit a quota limit) and `--counting` (for
+/// rules that do not say).
+#[derive(Clone, Copy, Debug)]
+pub struct Global {
+    pub quota_mode: bool,
+    pub counting: Counting,
+}
+
+/// What one request descriptor turned into.
+pub enum Plan<'a> {
+    /// No rule applies (unknown domain, no match, or every limit replaced).
+    Free,
+    Unlimited,
+    /// These items of the check are this descriptor's limits, counted in `stats` (none for a
+    /// limit override no rule matched).
+    Limited {
+        items: Range<usize>,
+        stats: Option<Stats<'a>>,
+        /// The matched rule's `metadata` (none for a limit override: the rule's limit does not
+        /// apply).
+        metadata: Option<&'a serde_json::Map<String, serde_json::Value>>,
+    },
+}
+
+/// The metric counters a descriptor's hits go to.
+pub enum Stats<'a> {
+    /// Its rule's own.
+    Rule(&'a RuleStats),
+    /// A series named from the request's values.
+    Request(Arc<RuleStats>),
+}
+
+impl Stats<'_> {
+    fn get(&self) -> &RuleStats {
+        match self {
+            Stats::Rule(s) => s,
+            Stats::Request(s) => s,
+        }
+    }
+}
+
+impl RuleSet {
+    /// Resolves every descriptor `asked` in `domain` into its limits, as `global` has them
+    /// counted, and gathers them into one check; `metered`: count it in the metrics (a request),
+    /// or not (an explanation).
+    pub fn plan<'a>(
+        &'a self,
+        domain: &[u8],
+        asked: &[Asked<'a>],
+        global: Global,
+        metered: bool,
+    ) -> (Vec<Plan<'a>>, Check) {
+        let mut check = Check::default();
+        if !self.has_domain(domain) {
+            if metered {
+                METRICS.unknown_domain.inc();
+            }
+            return (asked.iter().map(|_| Plan::Free).collect(), check);
+        }
+        let matches: Vec<Option<Match>> = asked
+            .iter()
+            .map(|d| self.resolve(domain, &d.entries))
+            .collect();
+        // A limit named in any matched rule's `replaces` is dropped from every descriptor.
+        let replaced: Vec<&str> = matches
+            .iter()
+            .flatten()
+            .flat_map(|m| m.node.limits.iter())
+            .flat_map(|l| l.replaces.iter().map(String::as_str))
+            .collect();
+        let mut plans = Vec::with_capacity(matches.len());
+        for (descriptor, m) in asked.iter().zip(&matches) {
+            let entries = &descriptor.entries;
+            let counted: Vec<(&[u8], &[u8])> = match m {
+                Some(m) => entries
+                    .iter()
+                    .zip(&m.counted_values)
+                    .map(|((k, _), v)| (*k, *v))
+                    .collect(),
+                None => entries.clone(),
+            };
+            let start = check.items.len();
+            let mut descriptor_key = None;
+            let mut rule = None;
+            let counting = m
+                .as_ref()
+                .and_then(|m| m.node.counting)
+                .unwrap_or(global.counting);
+            let mut push = |limit: Limit, identity: String, mode: Mode| {
+                let key =
+                    descriptor_key.get_or_insert_with(|| DescriptorKey::new(domain, &counted));
+                // A limit override that no rule matched belongs to the descriptor's keys.
+                let rule = *rule.get_or_insert_with(|| match m {
+                    Some(m) => RuleId::of(domain, m.node.path.as_bytes()),
+                    None => RuleId::of(
+                        domain,
+                        &entries
+                            .iter()
+                            .map(|(k, _)| *k)
+                            .collect::<Vec<_>>()
+                            .join(&b'.'),
+                    ),
+                });
+                check.items.push(Item {
+                    key: key.counter(&identity),
+                    rule,
+                    limit,
+                    mode: if global.quota_mode {
+                        mode.as_quota()
+                    } else {
+                        mode
+                    },
+                    hits: descriptor.hits,
+                    refund: descriptor.refund,
+                    counting,
+                });
+            };
+            if let Some(o) = descriptor.limit {
+                let algorithm = m
+                    .as_ref()
+                    .and_then(|m| m.node.limits.iter().find_map(|l| l.limit.as_ref()))
+                    .map_or(Algorithm::FixedWindow, |l| l.algorithm);
+                let identity = format!(
+                    "override:{}:{}:{}",
+                    algorithm.name(),
+                    o.unit.name(),
+                    o.requests_per_unit
+                );
+                // Within what the rule's algorithm can count: a sliding log's entries, a
+                // bucket's exact arithmetic.
+                let window_ms = o.unit.seconds() * 1000;
+                let requests_per_unit = match algorithm {
+                    Algorithm::SlidingLog => o.requests_per_unit.min(log::MOST_ENTRIES),
+                    _ => o.requests_per_unit,
+                };
+                let most_burst = u32::try_from(gcra::MOST_UNITS / window_ms).unwrap_or(u32::MAX);
+                let limit = Limit {
+                    name: String::new(),
+                    requests_per_unit,
+                    unit: o.unit,
+                    unit_multiplier: 1,
+                    algorithm,
+                    burst: requests_per_unit.min(most_burst),
+                };
+                push(limit, identity, Mode::Enforce);
+            } else if let Some(m) = m {
+                let kept = || m.node.limits.iter().filter(|l| !is_replaced(l, &replaced));
+                if m.node.limits.iter().any(|l| l.limit.is_none()) {
+                    plans.push(Plan::Unlimited);
+                    continue;
+                }
+                for rule in kept() {
+                    let limit = rule.limit.clone().expect("unlimited handled above");
+                    let identity = format!(
+                        "{}:{}:{}",
+                        limit.algorithm.name(),
+                        limit.unit.name(),
+                        limit.unit_multiplier
+                    );
+                    push(limit, identity, m.node.mode);
+                }
+            }
+            let end = check.items.len();
+            plans.push(if end > start {
+                Plan::Limited {
+                    items: start..end,
+                    stats: m
+                        .as_ref()
+                        .filter(|_| metered)
+                        .map(|m| self.stats_of(domain, entries, m)),
+                    metadata: match descriptor.limit {
+                        Some(_) => None,
+                        None => m.as_ref().and_then(|m| m.node.metadata.as_ref()),
+                    },
+                }
+            } else {
+                // Under global quota mode, envoyproxy/ratelimit counts a descriptor without a
+                // limit as a quota descriptor within its limit.
+                check.quota_passes |= global.quota_mode;
+                Plan::Free
+            });
+        }
+        (plans, check)
+    }
+
+    /// Where a matched descriptor's hits are counted: its rule's series, or one named from the
+    /// request's values when the rule says so (while `DETAILED_SERIES` allows).
+    fn stats_of<'a>(
+        &'a self,
+        domain: &[u8],
+        entries: &[(&[u8], &[u8])],
+        m: &Match<'a>,
+    ) -> Stats<'a> {
+        let node = m.node;
+        if !node.named_by_request {
+            return Stats::Rule(&node.stats);
+        }
+        let name = self.metric_name(domain, entries, node);
+        let domain = String::from_utf8_lossy(domain);
+        match METRICS.detailed(&domain, &name, &node.path) {
+            Some(s) => Stats::Request(s),
+            None => Stats::Rule(&node.stats),
+        }
+    }
+}
+
+impl Plan<'_> {
+    /// The item the descriptor's status reports: the limit that denied, else the one closest
+    /// to denying, among those evaluated (none when the local cache denied the request on
+    /// another's account, and none for a descriptor without limits).
+    pub fn shown(&self, check: &Check, decision: &Decision) -> Option<usize> {
+        let Plan::Limited { items, .. } = self else {
+            return None;
+        };
+        let usages = &decision.usages;
+        let denying = |i: &usize| usages[*i].over && !check.items[*i].mode.is_shadow();
+        items
+            .clone()
+            .filter(denying)
+            .max_by_key(|&i| usages[i].reset)
+            .or_else(|| {
+                items
+                    .clone()
+                    .filter(|&i| usages[i].source != Source::Unknown)
+                    .min_by_key(|&i| usages[i].remaining)
+            })
+    }
+
+    /// Counts the descriptor's hits, as `decision` decided them, in its metric series (none for
+    /// an explanation), hits past `near_ratio` of a limit as near it.
+    pub fn count(&self, check: &Check, decision: &Decision, near_ratio: f64) {
+        let Plan::Limited {
+            stats: Some(stats), ..
+        } = self
+        else {
+            return;
+        };
+        let Some(shown) = self.shown(check, decision) else {
+            return;
+        };
+        let usage = &decision.usages[shown];
+        let item = &check.items[shown];
+        let limit = u64::from(item.limit.capacity());
+        let outcome = if usage.over {
+            Outcome::Over {
+                limit,
+                charged_from: (item.counting == Counting::Always)
+                    .then(|| limit.saturating_sub(usage.left_before)),
+                shadow: item.mode.is_shadow(),
+                from_cache: usage.source == Source::LocalCache,
+            }
+        } else {
+            Outcome::Within {
+                limit,
+                used: limit.saturating_sub(usage.remaining),
+            }
+        };
+        stats.get().count(item.hits, outcome, near_ratio);
+    }
+}
+
+fn is_replaced(limit: &RuleLimit, replaced: &[&str]) -> bool {
+    !limit.name.is_empty() && replaced.contains(&limit.name.as_str())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    const RULES: &str = "
+domain: d
+descriptors:
+  - key: ip
+    rate_limits:
+      - {unit: second, requests_per_unit: 10, name: per_ip}
+      - {unit: hour, requests_per_unit: 100}
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 5, replaces: [{name: per_ip}]}
+  - key: log
+    rate_limit: {unit: second, requests_per_unit: 3, algorithm: sliding_log}
+  - key: free
+    rate_limit: {unit: second, requests_per_unit: 1, name: gone}
+  - key: taker
+    rate_limit: {unit: second, requests_per_unit: 1, replaces: [{name: gone}]}
+";
+
+    fn rules() -> RuleSet {
+        let (domain, _) = crate::config::parse(Path::new("t.yaml"), RULES).expect("valid rules");
+        RuleSet::new(vec![domain])
+    }
+
+    fn asked(key: &'static str) -> Asked<'static> {
+        Asked {
+            entries: vec![(key.as_bytes(), b"v".as_slice())],
+            hits: 1,
+            refund: false,
+            limit: None,
+        }
+    }
+
+    const GLOBAL: Global = Global {
+        quota_mode: false,
+        counting: Counting::Admitted,
+    };
+
+    fn items<'a>(plan: &Plan, check: &'a Check) -> &'a [Item] {
+        match plan {
+            Plan::Limited { items, .. } => &check.items[items.clone()],
+            Plan::Free | Plan::Unlimited => &[],
+        }
+    }
+
+    #[test]
+    fn a_limit_another_descriptor_replaces_is_dropped_and_a_descriptor_left_without_any_is_free() {
+        let rules = rules();
+        let request = [asked("ip"), asked("user"), asked("free"), asked("taker")];
+        let (plans, check) = rules.plan(b"d", &request, GLOBAL, false);
+        let ip = items(&plans[0], &check);
+        assert_eq!(ip.len(), 1, "per_ip is replaced by user's rule");
+        assert_eq!(ip[0].limit.requests_per_unit, 100);
+        assert_eq!(items(&plans[1], &check).len(), 1);
+        assert!(matches!(plans[2], Plan::Free));
+        assert_eq!(check.items.len(), 3);
+    }
+
+    #[test]
+    fn an_override_takes_the_rules_algorithm_within_what_it_can_count_and_counts_apart() {
+        let rules = rules();
+        let mut overridden = asked("log");
+        overridden.limit = Some(Override {
+            requests_per_unit: 5_000,
+            unit: Unit::Minute,
+        });
+        let request = [overridden, asked("log")];
+        let (plans, check) = rules.plan(b"d", &request, GLOBAL, false);
+        let [over, rule] = [items(&plans[0], &check), items(&plans[1], &check)];
+        assert_eq!(over[0].limit.algorithm, Algorithm::SlidingLog);
+        assert_eq!(over[0].limit.requests_per_unit, log::MOST_ENTRIES);
+        assert_eq!(over[0].limit.unit, Unit::Minute);
+        assert_eq!(over[0].mode, Mode::Enforce);
+        assert!(
+            over[0].key != rule[0].key,
+            "an override counts apart from the rule"
+        );
+        assert!(matches!(plans[0], Plan::Limited { metadata: None, .. }));
+    }
+
+    #[test]
+    fn under_global_quota_mode_every_limit_is_a_quota_one_and_a_free_descriptor_passes() {
+        let rules = rules();
+        let global = Global {
+            quota_mode: true,
+            ..GLOBAL
+        };
+        let request = [asked("user"), asked("unknown")];
+        let (plans, check) = rules.plan(b"d", &request, global, false);
+        assert_eq!(items(&plans[0], &check)[0].mode, Mode::Quota);
+        assert!(matches!(plans[1], Plan::Free));
+        assert!(check.quota_passes);
+    }
+
+    #[test]
+    fn an_unknown_domain_plans_every_descriptor_free() {
+        let rules = rules();
+        let (plans, check) = rules.plan(b"other", &[asked("ip")], GLOBAL, false);
+        assert!(matches!(plans[..], [Plan::Free]));
+        assert!(check.items.is_empty());
+    }
+}
