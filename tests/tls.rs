@@ -21,10 +21,10 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 
 use common::envoy::{Envoy, Filter, Upstream, UpstreamTls, envoy_binary};
 use common::redis::TlsRedis;
-use common::{OK, OVER_LIMIT, Sluice, Wait, clear_of_window_end, http, request};
+use common::{HOUR, OK, OVER_LIMIT, Sluice, Wait, http, in_one_window, request};
 
-/// Three requests an hour per `generic_key` value; an hourly window is wide enough that a test
-/// never straddles two once `clear_of_window_end` has run.
+/// Three requests an hour per `generic_key` value; a test counting them runs `in_one_window` of
+/// an hour.
 const RULES: &str = "\
 domain: tls
 descriptors:
@@ -34,7 +34,6 @@ descriptors:
       requests_per_unit: 3
 ";
 const LIMIT: usize = 3;
-const WINDOW: Duration = Duration::from_secs(3600);
 
 /// The names in every server certificate.
 const SERVER_NAMES: &[&str] = &["localhost", "127.0.0.1"];
@@ -582,39 +581,41 @@ const FILTER: Filter = Filter {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn envoy_speaking_mtls_to_sluice_gets_its_answers() {
-    let binary = envoy_binary();
-    let pki = Pki::new();
-    let sluice = serve(&pki.serve_flags(true)).await;
-    let upstream = Upstream::start();
-    let tls = UpstreamTls {
-        ca: &pki.ca,
-        name: "localhost",
-        client: Some((&pki.client.cert, &pki.client.key)),
-    };
-    let envoy = Envoy::start_tls(&binary, upstream.addr, sluice.grpc, &FILTER, &tls);
+    in_one_window(HOUR, async || {
+        let binary = envoy_binary();
+        let pki = Pki::new();
+        let sluice = serve(&pki.serve_flags(true)).await;
+        let upstream = Upstream::start();
+        let tls = UpstreamTls {
+            ca: &pki.ca,
+            name: "localhost",
+            client: Some((&pki.client.cert, &pki.client.key)),
+        };
+        let envoy = Envoy::start_tls(&binary, upstream.addr, sluice.grpc, &FILTER, &tls);
 
-    clear_of_window_end(WINDOW, Duration::from_secs(30)).await;
-    for n in 0..LIMIT {
-        let (status, headers, body) = http(envoy.listener, "GET", "/", "");
-        assert_eq!(status, 200, "request {n}: {headers:?} {body}");
-    }
-    for _ in 0..2 {
-        let (status, headers, body) = http(envoy.listener, "GET", "/", "");
-        assert_eq!(status, 429, "over the limit: {headers:?} {body}");
-    }
+        for n in 0..LIMIT {
+            let (status, headers, body) = http(envoy.listener, "GET", "/", "");
+            assert_eq!(status, 200, "request {n}: {headers:?} {body}");
+        }
+        for _ in 0..2 {
+            let (status, headers, body) = http(envoy.listener, "GET", "/", "");
+            assert_eq!(status, 429, "over the limit: {headers:?} {body}");
+        }
 
-    let stats = envoy.ratelimit_stats();
-    assert_eq!(stats.get("ok"), Some(&(LIMIT as u64)), "{stats:?}");
-    assert_eq!(stats.get("over_limit"), Some(&2), "{stats:?}");
-    assert_eq!(stats.get("error").copied().unwrap_or(0), 0, "{stats:?}");
-    assert_eq!(
-        stats.get("failure_mode_allowed").copied().unwrap_or(0),
-        0,
-        "{stats:?}"
-    );
-    let ssl = envoy.stats("cluster.ratelimit.ssl.");
-    assert!(ssl.get("handshake").is_some_and(|&n| n >= 1), "{ssl:?}");
-    assert_eq!(ssl.get("connection_error"), Some(&0), "{ssl:?}");
+        let stats = envoy.ratelimit_stats();
+        assert_eq!(stats.get("ok"), Some(&(LIMIT as u64)), "{stats:?}");
+        assert_eq!(stats.get("over_limit"), Some(&2), "{stats:?}");
+        assert_eq!(stats.get("error").copied().unwrap_or(0), 0, "{stats:?}");
+        assert_eq!(
+            stats.get("failure_mode_allowed").copied().unwrap_or(0),
+            0,
+            "{stats:?}"
+        );
+        let ssl = envoy.stats("cluster.ratelimit.ssl.");
+        assert!(ssl.get("handshake").is_some_and(|&n| n >= 1), "{ssl:?}");
+        assert_eq!(ssl.get("connection_error"), Some(&0), "{ssl:?}");
+    })
+    .await;
 }
 
 /// `serve` flags for Redis at `redis` over TLS, with `extra` TLS flags and a key prefix.
@@ -646,23 +647,25 @@ fn tls_redis(pki: &Pki) -> TlsRedis {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sluice_counts_in_a_redis_that_requires_tls_client_certificates() {
-    let pki = Pki::new();
-    let redis = tls_redis(&pki);
-    let flags = redis_flags(&redis, &[&pki.ca, &pki.client.cert, &pki.client.key]);
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let sluice = Sluice::spawn(&[("rules.yaml", RULES)], &flags, None, Wait::Serving).await;
-    assert_eq!(http(sluice.http, "GET", "/readyz", "").0, 200);
+    in_one_window(HOUR, async || {
+        let pki = Pki::new();
+        let redis = tls_redis(&pki);
+        let flags = redis_flags(&redis, &[&pki.ca, &pki.client.cert, &pki.client.key]);
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let sluice = Sluice::spawn(&[("rules.yaml", RULES)], &flags, None, Wait::Serving).await;
+        assert_eq!(http(sluice.http, "GET", "/readyz", "").0, 200);
 
-    clear_of_window_end(WINDOW, Duration::from_secs(30)).await;
-    let limited = request("tls", &[&[("generic_key", "redis")]]);
-    for n in 0..LIMIT {
-        let answer = sluice.ask(limited.clone()).await;
-        assert_eq!(answer.overall_code, OK, "request {n}: {answer:?}");
-    }
-    let answer = sluice.ask(limited).await;
-    assert_eq!(answer.overall_code, OVER_LIMIT, "{answer:?}");
-    let keys = redis.cli(&["KEYS", "tls:*"]);
-    assert_eq!(keys.lines().count(), 1, "one counter in Redis: {keys:?}");
+        let limited = request("tls", &[&[("generic_key", "redis")]]);
+        for n in 0..LIMIT {
+            let answer = sluice.ask(limited.clone()).await;
+            assert_eq!(answer.overall_code, OK, "request {n}: {answer:?}");
+        }
+        let answer = sluice.ask(limited).await;
+        assert_eq!(answer.overall_code, OVER_LIMIT, "{answer:?}");
+        let keys = redis.cli(&["KEYS", "tls:*"]);
+        assert_eq!(keys.lines().count(), 1, "one counter in Redis: {keys:?}");
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
