@@ -115,14 +115,11 @@ async fn eg_docs_example_counts(store: Store) {
     .await;
 }
 
-#[tokio::test]
-async fn envoy_gateways_mapping_names_its_docs_example_with_the_hits_decided_on_memory() {
-    eg_docs_example_counts(Store::Memory).await;
-}
-
-#[tokio::test]
-async fn envoy_gateways_mapping_names_its_docs_example_with_the_hits_decided_on_redis() {
-    eg_docs_example_counts(Store::Redis).await;
+scenarios! {
+    envoy_gateways_mapping_names_its_docs_example_with_the_hits_decided_on_memory
+        => eg_docs_example_counts(Store::Memory),
+    envoy_gateways_mapping_names_its_docs_example_with_the_hits_decided_on_redis
+        => eg_docs_example_counts(Store::Redis),
 }
 
 /// A CIDR rule's masked address is `key2`, the dots of its IPv4 address turned into `_` (the
@@ -169,12 +166,9 @@ async fn the_response_time_is_in_seconds_by_default_and_in_milliseconds_under_en
     let eg = mapper_file(EG_MAPPER);
     for mapping in [None, Some(eg.path())] {
         let own = common::redis::dedicated();
-        let mut flags = vec!["--redis-url".to_owned(), own.url.clone()];
-        if let Some(path) = mapping {
-            flags = with_file(&flags.iter().map(String::as_str).collect::<Vec<_>>(), path);
-        }
+        let flags = mapping.map_or_else(Vec::new, |path| with_file(&[], path));
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-        let sluice = Sluice::on(Store::Memory, &[("eg.yaml", &docs_example())], &flags).await;
+        let sluice = Sluice::on_own_redis(&own, &[("eg.yaml", &docs_example())], &flags).await;
         sluice.ask(docs_request(Some(0))).await;
         common::redis::cli(own.ports[0], &["CLIENT", "PAUSE", "80", "ALL"]);
         sluice.ask(docs_request(Some(0))).await;

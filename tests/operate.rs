@@ -8,12 +8,15 @@
 mod common;
 
 use std::os::unix::fs::symlink;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::metrics::scrape;
 use common::redis::{evalsha_calls, signal};
-use common::{HOUR, OK, OVER_LIMIT, Sluice, Store, Wait, http, in_one_window, request};
+use common::{
+    HOUR, OK, OVER_LIMIT, Sluice, Store, Wait, eventually, http, in_one_window,
+    linked_from_outside, outside_file, request,
+};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::DescriptorStatus;
 use sha2::{Digest, Sha256};
@@ -25,18 +28,6 @@ use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 fn left_of_hour() -> Duration {
     let hour = HOUR.as_millis() as u64;
     Duration::from_millis(hour - common::unix_ms() % hour)
-}
-
-/// Polls `ready` every 50 ms for at most `limit`.
-async fn eventually(what: &str, limit: Duration, mut ready: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if ready().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("timed out after {limit:?} waiting until {what}");
 }
 
 /// `request` with `hits` hits (the request's `hits_addend`).
@@ -291,9 +282,7 @@ descriptors:
 /// A sluice on a Redis of the test's own (whose statistics no other test moves).
 async fn on_own_redis(flags: &[&str]) -> (Sluice, common::redis::Redis) {
     let own = common::redis::dedicated();
-    let mut all = vec!["--redis-url", own.url.as_str()];
-    all.extend_from_slice(flags);
-    let sluice = Sluice::on(Store::Memory, &[("rules.yaml", HOT)], &all).await;
+    let sluice = Sluice::on_own_redis(&own, &[("rules.yaml", HOT)], flags).await;
     (sluice, own)
 }
 
@@ -662,21 +651,6 @@ async fn a_broken_configmap_version_is_reported_at_its_line_and_the_rules_in_for
         );
     })
     .await;
-}
-
-/// The rules file lives outside the rules directory, linked into it, so that writing it is
-/// invisible to the file watcher: only SIGHUP can reload it.
-fn linked_from_outside(yaml: String) -> impl FnOnce(&Path) {
-    move |rules: &Path| {
-        let outside = outside_file(rules);
-        std::fs::create_dir(outside.parent().unwrap()).expect("outside directory");
-        std::fs::write(&outside, yaml).expect("rule file written");
-        symlink(&outside, rules.join("rules.yaml")).expect("rules.yaml link");
-    }
-}
-
-fn outside_file(rules: &Path) -> PathBuf {
-    rules.parent().unwrap().join("outside").join("rules.yaml")
 }
 
 fn two_limits(user: u32) -> String {

@@ -7,13 +7,16 @@ mod common;
 
 use std::net::SocketAddr;
 use std::os::unix::fs::symlink;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, ExitStatus};
 use std::time::{Duration, Instant};
 
 use common::metrics::scrape;
 use common::redis::signal;
-use common::{HOUR, OK, OVER_LIMIT, Sluice, http, in_one_window, request};
+use common::{
+    HOUR, OK, OVER_LIMIT, Sluice, eventually, http, in_one_window, linked_from_outside,
+    outside_file, request,
+};
 use envoy_types::pb::google::protobuf::{Struct, value::Kind};
 
 /// The deepest `descriptors`, `metadata` and YAML nesting a rule file may have, and the most
@@ -48,18 +51,6 @@ fn check_dir(dir: &Path, flags: &[&str]) -> (ExitStatus, String) {
         .expect("sluice runs");
     let text = String::from_utf8_lossy(&out.stdout).replace(&format!("{}/", dir.display()), "");
     (out.status, text)
-}
-
-/// Polls `ready` every 50 ms for at most `limit`.
-async fn eventually(what: &str, limit: Duration, mut ready: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if ready().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("timed out after {limit:?} waiting until {what}");
 }
 
 /// Writes `text` to `dir/name` as an editor or kubelet replaces a file: written beside it, then
@@ -484,21 +475,6 @@ async fn rule_files_past_max_config_bytes_are_refused_naming_file_size_and_flag(
 
 // ---------------------------------------------------------------------------------------------
 // Reloading
-
-/// The rules file lives outside the rules directory, linked into it, so that writing it is
-/// invisible to the file watcher: only SIGHUP reloads it.
-fn linked_from_outside(yaml: &'static str) -> impl FnOnce(&Path) {
-    move |rules: &Path| {
-        let outside = outside_file(rules);
-        std::fs::create_dir(outside.parent().unwrap()).expect("outside directory");
-        std::fs::write(&outside, yaml).expect("rule file written");
-        symlink(&outside, rules.join("rules.yaml")).expect("rules.yaml link");
-    }
-}
-
-fn outside_file(rules: &Path) -> PathBuf {
-    rules.parent().unwrap().join("outside").join("rules.yaml")
-}
 
 /// 1,000 SIGHUPs, about 1 ms apart, make one reload per 200 ms at most (and one more for the
 /// last), not one each. The file is broken, so each reload is counted as a failed one.

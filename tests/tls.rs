@@ -21,7 +21,9 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 
 use common::envoy::{Envoy, Filter, Upstream, UpstreamTls, envoy_binary};
 use common::redis::TlsRedis;
-use common::{HOUR, OK, OVER_LIMIT, Sluice, Wait, http, in_one_window, request};
+use common::{
+    HOUR, OK, OVER_LIMIT, Sluice, Wait, eventually, http, in_one_window, openssl, request,
+};
 
 /// Three requests an hour per `generic_key` value; a test counting them runs `in_one_window` of
 /// an hour.
@@ -256,15 +258,6 @@ fn health(grpc: SocketAddr, args: &[String]) -> (bool, String) {
     (out.status.success(), printed)
 }
 
-/// Polls `done` every 100 ms until it holds, panicking with `what` after `PATIENCE`.
-async fn eventually(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + PATIENCE;
-    while !done().await {
-        assert!(Instant::now() < deadline, "not within {PATIENCE:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_tls_client_is_served_and_a_plaintext_one_is_refused() {
     let pki = Pki::new();
@@ -408,6 +401,7 @@ async fn changed_certificates_serve_new_connections_and_a_broken_set_leaves_the_
     volume.publish(cert.as_bytes(), key.as_bytes());
     eventually(
         "a new connection trusting only the second CA is served",
+        PATIENCE,
         async || ask_tls(sluice.grpc, &second_ca, None).await.is_ok(),
     )
     .await;
@@ -422,29 +416,19 @@ async fn changed_certificates_serve_new_connections_and_a_broken_set_leaves_the_
 
     let broken_key = b"-----BEGIN PRIVATE KEY-----\nbroken\n-----END PRIVATE KEY-----\n";
     volume.publish(cert.as_bytes(), broken_key);
-    eventually("the broken key is logged, naming its flag", async || {
-        let log = sluice.log_text();
-        log.contains("TLS certificates not reloaded") && log.contains("--tls-key")
-    })
+    eventually(
+        "the broken key is logged, naming its flag",
+        PATIENCE,
+        async || {
+            let log = sluice.log_text();
+            log.contains("TLS certificates not reloaded") && log.contains("--tls-key")
+        },
+    )
     .await;
     let answer = ask_tls(sluice.grpc, &second_ca, None)
         .await
         .expect("the last good certificate stays in force");
     assert_eq!(answer.overall_code, OK);
-}
-
-/// Runs `openssl` with `args`, which must succeed.
-fn openssl(args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("openssl runs (install openssl)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -676,7 +660,7 @@ async fn without_its_client_certificate_sluice_does_not_reach_a_redis_that_requi
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let sluice = Sluice::spawn(&[("rules.yaml", RULES)], &flags, None, Wait::Live).await;
 
-    eventually("Redis refuses sluice's connection", async || {
+    eventually("Redis refuses sluice's connection", PATIENCE, async || {
         redis
             .log_text()
             .contains("peer did not return a certificate")

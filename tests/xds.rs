@@ -107,14 +107,11 @@ async fn rules_arrive_over_xds_and_decide(store: Store) {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn rules_arrive_over_xds_and_decide_on_the_embedded_store() {
-    rules_arrive_over_xds_and_decide(Store::Memory).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn rules_arrive_over_xds_and_decide_on_redis() {
-    rules_arrive_over_xds_and_decide(Store::Redis).await;
+scenarios! {
+    rules_arrive_over_xds_and_decide_on_the_embedded_store
+        => rules_arrive_over_xds_and_decide(Store::Memory),
+    rules_arrive_over_xds_and_decide_on_redis
+        => rules_arrive_over_xds_and_decide(Store::Redis),
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -110,6 +110,18 @@ macro_rules! on_stores {
     (; $($test:ident),* $(,)?) => {};
 }
 
+/// Generates one multi-threaded `#[tokio::test]` per `name => scenario`, a future it awaits: one
+/// scenario run with several arguments, each case named for what it shows.
+#[macro_export]
+macro_rules! scenarios {
+    ($($name:ident => $scenario:expr),* $(,)?) => {
+        $(#[tokio::test(flavor = "multi_thread")]
+        async fn $name() {
+            $scenario.await
+        })*
+    };
+}
+
 /// A running `sluice serve`. Its log (stderr) goes to a file, printed when a test fails.
 pub struct Sluice {
     child: Child,
@@ -155,6 +167,18 @@ impl Sluice {
     /// ConfigMap volume's links, and extra flags; waits until it reports SERVING.
     pub async fn start_prepared(prepare: impl FnOnce(&Path), flags: &[&str]) -> Sluice {
         Sluice::on_prepared(Store::Memory, prepare, flags).await
+    }
+
+    /// Starts sluice counting in `redis`, a deployment of the test's own (whose statistics no
+    /// other test moves), with rule `files` and extra flags; waits until it reports SERVING.
+    pub async fn on_own_redis(
+        redis: &redis::Redis,
+        files: &[(&str, &str)],
+        flags: &[&str],
+    ) -> Sluice {
+        let mut all = vec!["--redis-url", redis.url.as_str()];
+        all.extend_from_slice(flags);
+        Sluice::on(Store::Memory, files, &all).await
     }
 
     async fn on_prepared(store: Store, prepare: impl FnOnce(&Path), flags: &[&str]) -> Sluice {
@@ -352,6 +376,49 @@ fn write_files<'a>(files: &'a [(&str, &str)]) -> impl FnOnce(&Path) + 'a {
             std::fs::write(rules.join(name), yaml).expect("rule file written");
         }
     }
+}
+
+/// Lays out a rules directory (for `Sluice::start_prepared`) whose `rules.yaml` is a link to
+/// `yaml` written outside it, so that writing the file is invisible to the file watcher: only
+/// SIGHUP reloads it.
+pub fn linked_from_outside(yaml: impl AsRef<str>) -> impl FnOnce(&Path) {
+    move |rules: &Path| {
+        let outside = outside_file(rules);
+        std::fs::create_dir(outside.parent().unwrap()).expect("outside directory");
+        std::fs::write(&outside, yaml.as_ref()).expect("rule file written");
+        std::os::unix::fs::symlink(&outside, rules.join("rules.yaml")).expect("rules.yaml link");
+    }
+}
+
+/// The file `linked_from_outside` links the rules directory `rules` to.
+pub fn outside_file(rules: &Path) -> PathBuf {
+    rules.parent().unwrap().join("outside").join("rules.yaml")
+}
+
+/// Polls `ready` every 50 ms until it holds, and fails the test if it does not within `limit`.
+pub async fn eventually(what: &str, limit: Duration, mut ready: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if ready().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("timed out after {limit:?} waiting until {what}");
+}
+
+/// Runs `openssl` with `args`, which must succeed.
+pub fn openssl(args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("openssl runs (install openssl)");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// Waits for every task and returns what they returned, in order.
