@@ -10,7 +10,10 @@ mod common;
 use std::time::Duration;
 
 use common::redis::signal;
-use common::{OK, OVER_LIMIT, Sluice, Store, http, request, sleep_until_unix_ms, unix_ms};
+use common::{
+    HOUR, OK, OVER_LIMIT, Sluice, Store, eventually, http, in_one_window, request,
+    sleep_until_unix_ms, unix_ms,
+};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use tonic::transport::Channel;
 
@@ -99,6 +102,26 @@ async fn hit(client: &mut Client, key: &str) -> Answer {
     }
 }
 
+/// A sluice on `store` with `RULES`, and a client of it.
+async fn started(store: Store) -> (Sluice, Client) {
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
+    let client = sluice.client().await;
+    (sluice, client)
+}
+
+/// Sends one hit for `key=v`, which must be denied with nothing remaining.
+async fn denied(client: &mut Client, key: &str) -> Answer {
+    let denied = hit(client, key).await;
+    assert_eq!((denied.code, denied.remaining), (OVER_LIMIT, 0));
+    denied
+}
+
+/// Sends one hit for `key=v` once the reset `denied` reported (and 100 ms) has passed.
+async fn hit_after_reset(client: &mut Client, key: &str, denied: &Answer) -> Answer {
+    sleep_ms(denied.reset_ms() + 100).await;
+    hit(client, key).await
+}
+
 /// A time in ms as a status reports it: whole seconds, rounded up, at least 1.
 fn whole_seconds(ms: u64) -> u64 {
     ms.div_ceil(1000).max(1)
@@ -145,16 +168,14 @@ async fn sleep_ms(ms: u64) {
 
 /// 3 per 2 s.
 async fn a_fixed_window_admits_its_limit_per_window_and_starts_afresh_in_the_next(store: Store) {
-    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
-    let mut client = sluice.client().await;
+    let (_sluice, mut client) = started(store).await;
     let start = at_the_start_of_a_window(2_000).await;
     for expected in [2, 1, 0] {
         let a = hit(&mut client, "fixed").await;
         assert_eq!((a.code, a.remaining), (OK, expected), "{a:?}");
         assert_reset_until(&a, start + 2_000);
     }
-    let denied = hit(&mut client, "fixed").await;
-    assert_eq!((denied.code, denied.remaining), (OVER_LIMIT, 0));
+    let denied = denied(&mut client, "fixed").await;
     // The local cache may answer (the window was filled): its reset runs from when it learnt.
     assert_reset_between(
         &denied,
@@ -176,16 +197,14 @@ async fn a_fixed_window_admits_its_limit_per_window_and_starts_afresh_in_the_nex
 /// 2 per 3 s: 50 ms past the edge, the previous window's 2 still weigh ⌊2 × 2950 / 3000⌋ = 1,
 /// until half the window has passed.
 async fn a_sliding_window_still_weighs_the_previous_window_after_its_edge(store: Store) {
-    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
-    let mut client = sluice.client().await;
+    let (_sluice, mut client) = started(store).await;
     let start = at_the_start_of_a_window(3_000).await;
     for expected in [1, 0] {
         let a = hit(&mut client, "sliding").await;
         assert_eq!((a.code, a.remaining), (OK, expected), "{a:?}");
         assert_reset_until(&a, start + 3_000);
     }
-    let denied = hit(&mut client, "sliding").await;
-    assert_eq!((denied.code, denied.remaining), (OVER_LIMIT, 0));
+    let denied = denied(&mut client, "sliding").await;
     assert_reset_until(&denied, start + 3_001);
 
     let next = start + 3_000;
@@ -196,12 +215,10 @@ async fn a_sliding_window_still_weighs_the_previous_window_after_its_edge(store:
         (OK, 0),
         "one fits beside the weighted 1"
     );
-    let denied = hit(&mut client, "sliding").await;
-    assert_eq!((denied.code, denied.remaining), (OVER_LIMIT, 0));
+    let denied = denied(&mut client, "sliding").await;
     assert_reset_until(&denied, next + 1_501);
 
-    sleep_ms(denied.reset_ms() + 100).await;
-    let a = hit(&mut client, "sliding").await;
+    let a = hit_after_reset(&mut client, "sliding", &denied).await;
     assert_eq!(
         (a.code, a.remaining),
         (OK, 0),
@@ -212,8 +229,7 @@ async fn a_sliding_window_still_weighs_the_previous_window_after_its_edge(store:
 /// 3 per 3 s: one hit, 1.55 s later two more; the fourth fits once the first is 3 s old, the
 /// fifth once the second is.
 async fn a_sliding_log_admits_again_only_once_its_oldest_entry_is_a_window_old(store: Store) {
-    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
-    let mut client = sluice.client().await;
+    let (_sluice, mut client) = started(store).await;
     let first = hit(&mut client, "log").await;
     assert_eq!((first.code, first.remaining), (OK, 2));
     assert_eq!(
@@ -227,26 +243,22 @@ async fn a_sliding_log_admits_again_only_once_its_oldest_entry_is_a_window_old(s
     assert_eq!(second.reset, Duration::from_secs(3));
     let third = hit(&mut client, "log").await;
     assert_eq!((third.code, third.remaining), (OK, 0));
-    let denied = hit(&mut client, "log").await;
-    assert_eq!((denied.code, denied.remaining), (OVER_LIMIT, 0));
+    let denied = denied(&mut client, "log").await;
     assert_reset_counts_from(&first, &denied, 3_000);
 
-    sleep_ms(denied.reset_ms() + 100).await;
-    let a = hit(&mut client, "log").await;
+    let a = hit_after_reset(&mut client, "log", &denied).await;
     assert_eq!(
         (a.code, a.remaining),
         (OK, 0),
         "the first entry left; the second and third still count"
     );
-    let denied = hit(&mut client, "log").await;
-    assert_eq!((denied.code, denied.remaining), (OVER_LIMIT, 0));
+    let denied = denied(&mut client, "log").await;
     assert_reset_counts_from(&second, &denied, 3_000);
 }
 
 /// A token every 2 s, up to 5.
 async fn a_token_bucket_admits_its_burst_at_once_then_a_token_per_interval(store: Store) {
-    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
-    let mut client = sluice.client().await;
+    let (_sluice, mut client) = started(store).await;
     let first = hit(&mut client, "token").await;
     assert_eq!((first.code, first.remaining), (OK, 4));
     assert_eq!(
@@ -259,19 +271,16 @@ async fn a_token_bucket_admits_its_burst_at_once_then_a_token_per_interval(store
         assert_eq!((a.code, a.remaining), (OK, expected), "{a:?}");
         assert_reset_counts_from(&first, &a, 2_000 * tokens);
     }
-    let denied = hit(&mut client, "token").await;
-    assert_eq!((denied.code, denied.remaining), (OVER_LIMIT, 0));
+    let denied = denied(&mut client, "token").await;
     assert_reset_counts_from(&first, &denied, 2_000);
 
-    sleep_ms(denied.reset_ms() + 100).await;
-    let a = hit(&mut client, "token").await;
+    let a = hit_after_reset(&mut client, "token", &denied).await;
     assert_eq!(
         (a.code, a.remaining),
         (OK, 0),
         "one token came back, and is taken"
     );
-    let denied = hit(&mut client, "token").await;
-    assert_eq!((denied.code, denied.remaining), (OVER_LIMIT, 0));
+    let denied = denied(&mut client, "token").await;
     assert!(
         denied.reset > Duration::ZERO && denied.reset <= Duration::from_secs(2),
         "{denied:?}"
@@ -280,8 +289,7 @@ async fn a_token_bucket_admits_its_burst_at_once_then_a_token_per_interval(store
 
 /// 2 per 4 s, so a burst of 2 (the default) draining one every 2 s.
 async fn a_leaky_bucket_admits_its_default_burst_then_drains_one_per_interval(store: Store) {
-    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
-    let mut client = sluice.client().await;
+    let (_sluice, mut client) = started(store).await;
     let first = hit(&mut client, "leaky").await;
     assert_eq!((first.code, first.remaining), (OK, 1));
     assert_eq!(
@@ -292,19 +300,16 @@ async fn a_leaky_bucket_admits_its_default_burst_then_drains_one_per_interval(st
     let second = hit(&mut client, "leaky").await;
     assert_eq!((second.code, second.remaining), (OK, 0));
     assert_reset_counts_from(&first, &second, 4_000);
-    let denied = hit(&mut client, "leaky").await;
-    assert_eq!((denied.code, denied.remaining), (OVER_LIMIT, 0));
+    let denied = denied(&mut client, "leaky").await;
     assert_reset_counts_from(&first, &denied, 2_000);
 
-    sleep_ms(denied.reset_ms() + 100).await;
-    let a = hit(&mut client, "leaky").await;
+    let a = hit_after_reset(&mut client, "leaky", &denied).await;
     assert_eq!(
         (a.code, a.remaining),
         (OK, 0),
         "one hit drained, and one fills its place"
     );
-    let denied = hit(&mut client, "leaky").await;
-    assert_eq!((denied.code, denied.remaining), (OVER_LIMIT, 0));
+    let denied = denied(&mut client, "leaky").await;
 }
 
 /// A sliding log of 2 per 2 s, a token bucket of 1 per 4 s holding 3 and a fixed window of 4 an
@@ -312,9 +317,7 @@ async fn a_leaky_bucket_admits_its_default_burst_then_drains_one_per_interval(st
 async fn a_mixed_list_names_the_limit_that_denied_else_the_least_left_and_denials_consume_nothing(
     store: Store,
 ) {
-    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
-    common::clear_of_window_end(Duration::from_secs(3_600), Duration::from_secs(30)).await;
-    let mut client = sluice.client().await;
+    let (_sluice, mut client) = started(store).await;
     let shown = |a: &Answer| (a.code, a.name.clone(), a.remaining);
 
     let first = hit(&mut client, "mixed").await;
@@ -350,8 +353,7 @@ async fn a_mixed_list_names_the_limit_that_denied_else_the_least_left_and_denial
     let again = hit(&mut client, "mixed").await;
     assert_eq!(shown(&again), (OVER_LIMIT, "bucket".into(), 0));
 
-    sleep_ms(denied.reset_ms() + 100).await;
-    let a = hit(&mut client, "mixed").await;
+    let a = hit_after_reset(&mut client, "mixed", &denied).await;
     assert_eq!(
         (a.code, a.remaining),
         (OK, 0),
@@ -545,16 +547,18 @@ async fn an_at_that_is_not_an_rfc_3339_instant_or_past_the_schedule_horizon_is_4
 
 #[tokio::test]
 async fn an_at_already_past_counts_as_now() {
-    let sluice = Sluice::start(MESSAGES).await;
-    common::clear_of_window_end(Duration::from_secs(3_600), Duration::from_secs(30)).await;
-    let past = post(&sluice, "fixed", "k", "\"2001-01-01T00:00:00Z\"");
-    assert_eq!((past.status, past.remaining), (200, 1), "{}", past.body);
-    let now = sluice.ask(request("messages", &[&[("fixed", "k")]])).await;
-    assert_eq!(
-        (now.overall_code, now.statuses[0].limit_remaining),
-        (OK, 0),
-        "the past instant counted in this hour's window"
-    );
+    in_one_window(HOUR, async || {
+        let sluice = Sluice::start(MESSAGES).await;
+        let past = post(&sluice, "fixed", "k", "\"2001-01-01T00:00:00Z\"");
+        assert_eq!((past.status, past.remaining), (200, 1), "{}", past.body);
+        let now = sluice.ask(request("messages", &[&[("fixed", "k")]])).await;
+        assert_eq!(
+            (now.overall_code, now.statuses[0].limit_remaining),
+            (OK, 0),
+            "the past instant counted in this hour's window"
+        );
+    })
+    .await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -598,15 +602,12 @@ descriptors:
         "rules.yaml:8: burst must be at least 1",
         "rules.yaml:12: sliding_log",
     ];
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !reported.iter().all(|r| sluice.log_text().contains(r)) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "both errors are logged at their lines: {}",
-            sluice.log_text()
-        );
-        sleep_ms(50).await;
-    }
+    eventually(
+        "both errors are logged at their lines",
+        Duration::from_secs(10),
+        async || reported.iter().all(|r| sluice.log_text().contains(r)),
+    )
+    .await;
     let a = hit(&mut client, "user").await;
     assert_eq!(
         (a.code, a.remaining),

@@ -5,9 +5,7 @@
 
 mod common;
 
-use std::time::Duration;
-
-use common::{OK, OVER_LIMIT, Sluice, Store, clear_of_window_end, request};
+use common::{OK, OVER_LIMIT, Sluice, Store, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::google::protobuf::{UInt64Value, Value, value::Kind};
@@ -133,7 +131,6 @@ async fn limit_headers_carry_the_least_remaining_limit_then_the_one_that_denied(
         &["--limit-response-headers"],
     )
     .await;
-    clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(30)).await;
     let both = || request("ans", &[&[("wide", "w")], &[("narrow", "n")]]);
     for left in ["2", "1", "0"] {
         let r = sluice.ask(both()).await;

@@ -2,13 +2,11 @@
 //! envoyproxy/ratelimit's counting (`counting: always`, per rule or `--counting always`), which
 //! response-phase costs such as token budgets rely on; global quota mode (`--quota-mode`) and a
 //! rule in both shadow and quota mode. Every test runs on the embedded store, a standalone Redis
-//! and a Redis Cluster, with hour windows it keeps clear of their ends.
+//! and a Redis Cluster, with hour windows, in one window each (`common::in_one_window`).
 
 mod common;
 
-use std::time::Duration;
-
-use common::{OK, OVER_LIMIT, Sluice, Store, clear_of_window_end, request};
+use common::{OK, OVER_LIMIT, Sluice, Store, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::google::protobuf::UInt64Value;
@@ -24,10 +22,8 @@ on_every_store!(
     a_rule_in_shadow_and_quota_mode_is_reported_ok_and_keeps_quotas_from_denying,
 );
 
-const HOUR: Duration = Duration::from_secs(3600);
-
 /// envoyproxy/ratelimit's `token-quota` integration scenario: `service_2` has 2 per minute (an
-/// hour here, so that no test straddles a window), in quota mode; Envoy checks it with
+/// hour here, so that a window seldom ends during a test), in quota mode; Envoy checks it with
 /// `hits_addend: 0` when the request comes and charges 1 when the response is done.
 const TOKEN_QUOTA: &str = r#"
 domain: rl
@@ -73,14 +69,9 @@ async fn through(sluice: &Sluice, key: &str, value: &str, cost: u64) -> i32 {
     code
 }
 
-async fn clear_of_the_hour() {
-    clear_of_window_end(HOUR, Duration::from_secs(20)).await;
-}
-
 async fn the_token_quota_scenario_allows_three_then_denies_when_charged_after_the_response(
     store: Store,
 ) {
-    clear_of_the_hour().await;
     let sluice = Sluice::on(store, &[("rl.yaml", TOKEN_QUOTA)], &[]).await;
     let mut codes = Vec::new();
     for _ in 0..4 {
@@ -90,7 +81,6 @@ async fn the_token_quota_scenario_allows_three_then_denies_when_charged_after_th
 }
 
 async fn the_same_scenario_with_the_global_flag(store: Store) {
-    clear_of_the_hour().await;
     let sluice = Sluice::on(store, &[("rl.yaml", UNSAID)], &["--counting", "always"]).await;
     let mut codes = Vec::new();
     for _ in 0..4 {
@@ -100,7 +90,6 @@ async fn the_same_scenario_with_the_global_flag(store: Store) {
 }
 
 async fn admitted_counting_stops_the_third_request_of_the_same_scenario(store: Store) {
-    clear_of_the_hour().await;
     let sluice = Sluice::on(store, &[("rl.yaml", UNSAID)], &[]).await;
     let mut codes = Vec::new();
     for _ in 0..3 {
@@ -114,7 +103,6 @@ async fn admitted_counting_stops_the_third_request_of_the_same_scenario(store: S
 }
 
 async fn a_charge_past_the_budget_lands_and_the_next_check_is_over(store: Store) {
-    clear_of_the_hour().await;
     let sluice = Sluice::on(store, &[("rl.yaml", TOKEN_QUOTA)], &[]).await;
     let spent = sluice.ask(costing("tokens", "alice", 990)).await;
     assert_eq!(spent.overall_code, OK);
@@ -140,7 +128,6 @@ async fn a_charge_past_the_budget_lands_and_the_next_check_is_over(store: Store)
 }
 
 async fn a_rule_counting_admitted_keeps_all_or_nothing_under_the_global_flag(store: Store) {
-    clear_of_the_hour().await;
     let sluice = Sluice::on(
         store,
         &[("rl.yaml", TOKEN_QUOTA)],
@@ -166,7 +153,6 @@ async fn a_rule_counting_admitted_keeps_all_or_nothing_under_the_global_flag(sto
 }
 
 async fn a_denied_request_still_charges_the_descriptors_counted_always(store: Store) {
-    clear_of_the_hour().await;
     let sluice = Sluice::on(store, &[("rl.yaml", TOKEN_QUOTA)], &[]).await;
     let mut both = request("rl", &[&[("tokens", "carol")], &[("free", "x")]]);
     both.hits_addend = 7;
@@ -201,7 +187,6 @@ descriptors:
 "#;
 
 async fn global_quota_mode_denies_only_when_every_descriptor_is_over(store: Store) {
-    clear_of_the_hour().await;
     let sluice = Sluice::on(store, &[("q.yaml", QUOTAS)], &["--quota-mode"]).await;
     let pair = || request("q", &[&[("a", "1")], &[("b", "1")]]);
     assert_eq!(sluice.ask(pair()).await.overall_code, OK);
@@ -232,7 +217,6 @@ async fn global_quota_mode_denies_only_when_every_descriptor_is_over(store: Stor
 async fn a_rule_in_shadow_and_quota_mode_is_reported_ok_and_keeps_quotas_from_denying(
     store: Store,
 ) {
-    clear_of_the_hour().await;
     let sluice = Sluice::on(store, &[("q.yaml", QUOTAS)], &[]).await;
     let both = || request("q", &[&[("hard", "1")], &[("soft", "1")]]);
     assert_eq!(sluice.ask(both()).await.overall_code, OK);

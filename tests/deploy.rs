@@ -7,10 +7,9 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
 
 use common::envoy::{Envoy, UPSTREAM_BODY, Upstream, envoy_binary, get_with_headers, header};
-use common::{Sluice, Store, clear_of_window_end};
+use common::{MINUTE, Sluice, Store, in_one_window};
 
 /// The sidecar example, as kustomize reads it.
 const SIDECAR: &str = "deploy/kubernetes/sidecar";
@@ -64,74 +63,76 @@ const LOGINS: usize = 5;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_sidecar_envoy_config_limits_as_the_sidecar_rules_say() {
-    let binary = envoy_binary();
-    let rules = std::fs::read_to_string(repo_file(&format!("{SIDECAR}/rules/app.yaml")))
-        .expect("the sidecar's rules/app.yaml");
-    let sluice = Sluice::on(Store::Memory, &[("app.yaml", &rules)], &[]).await;
-    let upstream = Upstream::start();
-    let envoy = Envoy::launch(&binary, &|listener, admin| {
-        sidecar_envoy_config(
-            listener.port(),
-            admin.port(),
-            upstream.addr.port(),
-            sluice.grpc.port(),
-        )
-    });
+    in_one_window(MINUTE, async || {
+        let binary = envoy_binary();
+        let rules = std::fs::read_to_string(repo_file(&format!("{SIDECAR}/rules/app.yaml")))
+            .expect("the sidecar's rules/app.yaml");
+        let sluice = Sluice::on(Store::Memory, &[("app.yaml", &rules)], &[]).await;
+        let upstream = Upstream::start();
+        let envoy = Envoy::launch(&binary, &|listener, admin| {
+            sidecar_envoy_config(
+                listener.port(),
+                admin.port(),
+                upstream.addr.port(),
+                sluice.grpc.port(),
+            )
+        });
 
-    clear_of_window_end(Duration::from_secs(60), Duration::from_secs(20)).await;
-    let served_before = upstream.served();
-    let get = |path: &str| get_with_headers(envoy.listener, path, &[]);
+        let served_before = upstream.served();
+        let get = |path: &str| get_with_headers(envoy.listener, path, &[]);
 
-    // Logins: their own limit of 5 is the tighter one, and each also spends the per-address one
-    // (Envoy names the tightest, then every policy).
-    for left in (0..LOGINS).rev() {
-        let (status, headers, body) = get("/login");
-        assert_eq!(status, 200, "login with {left} left: {headers:?} {body}");
-        assert_eq!(body, UPSTREAM_BODY);
+        // Logins: their own limit of 5 is the tighter one, and each also spends the per-address one
+        // (Envoy names the tightest, then every policy).
+        for left in (0..LOGINS).rev() {
+            let (status, headers, body) = get("/login");
+            assert_eq!(status, 200, "login with {left} left: {headers:?} {body}");
+            assert_eq!(body, UPSTREAM_BODY);
+            assert_eq!(
+                header(&headers, "x-ratelimit-limit"),
+                Some(format!("{LOGINS}, {PER_ADDRESS};w=60, {LOGINS};w=60").as_str())
+            );
+            assert_eq!(
+                header(&headers, "x-ratelimit-remaining"),
+                Some(left.to_string().as_str())
+            );
+        }
+        let (status, headers, _) = get("/login");
+        assert_eq!(status, 429, "the sixth login: {headers:?}");
+        assert_eq!(header(&headers, "x-envoy-ratelimited"), Some("true"));
+
+        // Other paths: what the logins left of the 60 per address (a denied login charged nothing).
+        for left in (0..PER_ADDRESS - LOGINS).rev() {
+            let (status, headers, body) = get("/");
+            assert_eq!(status, 200, "request with {left} left: {headers:?} {body}");
+            assert_eq!(
+                header(&headers, "x-ratelimit-remaining"),
+                Some(left.to_string().as_str())
+            );
+        }
+        let (status, headers, _) = get("/");
+        assert_eq!(status, 429, "past 60 a minute: {headers:?}");
         assert_eq!(
             header(&headers, "x-ratelimit-limit"),
-            Some(format!("{LOGINS}, {PER_ADDRESS};w=60, {LOGINS};w=60").as_str())
+            Some(format!("{PER_ADDRESS}, {PER_ADDRESS};w=60").as_str())
         );
-        assert_eq!(
-            header(&headers, "x-ratelimit-remaining"),
-            Some(left.to_string().as_str())
-        );
-    }
-    let (status, headers, _) = get("/login");
-    assert_eq!(status, 429, "the sixth login: {headers:?}");
-    assert_eq!(header(&headers, "x-envoy-ratelimited"), Some("true"));
 
-    // Other paths: what the logins left of the 60 per address (a denied login charged nothing).
-    for left in (0..PER_ADDRESS - LOGINS).rev() {
-        let (status, headers, body) = get("/");
-        assert_eq!(status, 200, "request with {left} left: {headers:?} {body}");
+        // The probe route spends nothing and stays open.
+        let (status, _, body) = get("/probe");
+        assert_eq!((status, body.as_str()), (200, UPSTREAM_BODY));
         assert_eq!(
-            header(&headers, "x-ratelimit-remaining"),
-            Some(left.to_string().as_str())
+            upstream.served() - served_before,
+            PER_ADDRESS + 1,
+            "the upstream sees the admitted requests and the probe, nothing denied"
         );
-    }
-    let (status, headers, _) = get("/");
-    assert_eq!(status, 429, "past 60 a minute: {headers:?}");
-    assert_eq!(
-        header(&headers, "x-ratelimit-limit"),
-        Some(format!("{PER_ADDRESS}, {PER_ADDRESS};w=60").as_str())
-    );
-
-    // The probe route spends nothing and stays open.
-    let (status, _, body) = get("/probe");
-    assert_eq!((status, body.as_str()), (200, UPSTREAM_BODY));
-    assert_eq!(
-        upstream.served() - served_before,
-        PER_ADDRESS + 1,
-        "the upstream sees the admitted requests and the probe, nothing denied"
-    );
-    let stats = envoy.stats("cluster.app.ratelimit.");
-    assert_eq!(stats.get("error").copied().unwrap_or(0), 0, "{stats:?}");
-    assert_eq!(
-        stats.get("failure_mode_allowed").copied().unwrap_or(0),
-        0,
-        "{stats:?}"
-    );
+        let stats = envoy.stats("cluster.app.ratelimit.");
+        assert_eq!(stats.get("error").copied().unwrap_or(0), 0, "{stats:?}");
+        assert_eq!(
+            stats.get("failure_mode_allowed").copied().unwrap_or(0),
+            0,
+            "{stats:?}"
+        );
+    })
+    .await;
 }
 
 #[test]

@@ -9,10 +9,9 @@ use std::time::Duration;
 use common::envoy::{
     Envoy, Filter, UPSTREAM_BODY, Upstream, envoy_binary, get_with_headers, header,
 };
-use common::{Sluice, clear_of_window_end, http};
+use common::{HOUR, Sluice, http, in_one_window};
 
-/// Five requests per hour: an hourly window is wide enough that the test never straddles two
-/// windows once `clear_of_window_end` has run.
+/// Five requests per hour; a test counting them runs `in_one_window` of an hour.
 const LIMIT: u32 = 5;
 const WINDOW_SECS: u64 = 3600;
 const RULES: &str = "\
@@ -36,59 +35,61 @@ const FILTER: Filter = Filter {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn envoy_answers_429_with_ratelimit_headers_once_the_limit_is_reached() {
-    let binary = envoy_binary();
-    let sluice = Sluice::start(RULES).await;
-    let upstream = Upstream::start();
-    let envoy = Envoy::start(&binary, upstream.addr, sluice.grpc, &FILTER);
+    in_one_window(HOUR, async || {
+        let binary = envoy_binary();
+        let sluice = Sluice::start(RULES).await;
+        let upstream = Upstream::start();
+        let envoy = Envoy::start(&binary, upstream.addr, sluice.grpc, &FILTER);
 
-    clear_of_window_end(Duration::from_secs(WINDOW_SECS), Duration::from_secs(30)).await;
-    let served_before = upstream.served();
-    for expected_remaining in (0..LIMIT).rev() {
-        let (status, headers, body) = http(envoy.listener, "GET", "/", "");
+        let served_before = upstream.served();
+        for expected_remaining in (0..LIMIT).rev() {
+            let (status, headers, body) = http(envoy.listener, "GET", "/", "");
+            assert_eq!(
+                status, 200,
+                "request with {expected_remaining} left: {headers:?} {body}"
+            );
+            assert_eq!(body, UPSTREAM_BODY, "the answer comes from the upstream");
+            assert_eq!(
+                header(&headers, "x-ratelimit-limit"),
+                Some(limit_header().as_str())
+            );
+            assert_eq!(
+                header(&headers, "x-ratelimit-remaining"),
+                Some(expected_remaining.to_string().as_str())
+            );
+            assert_reset_within_window(&headers);
+            assert_eq!(header(&headers, "x-envoy-ratelimited"), None);
+        }
+        for _ in 0..3 {
+            let (status, headers, body) = http(envoy.listener, "GET", "/", "");
+            assert_eq!(status, 429, "request over the limit: {headers:?} {body}");
+            // Envoy sets this header only on the 429 its rate limit filter sends after an OVER_LIMIT.
+            assert_eq!(header(&headers, "x-envoy-ratelimited"), Some("true"));
+            assert_eq!(
+                header(&headers, "x-ratelimit-limit"),
+                Some(limit_header().as_str())
+            );
+            assert_eq!(header(&headers, "x-ratelimit-remaining"), Some("0"));
+            assert_reset_within_window(&headers);
+        }
         assert_eq!(
-            status, 200,
-            "request with {expected_remaining} left: {headers:?} {body}"
+            upstream.served() - served_before,
+            LIMIT as usize,
+            "only the admitted requests reach the upstream"
         );
-        assert_eq!(body, UPSTREAM_BODY, "the answer comes from the upstream");
-        assert_eq!(
-            header(&headers, "x-ratelimit-limit"),
-            Some(limit_header().as_str())
-        );
-        assert_eq!(
-            header(&headers, "x-ratelimit-remaining"),
-            Some(expected_remaining.to_string().as_str())
-        );
-        assert_reset_within_window(&headers);
-        assert_eq!(header(&headers, "x-envoy-ratelimited"), None);
-    }
-    for _ in 0..3 {
-        let (status, headers, body) = http(envoy.listener, "GET", "/", "");
-        assert_eq!(status, 429, "request over the limit: {headers:?} {body}");
-        // Envoy sets this header only on the 429 its rate limit filter sends after an OVER_LIMIT.
-        assert_eq!(header(&headers, "x-envoy-ratelimited"), Some("true"));
-        assert_eq!(
-            header(&headers, "x-ratelimit-limit"),
-            Some(limit_header().as_str())
-        );
-        assert_eq!(header(&headers, "x-ratelimit-remaining"), Some("0"));
-        assert_reset_within_window(&headers);
-    }
-    assert_eq!(
-        upstream.served() - served_before,
-        LIMIT as usize,
-        "only the admitted requests reach the upstream"
-    );
 
-    // Envoy's own counters confirm every decision came from sluice, none from a failure.
-    let stats = envoy.ratelimit_stats();
-    assert_eq!(stats.get("ok"), Some(&(LIMIT as u64)), "{stats:?}");
-    assert_eq!(stats.get("over_limit"), Some(&3), "{stats:?}");
-    assert_eq!(stats.get("error").copied().unwrap_or(0), 0, "{stats:?}");
-    assert_eq!(
-        stats.get("failure_mode_allowed").copied().unwrap_or(0),
-        0,
-        "{stats:?}"
-    );
+        // Envoy's own counters confirm every decision came from sluice, none from a failure.
+        let stats = envoy.ratelimit_stats();
+        assert_eq!(stats.get("ok"), Some(&(LIMIT as u64)), "{stats:?}");
+        assert_eq!(stats.get("over_limit"), Some(&3), "{stats:?}");
+        assert_eq!(stats.get("error").copied().unwrap_or(0), 0, "{stats:?}");
+        assert_eq!(
+            stats.get("failure_mode_allowed").copied().unwrap_or(0),
+            0,
+            "{stats:?}"
+        );
+    })
+    .await;
 }
 
 /// The DRAFT_VERSION_03 `x-ratelimit-limit` value for the rule: the limit, then its policy.
@@ -188,34 +189,36 @@ async fn envoy_shows_whole_second_resets_and_states_no_window_a_multiplier_would
 
 #[tokio::test(flavor = "multi_thread")]
 async fn envoy_sends_the_limit_response_headers_on_to_the_client() {
-    let binary = envoy_binary();
-    let sluice = Sluice::start_with(
-        &[("rules.yaml", ANSWERS_RULES)],
-        &["--limit-response-headers"],
-    )
-    .await;
-    let upstream = Upstream::start();
-    let envoy = Envoy::start(&binary, upstream.addr, sluice.grpc, &ANSWERS_FILTER);
+    in_one_window(HOUR, async || {
+        let binary = envoy_binary();
+        let sluice = Sluice::start_with(
+            &[("rules.yaml", ANSWERS_RULES)],
+            &["--limit-response-headers"],
+        )
+        .await;
+        let upstream = Upstream::start();
+        let envoy = Envoy::start(&binary, upstream.addr, sluice.grpc, &ANSWERS_FILTER);
 
-    clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(30)).await;
-    for (expected_status, remaining) in [(200, "1"), (200, "0"), (429, "0")] {
-        let (status, headers) = get_rule(&envoy, "hourly");
-        assert_eq!(status, expected_status, "{headers:?}");
-        assert_eq!(
-            header(&headers, "ratelimit-limit"),
-            Some("2"),
-            "{headers:?}"
-        );
-        assert_eq!(header(&headers, "ratelimit-remaining"), Some(remaining));
-        let reset: u64 = header(&headers, "ratelimit-reset")
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("a numeric ratelimit-reset: {headers:?}"));
-        assert!((1..=3600).contains(&reset), "{headers:?}");
-        if status == 429 {
+        for (expected_status, remaining) in [(200, "1"), (200, "0"), (429, "0")] {
+            let (status, headers) = get_rule(&envoy, "hourly");
+            assert_eq!(status, expected_status, "{headers:?}");
             assert_eq!(
-                header(&headers, "retry-after"),
-                Some(reset.to_string().as_str())
+                header(&headers, "ratelimit-limit"),
+                Some("2"),
+                "{headers:?}"
             );
+            assert_eq!(header(&headers, "ratelimit-remaining"), Some(remaining));
+            let reset: u64 = header(&headers, "ratelimit-reset")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("a numeric ratelimit-reset: {headers:?}"));
+            assert!((1..=3600).contains(&reset), "{headers:?}");
+            if status == 429 {
+                assert_eq!(
+                    header(&headers, "retry-after"),
+                    Some(reset.to_string().as_str())
+                );
+            }
         }
-    }
+    })
+    .await;
 }

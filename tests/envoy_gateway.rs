@@ -17,7 +17,7 @@ use common::envoy::{Envoy, Front, Upstream, UpstreamTls, bootstrap_with, envoy_b
 use common::metrics::{Scrape, scrape_at};
 use common::ratelimit::{ENVOY_GATEWAY, Ratelimit};
 use common::xds::{Certs, ServerTlsFiles, XdsServer, certgen, domain, nest, rule};
-use common::{clear_of_window_end, exchange, free_port, http};
+use common::{HOUR, exchange, free_port, http, in_one_window};
 use envoy_types::pb::ratelimit::config::ratelimit::v3::{RateLimitDescriptor, RateLimitUnit};
 
 /// Envoy Gateway's listener domain for Gateway `default/eg`, listener `http`.
@@ -315,10 +315,6 @@ async fn ready(ratelimit: &Ratelimit) {
     }
 }
 
-async fn clear_of_the_hour() {
-    clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(60)).await;
-}
-
 /// A per-rule series of Envoy Gateway's mapping (`domain`, `key1`, `key2`).
 fn series(scrape: &Scrape, stat: &str, key1: &str, key2: &str) -> f64 {
     scrape.value(
@@ -329,108 +325,118 @@ fn series(scrape: &Scrape, stat: &str, key1: &str, key2: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cidr_selector_allows_three_an_hour_with_envoy_gateways_headers_and_metrics() {
-    clear_of_the_hour().await;
-    let gw = Gateway::start("cidr").await;
-    for n in 1..=3 {
-        let (status, headers) = gw.get("/cidr", &[]);
-        assert_eq!(status, 200, "request {n}: {headers:?}");
-        assert_eq!(header(&headers, "x-ratelimit-limit"), Some("3, 3;w=3600"));
+    in_one_window(HOUR, async || {
+        let gw = Gateway::start("cidr").await;
+        for n in 1..=3 {
+            let (status, headers) = gw.get("/cidr", &[]);
+            assert_eq!(status, 200, "request {n}: {headers:?}");
+            assert_eq!(header(&headers, "x-ratelimit-limit"), Some("3, 3;w=3600"));
+            assert_eq!(
+                header(&headers, "x-ratelimit-remaining"),
+                Some((3 - n).to_string().as_str())
+            );
+        }
+        let served = gw.upstream.served();
+        assert_eq!(gw.get("/cidr", &[]).0, 429);
         assert_eq!(
-            header(&headers, "x-ratelimit-remaining"),
-            Some((3 - n).to_string().as_str())
+            gw.upstream.served(),
+            served,
+            "a 429 never reaches the upstream"
         );
-    }
-    let served = gw.upstream.served();
-    assert_eq!(gw.get("/cidr", &[]).0, 429);
-    assert_eq!(
-        gw.upstream.served(),
-        served,
-        "a 429 never reaches the upstream"
-    );
 
-    // Envoy Gateway's dashboard and e2e test read these series; counted as envoyproxy/ratelimit
-    // counts: 4 hits, 3 within the limit (the third past the near-limit threshold), 1 over.
-    let m = gw.metrics();
-    let key1 = format!("{CIDR}_{CIDR}");
-    let key2 = "masked_remote_address_0_0_0_0/0";
-    let counts = ["total_hits", "within_limit", "near_limit", "over_limit"]
-        .map(|stat| series(&m, stat, &key1, key2));
-    assert_eq!(counts, [4.0, 3.0, 1.0, 1.0], "total, within, near, over");
-    assert!(m.get("go_memstats_gc_cpu_fraction", &[]).is_some());
-    assert!(m.get("process_resident_memory_bytes", &[]).is_some());
+        // Envoy Gateway's dashboard and e2e test read these series; counted as envoyproxy/ratelimit
+        // counts: 4 hits, 3 within the limit (the third past the near-limit threshold), 1 over.
+        let m = gw.metrics();
+        let key1 = format!("{CIDR}_{CIDR}");
+        let key2 = "masked_remote_address_0_0_0_0/0";
+        let counts = ["total_hits", "within_limit", "near_limit", "over_limit"]
+            .map(|stat| series(&m, stat, &key1, key2));
+        assert_eq!(counts, [4.0, 3.0, 1.0, 1.0], "total, within, near, over");
+        assert!(m.get("go_memstats_gc_cpu_fraction", &[]).is_some());
+        assert!(m.get("process_resident_memory_bytes", &[]).is_some());
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn header_selectors_limit_only_requests_with_every_header() {
-    clear_of_the_hour().await;
-    let gw = Gateway::start("headers").await;
-    let one = [("x-user-id", "one")];
-    assert_eq!(
-        gw.statuses("/headers", &one, 4),
-        [200; 4],
-        "one matched header is not the rule"
-    );
-    let both = [("x-user-id", "one"), ("x-user-org", "acme")];
-    let (status, headers) = gw.get("/headers", &both);
-    assert_eq!(status, 200);
-    assert_eq!(header(&headers, "x-ratelimit-limit"), Some("3, 3;w=3600"));
-    assert_eq!(gw.statuses("/headers", &both, 3), [200, 200, 429]);
+    in_one_window(HOUR, async || {
+        let gw = Gateway::start("headers").await;
+        let one = [("x-user-id", "one")];
+        assert_eq!(
+            gw.statuses("/headers", &one, 4),
+            [200; 4],
+            "one matched header is not the rule"
+        );
+        let both = [("x-user-id", "one"), ("x-user-org", "acme")];
+        let (status, headers) = gw.get("/headers", &both);
+        assert_eq!(status, 200);
+        assert_eq!(header(&headers, "x-ratelimit-limit"), Some("3, 3;w=3600"));
+        assert_eq!(gw.statuses("/headers", &both, 3), [200, 200, 429]);
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn shadow_mode_never_limits_but_counts_what_it_would_have() {
-    clear_of_the_hour().await;
-    let gw = Gateway::start("shadow").await;
-    assert_eq!(gw.statuses("/shadow", &[], 4), [200; 4]);
-    let m = gw.metrics();
-    let key1 = format!("{SHADOW}_{SHADOW}");
-    let key2 = "masked_remote_address_0_0_0_0/0";
-    assert_eq!(series(&m, "shadow_mode", &key1, key2), 3.0);
-    assert_eq!(series(&m, "total_hits", &key1, key2), 4.0);
+    in_one_window(HOUR, async || {
+        let gw = Gateway::start("shadow").await;
+        assert_eq!(gw.statuses("/shadow", &[], 4), [200; 4]);
+        let m = gw.metrics();
+        let key1 = format!("{SHADOW}_{SHADOW}");
+        let key2 = "masked_remote_address_0_0_0_0/0";
+        assert_eq!(series(&m, "shadow_mode", &key1, key2), 3.0);
+        assert_eq!(series(&m, "total_hits", &key1, key2), 4.0);
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_shared_limit_with_a_request_cost_counts_every_route_together() {
-    clear_of_the_hour().await;
-    let gw = Gateway::start("shared").await;
-    let (status, headers) = gw.get("/shared-a", &[]);
-    assert_eq!(status, 200);
-    assert_eq!(header(&headers, "x-ratelimit-limit"), Some("4, 4;w=3600"));
-    assert_eq!(gw.get("/shared-b", &[]).0, 200, "two requests of cost 2");
-    assert_eq!(gw.get("/shared-a", &[]).0, 429, "the shared 4 are spent");
-    assert_eq!(gw.get("/shared-b", &[]).0, 429);
+    in_one_window(HOUR, async || {
+        let gw = Gateway::start("shared").await;
+        let (status, headers) = gw.get("/shared-a", &[]);
+        assert_eq!(status, 200);
+        assert_eq!(header(&headers, "x-ratelimit-limit"), Some("4, 4;w=3600"));
+        assert_eq!(gw.get("/shared-b", &[]).0, 200, "two requests of cost 2");
+        assert_eq!(gw.get("/shared-a", &[]).0, 429, "the shared 4 are spent");
+        assert_eq!(gw.get("/shared-b", &[]).0, 429);
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn request_and_response_costs_hold_a_token_budget() {
-    clear_of_the_hour().await;
-    let gw = Gateway::start("tokens").await;
-    let call = |user: &str, tokens: u64| {
-        gw.get(
-            "/llm",
-            &[("x-user-id", user), ("x-cost", &tokens.to_string())],
-        )
-        .0
-    };
-    // The response cost is charged once the response is done: wait for each charge to land.
-    let spent = |expected: f64| {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let key1 = format!("{COST}_{COST}");
-        while series(&gw.metrics(), "total_hits", &key1, "rule-0-match-0") < expected {
-            assert!(Instant::now() < deadline, "{expected} tokens not charged");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    };
-    assert_eq!(call("alice", 400), 200);
-    spent(400.0);
-    assert_eq!(call("alice", 400), 200);
-    spent(800.0);
-    assert_eq!(call("alice", 400), 200, "200 tokens left: one more call");
-    spent(1200.0);
-    assert_eq!(call("alice", 400), 429, "the budget is spent");
-    assert_eq!(
-        call("bob", 10),
-        200,
-        "a distinct header: bob's budget is his own"
-    );
+    in_one_window(HOUR, async || {
+        let gw = Gateway::start("tokens").await;
+        let call = |user: &str, tokens: u64| {
+            gw.get(
+                "/llm",
+                &[("x-user-id", user), ("x-cost", &tokens.to_string())],
+            )
+            .0
+        };
+        // The response cost is charged once the response is done: wait for each charge to land.
+        let spent = |expected: f64| {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let key1 = format!("{COST}_{COST}");
+            while series(&gw.metrics(), "total_hits", &key1, "rule-0-match-0") < expected {
+                assert!(Instant::now() < deadline, "{expected} tokens not charged");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        };
+        assert_eq!(call("alice", 400), 200);
+        spent(400.0);
+        assert_eq!(call("alice", 400), 200);
+        spent(800.0);
+        assert_eq!(call("alice", 400), 200, "200 tokens left: one more call");
+        spent(1200.0);
+        assert_eq!(call("alice", 400), 429, "the budget is spent");
+        assert_eq!(
+            call("bob", 10),
+            200,
+            "a distinct header: bob's budget is his own"
+        );
+    })
+    .await;
 }

@@ -5,13 +5,13 @@
 
 mod common;
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::ratelimit::{ENVOY_GATEWAY, PATIENCE, Ratelimit};
-use common::{OK, OVER_LIMIT, clear_of_minute_boundary, free_port, http, request};
+use common::{MINUTE, OK, OVER_LIMIT, free_port, http, in_one_window, openssl, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::google::protobuf::UInt64Value;
 use sluice::settings::erl::{Translation, translate};
@@ -28,13 +28,19 @@ fn translated(pairs: &[(&str, &str)]) -> Result<Translation, String> {
     translate(&env)
 }
 
+/// `serve` and the flags the environment `pairs` becomes.
 fn args(pairs: &[(&str, &str)]) -> Vec<String> {
-    translated(pairs)
-        .expect("a valid environment")
-        .args
-        .into_iter()
-        .map(|a| a.into_string().unwrap())
-        .collect()
+    strings(translated(pairs).expect("a valid environment").args)
+}
+
+fn strings(args: Vec<OsString>) -> Vec<String> {
+    args.into_iter().map(|a| a.into_string().unwrap()).collect()
+}
+
+/// The variables of `pairs` that sluice names as unhonoured, in its order.
+fn unhonoured(pairs: &[(&str, &str)]) -> Vec<&'static str> {
+    let translation = translated(pairs).expect("a valid environment");
+    translation.unhonoured.iter().map(|u| u.name).collect()
 }
 
 /// The value `args` give `flag` (as `flag=value`), if any.
@@ -67,13 +73,8 @@ const ENVOY_GATEWAY_TRACING: &[(&str, &str)] = &[
 #[test]
 fn envoy_gateways_environment_becomes_these_serve_flags() {
     let t = translated(ENVOY_GATEWAY).unwrap();
-    let args: Vec<String> = t
-        .args
-        .into_iter()
-        .map(|a| a.into_string().unwrap())
-        .collect();
     assert_eq!(
-        args,
+        strings(t.args),
         split(
             "serve --http-addr=0.0.0.0:8080 --grpc-addr=0.0.0.0:8081 --debug-addr=0.0.0.0:6070 \
              --xds-server=envoy-gateway:18001 --xds-node-id=envoy-ratelimit \
@@ -103,14 +104,8 @@ fn envoy_gateways_tracing_variables_are_named_as_unhonoured() {
         .chain(ENVOY_GATEWAY_TRACING)
         .copied()
         .collect();
-    let names: Vec<_> = translated(&env)
-        .unwrap()
-        .unhonoured
-        .iter()
-        .map(|u| u.name)
-        .collect();
     assert_eq!(
-        names,
+        unhonoured(&env),
         [
             "TRACING_ENABLED",
             "TRACING_SERVICE_NAME",
@@ -148,13 +143,8 @@ fn envoy_gateways_redis_tls_becomes_a_rediss_url_with_the_client_certificate() {
 #[test]
 fn an_empty_environment_gets_envoyproxy_ratelimits_defaults_on_the_embedded_store() {
     let t = translated(&[]).unwrap();
-    let args: Vec<String> = t
-        .args
-        .into_iter()
-        .map(|a| a.into_string().unwrap())
-        .collect();
     assert_eq!(
-        args,
+        strings(t.args),
         split(
             "serve --http-addr=0.0.0.0:8080 --grpc-addr=0.0.0.0:8081 --debug-addr=0.0.0.0:6070 \
              --config=/srv/runtime_data/current/config --counting=always --local-cache-size=0 \
@@ -461,21 +451,15 @@ fn only_variables_set_to_what_would_matter_are_unhonoured() {
         ("TRACING_SERVICE_NAME", "x"),
         ("GRPC_CLIENT_TLS_SAN", "client"),
     ];
-    assert_eq!(translated(&harmless).unwrap().unhonoured, []);
+    assert_eq!(unhonoured(&harmless), Vec::<&str>::new());
     let mattering = [
         ("USE_STATSD", "true"),
         ("REDIS_POOL_SIZE", "20"),
         ("GRPC_UDS", "/tmp/rl.sock"),
         ("REDIS_PERSECOND", "true"),
     ];
-    let names: Vec<_> = translated(&mattering)
-        .unwrap()
-        .unhonoured
-        .iter()
-        .map(|u| u.name)
-        .collect();
     assert_eq!(
-        names,
+        unhonoured(&mattering),
         [
             "GRPC_UDS",
             "USE_STATSD",
@@ -571,13 +555,7 @@ fn connection_age_variables_become_the_connection_age_flags_with_their_defaults(
         translated(&[("GRPC_MAX_CONNECTION_AGE_GRACE", "-1s")]).unwrap_err(),
         "GRPC_MAX_CONNECTION_AGE_GRACE=-1s: must not be negative"
     );
-    let names: Vec<_> = translated(&env)
-        .unwrap()
-        .unhonoured
-        .iter()
-        .map(|u| u.name)
-        .collect();
-    assert_eq!(names, Vec::<&str>::new(), "both are honoured");
+    assert_eq!(unhonoured(&env), Vec::<&str>::new(), "both are honoured");
 }
 
 #[test]
@@ -635,40 +613,36 @@ fn pairs<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> 
 
 #[tokio::test]
 async fn as_ratelimit_grpc_decides_on_redis_counting_as_envoyproxy_ratelimit() {
-    clear_of_minute_boundary().await;
-    let env = on_redis("counting");
-    let rl = Ratelimit::start(RULES, &pairs(&env));
-    let channel = rl.channel().await;
-    assert!(
-        rl.wait_serving(|| channel.clone()).await,
-        "{}",
-        rl.log_text()
-    );
-    let mut client = RateLimitServiceClient::new(channel);
-    let mut ask = async |r| {
-        client
-            .should_rate_limit(r)
-            .await
-            .expect("ShouldRateLimit succeeds")
-            .into_inner()
-            .overall_code
-    };
-    let alice = || request("erl", &[&[("user", "alice")]]);
-    assert_eq!(ask(alice()).await, OK);
-    assert_eq!(ask(alice()).await, OK);
-    let mut check_only = alice();
-    check_only.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
-    assert_eq!(
-        ask(check_only.clone()).await,
-        OK,
-        "a check at the limit is OK: over only when the count is above it"
-    );
-    assert_eq!(ask(alice()).await, OVER_LIMIT);
-    assert_eq!(ask(check_only).await, OVER_LIMIT);
-    let port = common::redis::standalone().ports[0];
-    let prefix = &env[2].1;
-    let keys = common::redis::cli(port, &["KEYS", &format!("{prefix}*")]);
-    assert_eq!(keys.lines().count(), 1, "one counter in Redis: {keys}");
+    in_one_window(MINUTE, async || {
+        let env = on_redis("counting");
+        let (_ratelimit, channel) = Ratelimit::serving(RULES, &pairs(&env)).await;
+        let mut client = RateLimitServiceClient::new(channel);
+        let mut ask = async |r| {
+            client
+                .should_rate_limit(r)
+                .await
+                .expect("ShouldRateLimit succeeds")
+                .into_inner()
+                .overall_code
+        };
+        let alice = || request("erl", &[&[("user", "alice")]]);
+        assert_eq!(ask(alice()).await, OK);
+        assert_eq!(ask(alice()).await, OK);
+        let mut check_only = alice();
+        check_only.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
+        assert_eq!(
+            ask(check_only.clone()).await,
+            OK,
+            "a check at the limit is OK: over only when the count is above it"
+        );
+        assert_eq!(ask(alice()).await, OVER_LIMIT);
+        assert_eq!(ask(check_only).await, OVER_LIMIT);
+        let port = common::redis::standalone().ports[0];
+        let prefix = &env[2].1;
+        let keys = common::redis::cli(port, &["KEYS", &format!("{prefix}*")]);
+        assert_eq!(keys.lines().count(), 1, "one counter in Redis: {keys}");
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -723,13 +697,7 @@ fn http_get(addr: SocketAddr, path: &str) -> (u16, Vec<(String, String)>, String
 #[tokio::test]
 async fn as_ratelimit_grpc_health_reports_serving_for_service_ratelimit() {
     let env = on_redis("health");
-    let rl = Ratelimit::start(RULES, &pairs(&env));
-    let channel = rl.channel().await;
-    assert!(
-        rl.wait_serving(|| channel.clone()).await,
-        "{}",
-        rl.log_text()
-    );
+    let (_ratelimit, channel) = Ratelimit::serving(RULES, &pairs(&env)).await;
     for service in [
         "ratelimit",
         "",
@@ -752,9 +720,7 @@ async fn as_ratelimit_unhonoured_variables_are_logged_once_by_name() {
         ("REDIS_POOL_SIZE", "64".to_owned()),
         ("GRPC_SERVER_TLS_CA_CERT", "/certs/ca.crt".to_owned()),
     ]);
-    let rl = Ratelimit::start(RULES, &pairs(&env));
-    let channel = rl.channel().await;
-    assert!(rl.wait_serving(|| channel.clone()).await);
+    let (rl, _channel) = Ratelimit::serving(RULES, &pairs(&env)).await;
     let log = rl.log_text();
     assert_eq!(log.matches("TRACING_ENABLED").count(), 1, "{log}");
     assert_eq!(log.matches("REDIS_POOL_SIZE").count(), 1, "{log}");
@@ -779,19 +745,6 @@ async fn as_ratelimit_healthcheck_answers_at_once_while_redis_is_unreachable() {
     .unwrap();
     assert_eq!(status, 500, "Redis never reached: unhealthy");
     assert!(took < Duration::from_millis(500), "answered in {took:?}");
-}
-
-/// Runs `openssl` with `args`, which must succeed.
-fn openssl(args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .output()
-        .expect("openssl runs (install openssl)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 #[tokio::test]
@@ -857,17 +810,12 @@ async fn as_ratelimit_grpc_server_use_tls_serves_tls_with_an_rsa_private_key() {
 
 #[tokio::test]
 async fn as_ratelimit_serves_as_uid_65534_without_home_or_working_directory() {
-    let rl = Ratelimit::start_as(
+    let (rl, channel) = Ratelimit::serving_as(
         RULES,
         &[("HOME", "/nonexistent"), ("TMPDIR", "/nonexistent")],
         Some(&["--reuid", "65534", "--regid", "65534", "--clear-groups"]),
-    );
-    let channel = rl.channel().await;
-    assert!(
-        rl.wait_serving(|| channel.clone()).await,
-        "{}",
-        rl.log_text()
-    );
+    )
+    .await;
     let status = std::fs::read_to_string(format!("/proc/{}/status", rl.pid())).unwrap();
     let uid = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
     assert!(
@@ -882,59 +830,18 @@ async fn as_ratelimit_serves_as_uid_65534_without_home_or_working_directory() {
     assert_eq!(answer.into_inner().overall_code, OK);
 }
 
-/// Runs the binary as `ratelimit` with only `env` and ports of its own, and returns how it
-/// exited and what it wrote to stderr: it must exit within 10 s.
-fn refusal(env: &[(&str, &str)]) -> (std::process::ExitStatus, String) {
-    let dir = tempfile::tempdir().unwrap();
-    let link = dir.path().join("ratelimit");
-    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_sluice"), &link).unwrap();
-    std::fs::create_dir_all(dir.path().join("config")).unwrap();
-    std::fs::write(dir.path().join("config/erl.yaml"), RULES).unwrap();
-    let ports = [
-        ("PORT", free_port().to_string()),
-        ("GRPC_PORT", free_port().to_string()),
-        ("DEBUG_PORT", free_port().to_string()),
-        ("HOST", "127.0.0.1".to_owned()),
-        ("GRPC_HOST", "127.0.0.1".to_owned()),
-        ("DEBUG_HOST", "127.0.0.1".to_owned()),
-        ("RUNTIME_ROOT", dir.path().to_str().unwrap().to_owned()),
-    ];
-    let stderr = dir.path().join("stderr");
-    let mut child = Command::new(&link)
-        .env_clear()
-        .envs(ports)
-        .envs(env.iter().copied())
-        .stdin(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&stderr).unwrap())
-        .spawn()
-        .expect("ratelimit starts");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "ratelimit still runs with {env:?}: {}",
-                std::fs::read_to_string(&stderr).unwrap_or_default()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    (status, std::fs::read_to_string(&stderr).unwrap_or_default())
-}
-
 #[test]
 fn as_ratelimit_a_value_sluice_refuses_is_an_error_naming_its_variable() {
-    let (status, stderr) = refusal(&[("NEAR_LIMIT_RATIO", "-1")]);
+    let (status, stderr) = Ratelimit::refusal(RULES, &[("NEAR_LIMIT_RATIO", "-1")]);
     assert!(!status.success());
     assert!(
         stderr.contains("NEAR_LIMIT_RATIO=-1: --near-limit-ratio: must be more than 0"),
         "{stderr}"
     );
-    let (status, stderr) = refusal(&[("USE_PROMETHEUS", "true"), ("PROMETHEUS_PATH", "metrics")]);
+    let (status, stderr) = Ratelimit::refusal(
+        RULES,
+        &[("USE_PROMETHEUS", "true"), ("PROMETHEUS_PATH", "metrics")],
+    );
     assert!(!status.success());
     assert!(
         stderr.starts_with("ratelimit: PROMETHEUS_PATH=metrics: invalid value 'metrics'"),

@@ -1,32 +1,21 @@
 //! envoyproxy/ratelimit's README examples 1–11 ("Configuration" → "Examples"), each rule file as
 //! that README gives it, asked what that README says about it, on the embedded store and on a
 //! real Redis. Where sluice answers differently on purpose (a denied request consumes nothing),
-//! the test says so.
+//! the test says so. A test counting against a limit of a second asks through `/json` at one
+//! instant it chooses, so that no second ends between its requests.
 
 mod common;
 
-use std::time::Duration;
-
 use common::metrics::scrape;
-use common::{OK, OVER_LIMIT, Sluice, Store, clear_of_window_end, request};
+use common::{OK, OVER_LIMIT, Sluice, Store, http, request, unix_ms};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit,
+};
 
-/// One `#[tokio::test]` per store that envoyproxy/ratelimit users run: `memory::test`, `redis::test`.
-macro_rules! on_memory_and_redis {
-    ($($test:ident),* $(,)?) => {
-        mod memory {
-            $(#[tokio::test(flavor = "multi_thread")]
-            async fn $test() { super::$test(super::Store::Memory).await })*
-        }
-        mod redis {
-            $(#[tokio::test(flavor = "multi_thread")]
-            async fn $test() { super::$test(super::Store::Redis).await })*
-        }
-    };
-}
-
-on_memory_and_redis!(
+on_stores!(
+    memory: Memory, redis: Redis;
     example_1_each_database_gets_500_per_second,
     example_2_nested_and_several_descriptors_limit_messages_per_number,
     example_3_an_exact_value_beats_the_key_alone,
@@ -53,6 +42,67 @@ async fn ask(
     let mut r = request(domain, descriptors);
     r.hits_addend = hits;
     sluice.ask(r).await
+}
+
+/// An instant (RFC 3339) an hour from now: every request of a test asked `at` it counts in the
+/// same window, wherever the wall clock is.
+fn an_hour_ahead() -> String {
+    jiff::Timestamp::from_millisecond((unix_ms() + 3_600_000) as i64)
+        .expect("a valid instant")
+        .to_string()
+}
+
+/// Asks as `ask` does, through `/json` counting at the instant `at`; the answer's statuses as
+/// gRPC would carry them.
+fn ask_at(
+    sluice: &Sluice,
+    at: &str,
+    domain: &str,
+    descriptors: &[Entries<'_>],
+    hits: u32,
+) -> RateLimitResponse {
+    let descriptors: Vec<_> = descriptors
+        .iter()
+        .map(|entries| {
+            let entries: Vec<_> = entries
+                .iter()
+                .map(|(key, value)| serde_json::json!({"key": key, "value": value}))
+                .collect();
+            serde_json::json!({ "entries": entries })
+        })
+        .collect();
+    let body = serde_json::json!({
+        "domain": domain, "descriptors": descriptors, "hitsAddend": hits, "at": at,
+    });
+    let (status, _, body) = http(sluice.http, "POST", "/json", &body.to_string());
+    assert!(
+        status == 200 || status == 429,
+        "/json answered {status}: {body}"
+    );
+    let json: serde_json::Value = serde_json::from_str(&body).expect("a JSON answer");
+    let code = |v: &serde_json::Value| {
+        Code::from_str_name(v.as_str().unwrap_or("UNKNOWN")).expect("a code") as i32
+    };
+    let statuses = json["statuses"].as_array().expect("statuses");
+    RateLimitResponse {
+        overall_code: code(&json["overallCode"]),
+        statuses: statuses
+            .iter()
+            .map(|s| DescriptorStatus {
+                code: code(&s["code"]),
+                current_limit: s.get("currentLimit").map(|l| RateLimit {
+                    requests_per_unit: l["requestsPerUnit"].as_u64().unwrap_or(0) as u32,
+                    unit: Unit::from_str_name(l["unit"].as_str().unwrap_or("UNKNOWN"))
+                        .expect("a unit") as i32,
+                    ..Default::default()
+                }),
+                // Protobuf JSON leaves out a remaining of 0.
+                limit_remaining: s["limitRemaining"].as_u64().unwrap_or(0) as u32,
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    }
 }
 
 /// The limit the status of descriptor `i` reports, as (requests per unit, unit).
@@ -106,24 +156,30 @@ descriptors:
 /// has no limit.
 async fn example_1_each_database_gets_500_per_second(store: Store) {
     let sluice = Sluice::on(store, &[("example.yaml", EXAMPLE_1)], &[]).await;
-    clear_of_window_end(Duration::from_secs(1), Duration::from_millis(500)).await;
+    let at = an_hour_ahead();
     let users: Entries = &[("database", "users")];
-    let r = ask(&sluice, "mongo_cps", &[users], 499).await;
+    let r = ask_at(&sluice, &at, "mongo_cps", &[users], 499);
     assert_eq!(
         (r.overall_code, limit(&r, 0)),
         (OK, Some((500, Unit::Second)))
     );
-    let r = ask(&sluice, "mongo_cps", &[users], 1).await;
+    let r = ask_at(&sluice, &at, "mongo_cps", &[users], 1);
     assert_eq!(
         (r.overall_code, r.statuses[0].limit_remaining),
         (OK, 0),
         "the 500th"
     );
-    let r = ask(&sluice, "mongo_cps", &[users], 1).await;
+    let r = ask_at(&sluice, &at, "mongo_cps", &[users], 1);
     assert_eq!(r.overall_code, OVER_LIMIT, "the 501st");
-    let r = ask(&sluice, "mongo_cps", &[&[("database", "default")]], 500).await;
+    let r = ask_at(
+        &sluice,
+        &at,
+        "mongo_cps",
+        &[&[("database", "default")]],
+        500,
+    );
     assert_eq!(r.overall_code, OK, "default has 500 of its own");
-    let r = ask(&sluice, "mongo_cps", &[&[("database", "other")]], 1000).await;
+    let r = ask_at(&sluice, &at, "mongo_cps", &[&[("database", "other")]], 1000);
     assert_eq!(
         (r.overall_code, limit(&r, 0)),
         (OK, None),
@@ -367,23 +423,23 @@ descriptors:
 /// not move; asked alone, each descriptor has its own limit.
 async fn example_7_replaces_drops_the_named_limit_and_leaves_its_counter_alone(store: Store) {
     let sluice = Sluice::on(store, &[("example.yaml", EXAMPLE_7)], &[]).await;
+    let at = an_hour_ahead();
     let specific: Entries = &[("key_1", "value_1"), ("user", "bkthomps")];
     let replacing: Entries = &[("key_2", "value_2"), ("user", "bkthomps")];
-    clear_of_window_end(Duration::from_secs(1), Duration::from_millis(500)).await;
-    let r = ask(&sluice, "example7", &[specific, replacing], 6).await;
+    let r = ask_at(&sluice, &at, "example7", &[specific, replacing], 6);
     assert_eq!(
         r.overall_code, OK,
         "6 hits fit 10 a second; the 5 a second is replaced"
     );
     assert_eq!(limit(&r, 0), None);
     assert_eq!(limit(&r, 1), Some((10, Unit::Second)));
-    let r = ask(&sluice, "example7", &[specific], 5).await;
+    let r = ask_at(&sluice, &at, "example7", &[specific], 5);
     assert_eq!(
         (r.overall_code, limit(&r, 0)),
         (OK, Some((5, Unit::Second))),
         "the replaced limit's 5 are all left"
     );
-    let r = ask(&sluice, "example7", &[replacing], 5).await;
+    let r = ask_at(&sluice, &at, "example7", &[replacing], 5);
     assert_eq!(r.overall_code, OVER_LIMIT, "6 + 5 is over 10 a second");
 }
 

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use common::metrics::scrape;
 use common::redis::signal;
-use common::{OK, OVER_LIMIT, Sluice, http, request};
+use common::{MINUTE, OK, OVER_LIMIT, Sluice, http, in_one_window, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 
@@ -335,136 +335,142 @@ async fn basic_config_limits_each_descriptor_as_envoy_ratelimit_does() {
 /// matches a longer one.
 #[tokio::test]
 async fn wildcard_patterns_match_anywhere_and_name_their_metric_by_the_pattern() {
-    let sluice = start_fixture("wildcard.yaml").await;
-    for matching in [
-        &[("noVal", "foo1")][..],
-        &[("wild", "foo1")],
-        &[("wild", "foo2")],
-        &[("nestedWild", "val1"), ("wild", "goo2")],
-        &[("midWild", "barab")],
-        &[("midWild", "bar123b")],
-        &[("midWild", "barb")],
-        &[("multiWild", "foo123bar456baz")],
-        &[("multiWild", "foobarbaz")],
-    ] {
-        assert!(limit_for(&sluice, matching).await.is_some(), "{matching:?}");
-    }
-    for not_matching in [
-        &[("wild", "bar")][..],
-        &[("noWild", "foo1")],
-        &[("midWild", "bara")],
-        &[("midWild", "xbarb")],
-        &[("multiWild", "foo123baz")],
-        &[("multiWild", "bar456baz")],
-    ] {
+    in_one_window(MINUTE, async || {
+        let sluice = start_fixture("wildcard.yaml").await;
+        for matching in [
+            &[("noVal", "foo1")][..],
+            &[("wild", "foo1")],
+            &[("wild", "foo2")],
+            &[("nestedWild", "val1"), ("wild", "goo2")],
+            &[("midWild", "barab")],
+            &[("midWild", "bar123b")],
+            &[("midWild", "barb")],
+            &[("multiWild", "foo123bar456baz")],
+            &[("multiWild", "foobarbaz")],
+        ] {
+            assert!(limit_for(&sluice, matching).await.is_some(), "{matching:?}");
+        }
+        for not_matching in [
+            &[("wild", "bar")][..],
+            &[("noWild", "foo1")],
+            &[("midWild", "bara")],
+            &[("midWild", "xbarb")],
+            &[("multiWild", "foo123baz")],
+            &[("multiWild", "bar456baz")],
+        ] {
+            assert_eq!(
+                limit_for(&sluice, not_matching).await,
+                None,
+                "{not_matching:?}"
+            );
+        }
+        let r = ask(&sluice, &[("wild", "foo1")], 18).await;
         assert_eq!(
-            limit_for(&sluice, not_matching).await,
-            None,
-            "{not_matching:?}"
+            r.statuses[0].limit_remaining, 1,
+            "foo1's own counter: 1 + 18 of 20"
         );
-    }
-    let r = ask(&sluice, &[("wild", "foo1")], 18).await;
-    assert_eq!(
-        r.statuses[0].limit_remaining, 1,
-        "foo1's own counter: 1 + 18 of 20"
-    );
-    let r = ask(&sluice, &[("wild", "foo2")], 1).await;
-    assert_eq!(
-        r.statuses[0].limit_remaining, 18,
-        "foo2 counts apart: 2 of 20"
-    );
-    for (rule, count) in [
-        ("noVal", 1.0),
-        ("wild_foo*", 21.0),
-        ("nestedWild_val1.wild_goo*", 1.0),
-        ("midWild_bar*b", 3.0),
-        ("multiWild_foo*bar*baz", 2.0),
-    ] {
-        assert_eq!(hits(&sluice, rule), count, "{rule}");
-    }
+        let r = ask(&sluice, &[("wild", "foo2")], 1).await;
+        assert_eq!(
+            r.statuses[0].limit_remaining, 18,
+            "foo2 counts apart: 2 of 20"
+        );
+        for (rule, count) in [
+            ("noVal", 1.0),
+            ("wild_foo*", 21.0),
+            ("nestedWild_val1.wild_goo*", 1.0),
+            ("midWild_bar*b", 3.0),
+            ("multiWild_foo*bar*baz", 2.0),
+        ] {
+            assert_eq!(hits(&sluice, rule), count, "{rule}");
+        }
+    })
+    .await;
 }
 
 /// `TestShareThreshold`: every value matching a `share_threshold` pattern spends one counter; an
 /// exact value beside the pattern keeps its own limit and counter; metric names keep the pattern.
 #[tokio::test]
 async fn share_threshold_patterns_share_one_counter() {
-    let sluice = start_fixture("share_threshold.yaml").await;
-    let r = ask(&sluice, &[("files", "files/a.pdf")], 99).await;
-    assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 1));
-    let r = ask(&sluice, &[("files", "files/b.csv")], 1).await;
-    assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 0));
-    let r = ask(&sluice, &[("files", "files/c.txt")], 1).await;
-    assert_eq!(
-        (r.overall_code, limit(&r, 0)),
-        (OVER_LIMIT, Some((100, Unit::Minute))),
-        "the third value finds the shared counter full"
-    );
-    let cases: &[(Entries, u32)] = &[
-        (&[("nested", "parent"), ("files", "nested/file1.txt")], 200),
-        (
-            &[("files", "top/file1.txt"), ("files", "nested/file1.txt")],
-            300,
-        ),
-        (&[("route", "api/v1"), ("method", "GET")], 60),
-        (&[("service", "svc/user"), ("endpoint", "get")], 80),
-        (
-            &[("path", "path/foo"), ("file", "file/doc1"), ("type", "pdf")],
-            120,
-        ),
-        (
-            &[
-                ("user", "user/alice"),
-                ("resource", "res/file1"),
-                ("action", "read"),
-            ],
-            150,
-        ),
-        (&[("file", "test1")], 50),
-        (&[("file", "test2")], 100),
-        (&[("midpath", "/api/v1")], 100),
-        (&[("multiroute", "svcAepBrpc")], 50),
-        (&[("midroute", "/api/v2")], 80),
-        (&[("tenant", "t1prod"), ("resource", "resAv2")], 60),
-    ];
-    for (entries, expected) in cases {
+    in_one_window(MINUTE, async || {
+        let sluice = start_fixture("share_threshold.yaml").await;
+        let r = ask(&sluice, &[("files", "files/a.pdf")], 99).await;
+        assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 1));
+        let r = ask(&sluice, &[("files", "files/b.csv")], 1).await;
+        assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 0));
+        let r = ask(&sluice, &[("files", "files/c.txt")], 1).await;
         assert_eq!(
-            limit_for(&sluice, entries).await.map(|(n, _)| n),
-            Some(*expected),
-            "{entries:?}"
+            (r.overall_code, limit(&r, 0)),
+            (OVER_LIMIT, Some((100, Unit::Minute))),
+            "the third value finds the shared counter full"
         );
-    }
-    for not_matching in [
-        &[("midpath", "/api/v2")][..],
-        &[("multiroute", "svcABCrpc")],
-    ] {
+        let cases: &[(Entries, u32)] = &[
+            (&[("nested", "parent"), ("files", "nested/file1.txt")], 200),
+            (
+                &[("files", "top/file1.txt"), ("files", "nested/file1.txt")],
+                300,
+            ),
+            (&[("route", "api/v1"), ("method", "GET")], 60),
+            (&[("service", "svc/user"), ("endpoint", "get")], 80),
+            (
+                &[("path", "path/foo"), ("file", "file/doc1"), ("type", "pdf")],
+                120,
+            ),
+            (
+                &[
+                    ("user", "user/alice"),
+                    ("resource", "res/file1"),
+                    ("action", "read"),
+                ],
+                150,
+            ),
+            (&[("file", "test1")], 50),
+            (&[("file", "test2")], 100),
+            (&[("midpath", "/api/v1")], 100),
+            (&[("multiroute", "svcAepBrpc")], 50),
+            (&[("midroute", "/api/v2")], 80),
+            (&[("tenant", "t1prod"), ("resource", "resAv2")], 60),
+        ];
+        for (entries, expected) in cases {
+            assert_eq!(
+                limit_for(&sluice, entries).await.map(|(n, _)| n),
+                Some(*expected),
+                "{entries:?}"
+            );
+        }
+        for not_matching in [
+            &[("midpath", "/api/v2")][..],
+            &[("multiroute", "svcABCrpc")],
+        ] {
+            assert_eq!(
+                limit_for(&sluice, not_matching).await,
+                None,
+                "{not_matching:?}"
+            );
+        }
+        let r = ask(&sluice, &[("file", "test23")], 99).await;
         assert_eq!(
-            limit_for(&sluice, not_matching).await,
-            None,
-            "{not_matching:?}"
+            r.statuses[0].limit_remaining, 0,
+            "test2 and test23 share test*'s counter"
         );
-    }
-    let r = ask(&sluice, &[("file", "test23")], 99).await;
-    assert_eq!(
-        r.statuses[0].limit_remaining, 0,
-        "test2 and test23 share test*'s counter"
-    );
-    let r = ask(&sluice, &[("file", "test1")], 49).await;
-    assert_eq!(
-        r.statuses[0].limit_remaining, 0,
-        "test1 counts alone: 1 + 49 of 50"
-    );
-    for (rule, count) in [
-        ("files_files/*", 101.0),
-        ("route_api/*.method", 1.0),
-        ("service_svc/*.endpoint_get", 1.0),
-        ("path_path/*.file_file/*.type", 1.0),
-        ("user_user/*.resource_res/*.action", 1.0),
-        ("file_test1", 50.0),
-        ("file_test*", 100.0),
-        ("midroute_/api*v2", 1.0),
-    ] {
-        assert_eq!(hits(&sluice, rule), count, "{rule}");
-    }
+        let r = ask(&sluice, &[("file", "test1")], 49).await;
+        assert_eq!(
+            r.statuses[0].limit_remaining, 0,
+            "test1 counts alone: 1 + 49 of 50"
+        );
+        for (rule, count) in [
+            ("files_files/*", 101.0),
+            ("route_api/*.method", 1.0),
+            ("service_svc/*.endpoint_get", 1.0),
+            ("path_path/*.file_file/*.type", 1.0),
+            ("user_user/*.resource_res/*.action", 1.0),
+            ("file_test1", 50.0),
+            ("file_test*", 100.0),
+            ("midroute_/api*v2", 1.0),
+        ] {
+            assert_eq!(hits(&sluice, rule), count, "{rule}");
+        }
+    })
+    .await;
 }
 
 /// `TestShadowModeConfig`: a `shadow_mode` rule answers OK over its limit and counts what it

@@ -8,7 +8,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use common::redis::Controlled;
-use common::{OK, OVER_LIMIT, Sluice, Store, Wait, gather, http, request};
+use common::{HOUR, OK, OVER_LIMIT, Sluice, Store, Wait, gather, http, in_one_window, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tokio::task::JoinHandle;
@@ -205,11 +205,6 @@ fn flags(redis: &Controlled, policy: Policy) -> Vec<&str> {
     ]
 }
 
-/// Keeps what a test counts from here on inside one hour window.
-async fn clear_of_the_hour() {
-    common::clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(20)).await;
-}
-
 /// Redis paused for 2 s under load, then resumed: the policy answers while it is paused; Redis
 /// decides again within `RECOVERY`; once the script calls it ran for callers already answered are
 /// refunded, the counter equals the decided OK answers.
@@ -226,7 +221,6 @@ async fn paused_counting_always(policy: Policy) {
 async fn paused_with(policy: Policy, extra: &[&str]) {
     let redis = Controlled::started();
     let sluice = sluice_with(&redis, policy, extra).await;
-    clear_of_the_hour().await;
     let start = Instant::now();
     let callers = load(&sluice, policy, start + Duration::from_secs(6)).await;
     tokio::time::sleep_until((start + Duration::from_secs(1)).into()).await;
@@ -272,7 +266,6 @@ async fn paused_with(policy: Policy, extra: &[&str]) {
 async fn killed(policy: Policy) {
     let mut redis = Controlled::started();
     let sluice = sluice_on(&redis, policy).await;
-    clear_of_the_hour().await;
     let start = Instant::now();
     let callers = load(&sluice, policy, start + Duration::from_secs(5)).await;
     tokio::time::sleep_until((start + Duration::from_secs(1)).into()).await;
@@ -379,7 +372,6 @@ async fn redis_starts_late(policy: Policy) {
         "without Redis every answer is the policy's"
     );
 
-    clear_of_the_hour().await;
     redis.start();
     let deadline = Instant::now() + Duration::from_secs(5);
     while !(ready(&sluice) && serving(&sluice).await) {
@@ -402,11 +394,13 @@ async fn redis_starts_late(policy: Policy) {
     assert_eq!(counter(&redis), 20, "only the decided requests counted");
 }
 
+/// One test per scenario and policy, counting in one hour window: a new window drops the last
+/// from the counter's hash.
 macro_rules! cases {
     ($($name:ident => $scenario:ident($policy:ident)),* $(,)?) => {
         $(#[tokio::test(flavor = "multi_thread")]
         async fn $name() {
-            $scenario(Policy::$policy).await
+            in_one_window(HOUR, async || $scenario(Policy::$policy).await).await
         })*
     };
 }

@@ -11,13 +11,12 @@ use std::time::{Duration, Instant};
 use common::envoy::{
     Envoy, Filter, UPSTREAM_BODY, Upstream, envoy_binary, get_with_headers, header,
 };
-use common::{OK, OVER_LIMIT, Sluice, Wait, clear_of_window_end, http, request};
+use common::{HOUR, OK, OVER_LIMIT, Sluice, Wait, http, in_one_window, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tonic::Code;
 
-/// Three requests per hour per `user`: an hour is wide enough that, once `clear_of_window_end`
-/// has run, no test straddles two windows.
+/// Three requests per hour per `user`; a test counting them runs `in_one_window` of an hour.
 const LIMIT: usize = 3;
 const RULES: &str = "\
 domain: hostile
@@ -49,7 +48,6 @@ impl Stack {
         let sluice = Sluice::start(RULES).await;
         let upstream = Upstream::start();
         let envoy = Envoy::start(&envoy_binary(), upstream.addr, sluice.grpc, &FILTER);
-        clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(60)).await;
         Stack {
             envoy,
             upstream,
@@ -89,33 +87,45 @@ impl Stack {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_non_utf8_header_value_is_limited_like_any_other() {
-    let stack = Stack::start().await;
-    stack.assert_limited(b"mallory\xff");
-    stack.assert_answered(3, 2);
+    in_one_window(HOUR, async || {
+        let stack = Stack::start().await;
+        stack.assert_limited(b"mallory\xff");
+        stack.assert_answered(3, 2);
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_8_kib_header_value_is_limited_like_any_other() {
-    let stack = Stack::start().await;
-    stack.assert_limited(&[b'm'; 8 * 1024]);
-    stack.assert_answered(3, 2);
+    in_one_window(HOUR, async || {
+        let stack = Stack::start().await;
+        stack.assert_limited(&[b'm'; 8 * 1024]);
+        stack.assert_answered(3, 2);
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_40_kib_header_value_is_limited_like_any_other() {
-    let stack = Stack::start().await;
-    stack.assert_limited(&[b'm'; 40 * 1024]);
-    stack.assert_answered(3, 2);
+    in_one_window(HOUR, async || {
+        let stack = Stack::start().await;
+        stack.assert_limited(&[b'm'; 40 * 1024]);
+        stack.assert_answered(3, 2);
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn two_40_kib_header_values_differing_only_in_their_last_byte_count_apart() {
-    let stack = Stack::start().await;
-    let mut value = vec![b'm'; 40 * 1024];
-    stack.assert_limited(&value);
-    *value.last_mut().unwrap() = b'n';
-    stack.assert_limited(&value);
-    stack.assert_answered(6, 4);
+    in_one_window(HOUR, async || {
+        let stack = Stack::start().await;
+        let mut value = vec![b'm'; 40 * 1024];
+        stack.assert_limited(&value);
+        *value.last_mut().unwrap() = b'n';
+        stack.assert_limited(&value);
+        stack.assert_answered(6, 4);
+    })
+    .await;
 }
 
 /// A request within every bound.
@@ -173,21 +183,23 @@ async fn ask_raw(sluice: &Sluice, user: &[u8]) -> Result<RateLimitResponse, toni
 
 #[tokio::test]
 async fn a_non_utf8_value_sent_over_grpc_is_counted_not_rejected() {
-    let sluice = Sluice::start(RULES).await;
-    clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(60)).await;
-    for remaining in (0..LIMIT as u32).rev() {
-        let r = ask_raw(&sluice, b"mallory\xff")
-            .await
-            .expect("a value that is not UTF-8 is answered");
+    in_one_window(HOUR, async || {
+        let sluice = Sluice::start(RULES).await;
+        for remaining in (0..LIMIT as u32).rev() {
+            let r = ask_raw(&sluice, b"mallory\xff")
+                .await
+                .expect("a value that is not UTF-8 is answered");
+            assert_eq!(r.overall_code, OK);
+            assert_eq!(r.statuses[0].limit_remaining, remaining);
+        }
+        let r = ask_raw(&sluice, b"mallory\xff").await.unwrap();
+        assert_eq!(r.overall_code, OVER_LIMIT);
+        // A lossy decoding would turn both invalid bytes into U+FFFD and share one counter.
+        let r = ask_raw(&sluice, b"mallory\xfe").await.unwrap();
         assert_eq!(r.overall_code, OK);
-        assert_eq!(r.statuses[0].limit_remaining, remaining);
-    }
-    let r = ask_raw(&sluice, b"mallory\xff").await.unwrap();
-    assert_eq!(r.overall_code, OVER_LIMIT);
-    // A lossy decoding would turn both invalid bytes into U+FFFD and share one counter.
-    let r = ask_raw(&sluice, b"mallory\xfe").await.unwrap();
-    assert_eq!(r.overall_code, OK);
-    assert_eq!(r.statuses[0].limit_remaining, LIMIT as u32 - 1);
+        assert_eq!(r.statuses[0].limit_remaining, LIMIT as u32 - 1);
+    })
+    .await;
 }
 
 /// A field of /proc/PID/status, in kB (`VmRSS`, `VmHWM`).

@@ -5,10 +5,10 @@
 mod common;
 
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::redis::signal;
-use common::{OK, OVER_LIMIT, Sluice, Wait, http, request};
+use common::{HOUR, OK, OVER_LIMIT, Sluice, Wait, eventually, http, in_one_window, request};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -32,17 +32,8 @@ async fn reported_limit(sluice: &Sluice) -> u32 {
         .requests_per_unit
 }
 
-/// Polls `ready` every 50 ms for at most 10 s.
-async fn eventually(what: &str, mut ready: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        if ready().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("timed out waiting until {what}");
-}
+/// How long a reload or readiness may take to show.
+const PATIENCE: Duration = Duration::from_secs(10);
 
 async fn health(sluice: &Sluice) -> i32 {
     let mut client = HealthClient::new(sluice.channel().await);
@@ -60,7 +51,7 @@ async fn sighup_puts_valid_rules_in_force_and_keeps_serving() {
     assert_eq!(reported_limit(&sluice).await, 1);
     std::fs::write(sluice.rules.join("rules.yaml"), rules(100)).unwrap();
     signal(sluice.pid(), "HUP");
-    eventually("the new limit is in force", async || {
+    eventually("the new limit is in force", PATIENCE, async || {
         reported_limit(&sluice).await == 100
     })
     .await;
@@ -69,27 +60,30 @@ async fn sighup_puts_valid_rules_in_force_and_keeps_serving() {
 
 #[tokio::test]
 async fn sighup_with_a_broken_file_keeps_the_rules_in_force() {
-    let mut sluice = Sluice::start(&rules(1)).await;
-    let ask = || sluice.ask(request("web", &[&[("user", "b")]]));
-    assert_eq!(ask().await.overall_code, OK);
-    std::fs::write(
-        sluice.rules.join("rules.yaml"),
-        "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {unit: fortnight}\n",
-    )
-    .unwrap();
-    signal(sluice.pid(), "HUP");
-    eventually("the broken file is reported", async || {
-        sluice
-            .log_text()
-            .contains("rules.yaml:4: invalid rate limit unit 'fortnight'")
+    in_one_window(HOUR, async || {
+        let mut sluice = Sluice::start(&rules(1)).await;
+        let ask = || sluice.ask(request("web", &[&[("user", "b")]]));
+        assert_eq!(ask().await.overall_code, OK);
+        std::fs::write(
+            sluice.rules.join("rules.yaml"),
+            "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {unit: fortnight}\n",
+        )
+        .unwrap();
+        signal(sluice.pid(), "HUP");
+        eventually("the broken file is reported", PATIENCE, async || {
+            sluice
+                .log_text()
+                .contains("rules.yaml:4: invalid rate limit unit 'fortnight'")
+        })
+        .await;
+        assert_eq!(
+            ask().await.overall_code,
+            OVER_LIMIT,
+            "the old limit of 1 holds"
+        );
+        assert!(sluice.alive());
     })
     .await;
-    assert_eq!(
-        ask().await.overall_code,
-        OVER_LIMIT,
-        "the old limit of 1 holds"
-    );
-    assert!(sluice.alive());
 }
 
 #[tokio::test]
@@ -122,7 +116,7 @@ async fn with_allow_empty_config_it_is_not_ready_until_rules_arrive() {
 
     std::fs::write(sluice.rules.join("rules.yaml"), rules(5)).unwrap();
     signal(sluice.pid(), "HUP");
-    eventually("ready", async || {
+    eventually("ready", PATIENCE, async || {
         http(sluice.http, "GET", "/readyz", "").0 == 200
     })
     .await;

@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::metrics::{Scrape, scrape, scrape_at};
-use common::{OK, OVER_LIMIT, Sluice, Store, clear_of_window_end, free_port, request};
+use common::{HOUR, OK, OVER_LIMIT, Sluice, Store, free_port, in_one_window, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::google::protobuf::UInt64Value;
 
@@ -83,78 +83,79 @@ fn mapper_file(text: &str) -> tempfile::NamedTempFile {
 /// 1 hit (count 1: within) · check · 3 hits (count 4: 1 over, 3 − max(2, 1) = 1 near, none
 /// within) · check (over, counts nothing) · 1 hit (over from the start: 1 over).
 async fn eg_docs_example_counts(store: Store) {
-    clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(20)).await;
-    let mapper = mapper_file(EG_MAPPER);
-    let flags = with_file(&["--counting", "always"], mapper.path());
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let sluice = Sluice::on(store, &[("eg.yaml", &docs_example())], &flags).await;
-    let mut codes = Vec::new();
-    for hits in [None, Some(0), Some(3), Some(0), Some(1)] {
-        codes.push(sluice.ask(docs_request(hits)).await.overall_code);
-    }
-    assert_eq!(codes, [OK, OK, OVER_LIMIT, OVER_LIMIT, OVER_LIMIT]);
+    in_one_window(HOUR, async || {
+        let mapper = mapper_file(EG_MAPPER);
+        let flags = with_file(&["--counting", "always"], mapper.path());
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let sluice = Sluice::on(store, &[("eg.yaml", &docs_example())], &flags).await;
+        let mut codes = Vec::new();
+        for hits in [None, Some(0), Some(3), Some(0), Some(1)] {
+            codes.push(sluice.ask(docs_request(hits)).await.overall_code);
+        }
+        assert_eq!(codes, [OK, OK, OVER_LIMIT, OVER_LIMIT, OVER_LIMIT]);
 
-    let m = scrape(sluice.http);
-    let key1 = format!("{ROUTE}_{ROUTE}");
-    let labels = [
-        ("domain", "default/eg/http"),
-        ("key1", key1.as_str()),
-        ("key2", "rule-0-match-0_rule-0-match-0"),
-    ];
-    assert_eq!(erl_counts(&m, &labels), [5.0, 1.0, 1.0, 2.0]);
-    assert_eq!(
-        m.value("ratelimit_service_rate_limit_shadow_mode", &labels),
-        0.0
-    );
-    let method = [("grpc_method", "ShouldRateLimit")];
-    assert_eq!(m.value("ratelimit_service_total_requests", &method), 5.0);
-    assert_eq!(m.value("go_memstats_gc_cpu_fraction", &[]), 0.0);
-    assert!(m.value("process_resident_memory_bytes", &[]) > 0.0);
-    assert!(m.value("process_virtual_memory_bytes", &[]) > 0.0);
+        let m = scrape(sluice.http);
+        let key1 = format!("{ROUTE}_{ROUTE}");
+        let labels = [
+            ("domain", "default/eg/http"),
+            ("key1", key1.as_str()),
+            ("key2", "rule-0-match-0_rule-0-match-0"),
+        ];
+        assert_eq!(erl_counts(&m, &labels), [5.0, 1.0, 1.0, 2.0]);
+        assert_eq!(
+            m.value("ratelimit_service_rate_limit_shadow_mode", &labels),
+            0.0
+        );
+        let method = [("grpc_method", "ShouldRateLimit")];
+        assert_eq!(m.value("ratelimit_service_total_requests", &method), 5.0);
+        assert_eq!(m.value("go_memstats_gc_cpu_fraction", &[]), 0.0);
+        assert!(m.value("process_resident_memory_bytes", &[]) > 0.0);
+        assert!(m.value("process_virtual_memory_bytes", &[]) > 0.0);
+    })
+    .await;
 }
 
-#[tokio::test]
-async fn envoy_gateways_mapping_names_its_docs_example_with_the_hits_decided_on_memory() {
-    eg_docs_example_counts(Store::Memory).await;
-}
-
-#[tokio::test]
-async fn envoy_gateways_mapping_names_its_docs_example_with_the_hits_decided_on_redis() {
-    eg_docs_example_counts(Store::Redis).await;
+scenarios! {
+    envoy_gateways_mapping_names_its_docs_example_with_the_hits_decided_on_memory
+        => eg_docs_example_counts(Store::Memory),
+    envoy_gateways_mapping_names_its_docs_example_with_the_hits_decided_on_redis
+        => eg_docs_example_counts(Store::Redis),
 }
 
 /// A CIDR rule's masked address is `key2`, the dots of its IPv4 address turned into `_` (the
 /// series Envoy Gateway's e2e CIDR test requires samples of); the per-address level is merged.
 #[tokio::test]
 async fn envoy_gateways_mapping_names_a_cidr_rule_with_its_address_sanitized() {
-    clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(20)).await;
-    let mapper = mapper_file(EG_MAPPER);
-    let flags = with_file(&["--counting", "always"], mapper.path());
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let sluice = Sluice::on(Store::Memory, &[("eg.yaml", CIDR)], &flags).await;
-    let route = "httproute/default/api/rule/0/match/0/*";
-    let mut codes = Vec::new();
-    for client in ["10.1.2.3", "10.1.2.3", "10.1.2.3", "10.1.2.3", "10.9.9.9"] {
-        let r = request(
-            "default/eg/http",
-            &[&[
-                (route, route),
-                ("masked_remote_address", "0.0.0.0/0"),
-                ("remote_address", client),
-            ]],
-        );
-        codes.push(sluice.ask(r).await.overall_code);
-    }
-    assert_eq!(codes, [OK, OK, OK, OVER_LIMIT, OK]);
-    let m = scrape(sluice.http);
-    let key1 = format!("{route}_{route}");
-    let labels = [
-        ("domain", "default/eg/http"),
-        ("key1", key1.as_str()),
-        ("key2", "masked_remote_address_0_0_0_0/0"),
-    ];
-    // Hit 3 of 10.1.2.3 is near (past 2 of 3); both addresses add up in one series.
-    assert_eq!(erl_counts(&m, &labels), [5.0, 4.0, 1.0, 1.0]);
+    in_one_window(HOUR, async || {
+        let mapper = mapper_file(EG_MAPPER);
+        let flags = with_file(&["--counting", "always"], mapper.path());
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let sluice = Sluice::on(Store::Memory, &[("eg.yaml", CIDR)], &flags).await;
+        let route = "httproute/default/api/rule/0/match/0/*";
+        let mut codes = Vec::new();
+        for client in ["10.1.2.3", "10.1.2.3", "10.1.2.3", "10.1.2.3", "10.9.9.9"] {
+            let r = request(
+                "default/eg/http",
+                &[&[
+                    (route, route),
+                    ("masked_remote_address", "0.0.0.0/0"),
+                    ("remote_address", client),
+                ]],
+            );
+            codes.push(sluice.ask(r).await.overall_code);
+        }
+        assert_eq!(codes, [OK, OK, OK, OVER_LIMIT, OK]);
+        let m = scrape(sluice.http);
+        let key1 = format!("{route}_{route}");
+        let labels = [
+            ("domain", "default/eg/http"),
+            ("key1", key1.as_str()),
+            ("key2", "masked_remote_address_0_0_0_0/0"),
+        ];
+        // Hit 3 of 10.1.2.3 is near (past 2 of 3); both addresses add up in one series.
+        assert_eq!(erl_counts(&m, &labels), [5.0, 4.0, 1.0, 1.0]);
+    })
+    .await;
 }
 
 /// One call made slow (Redis paused for 80 ms) lands past every bucket in Envoy Gateway's
@@ -165,12 +166,9 @@ async fn the_response_time_is_in_seconds_by_default_and_in_milliseconds_under_en
     let eg = mapper_file(EG_MAPPER);
     for mapping in [None, Some(eg.path())] {
         let own = common::redis::dedicated();
-        let mut flags = vec!["--redis-url".to_owned(), own.url.clone()];
-        if let Some(path) = mapping {
-            flags = with_file(&flags.iter().map(String::as_str).collect::<Vec<_>>(), path);
-        }
+        let flags = mapping.map_or_else(Vec::new, |path| with_file(&[], path));
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-        let sluice = Sluice::on(Store::Memory, &[("eg.yaml", &docs_example())], &flags).await;
+        let sluice = Sluice::on_own_redis(&own, &[("eg.yaml", &docs_example())], &flags).await;
         sluice.ask(docs_request(Some(0))).await;
         common::redis::cli(own.ports[0], &["CLIENT", "PAUSE", "80", "ALL"]);
         sluice.ask(docs_request(Some(0))).await;
@@ -231,11 +229,11 @@ mappings:
 /// it counts.
 #[tokio::test]
 async fn a_custom_mapping_names_labels_from_captures_and_drops_what_it_says() {
-    clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(20)).await;
-    let mapper = mapper_file(CUSTOM);
-    let flags = with_file(&[], mapper.path());
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let rules = "domain: d
+    in_one_window(HOUR, async || {
+        let mapper = mapper_file(CUSTOM);
+        let flags = with_file(&[], mapper.path());
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let rules = "domain: d
 descriptors:
   - key: k
     rate_limit: {unit: hour, requests_per_unit: 1}
@@ -244,39 +242,41 @@ descriptors:
       - key: b
         rate_limit: {unit: hour, requests_per_unit: 5}
 ";
-    let sluice = Sluice::start_with(&[("d.yaml", rules)], &flags).await;
-    for _ in 0..3 {
-        sluice.ask(request("d", &[&[("k", "v")]])).await;
-    }
-    sluice.ask(request("d", &[&[("a", "1"), ("b", "2")]])).await;
+        let sluice = Sluice::start_with(&[("d.yaml", rules)], &flags).await;
+        for _ in 0..3 {
+            sluice.ask(request("d", &[&[("k", "v")]])).await;
+        }
+        sluice.ask(request("d", &[&[("a", "1"), ("b", "2")]])).await;
 
-    let m = scrape(sluice.http);
-    assert_eq!(m.value("rl_hits", &[("domain", "d"), ("path", "k")]), 3.0);
-    assert_eq!(m.value("rl_hits", &[("domain", "d"), ("path", "a.b")]), 1.0);
-    assert!(m.text.contains("# HELP rl_hits Hits by rule path."));
-    assert_eq!(m.value("rl_k_over", &[("domain", "d")]), 2.0);
-    assert_eq!(
-        m.value("ratelimit_service_rate_limit_d_k_within_limit", &[]),
-        1.0
-    );
-    assert!(
-        !m.text
-            .lines()
-            .any(|l| l.starts_with("ratelimit") && l.contains("near_limit")),
-        "the near-limit stats are dropped"
-    );
-    assert!(
-        m.get("ratelimit_service_rate_limit_d_a_b_shadow_mode", &[])
-            .is_none(),
-        "an unmapped stat that never counted is not written"
-    );
-    assert!(
-        m.get(
-            "ratelimit_service_rate_limit_total_hits",
-            &[("domain", "d"), ("key1", "k")]
-        )
-        .is_none()
-    );
+        let m = scrape(sluice.http);
+        assert_eq!(m.value("rl_hits", &[("domain", "d"), ("path", "k")]), 3.0);
+        assert_eq!(m.value("rl_hits", &[("domain", "d"), ("path", "a.b")]), 1.0);
+        assert!(m.text.contains("# HELP rl_hits Hits by rule path."));
+        assert_eq!(m.value("rl_k_over", &[("domain", "d")]), 2.0);
+        assert_eq!(
+            m.value("ratelimit_service_rate_limit_d_k_within_limit", &[]),
+            1.0
+        );
+        assert!(
+            !m.text
+                .lines()
+                .any(|l| l.starts_with("ratelimit") && l.contains("near_limit")),
+            "the near-limit stats are dropped"
+        );
+        assert!(
+            m.get("ratelimit_service_rate_limit_d_a_b_shadow_mode", &[])
+                .is_none(),
+            "an unmapped stat that never counted is not written"
+        );
+        assert!(
+            m.get(
+                "ratelimit_service_rate_limit_total_hits",
+                &[("domain", "d"), ("key1", "k")]
+            )
+            .is_none()
+        );
+    })
+    .await;
 }
 
 /// `--metrics-addr` serves the admin `/metrics` text at `--metrics-path`, and nothing else.

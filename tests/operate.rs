@@ -2,18 +2,21 @@
 //! decisions under sluice's and envoyproxy/ratelimit's names; the local over-limit cache sparing
 //! Redis; hot reload (a ConfigMap swapped under load, a broken version, SIGHUP) that keeps the
 //! counts of unchanged limits; the rules in force at `/config` and `/rlconfig`; JSON logs and log
-//! levels; where `/json` is served; and SIGTERM. Every limit is per hour and every test starts
-//! clear of an hour's end, so no window ends during a test.
+//! levels; where `/json` is served; and SIGTERM. Every limit is per hour, and a test counting
+//! against one runs `in_one_window` of an hour.
 
 mod common;
 
 use std::os::unix::fs::symlink;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::metrics::scrape;
 use common::redis::{evalsha_calls, signal};
-use common::{OK, OVER_LIMIT, Sluice, Store, Wait, http, request};
+use common::{
+    HOUR, OK, OVER_LIMIT, Sluice, Store, Wait, eventually, http, in_one_window,
+    linked_from_outside, outside_file, request,
+};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::DescriptorStatus;
 use sha2::{Digest, Sha256};
@@ -21,29 +24,10 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 
-const HOUR: Duration = Duration::from_secs(3600);
-
-/// Waits, when less than `margin` is left of the current hour, for the next one.
-async fn clear_of_hour_end(margin: Duration) {
-    common::clear_of_window_end(HOUR, margin).await;
-}
-
 /// What is left of the current hour by the wall clock.
 fn left_of_hour() -> Duration {
     let hour = HOUR.as_millis() as u64;
     Duration::from_millis(hour - common::unix_ms() % hour)
-}
-
-/// Polls `ready` every 50 ms for at most `limit`.
-async fn eventually(what: &str, limit: Duration, mut ready: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if ready().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("timed out after {limit:?} waiting until {what}");
 }
 
 /// `request` with `hits` hits (the request's `hits_addend`).
@@ -133,152 +117,154 @@ fn erl_counts(m: &common::metrics::Scrape, keys: &[(&str, &str)]) -> [f64; 5] {
 /// store found full denies from the local cache.
 #[tokio::test]
 async fn metrics_count_every_rules_decisions_in_openmetrics_a_prometheus_parser_reads() {
-    let sluice = Sluice::start(COUNTED).await;
-    clear_of_hour_end(Duration::from_secs(30)).await;
-    let ask = |r: RateLimitRequest| sluice.ask(r);
+    in_one_window(HOUR, async || {
+        let sluice = Sluice::start(COUNTED).await;
+        let ask = |r: RateLimitRequest| sluice.ask(r);
 
-    // plain, 2/hour: 2 within (the 2nd near, and filling the counter), then 2 over, both denied
-    // from the local cache.
-    let mut codes = Vec::new();
-    for _ in 0..4 {
-        codes.push(ask(request("ops", &[&[("plain", "a")]])).await.overall_code);
-    }
-    assert_eq!(codes, [OK, OK, OVER_LIMIT, OVER_LIMIT]);
-    // shadow, 1/hour: 1 within (near: past floor(0.8) = 0), 2 over and answered OK.
-    for _ in 0..3 {
-        let r = ask(request("ops", &[&[("shadow", "s")]])).await;
-        assert_eq!(r.overall_code, OK, "a shadow-mode rule never denies");
-    }
-    // ip, detailed: one series per address.
-    for address in ["10.0.0.1", "10.0.0.1", "10.0.0.2"] {
+        // plain, 2/hour: 2 within (the 2nd near, and filling the counter), then 2 over, both denied
+        // from the local cache.
+        let mut codes = Vec::new();
+        for _ in 0..4 {
+            codes.push(ask(request("ops", &[&[("plain", "a")]])).await.overall_code);
+        }
+        assert_eq!(codes, [OK, OK, OVER_LIMIT, OVER_LIMIT]);
+        // shadow, 1/hour: 1 within (near: past floor(0.8) = 0), 2 over and answered OK.
+        for _ in 0..3 {
+            let r = ask(request("ops", &[&[("shadow", "s")]])).await;
+            assert_eq!(r.overall_code, OK, "a shadow-mode rule never denies");
+        }
+        // ip, detailed: one series per address.
+        for address in ["10.0.0.1", "10.0.0.1", "10.0.0.2"] {
+            assert_eq!(
+                ask(request("ops", &[&[("ip", address)]]))
+                    .await
+                    .overall_code,
+                OK
+            );
+        }
+        // bulk, 10/hour, counted in hits: 4 (used 4), 5 (used 9: 1 near), 3 (over), 1 (used 10:
+        // 1 near).
+        let mut codes = Vec::new();
+        for hits in [4, 5, 3, 1] {
+            let r = ask(with_hits(request("ops", &[&[("bulk", "b")]]), hits)).await;
+            codes.push(r.overall_code);
+        }
+        assert_eq!(codes, [OK, OK, OVER_LIMIT, OK]);
+        // client.method_GET, nested: once over gRPC, once over /json.
+        ask(request("ops", &[&[("client", "c"), ("method", "GET")]])).await;
+        let body = r#"{"domain":"ops","descriptors":[{"entries":[{"key":"client","value":"c"},{"key":"method","value":"GET"}]}]}"#;
+        assert_eq!(http(sluice.http, "POST", "/json", body).0, 200);
+        // A domain no file declares.
+        ask(request("nowhere", &[&[("k", "v")]])).await;
+        let grpc_calls = 4 + 3 + 3 + 4 + 1 + 1;
+
+        let m = scrape(sluice.http);
+        assert_eq!(rule_counts(&m, "plain"), [4.0, 2.0, 2.0, 1.0, 0.0, 2.0]);
+        assert_eq!(rule_counts(&m, "shadow"), [3.0, 1.0, 2.0, 1.0, 2.0, 0.0]);
         assert_eq!(
-            ask(request("ops", &[&[("ip", address)]]))
-                .await
-                .overall_code,
-            OK
+            rule_counts(&m, "ip_10.0.0.1"),
+            [2.0, 2.0, 0.0, 0.0, 0.0, 0.0]
         );
-    }
-    // bulk, 10/hour, counted in hits: 4 (used 4), 5 (used 9: 1 near), 3 (over), 1 (used 10:
-    // 1 near).
-    let mut codes = Vec::new();
-    for hits in [4, 5, 3, 1] {
-        let r = ask(with_hits(request("ops", &[&[("bulk", "b")]]), hits)).await;
-        codes.push(r.overall_code);
-    }
-    assert_eq!(codes, [OK, OK, OVER_LIMIT, OK]);
-    // client.method_GET, nested: once over gRPC, once over /json.
-    ask(request("ops", &[&[("client", "c"), ("method", "GET")]])).await;
-    let body = r#"{"domain":"ops","descriptors":[{"entries":[{"key":"client","value":"c"},{"key":"method","value":"GET"}]}]}"#;
-    assert_eq!(http(sluice.http, "POST", "/json", body).0, 200);
-    // A domain no file declares.
-    ask(request("nowhere", &[&[("k", "v")]])).await;
-    let grpc_calls = 4 + 3 + 3 + 4 + 1 + 1;
+        assert_eq!(
+            rule_counts(&m, "ip_10.0.0.2"),
+            [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+        );
+        assert_eq!(
+            rule_counts(&m, "ip"),
+            [0.0; 6],
+            "detailed hits count under the request's values only"
+        );
+        assert_eq!(rule_counts(&m, "bulk"), [13.0, 10.0, 3.0, 2.0, 0.0, 0.0]);
+        assert_eq!(
+            rule_counts(&m, "client.method_GET"),
+            [2.0, 2.0, 0.0, 0.0, 0.0, 0.0]
+        );
 
-    let m = scrape(sluice.http);
-    assert_eq!(rule_counts(&m, "plain"), [4.0, 2.0, 2.0, 1.0, 0.0, 2.0]);
-    assert_eq!(rule_counts(&m, "shadow"), [3.0, 1.0, 2.0, 1.0, 2.0, 0.0]);
-    assert_eq!(
-        rule_counts(&m, "ip_10.0.0.1"),
-        [2.0, 2.0, 0.0, 0.0, 0.0, 0.0]
-    );
-    assert_eq!(
-        rule_counts(&m, "ip_10.0.0.2"),
-        [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
-    );
-    assert_eq!(
-        rule_counts(&m, "ip"),
-        [0.0; 6],
-        "detailed hits count under the request's values only"
-    );
-    assert_eq!(rule_counts(&m, "bulk"), [13.0, 10.0, 3.0, 2.0, 0.0, 0.0]);
-    assert_eq!(
-        rule_counts(&m, "client.method_GET"),
-        [2.0, 2.0, 0.0, 0.0, 0.0, 0.0]
-    );
+        assert_eq!(
+            erl_counts(&m, &[("key1", "plain")]),
+            [4.0, 2.0, 2.0, 1.0, 0.0]
+        );
+        assert_eq!(
+            erl_counts(&m, &[("key1", "shadow")]),
+            [3.0, 1.0, 2.0, 1.0, 2.0]
+        );
+        assert_eq!(
+            erl_counts(&m, &[("key1", "ip_10_0_0_1")]),
+            [2.0, 2.0, 0.0, 0.0, 0.0],
+            "envoyproxy/ratelimit's names have IPv4 dots as underscores"
+        );
+        assert_eq!(
+            erl_counts(&m, &[("key1", "bulk")]),
+            [13.0, 10.0, 3.0, 2.0, 0.0]
+        );
+        assert_eq!(
+            erl_counts(&m, &[("key1", "client"), ("key2", "method_GET")]),
+            [2.0, 2.0, 0.0, 0.0, 0.0]
+        );
+        assert_eq!(m.family_type("sluice_rule_hits"), Some("counter"));
+        assert_eq!(
+            m.family_type("ratelimit_service_rate_limit_total_hits"),
+            Some("unknown")
+        );
 
-    assert_eq!(
-        erl_counts(&m, &[("key1", "plain")]),
-        [4.0, 2.0, 2.0, 1.0, 0.0]
-    );
-    assert_eq!(
-        erl_counts(&m, &[("key1", "shadow")]),
-        [3.0, 1.0, 2.0, 1.0, 2.0]
-    );
-    assert_eq!(
-        erl_counts(&m, &[("key1", "ip_10_0_0_1")]),
-        [2.0, 2.0, 0.0, 0.0, 0.0],
-        "envoyproxy/ratelimit's names have IPv4 dots as underscores"
-    );
-    assert_eq!(
-        erl_counts(&m, &[("key1", "bulk")]),
-        [13.0, 10.0, 3.0, 2.0, 0.0]
-    );
-    assert_eq!(
-        erl_counts(&m, &[("key1", "client"), ("key2", "method_GET")]),
-        [2.0, 2.0, 0.0, 0.0, 0.0]
-    );
-    assert_eq!(m.family_type("sluice_rule_hits"), Some("counter"));
-    assert_eq!(
-        m.family_type("ratelimit_service_rate_limit_total_hits"),
-        Some("unknown")
-    );
-
-    // Calls: every gRPC call (not /json) is timed and counted; the store is called for every
-    // decided request but the two denied from the local cache (and the unknown domain's).
-    let method = [("grpc_method", "ShouldRateLimit")];
-    assert_eq!(
-        m.value("ratelimit_service_total_requests", &method),
-        f64::from(grpc_calls)
-    );
-    assert_eq!(
-        m.value("sluice_request_duration_seconds_count", &[]),
-        f64::from(grpc_calls)
-    );
-    assert_eq!(
-        m.value("ratelimit_service_response_time_seconds_count", &method),
-        f64::from(grpc_calls)
-    );
-    assert_eq!(
-        m.family_type("sluice_request_duration_seconds"),
-        Some("histogram")
-    );
-    assert_eq!(
-        m.value("sluice_store_call_duration_seconds_count", &[]),
-        f64::from(grpc_calls + 1 - 1 - 2)
-    );
-    assert_eq!(m.value("sluice_unknown_domain_requests_total", &[]), 1.0);
-    // Counters: plain=a, shadow=s, ip ×2, bulk=b, client=c; full ones: plain=a and bulk=b.
-    assert_eq!(m.value("sluice_memory_counters", &[]), 6.0);
-    assert_eq!(m.value("sluice_local_cache_entries", &[]), 2.0);
-    assert_eq!(m.value("sluice_store_reachable", &[]), 1.0);
-    assert_eq!(m.value("ratelimit_service_config_load_success", &[]), 1.0);
-    assert_eq!(m.value("ratelimit_service_config_load_error", &[]), 0.0);
-    assert!(
-        m.get("ratelimit_service_global_shadow_mode", &[]).is_none(),
-        "unmapped by the default mapping, written once it counts"
-    );
-    assert_eq!(
-        m.value(
-            "ratelimit_service_should_rate_limit_error",
-            &[("err_type", "redis_error")]
-        ),
-        0.0
-    );
-    assert_eq!(m.samples_of("sluice_rules_info").len(), 1);
-    assert!(m.value("sluice_rules_loaded_timestamp_seconds", &[]) > 1e9);
-    assert!(m.value("process_cpu_seconds_total", &[]) >= 0.0);
-    for gauge in [
-        "process_resident_memory_bytes",
-        "process_virtual_memory_bytes",
-        "process_open_fds",
-    ] {
-        assert!(m.value(gauge, &[]) > 0.0, "{gauge}");
-    }
-    assert_eq!(m.value("sluice_redis_batch_requests_count", &[]), 0.0);
-    assert!(
-        m.get("sluice_store_breakers_open", &[]).is_none(),
-        "no breakers on the embedded store"
-    );
+        // Calls: every gRPC call (not /json) is timed and counted; the store is called for every
+        // decided request but the two denied from the local cache (and the unknown domain's).
+        let method = [("grpc_method", "ShouldRateLimit")];
+        assert_eq!(
+            m.value("ratelimit_service_total_requests", &method),
+            f64::from(grpc_calls)
+        );
+        assert_eq!(
+            m.value("sluice_request_duration_seconds_count", &[]),
+            f64::from(grpc_calls)
+        );
+        assert_eq!(
+            m.value("ratelimit_service_response_time_seconds_count", &method),
+            f64::from(grpc_calls)
+        );
+        assert_eq!(
+            m.family_type("sluice_request_duration_seconds"),
+            Some("histogram")
+        );
+        assert_eq!(
+            m.value("sluice_store_call_duration_seconds_count", &[]),
+            f64::from(grpc_calls + 1 - 1 - 2)
+        );
+        assert_eq!(m.value("sluice_unknown_domain_requests_total", &[]), 1.0);
+        // Counters: plain=a, shadow=s, ip ×2, bulk=b, client=c; full ones: plain=a and bulk=b.
+        assert_eq!(m.value("sluice_memory_counters", &[]), 6.0);
+        assert_eq!(m.value("sluice_local_cache_entries", &[]), 2.0);
+        assert_eq!(m.value("sluice_store_reachable", &[]), 1.0);
+        assert_eq!(m.value("ratelimit_service_config_load_success", &[]), 1.0);
+        assert_eq!(m.value("ratelimit_service_config_load_error", &[]), 0.0);
+        assert!(
+            m.get("ratelimit_service_global_shadow_mode", &[]).is_none(),
+            "unmapped by the default mapping, written once it counts"
+        );
+        assert_eq!(
+            m.value(
+                "ratelimit_service_should_rate_limit_error",
+                &[("err_type", "redis_error")]
+            ),
+            0.0
+        );
+        assert_eq!(m.samples_of("sluice_rules_info").len(), 1);
+        assert!(m.value("sluice_rules_loaded_timestamp_seconds", &[]) > 1e9);
+        assert!(m.value("process_cpu_seconds_total", &[]) >= 0.0);
+        for gauge in [
+            "process_resident_memory_bytes",
+            "process_virtual_memory_bytes",
+            "process_open_fds",
+        ] {
+            assert!(m.value(gauge, &[]) > 0.0, "{gauge}");
+        }
+        assert_eq!(m.value("sluice_redis_batch_requests_count", &[]), 0.0);
+        assert!(
+            m.get("sluice_store_breakers_open", &[]).is_none(),
+            "no breakers on the embedded store"
+        );
+    })
+    .await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -296,9 +282,7 @@ descriptors:
 /// A sluice on a Redis of the test's own (whose statistics no other test moves).
 async fn on_own_redis(flags: &[&str]) -> (Sluice, common::redis::Redis) {
     let own = common::redis::dedicated();
-    let mut all = vec!["--redis-url", own.url.as_str()];
-    all.extend_from_slice(flags);
-    let sluice = Sluice::on(Store::Memory, &[("rules.yaml", HOT)], &all).await;
+    let sluice = Sluice::on_own_redis(&own, &[("rules.yaml", HOT)], flags).await;
     (sluice, own)
 }
 
@@ -308,170 +292,178 @@ async fn on_own_redis(flags: &[&str]) -> (Sluice, common::redis::Redis) {
 /// fresh is denied too, without evaluating (or consuming) that one.
 #[tokio::test(flavor = "multi_thread")]
 async fn on_redis_a_full_counter_is_denied_from_the_local_cache_without_script_calls() {
-    let (sluice, own) = on_own_redis(&[]).await;
-    clear_of_hour_end(Duration::from_secs(30)).await;
-    let u = || request("hot", &[&[("user", "u")]]);
-    let before = evalsha_calls(&own.ports);
-    for remaining in [2, 1, 0] {
-        let r = sluice.ask(u()).await;
-        assert_eq!(
-            (r.overall_code, r.statuses[0].limit_remaining),
-            (OK, remaining)
-        );
-    }
-    assert_eq!(
-        evalsha_calls(&own.ports) - before,
-        3,
-        "one call per request"
-    );
-
-    let before = evalsha_calls(&own.ports);
-    let mut resets = Vec::new();
-    for n in 0..50 {
-        let left = left_of_hour();
-        let r = sluice.ask(u()).await;
-        let s = &r.statuses[0];
-        assert_eq!(
-            (r.overall_code, s.code),
-            (OVER_LIMIT, OVER_LIMIT),
-            "request {n}"
-        );
-        assert_eq!((s.limit_remaining, limit_of(s)), (0, 3), "request {n}");
-        let reset = reset_of(s);
-        let whole_left = Duration::from_secs(
-            (left + Duration::from_millis(5)).as_millis().div_ceil(1000) as u64,
-        );
-        assert!(
-            reset >= Duration::from_secs(1) && reset <= whole_left,
-            "request {n}: reset in {reset:?}, but the window ends in {left:?}"
-        );
-        if let Some(last) = resets.last() {
-            assert!(reset <= *last, "request {n}: {reset:?} after {last:?}");
+    in_one_window(HOUR, async || {
+        let (sluice, own) = on_own_redis(&[]).await;
+        let u = || request("hot", &[&[("user", "u")]]);
+        let before = evalsha_calls(&own.ports);
+        for remaining in [2, 1, 0] {
+            let r = sluice.ask(u()).await;
+            assert_eq!(
+                (r.overall_code, r.statuses[0].limit_remaining),
+                (OK, remaining)
+            );
         }
-        resets.push(reset);
-    }
+        assert_eq!(
+            evalsha_calls(&own.ports) - before,
+            3,
+            "one call per request"
+        );
 
-    let both = sluice
-        .ask(request("hot", &[&[("user", "u")], &[("user", "fresh")]]))
-        .await;
-    assert_eq!(both.overall_code, OVER_LIMIT);
-    assert_eq!(both.statuses[0].code, OVER_LIMIT);
-    assert_eq!(
-        (
-            both.statuses[1].code,
-            both.statuses[1].current_limit.clone()
-        ),
-        (OK, None),
-        "the fresh descriptor was not evaluated"
-    );
-    assert_eq!(
-        evalsha_calls(&own.ports) - before,
-        0,
-        "no script call for 51 denied requests"
-    );
-    let fresh = sluice.ask(request("hot", &[&[("user", "fresh")]])).await;
-    assert_eq!(
-        (fresh.overall_code, fresh.statuses[0].limit_remaining),
-        (OK, 2),
-        "the denied request consumed nothing of user=fresh"
-    );
+        let before = evalsha_calls(&own.ports);
+        let mut resets = Vec::new();
+        for n in 0..50 {
+            let left = left_of_hour();
+            let r = sluice.ask(u()).await;
+            let s = &r.statuses[0];
+            assert_eq!(
+                (r.overall_code, s.code),
+                (OVER_LIMIT, OVER_LIMIT),
+                "request {n}"
+            );
+            assert_eq!((s.limit_remaining, limit_of(s)), (0, 3), "request {n}");
+            let reset = reset_of(s);
+            let whole_left = Duration::from_secs(
+                (left + Duration::from_millis(5)).as_millis().div_ceil(1000) as u64,
+            );
+            assert!(
+                reset >= Duration::from_secs(1) && reset <= whole_left,
+                "request {n}: reset in {reset:?}, but the window ends in {left:?}"
+            );
+            if let Some(last) = resets.last() {
+                assert!(reset <= *last, "request {n}: {reset:?} after {last:?}");
+            }
+            resets.push(reset);
+        }
 
-    let m = scrape(sluice.http);
-    let user = [("domain", "hot"), ("descriptor", "user")];
-    assert_eq!(
-        m.value("sluice_rule_over_limit_with_local_cache_total", &user),
-        51.0
-    );
-    assert_eq!(m.value("sluice_rule_over_limit_total", &user), 51.0);
-    assert_eq!(m.value("sluice_rule_within_limit_total", &user), 4.0);
-    assert_eq!(m.value("sluice_rule_hits_total", &user), 55.0);
-    assert_eq!(m.value("sluice_local_cache_entries", &[]), 1.0);
-    assert_eq!(m.value("sluice_store_breakers_open", &[]), 0.0);
+        let both = sluice
+            .ask(request("hot", &[&[("user", "u")], &[("user", "fresh")]]))
+            .await;
+        assert_eq!(both.overall_code, OVER_LIMIT);
+        assert_eq!(both.statuses[0].code, OVER_LIMIT);
+        assert_eq!(
+            (
+                both.statuses[1].code,
+                both.statuses[1].current_limit.clone()
+            ),
+            (OK, None),
+            "the fresh descriptor was not evaluated"
+        );
+        assert_eq!(
+            evalsha_calls(&own.ports) - before,
+            0,
+            "no script call for 51 denied requests"
+        );
+        let fresh = sluice.ask(request("hot", &[&[("user", "fresh")]])).await;
+        assert_eq!(
+            (fresh.overall_code, fresh.statuses[0].limit_remaining),
+            (OK, 2),
+            "the denied request consumed nothing of user=fresh"
+        );
+
+        let m = scrape(sluice.http);
+        let user = [("domain", "hot"), ("descriptor", "user")];
+        assert_eq!(
+            m.value("sluice_rule_over_limit_with_local_cache_total", &user),
+            51.0
+        );
+        assert_eq!(m.value("sluice_rule_over_limit_total", &user), 51.0);
+        assert_eq!(m.value("sluice_rule_within_limit_total", &user), 4.0);
+        assert_eq!(m.value("sluice_rule_hits_total", &user), 55.0);
+        assert_eq!(m.value("sluice_local_cache_entries", &[]), 1.0);
+        assert_eq!(m.value("sluice_store_breakers_open", &[]), 0.0);
+    })
+    .await;
 }
 
 /// With `--local-cache-size 0` every request, denied or not, is one script call.
 #[tokio::test(flavor = "multi_thread")]
 async fn without_the_local_cache_every_denied_request_calls_the_script() {
-    let (sluice, own) = on_own_redis(&["--local-cache-size", "0"]).await;
-    clear_of_hour_end(Duration::from_secs(30)).await;
-    let u = || request("hot", &[&[("user", "u")]]);
-    for _ in 0..3 {
-        assert_eq!(sluice.ask(u()).await.overall_code, OK);
-    }
-    let before = evalsha_calls(&own.ports);
-    for _ in 0..10 {
-        assert_eq!(sluice.ask(u()).await.overall_code, OVER_LIMIT);
-    }
-    assert_eq!(evalsha_calls(&own.ports) - before, 10);
-    let m = scrape(sluice.http);
-    let user = [("domain", "hot"), ("descriptor", "user")];
-    assert_eq!(m.value("sluice_rule_over_limit_total", &user), 10.0);
-    assert_eq!(
-        m.value("sluice_rule_over_limit_with_local_cache_total", &user),
-        0.0
-    );
-    assert_eq!(
-        m.get("sluice_local_cache_entries", &[]).unwrap_or(0.0),
-        0.0,
-        "the cache is off"
-    );
+    in_one_window(HOUR, async || {
+        let (sluice, own) = on_own_redis(&["--local-cache-size", "0"]).await;
+        let u = || request("hot", &[&[("user", "u")]]);
+        for _ in 0..3 {
+            assert_eq!(sluice.ask(u()).await.overall_code, OK);
+        }
+        let before = evalsha_calls(&own.ports);
+        for _ in 0..10 {
+            assert_eq!(sluice.ask(u()).await.overall_code, OVER_LIMIT);
+        }
+        assert_eq!(evalsha_calls(&own.ports) - before, 10);
+        let m = scrape(sluice.http);
+        let user = [("domain", "hot"), ("descriptor", "user")];
+        assert_eq!(m.value("sluice_rule_over_limit_total", &user), 10.0);
+        assert_eq!(
+            m.value("sluice_rule_over_limit_with_local_cache_total", &user),
+            0.0
+        );
+        assert_eq!(
+            m.get("sluice_local_cache_entries", &[]).unwrap_or(0.0),
+            0.0,
+            "the cache is off"
+        );
+    })
+    .await;
 }
 
 /// A shadow-mode rule over its limit is never answered from the cache: every request still
 /// calls the script (and is counted) and is answered OK.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_shadow_mode_rule_over_its_limit_keeps_calling_the_store_and_answers_ok() {
-    let (sluice, own) = on_own_redis(&[]).await;
-    clear_of_hour_end(Duration::from_secs(30)).await;
-    let before = evalsha_calls(&own.ports);
-    for n in 0..6 {
-        let r = sluice.ask(request("hot", &[&[("probe", "p")]])).await;
+    in_one_window(HOUR, async || {
+        let (sluice, own) = on_own_redis(&[]).await;
+        let before = evalsha_calls(&own.ports);
+        for n in 0..6 {
+            let r = sluice.ask(request("hot", &[&[("probe", "p")]])).await;
+            assert_eq!(
+                (r.overall_code, r.statuses[0].code),
+                (OK, OK),
+                "request {n}"
+            );
+            assert_eq!(limit_of(&r.statuses[0]), 1);
+        }
+        assert_eq!(evalsha_calls(&own.ports) - before, 6);
+        let m = scrape(sluice.http);
+        let probe = [("domain", "hot"), ("descriptor", "probe")];
+        assert_eq!(m.value("sluice_rule_shadow_mode_total", &probe), 5.0);
+        assert_eq!(m.value("sluice_rule_over_limit_total", &probe), 5.0);
         assert_eq!(
-            (r.overall_code, r.statuses[0].code),
-            (OK, OK),
-            "request {n}"
+            m.value("sluice_rule_over_limit_with_local_cache_total", &probe),
+            0.0
         );
-        assert_eq!(limit_of(&r.statuses[0]), 1);
-    }
-    assert_eq!(evalsha_calls(&own.ports) - before, 6);
-    let m = scrape(sluice.http);
-    let probe = [("domain", "hot"), ("descriptor", "probe")];
-    assert_eq!(m.value("sluice_rule_shadow_mode_total", &probe), 5.0);
-    assert_eq!(m.value("sluice_rule_over_limit_total", &probe), 5.0);
-    assert_eq!(
-        m.value("sluice_rule_over_limit_with_local_cache_total", &probe),
-        0.0
-    );
-    assert_eq!(m.value("sluice_local_cache_entries", &[]), 0.0);
+        assert_eq!(m.value("sluice_local_cache_entries", &[]), 0.0);
+    })
+    .await;
 }
 
 /// A refund (`is_negative_hits`) of a full counter is never answered from the cache: it reaches
 /// the store, and the hit it gives back admits the next request.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_refund_of_a_full_counter_reaches_the_store_and_frees_a_hit() {
-    let (sluice, own) = on_own_redis(&[]).await;
-    clear_of_hour_end(Duration::from_secs(30)).await;
-    let u = || request("hot", &[&[("user", "u")]]);
-    for _ in 0..3 {
-        assert_eq!(sluice.ask(u()).await.overall_code, OK);
-    }
-    assert_eq!(sluice.ask(u()).await.overall_code, OVER_LIMIT);
-    let before = evalsha_calls(&own.ports);
-    let mut refund = u();
-    refund.descriptors[0].is_negative_hits = true;
-    sluice.ask(refund).await;
-    assert_eq!(
-        evalsha_calls(&own.ports) - before,
-        1,
-        "the refund reached Redis"
-    );
-    let r = sluice.ask(u()).await;
-    assert_eq!(
-        (r.overall_code, r.statuses[0].limit_remaining),
-        (OK, 0),
-        "the hit given back is taken again"
-    );
-    assert_eq!(sluice.ask(u()).await.overall_code, OVER_LIMIT);
+    in_one_window(HOUR, async || {
+        let (sluice, own) = on_own_redis(&[]).await;
+        let u = || request("hot", &[&[("user", "u")]]);
+        for _ in 0..3 {
+            assert_eq!(sluice.ask(u()).await.overall_code, OK);
+        }
+        assert_eq!(sluice.ask(u()).await.overall_code, OVER_LIMIT);
+        let before = evalsha_calls(&own.ports);
+        let mut refund = u();
+        refund.descriptors[0].is_negative_hits = true;
+        sluice.ask(refund).await;
+        assert_eq!(
+            evalsha_calls(&own.ports) - before,
+            1,
+            "the refund reached Redis"
+        );
+        let r = sluice.ask(u()).await;
+        assert_eq!(
+            (r.overall_code, r.statuses[0].limit_remaining),
+            (OK, 0),
+            "the hit given back is taken again"
+        );
+        assert_eq!(sluice.ask(u()).await.overall_code, OVER_LIMIT);
+    })
+    .await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -506,83 +498,85 @@ type Answers = Vec<(Instant, Result<u32, String>)>;
 /// new one.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_configmap_swap_under_load_changes_the_limit_within_2s_without_failing_a_call() {
-    let sluice = Sluice::start_prepared(
-        |dir| configmap_version(dir, "v1", &limit_rules("cm", 100_000)),
-        &[],
-    )
-    .await;
-    clear_of_hour_end(Duration::from_secs(30)).await;
-    let swap_at = Instant::now() + Duration::from_secs(1);
-    let end = swap_at + Duration::from_secs(4);
-    let mut callers = Vec::new();
-    for n in 0..4 {
-        let mut client = sluice.client().await;
-        callers.push(tokio::spawn(async move {
-            let mut answers: Answers = Vec::new();
-            let value = n.to_string();
-            while Instant::now() < end {
-                let started = Instant::now();
-                let answer = client
-                    .should_rate_limit(request("cm", &[&[("user", value.as_str())]]))
-                    .await
-                    .map(|r| limit_of(&r.get_ref().statuses[0]))
-                    .map_err(|e| e.to_string());
-                answers.push((started, answer));
-            }
-            answers
-        }));
-    }
-    tokio::time::sleep_until(swap_at.into()).await;
-    let swapping = Instant::now();
-    configmap_version(&sluice.rules, "v2", &limit_rules("cm", 200_000));
-    let swapped = Instant::now();
-    let mut all = Vec::new();
-    for caller in callers {
-        all.push(caller.await.expect("a caller runs to the end"));
-    }
+    in_one_window(HOUR, async || {
+        let sluice = Sluice::start_prepared(
+            |dir| configmap_version(dir, "v1", &limit_rules("cm", 100_000)),
+            &[],
+        )
+        .await;
+        let swap_at = Instant::now() + Duration::from_secs(1);
+        let end = swap_at + Duration::from_secs(4);
+        let mut callers = Vec::new();
+        for n in 0..4 {
+            let mut client = sluice.client().await;
+            callers.push(tokio::spawn(async move {
+                let mut answers: Answers = Vec::new();
+                let value = n.to_string();
+                while Instant::now() < end {
+                    let started = Instant::now();
+                    let answer = client
+                        .should_rate_limit(request("cm", &[&[("user", value.as_str())]]))
+                        .await
+                        .map(|r| limit_of(&r.get_ref().statuses[0]))
+                        .map_err(|e| e.to_string());
+                    answers.push((started, answer));
+                }
+                answers
+            }));
+        }
+        tokio::time::sleep_until(swap_at.into()).await;
+        let swapping = Instant::now();
+        configmap_version(&sluice.rules, "v2", &limit_rules("cm", 200_000));
+        let swapped = Instant::now();
+        let mut all = Vec::new();
+        for caller in callers {
+            all.push(caller.await.expect("a caller runs to the end"));
+        }
 
-    for (n, answers) in all.iter().enumerate() {
-        let failed: Vec<_> = answers
-            .iter()
-            .filter_map(|(_, a)| a.as_ref().err())
-            .collect();
-        assert!(
-            failed.is_empty(),
-            "caller {n}: {} failed: {failed:?}",
-            failed.len()
-        );
-        let limits = |from: Instant, to: Instant| -> Vec<u32> {
-            answers
+        for (n, answers) in all.iter().enumerate() {
+            let failed: Vec<_> = answers
                 .iter()
-                .filter(|(at, _)| *at >= from && *at < to)
-                .map(|(_, a)| *a.as_ref().unwrap())
-                .collect()
-        };
-        let far_past = answers[0].0;
-        let before = limits(far_past, swapping);
-        assert!(!before.is_empty(), "caller {n} asked before the swap");
-        assert!(
-            before.iter().all(|l| *l == 100_000),
-            "caller {n}: {before:?}"
+                .filter_map(|(_, a)| a.as_ref().err())
+                .collect();
+            assert!(
+                failed.is_empty(),
+                "caller {n}: {} failed: {failed:?}",
+                failed.len()
+            );
+            let limits = |from: Instant, to: Instant| -> Vec<u32> {
+                answers
+                    .iter()
+                    .filter(|(at, _)| *at >= from && *at < to)
+                    .map(|(_, a)| *a.as_ref().unwrap())
+                    .collect()
+            };
+            let far_past = answers[0].0;
+            let before = limits(far_past, swapping);
+            assert!(!before.is_empty(), "caller {n} asked before the swap");
+            assert!(
+                before.iter().all(|l| *l == 100_000),
+                "caller {n}: {before:?}"
+            );
+            let settled = limits(swapped + Duration::from_secs(2), end + HOUR);
+            assert!(!settled.is_empty(), "caller {n} asked 2 s after the swap");
+            assert!(
+                settled.iter().all(|l| *l == 200_000),
+                "caller {n}, from 2 s after the swap: {:?}",
+                settled.iter().filter(|l| **l != 200_000).count()
+            );
+            let in_order: Vec<u32> = answers.iter().map(|(_, a)| *a.as_ref().unwrap()).collect();
+            let first_new = in_order.iter().position(|l| *l == 200_000).unwrap();
+            assert!(
+                in_order[first_new..].iter().all(|l| *l == 200_000),
+                "caller {n} saw the old limit after the new one"
+            );
+        }
+        assert_eq!(
+            scrape(sluice.http).value("sluice_rule_reloads_total", &[("result", "ok")]),
+            1.0
         );
-        let settled = limits(swapped + Duration::from_secs(2), end + HOUR);
-        assert!(!settled.is_empty(), "caller {n} asked 2 s after the swap");
-        assert!(
-            settled.iter().all(|l| *l == 200_000),
-            "caller {n}, from 2 s after the swap: {:?}",
-            settled.iter().filter(|l| **l != 200_000).count()
-        );
-        let in_order: Vec<u32> = answers.iter().map(|(_, a)| *a.as_ref().unwrap()).collect();
-        let first_new = in_order.iter().position(|l| *l == 200_000).unwrap();
-        assert!(
-            in_order[first_new..].iter().all(|l| *l == 200_000),
-            "caller {n} saw the old limit after the new one"
-        );
-    }
-    assert_eq!(
-        scrape(sluice.http).value("sluice_rule_reloads_total", &[("result", "ok")]),
-        1.0
-    );
+    })
+    .await;
 }
 
 /// A ConfigMap version with invalid YAML is logged as `file:line`, counted as a failed reload,
@@ -591,85 +585,72 @@ async fn a_configmap_swap_under_load_changes_the_limit_within_2s_without_failing
 /// old one).
 #[tokio::test]
 async fn a_broken_configmap_version_is_reported_at_its_line_and_the_rules_in_force_stay() {
-    let sluice = Sluice::start_prepared(
-        |dir| configmap_version(dir, "v1", &limit_rules("cm", 2)),
-        &[],
-    )
+    in_one_window(HOUR, async || {
+        let sluice = Sluice::start_prepared(
+            |dir| configmap_version(dir, "v1", &limit_rules("cm", 2)),
+            &[],
+        )
+        .await;
+        let x = || request("cm", &[&[("user", "x")]]);
+        assert_eq!(sluice.ask(x()).await.statuses[0].limit_remaining, 1);
+        let before = get_text(&sluice, "/rlconfig");
+
+        configmap_version(
+            &sluice.rules,
+            "v2",
+            "domain: cm\ndescriptors:\n  - key: user\n   bad: indent\n",
+        );
+        let at_line = format!(
+            "{}:4: error loading config file",
+            sluice.rules.join("rules.yaml").display()
+        );
+        let summary = format!(
+            "file change: 1 error(s) in {}; the rules in force stay",
+            sluice.rules.display()
+        );
+        eventually(
+            "the broken file is reported",
+            Duration::from_secs(10),
+            async || {
+                let log = sluice.log_text();
+                log.contains(&at_line) && log.contains(&summary)
+            },
+        )
+        .await;
+        let m = scrape(sluice.http);
+        assert!(m.value("sluice_rule_reloads_total", &[("result", "failed")]) >= 1.0);
+        assert!(m.value("ratelimit_service_config_load_error", &[]) >= 1.0);
+        assert_eq!(
+            m.get("sluice_rule_reloads_total", &[("result", "ok")])
+                .unwrap_or(0.0),
+            0.0,
+            "no reload succeeded"
+        );
+        assert_eq!(get_text(&sluice, "/rlconfig"), before);
+        let r = sluice.ask(x()).await;
+        assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 0));
+        let r = sluice.ask(x()).await;
+        assert_eq!(
+            (r.overall_code, limit_of(&r.statuses[0])),
+            (OVER_LIMIT, 2),
+            "the limit of 2 holds"
+        );
+
+        configmap_version(&sluice.rules, "v3", &limit_rules("cm", 5));
+        eventually(
+            "the next valid version is in force",
+            Duration::from_secs(10),
+            async || get_text(&sluice, "/rlconfig").contains("requests_per_unit=5,"),
+        )
+        .await;
+        let r = sluice.ask(x()).await;
+        assert_eq!(
+            (r.overall_code, r.statuses[0].limit_remaining),
+            (OK, 2),
+            "2 of 5 used: the count is kept and the raised limit admits at once"
+        );
+    })
     .await;
-    clear_of_hour_end(Duration::from_secs(30)).await;
-    let x = || request("cm", &[&[("user", "x")]]);
-    assert_eq!(sluice.ask(x()).await.statuses[0].limit_remaining, 1);
-    let before = get_text(&sluice, "/rlconfig");
-
-    configmap_version(
-        &sluice.rules,
-        "v2",
-        "domain: cm\ndescriptors:\n  - key: user\n   bad: indent\n",
-    );
-    let at_line = format!(
-        "{}:4: error loading config file",
-        sluice.rules.join("rules.yaml").display()
-    );
-    let summary = format!(
-        "file change: 1 error(s) in {}; the rules in force stay",
-        sluice.rules.display()
-    );
-    eventually(
-        "the broken file is reported",
-        Duration::from_secs(10),
-        async || {
-            let log = sluice.log_text();
-            log.contains(&at_line) && log.contains(&summary)
-        },
-    )
-    .await;
-    let m = scrape(sluice.http);
-    assert!(m.value("sluice_rule_reloads_total", &[("result", "failed")]) >= 1.0);
-    assert!(m.value("ratelimit_service_config_load_error", &[]) >= 1.0);
-    assert_eq!(
-        m.get("sluice_rule_reloads_total", &[("result", "ok")])
-            .unwrap_or(0.0),
-        0.0,
-        "no reload succeeded"
-    );
-    assert_eq!(get_text(&sluice, "/rlconfig"), before);
-    let r = sluice.ask(x()).await;
-    assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 0));
-    let r = sluice.ask(x()).await;
-    assert_eq!(
-        (r.overall_code, limit_of(&r.statuses[0])),
-        (OVER_LIMIT, 2),
-        "the limit of 2 holds"
-    );
-
-    configmap_version(&sluice.rules, "v3", &limit_rules("cm", 5));
-    eventually(
-        "the next valid version is in force",
-        Duration::from_secs(10),
-        async || get_text(&sluice, "/rlconfig").contains("requests_per_unit=5,"),
-    )
-    .await;
-    let r = sluice.ask(x()).await;
-    assert_eq!(
-        (r.overall_code, r.statuses[0].limit_remaining),
-        (OK, 2),
-        "2 of 5 used: the count is kept and the raised limit admits at once"
-    );
-}
-
-/// The rules file lives outside the rules directory, linked into it, so that writing it is
-/// invisible to the file watcher: only SIGHUP can reload it.
-fn linked_from_outside(yaml: String) -> impl FnOnce(&Path) {
-    move |rules: &Path| {
-        let outside = outside_file(rules);
-        std::fs::create_dir(outside.parent().unwrap()).expect("outside directory");
-        std::fs::write(&outside, yaml).expect("rule file written");
-        symlink(&outside, rules.join("rules.yaml")).expect("rules.yaml link");
-    }
-}
-
-fn outside_file(rules: &Path) -> PathBuf {
-    rules.parent().unwrap().join("outside").join("rules.yaml")
 }
 
 fn two_limits(user: u32) -> String {
@@ -682,48 +663,51 @@ fn two_limits(user: u32) -> String {
 /// its requests_per_unit changed); a SIGHUP with nothing changed says so and reloads nothing.
 #[tokio::test]
 async fn sighup_reloads_and_limits_keep_their_counts_across_it() {
-    let sluice =
-        Sluice::start_prepared(linked_from_outside(two_limits(5)), &["--log-level", "info"]).await;
-    clear_of_hour_end(Duration::from_secs(30)).await;
-    let user = || request("web", &[&[("user", "u")]]);
-    let other = || request("web", &[&[("other", "o")]]);
-    for _ in 0..3 {
-        sluice.ask(user()).await;
-    }
-    for _ in 0..4 {
-        sluice.ask(other()).await;
-    }
+    in_one_window(HOUR, async || {
+        let sluice =
+            Sluice::start_prepared(linked_from_outside(two_limits(5)), &["--log-level", "info"])
+                .await;
+        let user = || request("web", &[&[("user", "u")]]);
+        let other = || request("web", &[&[("other", "o")]]);
+        for _ in 0..3 {
+            sluice.ask(user()).await;
+        }
+        for _ in 0..4 {
+            sluice.ask(other()).await;
+        }
 
-    std::fs::write(outside_file(&sluice.rules), two_limits(6)).unwrap();
-    signal(sluice.pid(), "HUP");
-    eventually("SIGHUP reloads", Duration::from_secs(10), async || {
-        sluice.log_text().contains("SIGHUP: rules reloaded")
+        std::fs::write(outside_file(&sluice.rules), two_limits(6)).unwrap();
+        signal(sluice.pid(), "HUP");
+        eventually("SIGHUP reloads", Duration::from_secs(10), async || {
+            sluice.log_text().contains("SIGHUP: rules reloaded")
+        })
+        .await;
+        assert_eq!(reported_limit(&sluice, "web", "user", "u").await, 6);
+        let r = sluice.ask(user()).await;
+        assert_eq!(
+            (r.overall_code, r.statuses[0].limit_remaining),
+            (OK, 2),
+            "4 of 6 used: the 3 used before the reload count"
+        );
+        let r = sluice.ask(other()).await;
+        assert_eq!(
+            r.statuses[0].limit_remaining, 5,
+            "5 of 10 used: the unchanged rule kept its count"
+        );
+
+        signal(sluice.pid(), "HUP");
+        eventually(
+            "SIGHUP finds nothing changed",
+            Duration::from_secs(10),
+            async || sluice.log_text().contains("SIGHUP: rules unchanged"),
+        )
+        .await;
+        assert_eq!(
+            scrape(sluice.http).value("sluice_rule_reloads_total", &[("result", "ok")]),
+            1.0
+        );
     })
     .await;
-    assert_eq!(reported_limit(&sluice, "web", "user", "u").await, 6);
-    let r = sluice.ask(user()).await;
-    assert_eq!(
-        (r.overall_code, r.statuses[0].limit_remaining),
-        (OK, 2),
-        "4 of 6 used: the 3 used before the reload count"
-    );
-    let r = sluice.ask(other()).await;
-    assert_eq!(
-        r.statuses[0].limit_remaining, 5,
-        "5 of 10 used: the unchanged rule kept its count"
-    );
-
-    signal(sluice.pid(), "HUP");
-    eventually(
-        "SIGHUP finds nothing changed",
-        Duration::from_secs(10),
-        async || sluice.log_text().contains("SIGHUP: rules unchanged"),
-    )
-    .await;
-    assert_eq!(
-        scrape(sluice.http).value("sluice_rule_reloads_total", &[("result", "ok")]),
-        1.0
-    );
 }
 
 // ---------------------------------------------------------------------------------------------

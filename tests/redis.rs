@@ -7,7 +7,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use common::{OK, OVER_LIMIT, Sluice, Store, request, sleep_until_unix_ms, unix_ms};
+use common::{
+    HOUR, MINUTE, OK, OVER_LIMIT, Sluice, Store, in_one_window, request, sleep_until_unix_ms,
+    unix_ms,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use tonic::transport::Channel;
 
@@ -17,19 +21,31 @@ fn rules(yaml: &str) -> [(&str, &str); 1] {
 
 const HUNDRED: &str = "domain: race\ndescriptors:\n  - key: run\n    rate_limit: {unit: minute, requests_per_unit: 100}\n";
 
-/// Every client asks `attempts` times, all at once, for `run=<value>`; returns how many were
-/// admitted.
-async fn race(clients: Vec<RateLimitServiceClient<Channel>>, value: &str, attempts: usize) -> u32 {
+/// `n` clients, each on a connection of its own, to `sluices` in turn.
+async fn clients(sluices: &[Sluice], n: usize) -> Vec<RateLimitServiceClient<Channel>> {
+    let mut clients = Vec::with_capacity(n);
+    for caller in 0..n {
+        clients.push(sluices[caller % sluices.len()].client().await);
+    }
+    clients
+}
+
+/// Every client asks `ask` `attempts` times, all at once; returns how many were admitted.
+async fn race(
+    clients: Vec<RateLimitServiceClient<Channel>>,
+    ask: RateLimitRequest,
+    attempts: usize,
+) -> u32 {
     let admitted = Arc::new(AtomicU32::new(0));
     let mut callers = Vec::new();
     for mut client in clients {
-        let (admitted, value) = (admitted.clone(), value.to_string());
+        let (admitted, ask) = (admitted.clone(), ask.clone());
         callers.push(tokio::spawn(async move {
             for _ in 0..attempts {
                 let r = client
-                    .should_rate_limit(request("race", &[&[("run", value.as_str())]]))
+                    .should_rate_limit(ask.clone())
                     .await
-                    .expect("no request fails");
+                    .expect("no error reaches the client");
                 if r.get_ref().overall_code == OK {
                     admitted.fetch_add(1, Ordering::Relaxed);
                 }
@@ -42,6 +58,11 @@ async fn race(clients: Vec<RateLimitServiceClient<Channel>>, value: &str, attemp
     admitted.load(Ordering::Relaxed)
 }
 
+/// A request for `run=<value>`, limited to 100 a minute by `HUNDRED`.
+fn run(value: &str) -> RateLimitRequest {
+    request("race", &[&[("run", value)]])
+}
+
 /// 64 callers over 3 sluice processes sharing one Redis race for a limit of 100, 5 runs in a row.
 async fn replicas_admit_exactly_the_limit(store: Store) {
     let prefix = format!("race-{}-{store:?}:", std::process::id());
@@ -52,13 +73,15 @@ async fn replicas_admit_exactly_the_limit(store: Store) {
         Sluice::on(store, &rules(HUNDRED), &flags).await,
     ];
     for run in 0..5 {
-        common::clear_of_minute_boundary().await;
-        let mut clients = Vec::new();
-        for caller in 0..64 {
-            clients.push(replicas[caller % 3].client().await);
-        }
-        let admitted = race(clients, &run.to_string(), 3).await;
-        assert_eq!(admitted, 100, "run {run}: 192 attempts, limit 100");
+        // A value of its own each attempt: one that saw the minute end counts nothing into the next.
+        let mut attempt = 0;
+        in_one_window(MINUTE, async || {
+            attempt += 1;
+            let clients = clients(&replicas, 64).await;
+            let admitted = race(clients, self::run(&format!("{run}.{attempt}")), 3).await;
+            assert_eq!(admitted, 100, "run {run}: 192 attempts, limit 100");
+        })
+        .await;
     }
 }
 
@@ -70,12 +93,7 @@ async fn a_request_is_one_script_call(store: Store) {
         Store::Redis => common::redis::dedicated(),
         _ => common::redis::dedicated_cluster(),
     };
-    let sluice = Sluice::on(
-        Store::Memory,
-        &rules(yaml),
-        &["--redis-url", own.url.as_str()],
-    )
-    .await;
+    let sluice = Sluice::on_own_redis(&own, &rules(yaml), &[]).await;
     let ports = &own.ports;
     let four = request(
         "rt",
@@ -101,26 +119,20 @@ async fn a_request_is_one_script_call(store: Store) {
 /// 64 callers, 4 requests each, limit 100 → 100 admitted, fewer `EVALSHA` than requests.
 #[tokio::test(flavor = "multi_thread")]
 async fn concurrent_requests_share_script_calls_and_stay_exact() {
-    let own = common::redis::dedicated();
-    let sluice = Sluice::on(
-        Store::Memory,
-        &rules(HUNDRED),
-        &["--redis-url", own.url.as_str()],
-    )
+    in_one_window(MINUTE, async || {
+        let own = common::redis::dedicated();
+        let sluice = Sluice::on_own_redis(&own, &rules(HUNDRED), &[]).await;
+        let before = common::redis::evalsha_calls(&own.ports);
+        let clients = clients(std::slice::from_ref(&sluice), 64).await;
+        let admitted = race(clients, run("shared"), 4).await;
+        let calls = common::redis::evalsha_calls(&own.ports) - before;
+        assert_eq!(admitted, 100, "256 attempts, limit 100");
+        assert!(
+            (1..256).contains(&calls),
+            "256 concurrent requests took {calls} script calls"
+        );
+    })
     .await;
-    common::clear_of_minute_boundary().await;
-    let before = common::redis::evalsha_calls(&own.ports);
-    let mut clients = Vec::new();
-    for _ in 0..64 {
-        clients.push(sluice.client().await);
-    }
-    let admitted = race(clients, "shared", 4).await;
-    let calls = common::redis::evalsha_calls(&own.ports) - before;
-    assert_eq!(admitted, 100, "256 attempts, limit 100");
-    assert!(
-        (1..256).contains(&calls),
-        "256 concurrent requests took {calls} script calls"
-    );
 }
 
 /// Values full of separators never make two descriptors share a counter.
@@ -150,39 +162,29 @@ async fn awkward_bytes_never_share_a_counter(store: Store) {
 
 /// `SCRIPT FLUSH` while requests flow: none fails and none is counted twice.
 async fn a_flushed_script_cache_is_reloaded_without_errors(store: Store) {
-    let yaml = "domain: flush\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 1000000}\n";
-    let sluice = Sluice::on(store, &rules(yaml), &[]).await;
-    let ports = store.redis().unwrap().ports.clone();
-    let flusher = tokio::task::spawn_blocking(move || {
-        for _ in 0..40 {
-            for &p in &ports {
-                common::redis::cli(p, &["SCRIPT", "FLUSH"]);
+    in_one_window(HOUR, async || {
+        let yaml = "domain: flush\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 1000000}\n";
+        let sluice = Sluice::on(store, &rules(yaml), &[]).await;
+        let ports = store.redis().unwrap().ports.clone();
+        let flusher = tokio::task::spawn_blocking(move || {
+            for _ in 0..40 {
+                for &p in &ports {
+                    common::redis::cli(p, &["SCRIPT", "FLUSH"]);
+                }
+                std::thread::sleep(Duration::from_millis(5));
             }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    });
-    let mut callers = Vec::new();
-    for _ in 0..8 {
-        let mut client = sluice.client().await;
-        callers.push(tokio::spawn(async move {
-            for _ in 0..50 {
-                client
-                    .should_rate_limit(request("flush", &[&[("k", "x")]]))
-                    .await
-                    .expect("no error reaches the client");
-            }
-        }));
-    }
-    for c in callers {
-        c.await.unwrap();
-    }
-    flusher.await.unwrap();
-    let r = sluice.ask(request("flush", &[&[("k", "x")]])).await;
-    assert_eq!(
-        r.statuses[0].limit_remaining,
-        1_000_000 - 401,
-        "400 requests, each counted once"
-    );
+        });
+        let clients = clients(std::slice::from_ref(&sluice), 8).await;
+        race(clients, request("flush", &[&[("k", "x")]]), 50).await;
+        flusher.await.unwrap();
+        let r = sluice.ask(request("flush", &[&[("k", "x")]])).await;
+        assert_eq!(
+            r.statuses[0].limit_remaining,
+            1_000_000 - 401,
+            "400 requests, each counted once"
+        );
+    })
+    .await;
 }
 
 /// L requests at the end of one window and L at the start of the next: the fixed window admits
@@ -231,73 +233,48 @@ async fn the_sliding_window_smooths_a_window_boundary(store: Store) {
 
 /// Through Sentinel, sluice finds the primary and counts there.
 async fn sentinel_leads_to_the_primary() {
-    let redis = common::redis::sentinel();
-    let yaml =
-        "domain: s\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 3}\n";
-    let sluice = Sluice::on(
-        Store::Memory,
-        &rules(yaml),
-        &["--redis-url", redis.url.as_str()],
-    )
-    .await;
-    for expected in [2, 1, 0] {
-        let r = sluice.ask(request("s", &[&[("k", "v")]])).await;
+    in_one_window(HOUR, async || {
+        let redis = common::redis::sentinel();
+        let yaml =
+            "domain: s\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 3}\n";
+        let sluice = Sluice::on_own_redis(&redis, &rules(yaml), &[]).await;
+        for expected in [2, 1, 0] {
+            let r = sluice.ask(request("s", &[&[("k", "v")]])).await;
+            assert_eq!(
+                (r.overall_code, r.statuses[0].limit_remaining),
+                (OK, expected)
+            );
+        }
         assert_eq!(
-            (r.overall_code, r.statuses[0].limit_remaining),
-            (OK, expected)
+            sluice
+                .ask(request("s", &[&[("k", "v")]]))
+                .await
+                .overall_code,
+            OVER_LIMIT
         );
-    }
-    assert_eq!(
-        sluice
-            .ask(request("s", &[&[("k", "v")]]))
-            .await
-            .overall_code,
-        OVER_LIMIT
-    );
-    assert_eq!(
-        common::redis::evalsha_calls(&redis.ports),
-        3,
-        "the primary ran every check but the last, which the local cache denied"
-    );
+        assert_eq!(
+            common::redis::evalsha_calls(&redis.ports),
+            3,
+            "the primary ran every check but the last, which the local cache denied"
+        );
+    })
+    .await;
 }
 
-mod redis_store {
-    use super::*;
-
-    #[tokio::test(flavor = "multi_thread")]
-    async fn a_sentinel_url_counts_on_the_primary_it_names() {
-        sentinel_leads_to_the_primary().await;
-    }
-
-    #[tokio::test(flavor = "multi_thread")]
-    async fn replicas_sharing_a_standalone_redis_admit_exactly_the_limit() {
-        replicas_admit_exactly_the_limit(Store::Redis).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread")]
-    async fn replicas_sharing_a_cluster_admit_exactly_the_limit() {
-        replicas_admit_exactly_the_limit(Store::Cluster).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread")]
-    async fn four_descriptors_cost_one_evalsha_on_standalone_redis() {
-        a_request_is_one_script_call(Store::Redis).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread")]
-    async fn four_descriptors_cost_one_evalsha_per_slot_on_a_cluster() {
-        a_request_is_one_script_call(Store::Cluster).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread")]
-    async fn script_flush_on_standalone_redis_loses_nothing() {
-        a_flushed_script_cache_is_reloaded_without_errors(Store::Redis).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread")]
-    async fn script_flush_on_every_cluster_node_loses_nothing() {
-        a_flushed_script_cache_is_reloaded_without_errors(Store::Cluster).await;
-    }
+scenarios! {
+    a_sentinel_url_counts_on_the_primary_it_names => sentinel_leads_to_the_primary(),
+    replicas_sharing_a_standalone_redis_admit_exactly_the_limit
+        => replicas_admit_exactly_the_limit(Store::Redis),
+    replicas_sharing_a_cluster_admit_exactly_the_limit
+        => replicas_admit_exactly_the_limit(Store::Cluster),
+    four_descriptors_cost_one_evalsha_on_standalone_redis
+        => a_request_is_one_script_call(Store::Redis),
+    four_descriptors_cost_one_evalsha_per_slot_on_a_cluster
+        => a_request_is_one_script_call(Store::Cluster),
+    script_flush_on_standalone_redis_loses_nothing
+        => a_flushed_script_cache_is_reloaded_without_errors(Store::Redis),
+    script_flush_on_every_cluster_node_loses_nothing
+        => a_flushed_script_cache_is_reloaded_without_errors(Store::Cluster),
 }
 
 on_every_store!(

@@ -6,13 +6,11 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use common::metrics::scrape;
-use common::{OK, OVER_LIMIT, Sluice, Store, http, request, unix_ms};
+use common::{HOUR, OK, OVER_LIMIT, Sluice, Store, http, in_one_window, request, unix_ms};
 use tonic::Code;
 
-const HOUR: Duration = Duration::from_secs(3_600);
 const DAY_MS: u64 = 86_400_000;
 
 /// `user` and `path`, two rules keyed on whatever value a client sends; `user` also takes
@@ -148,177 +146,186 @@ async fn new_counters_count(sluice: &Sluice, key: &str, prefix: &str, n: usize) 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_rule_flooded_with_unique_values_gets_over_limit_past_its_share_and_other_rules_carry_on()
 {
-    // 64 shards of 50 counters; a rule may hold half of each.
-    let mut sluice = Sluice::start_with(&[("rules.yaml", RULES)], &["--max-keys", "3200"]).await;
-    common::clear_of_window_end(HOUR, Duration::from_secs(30)).await;
-    let mut client = sluice.client().await;
-    let known = client
-        .should_rate_limit(request("web", &[&[("user", "known")]]))
-        .await
-        .expect("decided")
-        .into_inner();
-    assert_eq!(known.statuses[0].limit_remaining, 19);
+    in_one_window(HOUR, async || {
+        // 64 shards of 50 counters; a rule may hold half of each.
+        let mut sluice = Sluice::start_with(&[("rules.yaml", RULES)], &["--max-keys", "3200"]).await;
+        let mut client = sluice.client().await;
+        let known = client
+            .should_rate_limit(request("web", &[&[("user", "known")]]))
+            .await
+            .expect("decided")
+            .into_inner();
+        assert_eq!(known.statuses[0].limit_remaining, 19);
 
-    let tally = flood(&sluice, "user", "flood-", 6_400).await;
-    assert_eq!(
-        tally.errors, 0,
-        "a rule past its share is answered, never an error: {tally:?}"
-    );
-    assert!(
-        tally.counted >= 1_200 && tally.counted <= 1_600,
-        "the rule held about half of the store (at most 25 counters in each of 64 shards): {tally:?}"
-    );
-    assert_eq!(tally.counted + tally.over, 6_400);
+        let tally = flood(&sluice, "user", "flood-", 6_400).await;
+        assert_eq!(
+            tally.errors, 0,
+            "a rule past its share is answered, never an error: {tally:?}"
+        );
+        assert!(
+            tally.counted >= 1_200 && tally.counted <= 1_600,
+            "the rule held about half of the store (at most 25 counters in each of 64 shards): {tally:?}"
+        );
+        assert_eq!(tally.counted + tally.over, 6_400);
 
-    // The flooded rule's new values are over its limit, told to come back in a second.
-    let refused = client
-        .should_rate_limit(request("web", &[&[("user", "one-more")]]))
-        .await
-        .expect("decided")
-        .into_inner();
-    assert_eq!(refused.overall_code, OVER_LIMIT, "{refused:?}");
-    let status = &refused.statuses[0];
-    assert_eq!(status.code, OVER_LIMIT);
-    assert_eq!(status.current_limit.as_ref().unwrap().requests_per_unit, 20);
-    assert_eq!(status.limit_remaining, 0);
-    assert_eq!(status.duration_until_reset.as_ref().unwrap().seconds, 1);
-    let again = client
-        .should_rate_limit(request("web", &[&[("user", "known")]]))
-        .await
-        .expect("decided")
-        .into_inner();
-    assert_eq!(
-        again.statuses[0].limit_remaining, 18,
-        "the rule's existing counters still count"
-    );
+        // The flooded rule's new values are over its limit, told to come back in a second.
+        let refused = client
+            .should_rate_limit(request("web", &[&[("user", "one-more")]]))
+            .await
+            .expect("decided")
+            .into_inner();
+        assert_eq!(refused.overall_code, OVER_LIMIT, "{refused:?}");
+        let status = &refused.statuses[0];
+        assert_eq!(status.code, OVER_LIMIT);
+        assert_eq!(status.current_limit.as_ref().unwrap().requests_per_unit, 20);
+        assert_eq!(status.limit_remaining, 0);
+        assert_eq!(status.duration_until_reset.as_ref().unwrap().seconds, 1);
+        let again = client
+            .should_rate_limit(request("web", &[&[("user", "known")]]))
+            .await
+            .expect("decided")
+            .into_inner();
+        assert_eq!(
+            again.statuses[0].limit_remaining, 18,
+            "the rule's existing counters still count"
+        );
 
-    // Another rule creates new counters and decides normally, alone or beside the full rule.
-    new_counters_count(&sluice, "path", "p", 200).await;
-    let both = client
-        .should_rate_limit(request(
-            "web",
-            &[&[("path", "p0")], &[("user", "yet-another")]],
-        ))
-        .await
-        .expect("decided")
-        .into_inner();
-    assert_eq!(
-        (
-            both.overall_code,
-            both.statuses[0].code,
-            both.statuses[1].code
-        ),
-        (OVER_LIMIT, OK, OVER_LIMIT),
-        "{both:?}"
-    );
-    assert_eq!(
-        both.statuses[0].limit_remaining, 19,
-        "a denied request consumed nothing"
-    );
+        // Another rule creates new counters and decides normally, alone or beside the full rule.
+        new_counters_count(&sluice, "path", "p", 200).await;
+        let both = client
+            .should_rate_limit(request(
+                "web",
+                &[&[("path", "p0")], &[("user", "yet-another")]],
+            ))
+            .await
+            .expect("decided")
+            .into_inner();
+        assert_eq!(
+            (
+                both.overall_code,
+                both.statuses[0].code,
+                both.statuses[1].code
+            ),
+            (OVER_LIMIT, OK, OVER_LIMIT),
+            "{both:?}"
+        );
+        assert_eq!(
+            both.statuses[0].limit_remaining, 19,
+            "a denied request consumed nothing"
+        );
 
-    let metrics = scrape(sluice.http);
-    assert!(
-        metrics.value("sluice_memory_refused_counters_total", &[("share", "rule")]) >= 4_800.0,
-        "the refusals are counted"
-    );
-    assert!(sluice.alive());
+        let metrics = scrape(sluice.http);
+        assert!(
+            metrics.value("sluice_memory_refused_counters_total", &[("share", "rule")]) >= 4_800.0,
+            "the refusals are counted"
+        );
+        assert!(sluice.alive());
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn when_the_whole_store_is_full_a_rule_within_its_share_gets_the_on_store_error_answer() {
-    // 64 shards of 10: two rules flooded to their half fill every shard.
-    let mut sluice = Sluice::start_with(&[("rules.yaml", RULES)], &["--max-keys", "640"]).await;
-    common::clear_of_window_end(HOUR, Duration::from_secs(30)).await;
-    for key in ["user", "path"] {
-        let tally = flood(&sluice, key, "flood-", 2_000).await;
-        assert!(
-            tally
-                .first_error
-                .is_none_or(|c| c == Code::ResourceExhausted),
-            "{key}: {tally:?}"
-        );
-    }
-    let mut client = sluice.client().await;
-    let mut exhausted = 0;
-    for i in 0..50 {
-        let value = format!("o{i}");
-        match client
-            .should_rate_limit(request("web", &[&[("other", &value)]]))
-            .await
-        {
-            Err(status) => {
-                assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
-                assert!(status.message().contains("--max-keys"), "{status:?}");
-                exhausted += 1;
-            }
-            Ok(r) => assert_eq!(r.get_ref().overall_code, OK),
+    in_one_window(HOUR, async || {
+        // 64 shards of 10: two rules flooded to their half fill every shard.
+        let mut sluice = Sluice::start_with(&[("rules.yaml", RULES)], &["--max-keys", "640"]).await;
+        for key in ["user", "path"] {
+            let tally = flood(&sluice, key, "flood-", 2_000).await;
+            assert!(
+                tally
+                    .first_error
+                    .is_none_or(|c| c == Code::ResourceExhausted),
+                "{key}: {tally:?}"
+            );
         }
-    }
-    assert!(exhausted >= 45, "the store is full: {exhausted} of 50");
-    let flooded = client
-        .should_rate_limit(request("web", &[&[("user", "one-more")]]))
-        .await
-        .expect("a rule past its share is answered")
-        .into_inner();
-    assert_eq!(flooded.overall_code, OVER_LIMIT);
-    assert!(sluice.alive());
+        let mut client = sluice.client().await;
+        let mut exhausted = 0;
+        for i in 0..50 {
+            let value = format!("o{i}");
+            match client
+                .should_rate_limit(request("web", &[&[("other", &value)]]))
+                .await
+            {
+                Err(status) => {
+                    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+                    assert!(status.message().contains("--max-keys"), "{status:?}");
+                    exhausted += 1;
+                }
+                Ok(r) => assert_eq!(r.get_ref().overall_code, OK),
+            }
+        }
+        assert!(exhausted >= 45, "the store is full: {exhausted} of 50");
+        let flooded = client
+            .should_rate_limit(request("web", &[&[("user", "one-more")]]))
+            .await
+            .expect("a rule past its share is answered")
+            .into_inner();
+        assert_eq!(flooded.overall_code, OVER_LIMIT);
+        assert!(sluice.alive());
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn scheduled_counters_with_unique_values_never_crowd_out_new_present_counters() {
-    // 64 shards of 50; scheduled counters may hold a quarter of each, a rule half of that.
-    let mut sluice = Sluice::start_with(&[("rules.yaml", RULES)], &["--max-keys", "3200"]).await;
-    common::clear_of_window_end(HOUR, Duration::from_secs(30)).await;
-    let ahead = days_ahead(20);
-    let mut statuses = post_scheduled(sluice.http, "daily", "f", 3_200, ahead.clone()).await;
-    statuses.extend(post_scheduled(sluice.http, "log", "g", 3_200, ahead).await);
-    // Present requests on new values of the same rules and of another one are decided.
-    new_counters_count(&sluice, "daily", "d", 200).await;
-    new_counters_count(&sluice, "log", "l", 200).await;
-    new_counters_count(&sluice, "user", "u", 200).await;
+    in_one_window(HOUR, async || {
+        // 64 shards of 50; scheduled counters may hold a quarter of each, a rule half of that.
+        let mut sluice =
+            Sluice::start_with(&[("rules.yaml", RULES)], &["--max-keys", "3200"]).await;
+        let ahead = days_ahead(20);
+        let mut statuses = post_scheduled(sluice.http, "daily", "f", 3_200, ahead.clone()).await;
+        statuses.extend(post_scheduled(sluice.http, "log", "g", 3_200, ahead).await);
+        // Present requests on new values of the same rules and of another one are decided.
+        new_counters_count(&sluice, "daily", "d", 200).await;
+        new_counters_count(&sluice, "log", "l", 200).await;
+        new_counters_count(&sluice, "user", "u", 200).await;
 
-    let admitted = statuses.iter().filter(|s| **s == 200).count();
-    assert!(
-        statuses.iter().all(|s| *s == 200 || *s == 429),
-        "past their share, scheduled requests are over their limit: {:?}",
-        statuses.iter().find(|s| **s != 200 && **s != 429)
-    );
-    assert!(
-        admitted <= 64 * 13,
-        "scheduled counters held at most 13 of each shard's 50 (a rule 7): {admitted}"
-    );
-    let refused = scheduled(sluice.http, "daily", "late", &days_ahead(20));
-    assert_eq!(refused.0, 429, "{}", refused.1);
-    assert!(sluice.alive());
+        let admitted = statuses.iter().filter(|s| **s == 200).count();
+        assert!(
+            statuses.iter().all(|s| *s == 200 || *s == 429),
+            "past their share, scheduled requests are over their limit: {:?}",
+            statuses.iter().find(|s| **s != 200 && **s != 429)
+        );
+        assert!(
+            admitted <= 64 * 13,
+            "scheduled counters held at most 13 of each shard's 50 (a rule 7): {admitted}"
+        );
+        let refused = scheduled(sluice.http, "daily", "late", &days_ahead(20));
+        assert_eq!(refused.0, 429, "{}", refused.1);
+        assert!(sluice.alive());
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_present_counter_given_a_scheduled_entry_counts_as_scheduled() {
-    // A sliding log created now, then given an entry 20 days ahead, lives 20 days: it leaves the
-    // rule's present share for the scheduled one, so it cannot hold a present slot that long.
-    let sluice = Sluice::start_with(&[("rules.yaml", RULES)], &["--max-keys", "3200"]).await;
-    common::clear_of_window_end(HOUR, Duration::from_secs(30)).await;
-    let ahead = days_ahead(20);
-    let mut client = sluice.client().await;
-    let mut moved = 0;
-    for i in 0..3_200 {
-        let value = format!("v{i}");
-        let now = client
-            .should_rate_limit(request("web", &[&[("log", &value)]]))
-            .await
-            .expect("decided")
-            .into_inner();
-        if now.overall_code != OK {
-            break;
+    in_one_window(HOUR, async || {
+        // A sliding log created now, then given an entry 20 days ahead, lives 20 days: it leaves the
+        // rule's present share for the scheduled one, so it cannot hold a present slot that long.
+        let sluice = Sluice::start_with(&[("rules.yaml", RULES)], &["--max-keys", "3200"]).await;
+        let ahead = days_ahead(20);
+        let mut client = sluice.client().await;
+        let mut moved = 0;
+        for i in 0..3_200 {
+            let value = format!("v{i}");
+            let now = client
+                .should_rate_limit(request("web", &[&[("log", &value)]]))
+                .await
+                .expect("decided")
+                .into_inner();
+            if now.overall_code != OK {
+                break;
+            }
+            if scheduled(sluice.http, "log", &value, &ahead).0 == 200 {
+                moved += 1;
+            } else {
+                break;
+            }
         }
-        if scheduled(sluice.http, "log", &value, &ahead).0 == 200 {
-            moved += 1;
-        } else {
-            break;
-        }
-    }
-    assert!(moved < 3_200, "the scheduled share filled");
-    new_counters_count(&sluice, "log", "l", 200).await;
+        assert!(moved < 3_200, "the scheduled share filled");
+        new_counters_count(&sluice, "log", "l", 200).await;
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -21,10 +21,12 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 
 use common::envoy::{Envoy, Filter, Upstream, UpstreamTls, envoy_binary};
 use common::redis::TlsRedis;
-use common::{OK, OVER_LIMIT, Sluice, Wait, clear_of_window_end, http, request};
+use common::{
+    HOUR, OK, OVER_LIMIT, Sluice, Wait, eventually, http, in_one_window, openssl, request,
+};
 
-/// Three requests an hour per `generic_key` value; an hourly window is wide enough that a test
-/// never straddles two once `clear_of_window_end` has run.
+/// Three requests an hour per `generic_key` value; a test counting them runs `in_one_window` of
+/// an hour.
 const RULES: &str = "\
 domain: tls
 descriptors:
@@ -34,7 +36,6 @@ descriptors:
       requests_per_unit: 3
 ";
 const LIMIT: usize = 3;
-const WINDOW: Duration = Duration::from_secs(3600);
 
 /// The names in every server certificate.
 const SERVER_NAMES: &[&str] = &["localhost", "127.0.0.1"];
@@ -257,15 +258,6 @@ fn health(grpc: SocketAddr, args: &[String]) -> (bool, String) {
     (out.status.success(), printed)
 }
 
-/// Polls `done` every 100 ms until it holds, panicking with `what` after `PATIENCE`.
-async fn eventually(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + PATIENCE;
-    while !done().await {
-        assert!(Instant::now() < deadline, "not within {PATIENCE:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_tls_client_is_served_and_a_plaintext_one_is_refused() {
     let pki = Pki::new();
@@ -409,6 +401,7 @@ async fn changed_certificates_serve_new_connections_and_a_broken_set_leaves_the_
     volume.publish(cert.as_bytes(), key.as_bytes());
     eventually(
         "a new connection trusting only the second CA is served",
+        PATIENCE,
         async || ask_tls(sluice.grpc, &second_ca, None).await.is_ok(),
     )
     .await;
@@ -423,29 +416,19 @@ async fn changed_certificates_serve_new_connections_and_a_broken_set_leaves_the_
 
     let broken_key = b"-----BEGIN PRIVATE KEY-----\nbroken\n-----END PRIVATE KEY-----\n";
     volume.publish(cert.as_bytes(), broken_key);
-    eventually("the broken key is logged, naming its flag", async || {
-        let log = sluice.log_text();
-        log.contains("TLS certificates not reloaded") && log.contains("--tls-key")
-    })
+    eventually(
+        "the broken key is logged, naming its flag",
+        PATIENCE,
+        async || {
+            let log = sluice.log_text();
+            log.contains("TLS certificates not reloaded") && log.contains("--tls-key")
+        },
+    )
     .await;
     let answer = ask_tls(sluice.grpc, &second_ca, None)
         .await
         .expect("the last good certificate stays in force");
     assert_eq!(answer.overall_code, OK);
-}
-
-/// Runs `openssl` with `args`, which must succeed.
-fn openssl(args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("openssl runs (install openssl)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -582,39 +565,41 @@ const FILTER: Filter = Filter {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn envoy_speaking_mtls_to_sluice_gets_its_answers() {
-    let binary = envoy_binary();
-    let pki = Pki::new();
-    let sluice = serve(&pki.serve_flags(true)).await;
-    let upstream = Upstream::start();
-    let tls = UpstreamTls {
-        ca: &pki.ca,
-        name: "localhost",
-        client: Some((&pki.client.cert, &pki.client.key)),
-    };
-    let envoy = Envoy::start_tls(&binary, upstream.addr, sluice.grpc, &FILTER, &tls);
+    in_one_window(HOUR, async || {
+        let binary = envoy_binary();
+        let pki = Pki::new();
+        let sluice = serve(&pki.serve_flags(true)).await;
+        let upstream = Upstream::start();
+        let tls = UpstreamTls {
+            ca: &pki.ca,
+            name: "localhost",
+            client: Some((&pki.client.cert, &pki.client.key)),
+        };
+        let envoy = Envoy::start_tls(&binary, upstream.addr, sluice.grpc, &FILTER, &tls);
 
-    clear_of_window_end(WINDOW, Duration::from_secs(30)).await;
-    for n in 0..LIMIT {
-        let (status, headers, body) = http(envoy.listener, "GET", "/", "");
-        assert_eq!(status, 200, "request {n}: {headers:?} {body}");
-    }
-    for _ in 0..2 {
-        let (status, headers, body) = http(envoy.listener, "GET", "/", "");
-        assert_eq!(status, 429, "over the limit: {headers:?} {body}");
-    }
+        for n in 0..LIMIT {
+            let (status, headers, body) = http(envoy.listener, "GET", "/", "");
+            assert_eq!(status, 200, "request {n}: {headers:?} {body}");
+        }
+        for _ in 0..2 {
+            let (status, headers, body) = http(envoy.listener, "GET", "/", "");
+            assert_eq!(status, 429, "over the limit: {headers:?} {body}");
+        }
 
-    let stats = envoy.ratelimit_stats();
-    assert_eq!(stats.get("ok"), Some(&(LIMIT as u64)), "{stats:?}");
-    assert_eq!(stats.get("over_limit"), Some(&2), "{stats:?}");
-    assert_eq!(stats.get("error").copied().unwrap_or(0), 0, "{stats:?}");
-    assert_eq!(
-        stats.get("failure_mode_allowed").copied().unwrap_or(0),
-        0,
-        "{stats:?}"
-    );
-    let ssl = envoy.stats("cluster.ratelimit.ssl.");
-    assert!(ssl.get("handshake").is_some_and(|&n| n >= 1), "{ssl:?}");
-    assert_eq!(ssl.get("connection_error"), Some(&0), "{ssl:?}");
+        let stats = envoy.ratelimit_stats();
+        assert_eq!(stats.get("ok"), Some(&(LIMIT as u64)), "{stats:?}");
+        assert_eq!(stats.get("over_limit"), Some(&2), "{stats:?}");
+        assert_eq!(stats.get("error").copied().unwrap_or(0), 0, "{stats:?}");
+        assert_eq!(
+            stats.get("failure_mode_allowed").copied().unwrap_or(0),
+            0,
+            "{stats:?}"
+        );
+        let ssl = envoy.stats("cluster.ratelimit.ssl.");
+        assert!(ssl.get("handshake").is_some_and(|&n| n >= 1), "{ssl:?}");
+        assert_eq!(ssl.get("connection_error"), Some(&0), "{ssl:?}");
+    })
+    .await;
 }
 
 /// `serve` flags for Redis at `redis` over TLS, with `extra` TLS flags and a key prefix.
@@ -646,23 +631,25 @@ fn tls_redis(pki: &Pki) -> TlsRedis {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sluice_counts_in_a_redis_that_requires_tls_client_certificates() {
-    let pki = Pki::new();
-    let redis = tls_redis(&pki);
-    let flags = redis_flags(&redis, &[&pki.ca, &pki.client.cert, &pki.client.key]);
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let sluice = Sluice::spawn(&[("rules.yaml", RULES)], &flags, None, Wait::Serving).await;
-    assert_eq!(http(sluice.http, "GET", "/readyz", "").0, 200);
+    in_one_window(HOUR, async || {
+        let pki = Pki::new();
+        let redis = tls_redis(&pki);
+        let flags = redis_flags(&redis, &[&pki.ca, &pki.client.cert, &pki.client.key]);
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let sluice = Sluice::spawn(&[("rules.yaml", RULES)], &flags, None, Wait::Serving).await;
+        assert_eq!(http(sluice.http, "GET", "/readyz", "").0, 200);
 
-    clear_of_window_end(WINDOW, Duration::from_secs(30)).await;
-    let limited = request("tls", &[&[("generic_key", "redis")]]);
-    for n in 0..LIMIT {
-        let answer = sluice.ask(limited.clone()).await;
-        assert_eq!(answer.overall_code, OK, "request {n}: {answer:?}");
-    }
-    let answer = sluice.ask(limited).await;
-    assert_eq!(answer.overall_code, OVER_LIMIT, "{answer:?}");
-    let keys = redis.cli(&["KEYS", "tls:*"]);
-    assert_eq!(keys.lines().count(), 1, "one counter in Redis: {keys:?}");
+        let limited = request("tls", &[&[("generic_key", "redis")]]);
+        for n in 0..LIMIT {
+            let answer = sluice.ask(limited.clone()).await;
+            assert_eq!(answer.overall_code, OK, "request {n}: {answer:?}");
+        }
+        let answer = sluice.ask(limited).await;
+        assert_eq!(answer.overall_code, OVER_LIMIT, "{answer:?}");
+        let keys = redis.cli(&["KEYS", "tls:*"]);
+        assert_eq!(keys.lines().count(), 1, "one counter in Redis: {keys:?}");
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -673,7 +660,7 @@ async fn without_its_client_certificate_sluice_does_not_reach_a_redis_that_requi
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let sluice = Sluice::spawn(&[("rules.yaml", RULES)], &flags, None, Wait::Live).await;
 
-    eventually("Redis refuses sluice's connection", async || {
+    eventually("Redis refuses sluice's connection", PATIENCE, async || {
         redis
             .log_text()
             .contains("peer did not return a certificate")

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use common::envoy::{Envoy, Front, Upstream, bootstrap_with, envoy_binary, ratelimit_filter};
 use common::metrics::scrape;
-use common::{Sluice, clear_of_window_end, exchange, request};
+use common::{HOUR, Sluice, exchange, in_one_window, request};
 use envoy_types::pb::google::protobuf::UInt64Value;
 
 const RULES: &str = "\
@@ -108,61 +108,65 @@ async fn charged(sluice: &Sluice, user: &str, expected: u32) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_token_budget_charged_after_the_response_holds_through_envoy() {
-    let binary = envoy_binary();
-    let sluice = Sluice::start(RULES).await;
-    let upstream = Upstream::start();
-    let envoy = Envoy::launch(&binary, &|listener, admin| {
-        bootstrap(listener, admin, upstream.addr, sluice.grpc)
-    });
-    clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(30)).await;
+    in_one_window(HOUR, async || {
+        let binary = envoy_binary();
+        let sluice = Sluice::start(RULES).await;
+        let upstream = Upstream::start();
+        let envoy = Envoy::launch(&binary, &|listener, admin| {
+            bootstrap(listener, admin, upstream.addr, sluice.grpc)
+        });
 
-    assert_eq!(call(&envoy, "alice", 400), 200);
-    charged(&sluice, "alice", 600).await;
-    assert_eq!(call(&envoy, "alice", 400), 200);
-    charged(&sluice, "alice", 200).await;
-    assert_eq!(
-        call(&envoy, "alice", 400),
-        200,
-        "200 tokens left: the request goes through and uses 400"
-    );
-    charged(&sluice, "alice", 0).await;
-    let served = upstream.served();
-    assert_eq!(call(&envoy, "alice", 400), 429, "the budget is spent");
-    assert_eq!(
-        upstream.served(),
-        served,
-        "a refused request never reaches the upstream"
-    );
-    assert_eq!(call(&envoy, "bob", 10), 200, "bob's budget is his own");
+        assert_eq!(call(&envoy, "alice", 400), 200);
+        charged(&sluice, "alice", 600).await;
+        assert_eq!(call(&envoy, "alice", 400), 200);
+        charged(&sluice, "alice", 200).await;
+        assert_eq!(
+            call(&envoy, "alice", 400),
+            200,
+            "200 tokens left: the request goes through and uses 400"
+        );
+        charged(&sluice, "alice", 0).await;
+        let served = upstream.served();
+        assert_eq!(call(&envoy, "alice", 400), 429, "the budget is spent");
+        assert_eq!(
+            upstream.served(),
+            served,
+            "a refused request never reaches the upstream"
+        );
+        assert_eq!(call(&envoy, "bob", 10), 200, "bob's budget is his own");
+    })
+    .await;
 }
 
 /// The reason `counting: always` exists: counted sluice's default way, the charge that does not
 /// fit is refused (Envoy ignores that answer), so the user is never stopped.
 #[tokio::test(flavor = "multi_thread")]
 async fn counted_admitted_a_charge_that_does_not_fit_is_lost_and_the_budget_leaks() {
-    let binary = envoy_binary();
-    let sluice = Sluice::start(ADMITTED).await;
-    let upstream = Upstream::start();
-    let envoy = Envoy::launch(&binary, &|listener, admin| {
-        bootstrap(listener, admin, upstream.addr, sluice.grpc)
-    });
-    clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(30)).await;
+    in_one_window(HOUR, async || {
+        let binary = envoy_binary();
+        let sluice = Sluice::start(ADMITTED).await;
+        let upstream = Upstream::start();
+        let envoy = Envoy::launch(&binary, &|listener, admin| {
+            bootstrap(listener, admin, upstream.addr, sluice.grpc)
+        });
 
-    assert_eq!(call(&envoy, "carol", 600), 200);
-    charged(&sluice, "carol", 400).await;
-    for _ in 0..3 {
         assert_eq!(call(&envoy, "carol", 600), 200);
-    }
-    // Each refused charge counts its 600 hits as over the limit once sluice has answered it.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let user = [("domain", "llm"), ("descriptor", "user")];
-    while scrape(sluice.http).value("sluice_rule_over_limit_total", &user) < 1800.0 {
-        assert!(Instant::now() < deadline, "Envoy sent the three charges");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(
-        left(&sluice, "carol").await,
-        400,
-        "every later charge of 600 was refused, so nothing more was counted"
-    );
+        charged(&sluice, "carol", 400).await;
+        for _ in 0..3 {
+            assert_eq!(call(&envoy, "carol", 600), 200);
+        }
+        // Each refused charge counts its 600 hits as over the limit once sluice has answered it.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let user = [("domain", "llm"), ("descriptor", "user")];
+        while scrape(sluice.http).value("sluice_rule_over_limit_total", &user) < 1800.0 {
+            assert!(Instant::now() < deadline, "Envoy sent the three charges");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(
+            left(&sluice, "carol").await,
+            400,
+            "every later charge of 600 was refused, so nothing more was counted"
+        );
+    })
+    .await;
 }

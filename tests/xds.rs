@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use common::xds::{
     Certs, Received, ServerTlsFiles, XdsServer, certgen, domain, nest, resource, rule,
 };
-use common::{OK, OVER_LIMIT, Sluice, Store, Wait, http, request};
+use common::{HOUR, OK, OVER_LIMIT, Sluice, Store, Wait, http, in_one_window, request};
 use envoy_types::pb::google::protobuf::Any;
 use envoy_types::pb::google::protobuf::value::Kind;
 use envoy_types::pb::ratelimit::config::ratelimit::v3::{RateLimitConfig, RateLimitUnit};
@@ -68,50 +68,50 @@ fn acked(version: &str) -> impl Fn(&Received) -> bool + '_ {
 }
 
 async fn rules_arrive_over_xds_and_decide(store: Store) {
-    let server = XdsServer::start();
-    server.set("1", &[limit_d(2)]);
-    let sluice = start(
-        store,
-        &server,
-        &[
-            "--xds-node-id",
-            "envoy-ratelimit",
-            "--xds-node-metadata",
-            "cluster=eg,zone=a=b",
-        ],
-    )
+    in_one_window(HOUR, async || {
+        let server = XdsServer::start();
+        server.set("1", &[limit_d(2)]);
+        let sluice = start(
+            store,
+            &server,
+            &[
+                "--xds-node-id",
+                "envoy-ratelimit",
+                "--xds-node-metadata",
+                "cluster=eg,zone=a=b",
+            ],
+        )
+        .await;
+        let k = [("k", "x")];
+        assert_eq!(code(&sluice, "d", &k).await, OK);
+        assert_eq!(code(&sluice, "d", &k).await, OK);
+        assert_eq!(code(&sluice, "d", &k).await, OVER_LIMIT);
+        assert_eq!(code(&sluice, "unknown", &k).await, OK);
+
+        let first = &server.received()[0];
+        assert_eq!(first.version, "", "a new stream starts from no version");
+        assert_eq!(first.nonce, "");
+        assert_eq!(first.type_url, common::xds::TYPE_URL);
+        assert!(first.resource_names.is_empty(), "a wildcard subscription");
+        let node = first.node.as_ref().expect("the node is sent");
+        assert_eq!(node.id, "envoy-ratelimit");
+        let metadata = &node.metadata.as_ref().unwrap().fields;
+        let text = |k: &str| match &metadata[k].kind {
+            Some(Kind::StringValue(s)) => s.clone(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!((text("cluster"), text("zone")), ("eg".into(), "a=b".into()));
+        let ack = server.wait_for(WAIT, acked("1")).await.expect("an ACK");
+        assert_eq!(ack.nonce, "1");
+    })
     .await;
-    let k = [("k", "x")];
-    assert_eq!(code(&sluice, "d", &k).await, OK);
-    assert_eq!(code(&sluice, "d", &k).await, OK);
-    assert_eq!(code(&sluice, "d", &k).await, OVER_LIMIT);
-    assert_eq!(code(&sluice, "unknown", &k).await, OK);
-
-    let first = &server.received()[0];
-    assert_eq!(first.version, "", "a new stream starts from no version");
-    assert_eq!(first.nonce, "");
-    assert_eq!(first.type_url, common::xds::TYPE_URL);
-    assert!(first.resource_names.is_empty(), "a wildcard subscription");
-    let node = first.node.as_ref().expect("the node is sent");
-    assert_eq!(node.id, "envoy-ratelimit");
-    let metadata = &node.metadata.as_ref().unwrap().fields;
-    let text = |k: &str| match &metadata[k].kind {
-        Some(Kind::StringValue(s)) => s.clone(),
-        other => panic!("{other:?}"),
-    };
-    assert_eq!((text("cluster"), text("zone")), ("eg".into(), "a=b".into()));
-    let ack = server.wait_for(WAIT, acked("1")).await.expect("an ACK");
-    assert_eq!(ack.nonce, "1");
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn rules_arrive_over_xds_and_decide_on_the_embedded_store() {
-    rules_arrive_over_xds_and_decide(Store::Memory).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn rules_arrive_over_xds_and_decide_on_redis() {
-    rules_arrive_over_xds_and_decide(Store::Redis).await;
+scenarios! {
+    rules_arrive_over_xds_and_decide_on_the_embedded_store
+        => rules_arrive_over_xds_and_decide(Store::Memory),
+    rules_arrive_over_xds_and_decide_on_redis
+        => rules_arrive_over_xds_and_decide(Store::Redis),
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -313,111 +313,114 @@ async fn mutual_tls_with_pkcs1_keys_meets_a_tls13_only_server() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn envoy_gateway_snapshots_match_requests_as_its_envoy_sends_them() {
-    let route_a = "httproute/default/http-ratelimit/rule/0/match/0/ratelimit_example";
-    let a = domain(
-        "default/eg/http",
-        vec![
-            nest(
-                route_a,
-                route_a,
+    in_one_window(HOUR, async || {
+        let route_a = "httproute/default/http-ratelimit/rule/0/match/0/ratelimit_example";
+        let a = domain(
+            "default/eg/http",
+            vec![
+                nest(
+                    route_a,
+                    route_a,
+                    vec![rule(
+                        "rule-0-match-0",
+                        "rule-0-match-0",
+                        RateLimitUnit::Hour,
+                        3,
+                    )],
+                ),
+                // B: a `*` host, a distinct header, a CIDR with a distinct address under it.
+                nest(
+                    "httproute/default/api/rule/0/match/0/*",
+                    "httproute/default/api/rule/0/match/0/*",
+                    vec![nest(
+                        "rule-0-match-0",
+                        "",
+                        vec![nest(
+                            "masked_remote_address",
+                            "0.0.0.0/0",
+                            vec![rule("remote_address", "", RateLimitUnit::Hour, 1)],
+                        )],
+                    )],
+                ),
+            ],
+        );
+        let shared = "test-namespace/test-policy-1";
+        let c_key = "test-namespace/test-policy-1/rule/0";
+        let c = domain(
+            shared,
+            vec![nest(
+                c_key,
+                c_key,
                 vec![rule(
                     "rule-0-match-0",
                     "rule-0-match-0",
-                    RateLimitUnit::Hour,
-                    3,
+                    RateLimitUnit::Second,
+                    5,
                 )],
-            ),
-            // B: a `*` host, a distinct header, a CIDR with a distinct address under it.
-            nest(
-                "httproute/default/api/rule/0/match/0/*",
-                "httproute/default/api/rule/0/match/0/*",
-                vec![nest(
-                    "rule-0-match-0",
-                    "",
-                    vec![nest(
-                        "masked_remote_address",
-                        "0.0.0.0/0",
-                        vec![rule("remote_address", "", RateLimitUnit::Hour, 1)],
-                    )],
-                )],
-            ),
-        ],
-    );
-    let shared = "test-namespace/test-policy-1";
-    let c_key = "test-namespace/test-policy-1/rule/0";
-    let c = domain(
-        shared,
-        vec![nest(
-            c_key,
-            c_key,
-            vec![rule(
-                "rule-0-match-0",
-                "rule-0-match-0",
-                RateLimitUnit::Second,
-                5,
             )],
-        )],
-    );
-    let server = XdsServer::start();
-    server.set("7", &[a, c]);
-    let sluice = start(
-        Store::Memory,
-        &server,
-        &["--xds-node-id", "envoy-ratelimit"],
-    )
-    .await;
-
-    let asked = [(route_a, route_a), ("rule-0-match-0", "rule-0-match-0")];
-    let response = sluice.ask(request("default/eg/http", &[&asked])).await;
-    let status = &response.statuses[0];
-    assert_eq!(response.overall_code, OK);
-    let limit = status.current_limit.as_ref().expect("the A limit applies");
-    assert_eq!(
-        (limit.requests_per_unit, limit.unit, limit.name.as_str()),
-        (3, 3, "")
-    );
-    assert_eq!(status.limit_remaining, 2);
-
-    let b_route = "httproute/default/api/rule/0/match/0/*";
-    let b = |user: &'static str, ip: &'static str| {
-        [
-            (b_route, b_route),
-            ("rule-0-match-0", user),
-            ("masked_remote_address", "0.0.0.0/0"),
-            ("remote_address", ip),
-        ]
-    };
-    assert_eq!(
-        code(&sluice, "default/eg/http", &b("alice", "10.1.2.3")).await,
-        OK
-    );
-    assert_eq!(
-        code(&sluice, "default/eg/http", &b("alice", "10.1.2.3")).await,
-        OVER_LIMIT
-    );
-    assert_eq!(
-        code(&sluice, "default/eg/http", &b("alice", "10.1.2.4")).await,
-        OK
-    );
-    assert_eq!(
-        code(&sluice, "default/eg/http", &b("bob", "10.1.2.3")).await,
-        OK
-    );
-    // A route whose name is not in the snapshot matches no rule, `*` in the key or not.
-    let other = "httproute/default/other/rule/0/match/0/*";
-    let unknown_route = [(other, other), ("rule-0-match-0", "alice")];
-    let response = sluice
-        .ask(request("default/eg/http", &[&unknown_route]))
+        );
+        let server = XdsServer::start();
+        server.set("7", &[a, c]);
+        let sluice = start(
+            Store::Memory,
+            &server,
+            &["--xds-node-id", "envoy-ratelimit"],
+        )
         .await;
-    assert!(response.statuses[0].current_limit.is_none());
 
-    let asked_c = [(c_key, c_key), ("rule-0-match-0", "rule-0-match-0")];
-    let response = sluice.ask(request(shared, &[&asked_c])).await;
-    let limit = response.statuses[0]
-        .current_limit
-        .as_ref()
-        .expect("the C limit applies");
-    assert_eq!((limit.requests_per_unit, limit.unit), (5, 1));
+        let asked = [(route_a, route_a), ("rule-0-match-0", "rule-0-match-0")];
+        let response = sluice.ask(request("default/eg/http", &[&asked])).await;
+        let status = &response.statuses[0];
+        assert_eq!(response.overall_code, OK);
+        let limit = status.current_limit.as_ref().expect("the A limit applies");
+        assert_eq!(
+            (limit.requests_per_unit, limit.unit, limit.name.as_str()),
+            (3, 3, "")
+        );
+        assert_eq!(status.limit_remaining, 2);
+
+        let b_route = "httproute/default/api/rule/0/match/0/*";
+        let b = |user: &'static str, ip: &'static str| {
+            [
+                (b_route, b_route),
+                ("rule-0-match-0", user),
+                ("masked_remote_address", "0.0.0.0/0"),
+                ("remote_address", ip),
+            ]
+        };
+        assert_eq!(
+            code(&sluice, "default/eg/http", &b("alice", "10.1.2.3")).await,
+            OK
+        );
+        assert_eq!(
+            code(&sluice, "default/eg/http", &b("alice", "10.1.2.3")).await,
+            OVER_LIMIT
+        );
+        assert_eq!(
+            code(&sluice, "default/eg/http", &b("alice", "10.1.2.4")).await,
+            OK
+        );
+        assert_eq!(
+            code(&sluice, "default/eg/http", &b("bob", "10.1.2.3")).await,
+            OK
+        );
+        // A route whose name is not in the snapshot matches no rule, `*` in the key or not.
+        let other = "httproute/default/other/rule/0/match/0/*";
+        let unknown_route = [(other, other), ("rule-0-match-0", "alice")];
+        let response = sluice
+            .ask(request("default/eg/http", &[&unknown_route]))
+            .await;
+        assert!(response.statuses[0].current_limit.is_none());
+
+        let asked_c = [(c_key, c_key), ("rule-0-match-0", "rule-0-match-0")];
+        let response = sluice.ask(request(shared, &[&asked_c])).await;
+        let limit = response.statuses[0]
+            .current_limit
+            .as_ref()
+            .expect("the C limit applies");
+        assert_eq!((limit.requests_per_unit, limit.unit), (5, 1));
+    })
+    .await;
 }
 
 /// `n` domains (resources) of 20 rules each.

@@ -78,22 +78,47 @@ impl Store {
 }
 
 /// Generates, for each named `async fn test(store: Store)`, one `#[tokio::test]` per store:
-/// `memory::test`, `redis::test` and `cluster::test`.
+/// `memory::test`, `redis::test` and `cluster::test`. Their counts rule out a window of a minute
+/// or more ending meanwhile: each runs `in_one_window` of a minute, whose ends are every longer
+/// window's too.
 #[macro_export]
 macro_rules! on_every_store {
     ($($test:ident),* $(,)?) => {
-        mod memory {
+        $crate::on_stores!(
+            memory: Memory, redis: Redis, cluster: Cluster;
+            $($test),*
+        );
+    };
+}
+
+/// Generates, for each named `async fn test(store: Store)`, one `#[tokio::test]` per
+/// `module: Store` pair given, run `in_one_window` of a minute.
+#[macro_export]
+macro_rules! on_stores {
+    ($module:ident: $store:ident $(, $more:ident: $more_store:ident)*; $($test:ident),* $(,)?) => {
+        mod $module {
             $(#[tokio::test(flavor = "multi_thread")]
-            async fn $test() { super::$test($crate::common::Store::Memory).await })*
+            async fn $test() {
+                $crate::common::in_one_window($crate::common::MINUTE, async || {
+                    super::$test($crate::common::Store::$store).await
+                })
+                .await
+            })*
         }
-        mod redis {
-            $(#[tokio::test(flavor = "multi_thread")]
-            async fn $test() { super::$test($crate::common::Store::Redis).await })*
-        }
-        mod cluster {
-            $(#[tokio::test(flavor = "multi_thread")]
-            async fn $test() { super::$test($crate::common::Store::Cluster).await })*
-        }
+        $crate::on_stores!($($more: $more_store),*; $($test),*);
+    };
+    (; $($test:ident),* $(,)?) => {};
+}
+
+/// Generates one multi-threaded `#[tokio::test]` per `name => scenario`, a future it awaits: one
+/// scenario run with several arguments, each case named for what it shows.
+#[macro_export]
+macro_rules! scenarios {
+    ($($name:ident => $scenario:expr),* $(,)?) => {
+        $(#[tokio::test(flavor = "multi_thread")]
+        async fn $name() {
+            $scenario.await
+        })*
     };
 }
 
@@ -144,8 +169,19 @@ impl Sluice {
         Sluice::on_prepared(Store::Memory, prepare, flags).await
     }
 
+    /// Starts sluice counting in `redis`, a deployment of the test's own (whose statistics no
+    /// other test moves), with rule `files` and extra flags; waits until it reports SERVING.
+    pub async fn on_own_redis(
+        redis: &redis::Redis,
+        files: &[(&str, &str)],
+        flags: &[&str],
+    ) -> Sluice {
+        let mut all = vec!["--redis-url", redis.url.as_str()];
+        all.extend_from_slice(flags);
+        Sluice::on(Store::Memory, files, &all).await
+    }
+
     async fn on_prepared(store: Store, prepare: impl FnOnce(&Path), flags: &[&str]) -> Sluice {
-        clear_of_minute_boundary().await;
         let store_flags = store.flags(flags);
         let flags: Vec<&str> = flags
             .iter()
@@ -342,6 +378,49 @@ fn write_files<'a>(files: &'a [(&str, &str)]) -> impl FnOnce(&Path) + 'a {
     }
 }
 
+/// Lays out a rules directory (for `Sluice::start_prepared`) whose `rules.yaml` is a link to
+/// `yaml` written outside it, so that writing the file is invisible to the file watcher: only
+/// SIGHUP reloads it.
+pub fn linked_from_outside(yaml: impl AsRef<str>) -> impl FnOnce(&Path) {
+    move |rules: &Path| {
+        let outside = outside_file(rules);
+        std::fs::create_dir(outside.parent().unwrap()).expect("outside directory");
+        std::fs::write(&outside, yaml.as_ref()).expect("rule file written");
+        std::os::unix::fs::symlink(&outside, rules.join("rules.yaml")).expect("rules.yaml link");
+    }
+}
+
+/// The file `linked_from_outside` links the rules directory `rules` to.
+pub fn outside_file(rules: &Path) -> PathBuf {
+    rules.parent().unwrap().join("outside").join("rules.yaml")
+}
+
+/// Polls `ready` every 50 ms until it holds, and fails the test if it does not within `limit`.
+pub async fn eventually(what: &str, limit: Duration, mut ready: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if ready().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("timed out after {limit:?} waiting until {what}");
+}
+
+/// Runs `openssl` with `args`, which must succeed.
+pub fn openssl(args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("openssl runs (install openssl)");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// Waits for every task and returns what they returned, in order.
 pub async fn gather<T>(tasks: Vec<tokio::task::JoinHandle<Vec<T>>>) -> Vec<T> {
     let mut all = Vec::new();
@@ -364,21 +443,27 @@ pub async fn sleep_until_unix_ms(at: u64) {
     tokio::time::sleep(Duration::from_millis(at.saturating_sub(unix_ms()))).await;
 }
 
-/// Waits, when a minute is about to end, until the next one starts, so that a test counting
-/// against per-minute windows never straddles two of them.
-pub async fn clear_of_minute_boundary() {
-    clear_of_window_end(Duration::from_secs(60), Duration::from_secs(10)).await;
-}
+/// A minute and an hour: the windows most tests count in.
+pub const MINUTE: Duration = Duration::from_secs(60);
+pub const HOUR: Duration = Duration::from_secs(3600);
 
-/// Waits, when less than `margin` is left of the current epoch-aligned `window`, until the next
-/// window starts.
-pub async fn clear_of_window_end(window: Duration, margin: Duration) {
-    let now = unix_ms();
+/// Runs `test`, whose assertions hold only while no epoch-aligned `window` ends, and runs it once
+/// more only when it failed and one did end (each run counts from fresh counters: a sluice or
+/// values of its own). A failure within one window is the verdict, and so is the second run's:
+/// two runs that together last less than a window cannot both see one of its ends. No test
+/// waits for the wall clock.
+pub async fn in_one_window(window: Duration, mut test: impl AsyncFnMut()) {
+    use futures_util::FutureExt;
     let window = window.as_millis() as u64;
-    let left = window - now % window;
-    if left < margin.as_millis() as u64 {
-        tokio::time::sleep(Duration::from_millis(left + 100)).await;
+    let began = unix_ms() / window;
+    let Err(failure) = std::panic::AssertUnwindSafe(test()).catch_unwind().await else {
+        return;
+    };
+    if unix_ms() / window == began {
+        std::panic::resume_unwind(failure);
     }
+    eprintln!("a window ended while the test ran, which its assertions rule out: it runs again");
+    test().await;
 }
 
 /// Polls gRPC health until SERVING, for at most 15 s or until the process exits.

@@ -3,8 +3,8 @@
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use tonic::transport::Channel;
@@ -56,14 +56,16 @@ pub struct Ratelimit {
     log: PathBuf,
 }
 
-impl Ratelimit {
-    /// Starts it and waits until its gRPC and HTTP ports accept, for at most `PATIENCE`.
-    pub fn start(rules: &str, env: &[(&str, &str)]) -> Ratelimit {
-        Ratelimit::start_as(rules, env, None)
-    }
+/// What `ratelimit` runs in: a temporary directory holding the link named `ratelimit` and the
+/// rule file in `runtime/ratelimit/config` (envoyproxy/ratelimit's `RUNTIME_ROOT`,
+/// `RUNTIME_SUBDIRECTORY` and its default `RUNTIME_APPDIRECTORY`).
+struct Runtime {
+    dir: tempfile::TempDir,
+    link: PathBuf,
+}
 
-    /// `start`, run by `setpriv` with the given arguments (another user) when given.
-    pub fn start_as(rules: &str, env: &[(&str, &str)], setpriv: Option<&[&str]>) -> Ratelimit {
+impl Runtime {
+    fn new(rules: &str) -> Runtime {
         let dir = tempfile::tempdir().expect("a temporary directory");
         // Readable by any user the test runs it as; writable by its owner only.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -72,37 +74,66 @@ impl Ratelimit {
         std::fs::write(config.join("erl.yaml"), rules).unwrap();
         let link = dir.path().join("ratelimit");
         std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_sluice"), &link).unwrap();
-        let log = dir.path().join("ratelimit.log");
-        let root = dir.path().join("runtime");
+        Runtime { dir, link }
+    }
+
+    /// `ratelimit` with only `env`, after this runtime and the loopback ports (gRPC, HTTP,
+    /// debug), run by `setpriv` with the given arguments (another user) when given; its stderr
+    /// to `log`.
+    fn command(
+        &self,
+        ports: (u16, u16, u16),
+        env: &[(&str, &str)],
+        setpriv: Option<&[&str]>,
+        log: &Path,
+    ) -> Command {
+        let (grpc, http, debug) = ports;
+        let root = self.dir.path().join("runtime");
+        let layout = [
+            ("RUNTIME_ROOT", root.to_str().unwrap()),
+            ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+            ("HOST", "127.0.0.1"),
+            ("GRPC_HOST", "127.0.0.1"),
+            ("DEBUG_HOST", "127.0.0.1"),
+            ("PORT", &http.to_string()),
+            ("GRPC_PORT", &grpc.to_string()),
+            ("DEBUG_PORT", &debug.to_string()),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()));
+        let mut command = match setpriv {
+            None => Command::new(&self.link),
+            Some(how) => {
+                let mut c = Command::new("setpriv");
+                c.args(how).arg(&self.link);
+                c
+            }
+        };
+        command
+            .env_clear()
+            .envs(layout)
+            .envs(env.iter().copied())
+            .current_dir("/")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(log).expect("log file"));
+        command
+    }
+}
+
+impl Ratelimit {
+    /// Starts it and waits until its gRPC and HTTP ports accept, for at most `PATIENCE`.
+    pub fn start(rules: &str, env: &[(&str, &str)]) -> Ratelimit {
+        Ratelimit::start_as(rules, env, None)
+    }
+
+    /// `start`, run by `setpriv` with the given arguments (another user) when given.
+    pub fn start_as(rules: &str, env: &[(&str, &str)], setpriv: Option<&[&str]>) -> Ratelimit {
+        let runtime = Runtime::new(rules);
+        let log = runtime.dir.path().join("ratelimit.log");
         for _ in 0..3 {
             let (grpc, http, debug) = (free_port(), free_port(), free_port());
-            let ports = [
-                ("RUNTIME_ROOT", root.to_str().unwrap()),
-                ("RUNTIME_SUBDIRECTORY", "ratelimit"),
-                ("HOST", "127.0.0.1"),
-                ("GRPC_HOST", "127.0.0.1"),
-                ("DEBUG_HOST", "127.0.0.1"),
-                ("PORT", &http.to_string()),
-                ("GRPC_PORT", &grpc.to_string()),
-                ("DEBUG_PORT", &debug.to_string()),
-            ]
-            .map(|(k, v)| (k.to_owned(), v.to_owned()));
-            let mut command = match setpriv {
-                None => Command::new(&link),
-                Some(how) => {
-                    let mut c = Command::new("setpriv");
-                    c.args(how).arg(&link);
-                    c
-                }
-            };
-            let mut child = command
-                .env_clear()
-                .envs(ports)
-                .envs(env.iter().copied())
-                .current_dir("/")
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(&log).expect("log file"))
+            let mut child = runtime
+                .command((grpc, http, debug), env, setpriv, &log)
                 .spawn()
                 .expect("ratelimit starts");
             let http: SocketAddr = format!("127.0.0.1:{http}").parse().unwrap();
@@ -122,7 +153,7 @@ impl Ratelimit {
                         grpc,
                         http,
                         debug: format!("127.0.0.1:{debug}").parse().unwrap(),
-                        _dir: dir,
+                        _dir: runtime.dir,
                         log,
                     };
                 }
@@ -135,6 +166,56 @@ impl Ratelimit {
             "ratelimit did not start; its log:\n{}",
             super::read_log(&log)
         );
+    }
+
+    /// `start`, then waits until gRPC health for `ratelimit` is SERVING; with the plaintext
+    /// channel it asked over.
+    pub async fn serving(rules: &str, env: &[(&str, &str)]) -> (Ratelimit, Channel) {
+        Ratelimit::serving_as(rules, env, None).await
+    }
+
+    /// `serving`, run by `setpriv` with the given arguments when given.
+    pub async fn serving_as(
+        rules: &str,
+        env: &[(&str, &str)],
+        setpriv: Option<&[&str]>,
+    ) -> (Ratelimit, Channel) {
+        let ratelimit = Ratelimit::start_as(rules, env, setpriv);
+        let channel = ratelimit.channel().await;
+        assert!(
+            ratelimit.wait_serving(|| channel.clone()).await,
+            "not SERVING within {PATIENCE:?}; its log:\n{}",
+            ratelimit.log_text()
+        );
+        (ratelimit, channel)
+    }
+
+    /// Runs it with `env`, which it must refuse: how it exited, within 10 s, and what it wrote to
+    /// stderr.
+    pub fn refusal(rules: &str, env: &[(&str, &str)]) -> (ExitStatus, String) {
+        let runtime = Runtime::new(rules);
+        let stderr = runtime.dir.path().join("stderr");
+        let ports = (free_port(), free_port(), free_port());
+        let mut child = runtime
+            .command(ports, env, None, &stderr)
+            .spawn()
+            .expect("ratelimit starts");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "ratelimit still runs with {env:?}: {}",
+                    super::read_log(&stderr)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        (status, super::read_log(&stderr))
     }
 
     pub fn pid(&self) -> u32 {
