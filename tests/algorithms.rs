@@ -110,7 +110,7 @@ async fn started(store: Store) -> (Sluice, Client) {
 }
 
 /// Sends one hit for `key=v`, which must be denied with nothing remaining.
-async fn denied(client: &mut Client, key: &str) -> Answer {
+async fn hit_denied(client: &mut Client, key: &str) -> Answer {
     let denied = hit(client, key).await;
     assert_eq!((denied.code, denied.remaining), (OVER_LIMIT, 0));
     denied
@@ -175,7 +175,7 @@ async fn a_fixed_window_admits_its_limit_per_window_and_starts_afresh_in_the_nex
         assert_eq!((a.code, a.remaining), (OK, expected), "{a:?}");
         assert_reset_until(&a, start + 2_000);
     }
-    let denied = denied(&mut client, "fixed").await;
+    let denied = hit_denied(&mut client, "fixed").await;
     // The local cache may answer (the window was filled): its reset runs from when it learnt.
     assert_reset_between(
         &denied,
@@ -204,7 +204,7 @@ async fn a_sliding_window_still_weighs_the_previous_window_after_its_edge(store:
         assert_eq!((a.code, a.remaining), (OK, expected), "{a:?}");
         assert_reset_until(&a, start + 3_000);
     }
-    let denied = denied(&mut client, "sliding").await;
+    let denied = hit_denied(&mut client, "sliding").await;
     assert_reset_until(&denied, start + 3_001);
 
     let next = start + 3_000;
@@ -215,7 +215,7 @@ async fn a_sliding_window_still_weighs_the_previous_window_after_its_edge(store:
         (OK, 0),
         "one fits beside the weighted 1"
     );
-    let denied = denied(&mut client, "sliding").await;
+    let denied = hit_denied(&mut client, "sliding").await;
     assert_reset_until(&denied, next + 1_501);
 
     let a = hit_after_reset(&mut client, "sliding", &denied).await;
@@ -243,7 +243,7 @@ async fn a_sliding_log_admits_again_only_once_its_oldest_entry_is_a_window_old(s
     assert_eq!(second.reset, Duration::from_secs(3));
     let third = hit(&mut client, "log").await;
     assert_eq!((third.code, third.remaining), (OK, 0));
-    let denied = denied(&mut client, "log").await;
+    let denied = hit_denied(&mut client, "log").await;
     assert_reset_counts_from(&first, &denied, 3_000);
 
     let a = hit_after_reset(&mut client, "log", &denied).await;
@@ -252,7 +252,7 @@ async fn a_sliding_log_admits_again_only_once_its_oldest_entry_is_a_window_old(s
         (OK, 0),
         "the first entry left; the second and third still count"
     );
-    let denied = denied(&mut client, "log").await;
+    let denied = hit_denied(&mut client, "log").await;
     assert_reset_counts_from(&second, &denied, 3_000);
 }
 
@@ -271,7 +271,7 @@ async fn a_token_bucket_admits_its_burst_at_once_then_a_token_per_interval(store
         assert_eq!((a.code, a.remaining), (OK, expected), "{a:?}");
         assert_reset_counts_from(&first, &a, 2_000 * tokens);
     }
-    let denied = denied(&mut client, "token").await;
+    let denied = hit_denied(&mut client, "token").await;
     assert_reset_counts_from(&first, &denied, 2_000);
 
     let a = hit_after_reset(&mut client, "token", &denied).await;
@@ -280,7 +280,7 @@ async fn a_token_bucket_admits_its_burst_at_once_then_a_token_per_interval(store
         (OK, 0),
         "one token came back, and is taken"
     );
-    let denied = denied(&mut client, "token").await;
+    let denied = hit_denied(&mut client, "token").await;
     assert!(
         denied.reset > Duration::ZERO && denied.reset <= Duration::from_secs(2),
         "{denied:?}"
@@ -300,7 +300,7 @@ async fn a_leaky_bucket_admits_its_default_burst_then_drains_one_per_interval(st
     let second = hit(&mut client, "leaky").await;
     assert_eq!((second.code, second.remaining), (OK, 0));
     assert_reset_counts_from(&first, &second, 4_000);
-    let denied = denied(&mut client, "leaky").await;
+    let denied = hit_denied(&mut client, "leaky").await;
     assert_reset_counts_from(&first, &denied, 2_000);
 
     let a = hit_after_reset(&mut client, "leaky", &denied).await;
@@ -309,7 +309,7 @@ async fn a_leaky_bucket_admits_its_default_burst_then_drains_one_per_interval(st
         (OK, 0),
         "one hit drained, and one fills its place"
     );
-    let denied = denied(&mut client, "leaky").await;
+    hit_denied(&mut client, "leaky").await;
 }
 
 /// A sliding log of 2 per 2 s, a token bucket of 1 per 4 s holding 3 and a fixed window of 4 an

@@ -428,3 +428,52 @@ fn every_form_of_a_path_is_read_and_nothing_else() {
         "super:: of a top-level module is the crate"
     );
 }
+
+/// The crate map of docs/architecture.md ("may import") holds for the code: every import of a
+/// top-level module is one its row allows, every module that imports another has a row, and no
+/// module imports `settings` (only `main.rs` does).
+#[test]
+fn the_crate_map_in_the_docs_matches_the_imports() {
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/architecture.md"))
+            .expect("docs/architecture.md");
+    let mut allowed: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for row in doc.lines().filter(|l| l.starts_with("| `")) {
+        let cells: Vec<&str> = row.split(" | ").collect();
+        let Some(module) = cells[0]
+            .strip_prefix("| `")
+            .and_then(|c| c.strip_suffix('`'))
+        else {
+            continue;
+        };
+        let may: BTreeSet<String> = cells
+            .last()
+            .expect("a row's cells")
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .filter(|name| !name.ends_with(".rs"))
+            .map(String::from)
+            .collect();
+        allowed.insert(module.to_owned(), may);
+    }
+    let mut wrong = Vec::new();
+    for (from, imported) in graph(&crate_imports()) {
+        let Some(may) = allowed.get(&from) else {
+            wrong.push(format!("  {from}: no row in the crate map"));
+            continue;
+        };
+        for (to, import) in imported {
+            if !may.contains(&to) {
+                let may: Vec<&str> = may.iter().map(String::as_str).collect();
+                wrong.push(format!("  {import} (the map allows {})", may.join(", ")));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "imports the crate map in docs/architecture.md does not allow:\n{}",
+        wrong.join("\n")
+    );
+    assert!(allowed.contains_key("limiter") && allowed["limiter"].is_empty());
+}

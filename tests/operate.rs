@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use common::metrics::scrape;
 use common::redis::{evalsha_calls, signal};
 use common::{
-    HOUR, OK, OVER_LIMIT, Sluice, Store, Wait, eventually, http, in_one_window,
-    linked_from_outside, outside_file, request,
+    HOUR, OK, OVER_LIMIT, Sluice, Wait, eventually, http, in_one_window, linked_from_outside,
+    outside_file, request,
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::DescriptorStatus;

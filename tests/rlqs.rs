@@ -264,6 +264,39 @@ async fn one_report_of_many_buckets_is_answered_in_one_message() {
     assert!(envoy.quiet_for(Duration::from_millis(300)).await);
 }
 
+/// The quota thread yields to the event loops that answer rate limit requests: it is SCHED_IDLE
+/// (policy 5 in `/proc/PID/task/TID/stat`), so an event loop waking with a request takes the CPU
+/// from it at once, while the event loops keep the normal policy.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_quota_thread_runs_below_the_event_loops() {
+    let sluice = Sluice::start_with(&[("quota.yaml", RULES)], &[]).await;
+    let policies: Vec<(String, String)> = std::fs::read_dir(format!("/proc/{}/task", sluice.pid()))
+        .expect("the process's threads")
+        .filter_map(|task| {
+            let task = task.ok()?.path();
+            let name = std::fs::read_to_string(task.join("comm")).ok()?;
+            // `stat`'s fields after the name (in parentheses): the 41st, `policy`, is the 39th.
+            let stat = std::fs::read_to_string(task.join("stat")).ok()?;
+            let (_, fields) = stat.rsplit_once(')')?;
+            let policy = fields.split_whitespace().nth(38)?.to_owned();
+            Some((name.trim().to_owned(), policy))
+        })
+        .collect();
+    let policy_of = |name: &str| {
+        policies
+            .iter()
+            .filter(|(n, _)| n.starts_with(name))
+            .map(|(_, p)| p.as_str())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(policy_of("sluice-quota"), ["5"], "threads: {policies:?}");
+    let loops = policy_of("sluice-loop");
+    assert!(
+        !loops.is_empty() && loops.iter().all(|p| *p == "0"),
+        "threads: {policies:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn replicas_sharing_redis_divide_one_limit() {
     let one = Sluice::on(
@@ -774,16 +807,17 @@ descriptors:
     rate_limit: {unit: second, requests_per_unit: 1000000000}
 ";
     let (streams, buckets) = (100, 10_000);
-    // The Envoys the flood stands for run on other hosts: its client runs at the lowest CPU
-    // priority, so that its work is not charged to sluice's.
+    // The Envoys the flood stands for run on other hosts: its client's threads are SCHED_IDLE
+    // (any other thread takes the CPU from them at once), so that its work is not charged to
+    // sluice's.
     let lowest_priority = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .on_thread_start(|| {
             let thread = std::fs::read_link("/proc/thread-self").expect("Linux");
             let tid = thread.file_name().expect("a thread id").to_string_lossy();
-            let _ = std::process::Command::new("renice")
-                .args(["-n", "19", "-p", &tid])
+            let _ = std::process::Command::new("chrt")
+                .args(["--idle", "-p", "0", &tid])
                 .output();
         })
         .build()

@@ -73,10 +73,6 @@ const RECORDS_IN_FLIGHT: usize = 16;
 const BUCKETS_AT_A_TIME: usize = 256;
 /// Buckets that may be divided at once on one replica (their ids hashed to as many turns).
 const TURNS: usize = 256;
-/// The quota service's thread runs at this nice value, below the event loops': when the CPUs
-/// are busy, the kernel runs a loop that has a rate limit request to answer before the quota
-/// work, which waits seconds without harm (Envoy reports every 5 s, and an assignment lives 30 s).
-const NICE: i32 = 10;
 /// Answers waiting to be written to one stream (each of at most `BUCKETS_AT_A_TIME` buckets); a
 /// push that finds it full is dropped (the stream's next report is answered anyway), and an answer
 /// to a report waits, holding back the rest of the report.
@@ -185,9 +181,19 @@ impl Quotas {
         std::thread::Builder::new()
             .name("sluice-quota".into())
             .spawn(move || {
-                // On Linux the nice value is the calling thread's alone.
-                if let Err(e) = rustix::process::setpriority_process(None, NICE) {
-                    tracing::warn!("the quota service's thread keeps its CPU priority: {e}");
+                // Below the event loops: an event loop that wakes with a rate limit request to
+                // answer takes the CPU from this thread at once, and the quota work waits, which
+                // it can for seconds without harm (Envoy reports every 5 s, and an assignment
+                // lives 30 s).
+                let idle = thread_priority::set_thread_priority_and_policy(
+                    thread_priority::thread_native_id(),
+                    thread_priority::ThreadPriority::Min,
+                    thread_priority::ThreadSchedulePolicy::Normal(
+                        thread_priority::NormalThreadSchedulePolicy::Idle,
+                    ),
+                );
+                if let Err(e) = idle {
+                    tracing::warn!("the quota service's thread keeps its CPU priority: {e:?}");
                 }
                 let runtime = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
