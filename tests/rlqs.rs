@@ -297,6 +297,84 @@ async fn the_quota_thread_runs_below_the_event_loops() {
     );
 }
 
+/// `--quota-max-records` bounds the demand records a replica sends Redis: a second's worth at
+/// once, and past what it can record once per report, each tracked bucket is recorded less
+/// often, its record counted for three of those longer intervals (so it never lapses between
+/// two), its share kept in between. Ten new buckets within one record a second: one recorded,
+/// counted 30 s (ten buckets at one a second), and a report at once after records nothing, with
+/// the same shares. With the default budget, all ten, 15 s, and a record per report.
+#[tokio::test(flavor = "multi_thread")]
+async fn demand_records_stay_within_their_budget_and_never_lapse_between_two() {
+    let port = Store::Redis.redis().unwrap().ports[0];
+    let records = |prefix: &str| -> Vec<(String, i64)> {
+        let keys = common::redis::cli(port, &["--scan", "--pattern", &format!("{prefix}*")]);
+        let mut out: Vec<(String, i64)> = keys
+            .lines()
+            .filter(|k| !k.is_empty())
+            .map(|key| {
+                let fields = common::redis::cli(port, &["HGETALL", key]);
+                let ttl = common::redis::cli(port, &["PTTL", key])
+                    .trim()
+                    .parse()
+                    .unwrap();
+                (fields, ttl)
+            })
+            .collect();
+        out.sort();
+        out
+    };
+    let ids: Vec<BucketId> = (0..10).map(|n| tenant(&format!("r{n}"))).collect();
+    let reports: Vec<(&BucketId, u64, u64)> = ids.iter().map(|id| (id, 1, 0)).collect();
+    for (budget, recorded, counted_ms, recorded_again) in
+        [(Some("1"), 1, 30_000, false), (None, 10, 15_000, true)]
+    {
+        let prefix = format!("records-{}-{}:", std::process::id(), common::unix_ms());
+        let mut flags = vec!["--redis-key-prefix", prefix.as_str()];
+        flags.extend(
+            budget
+                .map(|b| ["--quota-max-records", b])
+                .into_iter()
+                .flatten(),
+        );
+        let sluice = Sluice::on(Store::Redis, &[("quota.yaml", RULES)], &flags).await;
+        let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
+        envoy.report(&reports).await;
+        let first = envoy.answer().await;
+        let before = records(&prefix);
+        assert_eq!(before.len(), recorded, "records: {before:?}");
+        for (fields, ttl) in &before {
+            assert!(
+                (counted_ms - 2_000..=counted_ms).contains(ttl),
+                "counted {counted_ms} ms, found {ttl} ({fields})"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        envoy.report(&reports).await;
+        let again = envoy.answer().await;
+        assert_eq!(again.bucket_action.len(), 10, "every bucket answered");
+        let actions = |answer: &RateLimitQuotaResponse| {
+            let mut shown: Vec<String> = answer
+                .bucket_action
+                .iter()
+                .map(|a| {
+                    let id = a.bucket_id.as_ref().expect("a bucket id");
+                    let id: std::collections::BTreeMap<_, _> = id.bucket.iter().collect();
+                    format!("{id:?} {:?}", a.bucket_action)
+                })
+                .collect();
+            shown.sort();
+            shown
+        };
+        assert_eq!(actions(&first), actions(&again), "the shares kept");
+        let fields = |r: &[(String, i64)]| r.iter().map(|(f, _)| f.clone()).collect::<Vec<_>>();
+        assert_eq!(
+            fields(&before) != fields(&records(&prefix)),
+            recorded_again,
+            "recorded again (budget {budget:?})"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn replicas_sharing_redis_divide_one_limit() {
     let one = Sluice::on(

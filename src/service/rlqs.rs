@@ -67,7 +67,7 @@ const MOST_BUCKETS_PER_STREAM: usize = 10_000;
 const MOST_BUCKET_BYTES_PER_STREAM: usize = 16 << 20;
 /// Demand records (store calls) in flight at once on this replica, over every stream: a flood
 /// of reports waits its turn here, not in Redis ahead of the rate limit checks.
-const RECORDS_IN_FLIGHT: usize = 16;
+const RECORDS_IN_FLIGHT: usize = 64;
 /// Buckets of a report handled at a time, and answered in one message: between two such turns
 /// the other streams have theirs, and no answer takes its connection's event loop long to encode.
 const BUCKETS_AT_A_TIME: usize = 256;
@@ -97,6 +97,9 @@ pub struct QuotaSettings {
     pub max_buckets: usize,
     /// Most streams tracked at once.
     pub max_streams: usize,
+    /// Demand records a second this replica sends the store, at most (for as many tracked
+    /// buckets as fit in it; past that, each bucket is recorded less often).
+    pub max_records: u32,
 }
 
 /// A process-wide allowance of things tracked: streams or buckets, at most `most` at once.
@@ -131,6 +134,39 @@ impl Allowance {
     }
 }
 
+/// The demand records a replica may send: `--quota-max-records` a second, at most a second's
+/// worth at once.
+struct RecordBudget {
+    per_second: f64,
+    /// Records left, and when that was counted.
+    left: Mutex<(f64, Instant)>,
+}
+
+impl RecordBudget {
+    fn new(per_second: u32) -> Self {
+        let per_second = f64::from(per_second.max(1));
+        RecordBudget {
+            per_second,
+            left: Mutex::new((per_second, Instant::now())),
+        }
+    }
+
+    /// Takes a record, if one is left; with `must`, takes it anyway (a record that would
+    /// otherwise lapse), owing it to the next second.
+    fn take(&self, must: bool) -> bool {
+        let mut left = self.left.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let refilled =
+            left.0 + now.saturating_duration_since(left.1).as_secs_f64() * self.per_second;
+        *left = (refilled.min(self.per_second), now);
+        let taken = must || left.0 >= 1.0;
+        if taken {
+            left.0 = (left.0 - 1.0).max(-self.per_second);
+        }
+        taken
+    }
+}
+
 /// The streams served by this replica: each bucket's local subscribers and what each was last
 /// sent, so that one stream's report can re-divide the others'; what is tracked; and the thread
 /// and store that serve them.
@@ -150,6 +186,8 @@ pub struct Quotas {
     tracked_streams: Allowance,
     /// Demand records in flight (`RECORDS_IN_FLIGHT`).
     records: Semaphore,
+    /// Demand records a second (`--quota-max-records`).
+    records_left: RecordBudget,
     /// The runtime of the thread every stream is served on.
     runtime: tokio::runtime::Handle,
     /// That thread's store: demand records never share an event loop's connections.
@@ -235,6 +273,7 @@ impl Quotas {
             tracked_buckets: Allowance::new(settings.max_buckets),
             tracked_streams: Allowance::new(settings.max_streams),
             records: Semaphore::new(RECORDS_IN_FLIGHT),
+            records_left: RecordBudget::new(settings.max_records),
             runtime,
             store,
         })
@@ -247,6 +286,13 @@ impl Quotas {
 
     fn turn(&self, id: u128) -> &tokio::sync::Mutex<()> {
         &self.turns[(id % self.turns.len() as u128) as usize]
+    }
+
+    /// How often each tracked bucket's demand can be recorded within `--quota-max-records`: at
+    /// most once per report while the tracked buckets fit in it, less often past that.
+    fn record_every(&self) -> Duration {
+        let tracked = self.tracked_buckets.taken() as f64;
+        Duration::from_secs_f64(tracked / f64::from(self.settings.max_records.max(1)))
     }
 
     fn buckets(&self) -> std::sync::MutexGuard<'_, HashMap<u128, Vec<Subscriber>, IdHasher>> {
@@ -352,6 +398,8 @@ struct Held {
     shared: bool,
     /// The bytes of its id.
     size: usize,
+    /// When its demand was last recorded in the store, and until when that record stays counted.
+    recorded: Option<(Instant, Instant)>,
 }
 
 /// What one report of one bucket comes to before the store is asked.
@@ -365,6 +413,8 @@ struct Step {
     allowed: u64,
     elapsed: Option<Duration>,
     tracked: bool,
+    /// When its demand was last recorded, and until when that record stays counted.
+    recorded: Option<(Instant, Instant)>,
 }
 
 /// The bound that was full when a bucket was answered untracked, as the metrics name it.
@@ -595,6 +645,7 @@ impl QuotaStream {
                                 idle: 0,
                                 shared: false,
                                 size,
+                                recorded: None,
                             },
                         );
                     }
@@ -611,6 +662,7 @@ impl QuotaStream {
                 }));
                 continue;
             }
+            let recorded = self.buckets.get(&key).and_then(|held| held.recorded);
             let step = Step {
                 key,
                 id,
@@ -620,6 +672,7 @@ impl QuotaStream {
                 allowed,
                 elapsed,
                 tracked,
+                recorded,
             };
             let requests = allowed.saturating_add(denied);
             let fixed = self.fixed(&step);
@@ -648,6 +701,11 @@ impl QuotaStream {
             .buffer_unordered(RECORDS_IN_FLIGHT)
             .collect()
             .await;
+        for (step, _, _) in &divided {
+            if let Some(held) = self.buckets.get_mut(&step.key) {
+                held.recorded = step.recorded;
+            }
+        }
         // Each divided bucket is answered with the latest share this stream got, its own or one
         // pushed by a later division; pushes go out under the same lock, so the Envoy gets shares
         // in the order they were decided.
@@ -730,8 +788,9 @@ impl QuotaStream {
 
     /// Records this stream's demand for a shared bucket and divides the bucket's limit among
     /// every stream counted in it: this stream's share, and new shares pushed to the others on
-    /// this replica. When the store cannot answer, the stream keeps what it was last sent.
-    async fn divide(&self, step: Step, requests: u64) -> (Step, Assignment, bool) {
+    /// this replica. When the store cannot answer, the stream keeps what it was last sent, and
+    /// so it does when its record is not due (`--quota-max-records`).
+    async fn divide(&self, mut step: Step, requests: u64) -> (Step, Assignment, bool) {
         // One division of a bucket at a time on this replica: each sees the demands recorded
         // before it, and its pushes and share land after theirs.
         let _turn = self.quotas.turn(step.id).lock().await;
@@ -743,13 +802,36 @@ impl QuotaStream {
         let wanted = step.elapsed.map_or(total * MILLI, |elapsed| {
             demand(requests, elapsed, window, total)
         });
+        let now = Instant::now();
+        let every = self.quotas.record_every();
+        // Due once `every` has passed (give or take half a report), if the budget has a record
+        // left; and always before the last record stops being counted (with two reports to
+        // spare). A bucket not recorded yet waits for the budget as the others do: meanwhile it
+        // is divided among this replica's streams of it, as while the store is down.
+        let lapsing = step
+            .recorded
+            .is_some_and(|(_, until)| now + 2 * REPORT_INTERVAL >= until);
+        let due = lapsing
+            || step.recorded.is_none_or(|(at, _)| {
+                now.saturating_duration_since(at) + REPORT_INTERVAL / 2 >= every
+            });
+        let due = due && self.quotas.records_left.take(lapsing);
+        // Counted for three of its records' intervals: it stays counted until the next.
+        let stays = DEMAND_STAYS.max(3 * every);
         let report = Report {
             stream: &self.id,
             demand: Some(wanted),
-            stays_ms: DEMAND_STAYS.as_millis() as u64,
+            stays_ms: stays.as_millis() as u64,
         };
-        let (share, milli) = match self.record(&step.key, report).await {
-            Ok(demands) => {
+        let recorded = if due {
+            Some(self.record(&step.key, report).await)
+        } else {
+            None
+        };
+        let (share, milli) = match recorded {
+            None => self.kept(step.id, limit),
+            Some(Ok(demands)) => {
+                step.recorded = Some((now, now + stays));
                 let wants: Vec<u64> = demands.streams.iter().map(|(_, d)| *d).collect();
                 let shares = divide(total * MILLI, &wants);
                 // The streams come sorted by id.
@@ -765,7 +847,7 @@ impl QuotaStream {
                 let milli = settle(self.last_share(step.id), due);
                 (Assignment::share(milli, limit), Some(milli))
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 static FAILED: Throttle = Throttle::new();
                 METRICS.quota_store_error(e.kind());
                 if let Some(n) = FAILED.hit() {

@@ -169,7 +169,8 @@ impl Store {
         let call = async {
             match &self.counters {
                 Counters::Memory(memory) => memory.record_demand(bucket, report),
-                Counters::Redis(redis) => redis.record_demand(bucket, report).await,
+                // Boxed, as `apply`'s: the quota service's futures nest deep enough already.
+                Counters::Redis(redis) => Box::pin(redis.record_demand(bucket, report)).await,
             }
         };
         self.guard.call(deadline, call).await

@@ -32,6 +32,11 @@ pub struct QuotaFlags {
     /// past it get their rules' whole limits, undivided, until another stream ends.
     #[arg(long, env = "SLUICE_QUOTA_MAX_STREAMS", default_value_t = 1_000)]
     quota_max_streams: usize,
+    /// Most quota demand records a second this replica sends the store (on Redis, script work
+    /// shared with the rate limit checks). Tracked buckets past what it records once per report
+    /// (5 s) are recorded less often, each record counted longer, and keep their shares between.
+    #[arg(long, env = "SLUICE_QUOTA_MAX_RECORDS", default_value_t = 2_000)]
+    quota_max_records: u32,
 }
 
 impl QuotaFlags {
@@ -45,8 +50,11 @@ impl QuotaFlags {
         if self.quota_abandon_after == 0 {
             anyhow::bail!("--quota-abandon-after: must be at least 1");
         }
-        if self.quota_max_buckets == 0 || self.quota_max_streams == 0 {
-            anyhow::bail!("--quota-max-buckets, --quota-max-streams: must be at least 1");
+        if self.quota_max_buckets == 0 || self.quota_max_streams == 0 || self.quota_max_records == 0
+        {
+            anyhow::bail!(
+                "--quota-max-buckets, --quota-max-streams, --quota-max-records: must be at least 1"
+            );
         }
         Ok(())
     }
@@ -58,6 +66,7 @@ impl QuotaFlags {
             abandon_after: self.quota_abandon_after,
             max_buckets: self.quota_max_buckets,
             max_streams: self.quota_max_streams,
+            max_records: self.quota_max_records,
         }
     }
 }

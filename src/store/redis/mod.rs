@@ -5,7 +5,8 @@
 //! (`batch`); on a Cluster a request is one call per hash slot (`cluster`). Either way each
 //! request's calls run in a task of their own, so that they end in a decision or a refund
 //! (`lua/undo.lua`) even when the caller gives up: a request whose answer did not reach its
-//! caller leaves no counter moved.
+//! caller leaves no counter moved. The quota service's demand records are batched the same way
+//! (`records`, `lua/demand.lua`).
 //!
 //! Commands are never re-sent (a script re-sent after a broken connection could count a request
 //! twice) and never wait for a reconnection: while the client is not connected they fail at once,
@@ -19,6 +20,7 @@
 mod batch;
 mod cluster;
 mod conn;
+mod records;
 mod script;
 mod tls;
 
@@ -34,6 +36,7 @@ use super::{Deadline, StoreError};
 use crate::limiter::{Check, CounterKey, Decision};
 use batch::Pending;
 use conn::Conn;
+use records::Record;
 use script::Scripts;
 pub use tls::RedisTls;
 
@@ -42,6 +45,8 @@ pub struct RedisStore {
     prefix: Vec<u8>,
     /// Where requests wait to be batched; `None` on a Cluster, where each request calls per slot.
     queue: Option<Queue<Pending>>,
+    /// Where demand records wait to be batched; `None` on a Cluster, where each is a call.
+    records: Option<Queue<Record>>,
 }
 
 impl RedisStore {
@@ -63,10 +68,16 @@ impl RedisStore {
             tokio::spawn(batch::run(scripts.clone(), waiting));
             queue
         });
+        let records = (!conn.clustered()).then(|| {
+            let (queue, waiting) = guard::queue();
+            tokio::spawn(records::run(scripts.clone(), waiting));
+            queue
+        });
         Ok(RedisStore {
             scripts,
             prefix: prefix.as_bytes().to_vec(),
             queue,
+            records,
         })
     }
 
@@ -96,13 +107,20 @@ impl RedisStore {
         Ok(Decision::of(check, admitted, &verdicts))
     }
 
-    /// Records a stream's demand for a quota bucket with one call of `lua/demand.lua`.
+    /// Records a stream's demand for a quota bucket, in the next batched call of
+    /// `lua/demand.lua`, or in a call of its own on a Cluster.
     pub async fn record_demand(
         &self,
         bucket: &CounterKey,
         report: Report<'_>,
     ) -> Result<Demands, StoreError> {
-        self.scripts.demand(self.key(bucket), report).await
+        let key = self.key(bucket);
+        let Some(records) = &self.records else {
+            return records::alone(&self.scripts, key, &report).await;
+        };
+        let (reply, answer) = oneshot::channel();
+        records.push(Record::new(key, &report, reply))?;
+        answer.await.unwrap_or(Err(StoreError::Timeout))
     }
 }
 

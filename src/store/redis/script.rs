@@ -145,24 +145,18 @@ impl Scripts {
         }
     }
 
-    /// Records a stream's demand for the quota bucket at `key` with one call of
-    /// `lua/demand.lua`.
-    pub(super) async fn demand(
+    /// Records demands for the quota buckets at `keys` (on a Cluster, keys of one slot) with one
+    /// call of `lua/demand.lua`, `args` encoded by `record_args` one key after another: each
+    /// key's answer, or an error that stands for every key.
+    pub(super) async fn demands(
         &self,
-        key: Bytes,
-        report: Report<'_>,
-    ) -> Result<Demands, StoreError> {
-        let args = vec![
-            Value::from(report.stream),
-            report
-                .demand
-                .map_or(Value::from(""), |d| Value::from(d.to_string())),
-            Value::from(report.stays_ms.to_string()),
-        ];
+        keys: Vec<Bytes>,
+        args: Vec<Value>,
+    ) -> Result<Vec<Result<Demands, StoreError>>, StoreError> {
         let reply = self
-            .eval::<Vec<Value>>(&self.demand, vec![key.clone()], args)
+            .eval::<Vec<Value>>(&self.demand, keys.clone(), args)
             .await?;
-        demands(reply, &key)
+        read_demands(reply, &keys)
     }
 }
 
@@ -342,36 +336,66 @@ fn unreadable(key: &[u8], held: &str, error: &str) -> StoreError {
     }
 }
 
-/// The demand script's reply for the bucket at `key`: the clock, then pairs of stream id and
-/// demand; or -1 and the type the key holds instead of a hash.
-fn demands(reply: Vec<Value>, key: &[u8]) -> Result<Demands, StoreError> {
+/// `lua/demand.lua`'s arguments for one record.
+pub(super) fn record_args(report: &Report) -> [Value; 3] {
+    [
+        Value::from(report.stream),
+        report
+            .demand
+            .map_or(Value::from(""), |d| Value::from(d.to_string())),
+        Value::from(report.stays_ms.to_string()),
+    ]
+}
+
+/// The demand script's reply for the buckets at `keys`: the clock, then per key the number of
+/// streams counted and their ids and demands; or -1 and the type the key holds instead of a
+/// hash, which fails that key alone.
+fn read_demands(
+    reply: Vec<Value>,
+    keys: &[Bytes],
+) -> Result<Vec<Result<Demands, StoreError>>, StoreError> {
     let malformed = || StoreError::Unavailable("the demand script answered malformed".into());
     let mut values = reply.into_iter();
-    let now_ms = match values.next().and_then(|v| v.as_i64()) {
-        Some(-1) => {
+    let now_ms = values
+        .next()
+        .and_then(|v| v.as_u64())
+        .ok_or_else(malformed)?;
+    let mut answers = Vec::with_capacity(keys.len());
+    for key in keys {
+        let count = values
+            .next()
+            .and_then(|v| v.as_i64())
+            .ok_or_else(malformed)?;
+        if count < 0 {
             let held = values
                 .next()
                 .and_then(|v| v.as_string())
                 .unwrap_or_default();
-            return Err(StoreError::Data {
+            answers.push(Err(StoreError::Data {
                 key: key.escape_ascii().to_string(),
                 why: format!("it holds a {held}, not a hash of quota demands"),
-            });
+            }));
+            continue;
         }
-        Some(now_ms) => u64::try_from(now_ms).map_err(|_| malformed())?,
-        None => return Err(malformed()),
-    };
-    let mut streams = Vec::new();
-    while let Some(stream) = values.next() {
-        let stream = stream.as_string().ok_or_else(malformed)?;
-        let demand = values
-            .next()
-            .and_then(|v| v.as_u64())
-            .ok_or_else(malformed)?;
-        streams.push((stream, demand));
+        let mut streams = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            let stream = values
+                .next()
+                .and_then(|v| v.as_string())
+                .ok_or_else(malformed)?;
+            let demand = values
+                .next()
+                .and_then(|v| v.as_u64())
+                .ok_or_else(malformed)?;
+            streams.push((stream, demand));
+        }
+        streams.sort();
+        answers.push(Ok(Demands { now_ms, streams }));
     }
-    streams.sort();
-    Ok(Demands { now_ms, streams })
+    if values.next().is_some() {
+        return Err(malformed());
+    }
+    Ok(answers)
 }
 
 #[cfg(test)]
@@ -401,6 +425,39 @@ mod tests {
         assert_eq!(v[0].reset_before_ms, 30);
         assert!(rest.is_empty());
         assert!(take_request(&mut &values(&[1, 0])[..], &keys(1)).is_err());
+    }
+
+    #[test]
+    fn a_batched_demand_reply_splits_into_buckets_and_a_wrong_typed_one_fails_alone() {
+        let text = |t: &str| Value::String(t.into());
+        let reply = vec![
+            Value::Integer(1_000),
+            Value::Integer(2),
+            text("s2"),
+            Value::Integer(500),
+            text("s1"),
+            Value::Integer(250),
+            Value::Integer(-1),
+            text("string"),
+            Value::Integer(0),
+        ];
+        let keys = [b"p:a", b"p:b", b"p:c"].map(|k| Bytes::from_static(k));
+        let answers = read_demands(reply, &keys).unwrap();
+        let first = answers[0].as_ref().unwrap();
+        assert_eq!(first.now_ms, 1_000);
+        assert_eq!(
+            first.streams,
+            [("s1".to_owned(), 250), ("s2".to_owned(), 500)],
+            "sorted by stream id"
+        );
+        let error = answers[1].as_ref().unwrap_err();
+        assert_eq!(error.kind(), "data");
+        assert!(error.to_string().contains("p:b"), "{error}");
+        assert!(answers[2].as_ref().unwrap().streams.is_empty());
+        let short = vec![Value::Integer(1_000), Value::Integer(1)];
+        assert!(read_demands(short, &keys[..1]).is_err());
+        let long = vec![Value::Integer(1_000), Value::Integer(0), Value::Integer(0)];
+        assert!(read_demands(long, &keys[..1]).is_err());
     }
 
     #[test]
