@@ -679,6 +679,10 @@ impl QuotaStream {
             let was_shared = self.buckets.get_mut(&step.key).map(|held| {
                 let was = held.shared;
                 held.shared = fixed.is_none();
+                if !held.shared {
+                    // Out of the division, its record is taken out: the next is due at once.
+                    held.recorded = None;
+                }
                 was
             });
             match (fixed, was_shared) {
