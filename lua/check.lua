@@ -9,13 +9,17 @@
 --          they never deny here (a Cluster group, where the caller applies the rule across
 --          groups, or a request where a descriptor passes as a quota); followed for each counter
 --          by: kind ('f' fixed window, 's' sliding window, 'l' sliding log, 'b' bucket), limit,
---          window in ms, burst, hits, refund ('1' gives hits back), mode ('e' enforce, 's'
---          shadow, 'q' quota, 'p' shadow and quota: a quota limit never over), counting ('1'
---          always: charged whatever the answer, over only when the count is above the limit).
+--          window in ms, burst, hits, change ('0' charges the hits, '1' gives them back; for a
+--          window, 'u<n>' takes a leased block: as many of the hits as fit in 1/LEASE_SHARE of
+--          what remains, at least n, over when n do not fit; 'r<w>' gives a block's hits back
+--          in window w only), mode ('e' enforce, 's' shadow, 'q' quota, 'p' shadow and quota: a
+--          quota limit never over), counting ('1' always: charged whatever the answer, over
+--          only when the count is above the limit).
 -- Reply    the time of the call (Redis TIME, in ms), then per request: admitted (1|0), then per
 --          counter: over (1|0), remaining if admitted, remaining if not, ms until reset if
---          admitted, ms until reset if not, and what its write charges (hits, log entries or
---          bucket units; 0 for none). lua/undo.lua takes back what a request wrote, given this
+--          admitted, ms until reset if not, what its write charges (hits, log entries or
+--          bucket units; 0 for none), and the window it counts in (instant / window; 0 for a
+--          log or a bucket). lua/undo.lua takes back what a request wrote, given this
 --          time. A request one of whose keys holds what no counter does (another type, or
 --          fields that do not read as numbers) is answered -1, the counter's place in it (from
 --          1), the key's type and the error instead, and writes nothing.
@@ -41,6 +45,8 @@ local call, floor, max, min, tonumber, format, unpack = redis.call, math.floor, 
 -- past them a charge is clamped, so that every number stays exact in a double.
 local MOST_COUNT = 2 ^ 52
 local MOST_LEVEL = 2 ^ 52
+-- A leased block takes at most this part of what remains (limiter::lease::SHARE).
+local LEASE_SHARE = 8
 
 local clock = call('TIME')
 local now = tonumber(clock[1]) * 1000 + floor(tonumber(clock[2]) / 1000)
@@ -147,7 +153,7 @@ local function sliding_store(key, state, ttl)
   disk[key] = state
 end
 
-local function window_step(sliding, key, latest, limit, window, at, hits, refund, always)
+local function window_step(sliding, key, latest, limit, window, at, hits, refund, always, least, within)
   local index = floor(at / window)
   local stored = latest[key]
   if stored == nil then
@@ -162,6 +168,7 @@ local function window_step(sliding, key, latest, limit, window, at, hits, refund
   local to_end = (index + 1) * window - now
   local need = max(hits, 1)
   if always then need = hits end
+  if least then need = max(least, 1) end
   local previous, current = 0, 0
   if stored then
     if stored.w == index then
@@ -174,6 +181,8 @@ local function window_step(sliding, key, latest, limit, window, at, hits, refund
   if sliding then weighted = weigh(previous, window - elapsed, window) end
   local used = weighted + current
   local over = (not refund) and used + need > limit
+  if least then hits = min(hits, max(need, floor(max(limit - used, 0) / LEASE_SHARE))) end
+  if within and within ~= index then hits = 0 end
   local after = min(current + hits, MOST_COUNT)
   if refund then after = max(current - hits, 0) end
   local reset = to_end
@@ -185,7 +194,7 @@ local function window_step(sliding, key, latest, limit, window, at, hits, refund
   latest[key] = state
   local step = {
     over = over, after = max(limit - (weighted + after), 0), before = max(limit - used, 0),
-    reset_after = reset, reset_before = reset, charged = 0,
+    reset_after = reset, reset_before = reset, charged = 0, window = index,
   }
   if not refund then step.charged = after - current end
   if hits > 0 then
@@ -421,7 +430,11 @@ local pcall, error, type, tostring = pcall, error, type, tostring
 local function counter_step(key, o, latest, at)
   local kind = ARGV[o + 1]
   local limit, window = tonumber(ARGV[o + 2]), tonumber(ARGV[o + 3])
-  local hits, refund = tonumber(ARGV[o + 5]), ARGV[o + 6] == '1'
+  local hits, change = tonumber(ARGV[o + 5]), ARGV[o + 6]
+  local refund = change == '1'
+  local least, within
+  if change:sub(1, 1) == 'u' then least = tonumber(change:sub(2)) end
+  if change:sub(1, 1) == 'r' then refund, within = true, tonumber(change:sub(2)) end
   local always = ARGV[o + 8] == '1'
   local step
   if kind == 'l' then
@@ -429,9 +442,9 @@ local function counter_step(key, o, latest, at)
   elseif kind == 'b' then
     step = bucket_step(key, latest, limit, window, tonumber(ARGV[o + 4]), hits, refund, always)
   elseif kind == 'f' then
-    step = window_step(false, key, latest, limit, window, at, hits, refund, always)
+    step = window_step(false, key, latest, limit, window, at, hits, refund, always, least, within)
   else
-    step = window_step(true, key, latest, limit, window, now, hits, refund, always)
+    step = window_step(true, key, latest, limit, window, now, hits, refund, always, least, within)
   end
   step.mode = ARGV[o + 7]
   step.always = always
@@ -486,6 +499,7 @@ local function decide(k, a, n, at, quota_here)
     reply[#reply + 1] = s.reset_after
     reply[#reply + 1] = s.reset_before
     reply[#reply + 1] = s.charged
+    reply[#reply + 1] = s.window or 0
   end
 end
 

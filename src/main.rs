@@ -202,6 +202,7 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         rules: reload::start(args.rules.feed()?, hangup)?,
         backend,
         cache: args.store.cache(),
+        leases: Arc::default(),
         bounds: args.policy.bounds(),
         fallback: args.policy.fallback(),
         answering: args.answers.answering(),

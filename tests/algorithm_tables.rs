@@ -38,6 +38,8 @@ fn table(limit: Limit, rows: &[Row]) {
                 hits,
                 refund: false,
                 counting: Counting::Admitted,
+                leased: false,
+                step: sluice::limiter::Step::Hits,
             }],
             ..Check::default()
         };

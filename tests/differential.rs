@@ -14,7 +14,8 @@ use fred::prelude::*;
 use fred::types::CustomCommand;
 use sluice::limiter::algorithm::{Verdict, gcra, window};
 use sluice::limiter::{
-    Algorithm, Check, CounterKey, Counting, DescriptorKey, Item, Limit, Mode, RuleId, Unit,
+    Algorithm, Check, CounterKey, Counting, DescriptorKey, Item, Limit, Mode, RuleId, Step, Unit,
+    lease,
 };
 use sluice::store::{MemoryStore, Percent, Stored};
 
@@ -127,7 +128,11 @@ fn args(check: &Check, counters: &[&Counter]) -> Vec<Value> {
             (item.limit.window_ms() as i64).into(),
             i64::from(item.limit.burst).into(),
             (item.hits as i64).into(),
-            Value::from(if item.refund { "1" } else { "0" }),
+            Value::from(match item.step {
+                Step::Hits => (if item.refund { "1" } else { "0" }).to_owned(),
+                Step::Take { least } => format!("u{least}"),
+                Step::Return { window } => format!("r{window}"),
+            }),
             Value::from(mode),
             Value::from(match item.counting {
                 Counting::Admitted => "0",
@@ -280,7 +285,7 @@ async fn run(client: &Client, seed: u64, steps: usize) {
             }
         });
         let refund = rng.chance(10);
-        let items: Vec<Item> = picked
+        let mut items: Vec<Item> = picked
             .iter()
             .map(|&i| Item {
                 key: counters[i].key.clone(),
@@ -299,8 +304,29 @@ async fn run(client: &Client, seed: u64, steps: usize) {
                 } else {
                     Counting::Admitted
                 },
+                leased: false,
+                step: Step::Hits,
             })
             .collect();
+        for item in &mut items {
+            // Leased blocks: taken up to a share of what remains, and given back to their
+            // window only (this one or the one before).
+            if lease::leasable(item.limit.algorithm) && rng.chance(15) {
+                item.step = if refund {
+                    let window = now / item.limit.window_ms();
+                    Step::Return {
+                        window: window.saturating_sub(rng.below(2)),
+                    }
+                } else {
+                    item.mode = Mode::Enforce;
+                    item.counting = Counting::Admitted;
+                    item.hits = rng.below(60);
+                    Step::Take {
+                        least: rng.below(4),
+                    }
+                };
+            }
+        }
         let check = Check {
             items,
             at,
@@ -320,6 +346,7 @@ async fn run(client: &Client, seed: u64, steps: usize) {
                 reset_after_ms,
                 reset_before_ms,
                 charged,
+                window,
             } = *v;
             expected.extend([
                 i64::from(over),
@@ -328,6 +355,7 @@ async fn run(client: &Client, seed: u64, steps: usize) {
                 reset_after_ms as i64,
                 reset_before_ms as i64,
                 charged as i64,
+                window as i64,
             ]);
         }
         let what = format!("seed {seed} step {step}: {check:?}");

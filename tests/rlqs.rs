@@ -873,7 +873,7 @@ fn median(mut values: Vec<u64>) -> u64 {
 /// The figures of the quota flood: resident memory and `ShouldRateLimit` latency, idle and while
 /// 100 streams report 10,000 buckets each, every 5 s as Envoy does or as fast as sluice takes
 /// them, on the embedded store and on Redis, with the default bounds. Idle and flooded windows
-/// of 10 s alternate three times (the medians are printed): the machine's other load moves a
+/// of 10 s alternate five times (the medians are printed): the machine's other load moves a
 /// single window's p99 more than the flood does. A measurement, not a specification: run it on
 /// a release build, `cargo test --release --test rlqs -- --ignored --nocapture figures`
 /// (`FIGURES_STORE=memory` or `redis` for one store).
@@ -887,6 +887,7 @@ descriptors:
     rate_limit: {unit: second, requests_per_unit: 1000000000}
 ";
     let (streams, buckets) = (100, 10_000);
+    const ROUNDS: usize = 5;
     // The Envoys the flood stands for run on other hosts: its client's threads are SCHED_IDLE
     // (any other thread takes the CPU from them at once), so that its work is not charged to
     // sluice's.
@@ -924,7 +925,7 @@ descriptors:
             let (mut idle, mut flooded) = (Vec::new(), Vec::new());
             let (mut answered, mut tracked, mut untracked) = (Vec::new(), None, 0.0);
             let (most_rss, sampler) = sample_rss(pid);
-            for _ in 0..3 {
+            for _ in 0..ROUNDS {
                 idle.push(rls_latency(&sluice).await);
                 let grpc = sluice.grpc;
                 let flood =
@@ -965,7 +966,7 @@ descriptors:
             };
             println!(
                 "{store:?}, flood {mode}: RSS at most {} MB; {} bucket reports answered a second (median), {tracked:?} tracked, {untracked} untracked in all; \
-                 ShouldRateLimit at 1000/s, medians of 3: idle p50 {} µs p99 {} µs, flood p50 {} µs p99 {} µs; every p99 idle {:?} flood {:?}; errors idle {:?} flood {:?}",
+                 ShouldRateLimit at 1000/s, medians of {ROUNDS}: idle p50 {} µs p99 {} µs, flood p50 {} µs p99 {} µs; every p99 idle {:?} flood {:?}; errors idle {:?} flood {:?}",
                 most_rss.load(std::sync::atomic::Ordering::Relaxed),
                 median(answered),
                 p(&idle, |r| r.0),

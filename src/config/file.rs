@@ -12,6 +12,7 @@ use super::{
     MOST_METADATA_DEPTH, MOST_YAML_DEPTH, QuotaBucketConfig, RuleLimit,
 };
 use crate::limiter::algorithm::{gcra, log};
+use crate::limiter::lease::Leasing;
 use crate::limiter::{Algorithm, Counting, LONGEST_WINDOW_SECONDS, Limit, Mode, Unit};
 
 const ROOT_KEYS: &[&str] = &["domain", "descriptors", "quota_buckets"];
@@ -32,6 +33,7 @@ const DESCRIPTOR_KEYS: &[&str] = &[
     "share_threshold",
     "metadata",
     "counting",
+    "lease",
 ];
 const LIMIT_KEYS: &[&str] = &[
     "unit",
@@ -330,6 +332,27 @@ impl Parser<'_> {
             counting
         });
         let limits = self.limits(map);
+        let lease = self.string(map, "lease").and_then(|name| {
+            let at = map.get_node("lease").map_or(line, line_of);
+            let Some(lease) = Leasing::parse(&name) else {
+                self.error(at, format!("invalid lease '{name}': auto or off"));
+                return None;
+            };
+            let unleasable = limits
+                .iter()
+                .filter_map(|l| l.limit.as_ref())
+                .find(|l| !crate::limiter::lease::leasable(l.algorithm));
+            if let (Leasing::Auto, Some(limit)) = (lease, unleasable) {
+                self.error(
+                    at,
+                    format!(
+                        "lease: auto cannot apply to a {} limit: only fixed_window and sliding_window limits can be leased",
+                        limit.algorithm.name()
+                    ),
+                );
+            }
+            Some(lease)
+        });
         let metadata = map.get_node("metadata").map(|node| {
             yaml_to_json(node, 0).unwrap_or_else(|line| {
                 self.error(
@@ -348,6 +371,7 @@ impl Parser<'_> {
             limits,
             mode,
             counting,
+            lease,
             share_threshold,
             detailed_metric: self.flag(map, "detailed_metric"),
             value_to_metric: self.flag(map, "value_to_metric"),

@@ -16,6 +16,7 @@ use sha2::{Digest, Sha256};
 
 pub use file::parse;
 
+use crate::limiter::lease::Leasing;
 use crate::limiter::{Counting, Limit, Mode};
 
 /// The deepest a rule file (or an xDS resource) may nest `descriptors`: deeper than any request
@@ -74,6 +75,8 @@ pub struct DescriptorConfig {
     pub mode: Mode,
     /// When hits are charged (`counting`), if the rule says; else the service's default.
     pub counting: Option<Counting>,
+    /// Whether the rule's counters are leased (`lease`), if it says; else `--lease`.
+    pub lease: Option<Leasing>,
     pub share_threshold: bool,
     pub detailed_metric: bool,
     pub value_to_metric: bool,

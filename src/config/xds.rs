@@ -570,6 +570,7 @@ impl Resource<'_> {
                     (false, false) => Mode::Enforce,
                 },
                 counting: None,
+                lease: None,
                 share_threshold: false,
                 detailed_metric: proto.detailed_metric,
                 value_to_metric: false,

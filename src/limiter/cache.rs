@@ -80,6 +80,7 @@ impl OverLimitCache {
                     reset: *at - now,
                     full: true,
                     source: super::Source::LocalCache,
+                    window: 0,
                 },
                 None => Usage::unknown(),
             })

@@ -5,6 +5,7 @@
 pub mod algorithm;
 mod cache;
 mod key;
+pub mod lease;
 
 use std::time::Duration;
 
@@ -172,6 +173,26 @@ pub struct Item {
     /// Give `hits` back instead of consuming them.
     pub refund: bool,
     pub counting: Counting,
+    /// The rule lets a replica decide this counter from a leased block (`lease: auto`).
+    pub leased: bool,
+    /// What the item does to its counter: a request's hits, or a lease's block taken or given
+    /// back.
+    pub step: Step,
+}
+
+/// What an item does to its counter.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Step {
+    /// A request's own hits: all of them or none (given back, with `refund`).
+    #[default]
+    Hits,
+    /// A lease's block: as many of `hits` as fit in a share of what remains (`lease::SHARE`),
+    /// and at least `least`; over when `least` do not fit.
+    Take { least: u64 },
+    /// Gives `hits` of a block back (with `refund`), in window `window` only: a block taken in
+    /// a window that is over was counted there, and giving it back now would free what the
+    /// window now counting never held.
+    Return { window: u64 },
 }
 
 /// Every counter of one request, decided together.
@@ -203,6 +224,8 @@ pub struct Usage {
     /// Not one more hit fits until `reset`.
     pub full: bool,
     pub source: Source,
+    /// The window it counted in, for the window algorithms (`Verdict::window`).
+    pub window: u64,
 }
 
 /// Where a `Usage` comes from.
@@ -212,6 +235,8 @@ pub enum Source {
     Store,
     /// The local over-limit cache knew the counter full.
     LocalCache,
+    /// A block this replica leased from the store.
+    Lease,
     /// Nobody looked: another counter denied the request from the local cache.
     Unknown,
 }
@@ -226,6 +251,7 @@ impl Usage {
             reset: Duration::ZERO,
             full: false,
             source: Source::Unknown,
+            window: 0,
         }
     }
 }
@@ -294,6 +320,8 @@ mod tests {
             hits: 1,
             refund: false,
             counting: Counting::Admitted,
+            leased: false,
+            step: Step::Hits,
         }
     }
 

@@ -26,6 +26,7 @@ use std::time::SystemTime;
 use memchr::memmem;
 
 use crate::config::{DescriptorConfig, DomainConfig, Loaded, RuleLimit};
+use crate::limiter::lease::Leasing;
 use crate::limiter::{Counting, LONGEST_LITERAL, Mode};
 use crate::telemetry::metrics::{METRICS, RuleStats};
 
@@ -123,6 +124,8 @@ pub struct Node {
     pub mode: Mode,
     /// When the rule's hits are charged, if it says (`counting`).
     pub counting: Option<Counting>,
+    /// Whether the rule's counters are leased, if it says (`lease`).
+    pub lease: Option<Leasing>,
     pub share_threshold: bool,
     /// The file and line that declare the rule.
     file: Arc<Path>,
@@ -382,6 +385,7 @@ impl Level {
                 limits: d.limits,
                 mode: d.mode,
                 counting: d.counting,
+                lease: d.lease,
                 share_threshold: d.share_threshold,
                 file: file.clone(),
                 line: d.line,

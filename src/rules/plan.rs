@@ -10,8 +10,10 @@ use std::sync::Arc;
 use super::{Match, RuleSet};
 use crate::config::RuleLimit;
 use crate::limiter::algorithm::{gcra, log};
+use crate::limiter::lease::Leasing;
 use crate::limiter::{
-    Algorithm, Check, Counting, Decision, DescriptorKey, Item, Limit, Mode, RuleId, Source, Unit,
+    Algorithm, Check, Counting, Decision, DescriptorKey, Item, Limit, Mode, RuleId, Source, Step,
+    Unit,
 };
 use crate::telemetry::metrics::{METRICS, Outcome, RuleStats};
 
@@ -39,6 +41,8 @@ pub struct Override {
 pub struct Global {
     pub quota_mode: bool,
     pub counting: Counting,
+    /// `--lease`, for rules that do not say.
+    pub lease: Leasing,
 }
 
 /// What one request descriptor turned into.
@@ -121,6 +125,11 @@ impl RuleSet {
                 .as_ref()
                 .and_then(|m| m.node.counting)
                 .unwrap_or(global.counting);
+            let leased = m
+                .as_ref()
+                .and_then(|m| m.node.lease)
+                .unwrap_or(global.lease)
+                == Leasing::Auto;
             let mut push = |limit: Limit, identity: String, mode: Mode| {
                 let key =
                     descriptor_key.get_or_insert_with(|| DescriptorKey::new(domain, &counted));
@@ -148,6 +157,8 @@ impl RuleSet {
                     hits: descriptor.hits,
                     refund: descriptor.refund,
                     counting,
+                    leased,
+                    step: Step::Hits,
                 });
             };
             if let Some(o) = descriptor.limit {
@@ -338,6 +349,7 @@ descriptors:
     const GLOBAL: Global = Global {
         quota_mode: false,
         counting: Counting::Admitted,
+        lease: Leasing::Off,
     };
 
     fn items<'a>(plan: &Plan, check: &'a Check) -> &'a [Item] {

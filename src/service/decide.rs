@@ -1,29 +1,40 @@
-//! One request's decision: the local over-limit cache first, then the store behind its guard, the
-//! cache learning from every answer. It joins the limiter's rules to a store, so it sits above
-//! both, where the request path composes them.
+//! One request's decision: the blocks this replica leased, then the local over-limit cache, then
+//! the store behind its guard, the cache learning from every answer. It joins the limiter's rules
+//! to a store, so it sits above both, where the request path composes them.
 
 use std::sync::Arc;
 
 use tokio::time::Instant;
 
+use crate::limiter::lease::{Draw, Leases};
 use crate::limiter::{Check, Decision, OverLimitCache};
 use crate::store::{Deadline, Store, StoreError};
 use crate::telemetry::metrics::METRICS;
 
-/// Decides checks against a store, denying from the local over-limit cache when it can.
+/// Draws a leased check from its blocks at most this many times (each after a block was taken
+/// or awaited) before the store decides it as any other.
+const DRAWS: usize = 4;
+
+/// Decides checks against a store, from leased blocks or the local over-limit cache when it can.
 pub struct Decider {
     store: Store,
     cache: Option<Arc<OverLimitCache>>,
+    leases: Arc<Leases>,
 }
 
 impl Decider {
-    pub fn new(store: Store, cache: Option<Arc<OverLimitCache>>) -> Self {
-        Decider { store, cache }
+    pub fn new(store: Store, cache: Option<Arc<OverLimitCache>>, leases: Arc<Leases>) -> Self {
+        Decider {
+            store,
+            cache,
+            leases,
+        }
     }
 
     /// Decides `check`; the store must answer by `deadline`. A check without items is admitted
-    /// without asking the store, and one that counters known to be full deny is denied without
-    /// asking it.
+    /// without asking the store; one whose counters are all leased is admitted from their blocks
+    /// when they hold its hits; one that counters known to be full deny is denied without asking
+    /// the store.
     pub async fn decide(&self, check: &Check, deadline: Deadline) -> Result<Decision, StoreError> {
         if check.items.is_empty() {
             return Ok(Decision {
@@ -31,7 +42,46 @@ impl Decider {
                 usages: Vec::new(),
             });
         }
-        let asked = Instant::now();
+        if Leases::applies(check) {
+            for _ in 0..DRAWS {
+                let now = Instant::now();
+                match self.leases.draw(check, now) {
+                    Draw::Admitted(decision) => return Ok(decision),
+                    Draw::Wait => self.leases.wait(deadline.at).await,
+                    Draw::Take(at, take) => {
+                        let mut taking = Taking {
+                            leases: &self.leases,
+                            check,
+                            at: &at,
+                            sent: now,
+                            done: false,
+                        };
+                        let taken = self.ask(&take, deadline, now).await;
+                        taking.done = true;
+                        self.leases.took(check, &at, taken.as_ref().ok(), now);
+                        match taken {
+                            Ok(decision) if decision.admitted => {}
+                            Ok(denied) => return Ok(merge(check, &at, denied)),
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    Draw::Store => break,
+                }
+                if Instant::now() >= deadline.at {
+                    return Err(StoreError::Timeout);
+                }
+            }
+        }
+        self.ask(check, deadline, Instant::now()).await
+    }
+
+    /// Asks the local over-limit cache, then the store, at `asked`.
+    async fn ask(
+        &self,
+        check: &Check,
+        deadline: Deadline,
+        asked: Instant,
+    ) -> Result<Decision, StoreError> {
         if let Some(denied) = self.cache.as_ref().and_then(|c| c.deny(check, asked)) {
             return Ok(denied);
         }
@@ -43,5 +93,49 @@ impl Decider {
             cache.learn(check, decision, asked);
         }
         decided
+    }
+
+    /// Gives back the blocks unused for `lease::IDLE` (all of them, with `all`); what the store
+    /// could not take back stays counted until its window ends.
+    pub async fn give_back(&self, deadline: Deadline, all: bool) {
+        let back = self.leases.give_back(Instant::now(), all);
+        if back.items.is_empty() {
+            return;
+        }
+        let hits = back.items.iter().map(|i| i.hits).sum();
+        if self.store.apply(&back, deadline).await.is_ok() {
+            self.leases.returned(hits);
+        }
+    }
+}
+
+/// A block on its way: when the request that takes it gives up first, its counters are no longer
+/// taking one, so that the next request takes it.
+struct Taking<'a> {
+    leases: &'a Leases,
+    check: &'a Check,
+    at: &'a [usize],
+    sent: Instant,
+    done: bool,
+}
+
+impl Drop for Taking<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.leases.took(self.check, self.at, None, self.sent);
+        }
+    }
+}
+
+/// The denial of `check` when taking blocks for its items `at` was `denied`: those items as the
+/// store found them, the others as nobody looked at them.
+fn merge(check: &Check, at: &[usize], denied: Decision) -> Decision {
+    let mut usages = vec![crate::limiter::Usage::unknown(); check.items.len()];
+    for (&i, usage) in at.iter().zip(denied.usages) {
+        usages[i] = usage;
+    }
+    Decision {
+        admitted: false,
+        usages,
     }
 }

@@ -46,7 +46,9 @@ use conns::{Budget, Connections, Slot, Timers, Tracked};
 use decide::Decider;
 
 use crate::limiter::OverLimitCache;
+use crate::limiter::lease::{self, Leases};
 use crate::rules::RuleSet;
+use crate::store::Deadline;
 use crate::store::{Backend, StoreError};
 use crate::telemetry::Throttle;
 
@@ -132,6 +134,8 @@ pub struct Setup {
     pub answering: Answering,
     /// The local over-limit cache, shared by every event loop; `None` when switched off.
     pub cache: Option<Arc<OverLimitCache>>,
+    /// The blocks of leased counters this replica holds, shared by every event loop.
+    pub leases: Arc<Leases>,
     /// gRPC over TLS only; without it, plaintext.
     pub tls: Option<ServerTls>,
     pub healthcheck: Healthcheck,
@@ -158,7 +162,7 @@ impl Setup {
         let store = self.backend.open()?;
         Ok(Arc::new(Rls::new(
             self.rules.current.clone(),
-            Decider::new(store, self.cache.clone()),
+            Decider::new(store, self.cache.clone(), self.leases.clone()),
             self.bounds,
             self.fallback,
             self.answering.clone(),
@@ -358,6 +362,22 @@ pub async fn run(
         reached: Arc::default(),
     };
     let rls = setup.rls()?;
+    // Gives back the blocks that went unused, on this thread's own store connections.
+    let giver = Decider::new(setup.backend.open()?, None, setup.leases.clone());
+    let store_timeout = setup.fallback.store_timeout;
+    let give_back = async {
+        let stop = shutdown.clone().wait();
+        tokio::pin!(stop);
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(lease::IDLE / 2) => {}
+                () = &mut stop => return,
+            }
+            giver
+                .give_back(Deadline::new(store_timeout, None), false)
+                .await;
+        }
+    };
     let mut connections = Vec::with_capacity(loops);
     let mut finished = Vec::with_capacity(loops);
     for n in 0..loops {
@@ -436,16 +456,22 @@ pub async fn run(
             serve_http(listener, route, admin_http("debug HTTP"), shutdown.clone()).await;
         }
     };
-    tokio::join!(accept, http, json, metrics, debug);
+    tokio::join!(accept, http, json, metrics, debug, give_back);
     for loop_finished in finished {
         loop_finished
             .await
             .context("an event loop stopped")?
             .context("gRPC server")?;
     }
+    // Every call answered: what the blocks still hold goes back before the process ends.
+    giver
+        .give_back(Deadline::new(GIVE_BACK_AT_EXIT, None), true)
+        .await;
     Ok(())
 }
 
+/// How long the blocks still held at exit have to reach the store.
+const GIVE_BACK_AT_EXIT: Duration = Duration::from_secs(1);
 /// The longest pause after a failed accept.
 const ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
 /// How long a new connection may stay silent: one that sends nothing only holds a descriptor.

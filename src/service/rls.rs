@@ -21,6 +21,7 @@ use super::pb::envoy::service::ratelimit::v3::rate_limit_response::{
 };
 use super::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use crate::limiter::lease::Leasing;
 use crate::limiter::{Check, Counting, Decision, Limit, Mode, Source, Unit, Usage, admits};
 use crate::rules::RuleSet;
 use crate::rules::plan::{Asked, Global, Override, Plan};
@@ -76,6 +77,8 @@ pub struct Answering {
     pub quota_mode: bool,
     /// When hits are charged, for rules that do not say (`counting`).
     pub counting: Counting,
+    /// Whether rules that do not say are leased (`lease`).
+    pub lease: Leasing,
     /// The share of a limit past which hits count as near it, in the metrics.
     pub near_limit_ratio: f64,
     /// Send the limit closest to denying as `RateLimit-*` headers, under these names.
@@ -108,6 +111,7 @@ impl Answering {
         Global {
             quota_mode: self.quota_mode,
             counting: self.counting,
+            lease: self.lease,
         }
     }
 }
@@ -240,6 +244,7 @@ impl Rls {
                     reset: Duration::from_secs(1),
                     full: false,
                     source: Source::Store,
+                    window: 0,
                 };
                 let decision = Decision {
                     admitted: admits(check, |_| true),

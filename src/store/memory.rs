@@ -315,6 +315,7 @@ impl MemoryStore {
                 hits: item.hits,
                 refund: item.refund,
                 always,
+                step: item.step,
             };
             let (mut verdict, write) = evaluate(item, &ask, stored);
             let Some(mut write) = write else {
@@ -494,6 +495,7 @@ const REFUSED: Verdict = Verdict {
     reset_after_ms: REFUSED_RETRY_MS,
     reset_before_ms: REFUSED_RETRY_MS,
     charged: 0,
+    window: 0,
 };
 
 /// Counts a new counter that `share` refused, and logs the refusals at most once a second.
@@ -529,8 +531,9 @@ fn evaluate(item: &Item, ask: &Ask, stored: Option<&Stored>) -> (Verdict, Option
                 _ => None,
             };
             let step = window::evaluate(algorithm, ask, state);
-            let write =
-                (item.hits > 0).then(|| Some(counter(Stored::Window(step.next), step.ttl_ms)));
+            let write = step
+                .writes
+                .then(|| Some(counter(Stored::Window(step.next), step.ttl_ms)));
             (step.verdict, write)
         }
         Algorithm::SlidingLog => {
@@ -604,6 +607,8 @@ mod tests {
             hits,
             refund: false,
             counting: Counting::Admitted,
+            leased: false,
+            step: crate::limiter::Step::Hits,
         }
     }
 

@@ -123,6 +123,7 @@ pub fn evaluate(ask: &Ask, burst: u64, stored: Option<State>) -> (Verdict, Write
             reset_after_ms,
             reset_before_ms,
             charged: if refund { 0 } else { after - level },
+            window: 0,
         },
         write,
     )
@@ -166,6 +167,7 @@ mod tests {
                 hits,
                 refund,
                 always,
+                step: crate::limiter::Step::Hits,
             };
             let (verdict, write) = evaluate(&ask, self.burst, self.state);
             if !verdict.over || always {
@@ -300,6 +302,7 @@ mod tests {
             hits: 3,
             refund: false,
             always: false,
+            step: crate::limiter::Step::Hits,
         };
         let (_, write) = evaluate(&ask, 4, None);
         assert_eq!(
@@ -344,6 +347,7 @@ mod tests {
             hits: u64::from(u32::MAX) + 1,
             refund: false,
             always: true,
+            step: crate::limiter::Step::Hits,
         };
         let (verdict, write) = evaluate(&ask, 1, None);
         assert_eq!(verdict.charged, MOST_LEVEL);

@@ -54,6 +54,7 @@ pub fn evaluate(ask: &Ask, entries: &[u64]) -> (Verdict, Change) {
         hits,
         refund,
         always,
+        ..
     } = *ask;
     let live = live(entries, now_ms, window_ms);
     let need = ask.need();
@@ -68,6 +69,7 @@ pub fn evaluate(ask: &Ask, entries: &[u64]) -> (Verdict, Change) {
         reset_after_ms: until_empty(live),
         reset_before_ms: until_empty(live),
         charged: 0,
+        window: 0,
     };
     if over {
         let fits = if never {
@@ -236,6 +238,7 @@ mod tests {
                 hits,
                 refund,
                 always: self.always,
+                step: crate::limiter::Step::Hits,
             };
             let (verdict, change) = evaluate(&ask, &self.entries);
             apply(&mut self.entries, change, ask.now_ms, self.window_ms);

@@ -14,7 +14,7 @@ pub mod window;
 
 use std::time::Duration;
 
-use super::{Source, Usage};
+use super::{Source, Step, Usage};
 
 /// How a limit counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -86,13 +86,17 @@ pub struct Ask {
     /// `Counting::Always`: the hits are charged whatever the answer, and a check-only request is
     /// over only when the count is above the limit.
     pub always: bool,
+    /// A request's hits, or a lease's block (`window` only).
+    pub step: Step,
 }
 
 impl Ask {
     /// The hits a decision must find room for: at least one, so that a check-only request is
     /// over when the counter is full; counting `always`, the hits alone.
     pub fn need(&self) -> u64 {
-        if self.always {
+        if let Step::Take { least } = self.step {
+            least.max(1)
+        } else if self.always {
             self.hits
         } else {
             self.hits.max(1)
@@ -104,7 +108,7 @@ impl Ask {
 /// script's doubles. Only a count far above any limit (at most 2^32) gets there.
 pub const MOST_COUNT: u64 = 1 << 52;
 
-/// What evaluating one counter found; the check script returns the same five numbers.
+/// What evaluating one counter found; the check script returns the same numbers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Verdict {
     /// The hits do not fit (for a check-only request, not even one more would).
@@ -122,6 +126,9 @@ pub struct Verdict {
     /// counted `always`), as `lua/undo.lua` takes it back: hits for a window, entries for a
     /// log, units for a bucket; 0 when nothing is recorded (a refund, or hits that do not fit).
     pub charged: u64,
+    /// The index of the window the counter counted in (`instant / window`) for the window
+    /// algorithms, where a leased block is given back; 0 for the others.
+    pub window: u64,
 }
 
 impl Verdict {
@@ -140,6 +147,7 @@ impl Verdict {
             reset: Duration::from_millis(reset),
             full: super::cache::full(algorithm, hits, self.over, self.remaining_before, after),
             source: Source::Store,
+            window: self.window,
         }
     }
 }

@@ -13,6 +13,8 @@
 //! most `--max-schedule-ahead` and a window from now.
 
 use super::{Algorithm, Ask, MOST_COUNT, Verdict};
+use crate::limiter::Step as Change;
+use crate::limiter::lease::SHARE;
 
 /// A window counter as stored: the index of the window it was last written in (`instant /
 /// window`), its count there and, for the sliding window, the count of the window before.
@@ -32,6 +34,8 @@ pub struct Step {
     pub next: State,
     /// Milliseconds the stored state must live.
     pub ttl_ms: u64,
+    /// The request moves the counter: it has hits (for a block given back, in its window).
+    pub writes: bool,
 }
 
 /// Evaluates one window counter at `ask.at_ms` (the clock or, for a fixed window, a later
@@ -43,7 +47,6 @@ pub fn evaluate(algorithm: Algorithm, ask: &Ask, stored: Option<State>) -> Step 
         window_ms,
         now_ms,
         at_ms,
-        hits,
         refund,
         ..
     } = *ask;
@@ -66,6 +69,13 @@ pub fn evaluate(algorithm: Algorithm, ask: &Ask, stored: Option<State>) -> Step 
     // Counts grow past the limit in shadow and quota mode and counted `always`.
     let used = weighted.saturating_add(current);
     let over = !refund && used.saturating_add(need) > limit;
+    let hits = match ask.step {
+        Change::Hits => ask.hits,
+        // A block: a share of what remains, at least the hits the request needs.
+        Change::Take { .. } => ask.hits.min(need.max(limit.saturating_sub(used) / SHARE)),
+        Change::Return { window } if window == index => ask.hits,
+        Change::Return { .. } => 0,
+    };
     let after = if refund {
         current.saturating_sub(hits)
     } else {
@@ -84,6 +94,7 @@ pub fn evaluate(algorithm: Algorithm, ask: &Ask, stored: Option<State>) -> Step 
             reset_after_ms: reset_ms,
             reset_before_ms: reset_ms,
             charged: if refund { 0 } else { after - current },
+            window: index,
         },
         next: State {
             window: index,
@@ -91,6 +102,7 @@ pub fn evaluate(algorithm: Algorithm, ask: &Ask, stored: Option<State>) -> Step 
             previous,
         },
         ttl_ms: if sliding { to_end + window_ms } else { to_end },
+        writes: hits > 0,
     }
 }
 
@@ -157,6 +169,7 @@ mod tests {
             hits,
             refund,
             always: false,
+            step: Change::Hits,
         }
     }
 
@@ -248,6 +261,55 @@ mod tests {
         assert_eq!(step.next.count, 3);
         let step = evaluate(FixedWindow, &ask(5, 3 * MIN, 9, true), state);
         assert_eq!(step.next.count, 0);
+    }
+
+    #[test]
+    fn a_block_takes_a_share_of_what_remains_and_at_least_what_the_request_needs() {
+        let take = |count, hits, least| {
+            let mut a = ask(100, 3 * MIN, hits, false);
+            a.step = Change::Take { least };
+            let state = State {
+                window: 3,
+                count,
+                previous: 0,
+            };
+            let step = evaluate(FixedWindow, &a, Some(state));
+            (!step.verdict.over).then_some(step.verdict.charged)
+        };
+        assert_eq!(take(20, 50, 1), Some(80 / SHARE));
+        assert_eq!(take(20, 5, 1), Some(5), "no more than asked");
+        assert_eq!(
+            take(96, 50, 3),
+            Some(3),
+            "little left: what the request needs"
+        );
+        assert_eq!(take(99, 50, 1), Some(1));
+        assert_eq!(
+            take(99, 50, 2),
+            None,
+            "over when the request's hits do not fit"
+        );
+        assert_eq!(take(100, 50, 1), None);
+    }
+
+    #[test]
+    fn a_block_comes_back_only_to_the_window_that_counted_it() {
+        let state = Some(State {
+            window: 3,
+            count: 40,
+            previous: 0,
+        });
+        let give = |window| {
+            let mut a = ask(100, 3 * MIN, 30, true);
+            a.step = Change::Return { window };
+            evaluate(FixedWindow, &a, state).next.count
+        };
+        assert_eq!(give(3), 10);
+        assert_eq!(
+            give(2),
+            40,
+            "a block of a window that is over frees nothing now"
+        );
     }
 
     #[test]

@@ -5,6 +5,7 @@
 use clap::Args;
 
 use crate::limiter::Counting;
+use crate::limiter::lease::Leasing;
 use crate::service::rls::{Answering, LimitHeaders};
 
 #[derive(Args)]
@@ -22,6 +23,11 @@ pub struct AnswerFlags {
     /// every charge lands, and a request is over when the count is above the limit).
     #[arg(long, env = "SLUICE_COUNTING", value_enum, default_value_t = Counting::Admitted)]
     counting: Counting,
+    /// Whether rules without `lease` are decided from blocks of their counters leased from the
+    /// store (auto: for fixed and sliding windows enforced and counted when admitted; see
+    /// docs/leases.md) or ask the store on every request (off).
+    #[arg(long, env = "SLUICE_LEASE", value_enum, default_value_t = Leasing::Off)]
+    lease: Leasing,
     /// Send the limit closest to denying (the one that denied, else the one with the least
     /// left) on every answer that has one, as the RateLimit-Limit, RateLimit-Remaining and
     /// RateLimit-Reset headers for Envoy to add to its response.
@@ -59,6 +65,7 @@ impl AnswerFlags {
             shadow_mode: self.shadow_mode,
             quota_mode: self.quota_mode,
             counting: self.counting,
+            lease: self.lease,
             near_limit_ratio: self.near_limit_ratio,
             limit_headers: self.limit_response_headers.then(|| LimitHeaders {
                 limit: self.limit_limit_header.clone(),

@@ -9,14 +9,14 @@ use fred::types::{ClusterHash, CustomCommand, FromValue};
 
 use super::conn::{self, Conn};
 use crate::limiter::algorithm::Verdict;
-use crate::limiter::{Algorithm, Check, Counting, Item, Mode};
+use crate::limiter::{Algorithm, Check, Counting, Item, Mode, Step};
 use crate::store::StoreError;
 use crate::store::demand::{Demands, Report};
 use crate::telemetry::Throttle;
 
 pub(super) const ARGS_PER_ITEM: usize = 8;
 /// Numbers the check script answers per counter.
-const REPLY_PER_ITEM: usize = 6;
+const REPLY_PER_ITEM: usize = 7;
 
 /// What a request gets from its script calls: admitted, and what each counter found.
 pub(super) type Answer = Result<(bool, Vec<Verdict>), StoreError>;
@@ -241,7 +241,11 @@ pub(super) fn encode(check: &Check, at: &[usize], quota_here: bool) -> Vec<Value
         args.push(Value::from(item.limit.window_ms() as i64));
         args.push(Value::from(i64::from(item.limit.burst)));
         args.push(Value::from(item.hits as i64));
-        args.push(flag(item.refund));
+        args.push(match item.step {
+            Step::Hits => flag(item.refund),
+            Step::Take { least } => Value::from(format!("u{least}")),
+            Step::Return { window } => Value::from(format!("r{window}")),
+        });
         args.push(Value::from_static_str(match item.mode {
             Mode::Enforce => "e",
             Mode::Shadow => "s",
@@ -317,6 +321,7 @@ pub(super) fn take_request(reply: &mut &[Value], keys: &[Bytes]) -> Answer {
             reset_after_ms: count(&c[3])?,
             reset_before_ms: count(&c[4])?,
             charged: count(&c[5])?,
+            window: count(&c[6])?,
         });
     }
     Ok((admitted, verdicts))
@@ -409,7 +414,7 @@ mod tests {
     #[test]
     fn a_batched_reply_splits_into_requests() {
         let reply = values(&[
-            1, 0, 4, 5, 900, 1000, 1, 1, 0, 0, 250, 250, 0, 0, 1, 0, 0, 30, 30, 0,
+            1, 0, 4, 5, 900, 1000, 1, 7, 1, 0, 0, 250, 250, 0, 7, 0, 1, 0, 0, 30, 30, 0, 7,
         ]);
         let keys = |n: usize| vec![Bytes::from_static(b"k"); n];
         let mut rest = &reply[..];
@@ -418,6 +423,7 @@ mod tests {
         assert_eq!(v[0].remaining_after, 4);
         assert_eq!(v[0].reset_after_ms, 900);
         assert_eq!(v[0].charged, 1);
+        assert_eq!(v[0].window, 7);
         assert!(v[1].over);
         assert_eq!(v[1].reset_before_ms, 250);
         let (admitted, v) = take_request(&mut rest, &keys(1)).unwrap();
@@ -467,7 +473,7 @@ mod tests {
         reply.push(text(
             "WRONGTYPE Operation against a key holding the wrong kind of value",
         ));
-        reply.extend(values(&[0, 1, 0, 0, 5, 5, 0]));
+        reply.extend(values(&[0, 1, 0, 0, 5, 5, 0, 0]));
         let keys = [Bytes::from_static(b"p:a"), Bytes::from_static(b"p:\"b\"")];
         let mut rest = &reply[..];
         let error = take_request(&mut rest, &keys).unwrap_err();
