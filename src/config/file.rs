@@ -1001,6 +1001,30 @@ mod tests {
     }
 
     #[test]
+    fn a_lease_applies_to_window_limits_only() {
+        let rule = |algorithm: &str, lease: &str| {
+            format!(
+                "domain: d\ndescriptors:\n  - key: k\n    lease: {lease}\n    rate_limit: {{unit: second, requests_per_unit: 5, algorithm: {algorithm}}}\n"
+            )
+        };
+        assert_eq!(
+            ok(&rule("sliding_window", "auto")).descriptors[0].lease,
+            Some(Leasing::Auto)
+        );
+        assert!(errors(&rule("fixed_window", "off")).is_empty());
+        assert_eq!(
+            errors(&rule("token_bucket", "auto")),
+            [
+                "r.yaml:4: lease: auto cannot apply to a token_bucket limit: only fixed_window and sliding_window limits can be leased"
+            ]
+        );
+        assert_eq!(
+            errors(&rule("fixed_window", "always")),
+            ["r.yaml:4: invalid lease 'always': auto or off"]
+        );
+    }
+
+    #[test]
     fn bad_quota_buckets_are_errors_at_their_lines() {
         assert_eq!(
             errors(

@@ -205,15 +205,20 @@ impl Leases {
     /// clock.
     pub fn applies(check: &Check) -> bool {
         check.at.is_none()
-            && check.items.iter().all(|i| {
-                i.leased
-                    && leasable(i.limit.algorithm)
-                    && i.mode == Mode::Enforce
-                    && i.counting == Counting::Admitted
-                    && i.step == Step::Hits
-                    && !i.refund
-                    && i.hits > 0
-            })
+            && check
+                .items
+                .iter()
+                .all(|i| Leases::hold(i) && i.step == Step::Hits && !i.refund && i.hits > 0)
+    }
+
+    /// Whether `item`'s counter is decided from leased blocks when its request charges hits:
+    /// its rule leases it, with an algorithm that can be leased, enforced and counted when
+    /// admitted.
+    pub fn hold(item: &Item) -> bool {
+        item.leased
+            && leasable(item.limit.algorithm)
+            && item.mode == Mode::Enforce
+            && item.counting == Counting::Admitted
     }
 
     /// Draws `check`'s hits from the blocks held, at `now`.
@@ -338,9 +343,10 @@ impl Leases {
         self.taken.notify_waiters();
     }
 
-    /// Waits for the next block taken (`took`), or `bound`.
-    pub async fn wait(&self, bound: Instant) {
-        let _ = tokio::time::timeout_at(bound, self.taken.notified()).await;
+    /// The next block taken (`took`): made before a `draw` that may answer `Draw::Wait`, so
+    /// that a block taken in between is not missed.
+    pub fn next_taken(&self) -> tokio::sync::futures::Notified<'_> {
+        self.taken.notified()
     }
 
     /// Forgets the blocks of counters unused since `now - IDLE` (every block, with `all`) and

@@ -224,6 +224,9 @@ fn descriptor_json(d: &DescriptorConfig) -> Value {
     if matches!(d.mode, Mode::Quota | Mode::ShadowQuota) {
         fields.insert("quota_mode".into(), json!(true));
     }
+    if let Some(lease) = d.lease {
+        fields.insert("lease".into(), json!(lease.name()));
+    }
     if let Some(counting) = d.counting {
         fields.insert("counting".into(), json!(counting.name()));
     }
@@ -316,6 +319,9 @@ fn text_lines(parent: &str, d: &DescriptorConfig, out: &mut String) {
             d.mode.is_shadow(),
             matches!(d.mode, Mode::Quota | Mode::ShadowQuota)
         ));
+        if let Some(lease) = d.lease {
+            out.push_str(&format!(", lease: {}", lease.name()));
+        }
         if let Some(counting) = d.counting {
             out.push_str(&format!(", counting: {}", counting.name()));
         }

@@ -83,8 +83,8 @@ impl Node {
         super::source(&self.file, self.line)
     }
 
-    /// The rule's modes by name, each `true` or `false`, and its `counting` when it says
-    /// (else `null`: the service's default).
+    /// The rule's modes by name, each `true` or `false`, and its `counting` and `lease` when
+    /// it says (else `null`: the service's default).
     pub fn modes(&self) -> Map<String, Value> {
         [
             ("shadow_mode", json!(self.mode.is_shadow())),
@@ -93,6 +93,7 @@ impl Node {
                 json!(matches!(self.mode, Mode::Quota | Mode::ShadowQuota)),
             ),
             ("counting", json!(self.counting.map(|c| c.name()))),
+            ("lease", json!(self.lease.map(|l| l.name()))),
         ]
         .into_iter()
         .map(|(name, on)| (name.to_owned(), on))

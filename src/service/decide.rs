@@ -45,9 +45,14 @@ impl Decider {
         if Leases::applies(check) {
             for _ in 0..DRAWS {
                 let now = Instant::now();
+                let taken = self.leases.next_taken();
+                tokio::pin!(taken);
+                taken.as_mut().enable();
                 match self.leases.draw(check, now) {
                     Draw::Admitted(decision) => return Ok(decision),
-                    Draw::Wait => self.leases.wait(deadline.at).await,
+                    Draw::Wait => {
+                        let _ = tokio::time::timeout_at(deadline.at, taken).await;
+                    }
                     Draw::Take(at, take) => {
                         let mut taking = Taking {
                             leases: &self.leases,
@@ -56,7 +61,9 @@ impl Decider {
                             sent: now,
                             done: false,
                         };
-                        let taken = self.ask(&take, deadline, now).await;
+                        // Not through the over-limit cache: a block given back frees a counter
+                        // the cache would hold full until its window ends.
+                        let taken = self.store_call(&take, deadline, now).await;
                         taking.done = true;
                         self.leases.took(check, &at, taken.as_ref().ok(), now);
                         match taken {
@@ -85,13 +92,24 @@ impl Decider {
         if let Some(denied) = self.cache.as_ref().and_then(|c| c.deny(check, asked)) {
             return Ok(denied);
         }
+        let decided = self.store_call(check, deadline, asked).await;
+        if let (Some(cache), Ok(decision)) = (&self.cache, &decided) {
+            cache.learn(check, decision, asked);
+        }
+        decided
+    }
+
+    /// Asks the store, at `asked`.
+    async fn store_call(
+        &self,
+        check: &Check,
+        deadline: Deadline,
+        asked: Instant,
+    ) -> Result<Decision, StoreError> {
         let decided = self.store.apply(check, deadline).await;
         METRICS
             .store_call_seconds
             .observe(asked.elapsed().as_secs_f64());
-        if let (Some(cache), Ok(decision)) = (&self.cache, &decided) {
-            cache.learn(check, decision, asked);
-        }
         decided
     }
 

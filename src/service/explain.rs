@@ -22,6 +22,7 @@ use super::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use super::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use super::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use super::rls::{Answering, Bounds, descriptors};
+use crate::limiter::lease::Leases;
 use crate::limiter::{Item, Mode};
 use crate::rules::plan::{Asked, Plan};
 use crate::rules::{Matched, RuleSet, Stop, Walk, limit_json, rule_limit_json};
@@ -341,6 +342,7 @@ fn item_modes(item: &Item) -> Map<String, Value> {
             json!(matches!(item.mode, Mode::Quota | Mode::ShadowQuota)),
         ),
         ("counting", json!(item.counting.name())),
+        ("leased", json!(Leases::hold(item))),
     ]
     .into_iter()
     .map(|(name, on)| (name.to_owned(), on))

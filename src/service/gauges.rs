@@ -12,6 +12,7 @@ use prometheus_client::metrics::gauge::Gauge;
 
 use super::rlqs::Quotas;
 use crate::limiter::OverLimitCache;
+use crate::limiter::lease::Leases;
 use crate::store::Backend;
 use crate::telemetry::metrics::METRICS;
 
@@ -20,6 +21,7 @@ use crate::telemetry::metrics::METRICS;
 pub struct Gauges {
     pub backend: Backend,
     pub cache: Option<Arc<OverLimitCache>>,
+    pub leases: Arc<Leases>,
     pub quotas: Arc<Quotas>,
 }
 
@@ -54,6 +56,27 @@ impl Gauges {
                 ConstGauge::new(cache.entries() as i64),
             );
         }
+        let leased = self.leases.totals();
+        r.register(
+            "sluice_lease_blocks",
+            "Blocks of leased counters this replica took from the store",
+            ConstCounter::new(leased.blocks),
+        );
+        r.register(
+            "sluice_lease_admitted_hits",
+            "Hits admitted from leased blocks, with no store call",
+            ConstCounter::new(leased.admitted),
+        );
+        r.register(
+            "sluice_lease_returned_hits",
+            "Hits of leased blocks given back to the store unused (idle, or at exit)",
+            ConstCounter::new(leased.returned),
+        );
+        r.register(
+            "sluice_lease_held_hits",
+            "Hits this replica holds now in leased blocks",
+            ConstGauge::new(self.leases.left(tokio::time::Instant::now()) as i64),
+        );
         let streams = Family::<_, Gauge>::default();
         let rates = Family::<_, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
         for (labels, subscribed, rate) in self.quotas.by_rule() {

@@ -413,6 +413,7 @@ pub async fn run(
     let gauges = gauges::Gauges {
         backend: setup.backend.clone(),
         cache: setup.cache.clone(),
+        leases: setup.leases.clone(),
         quotas: setup.quotas.clone(),
     };
     let metrics = match (metrics_listener, addrs.metrics) {
