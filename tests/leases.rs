@@ -202,6 +202,58 @@ async fn a_block_unused_on_one_replica_comes_back_for_another() {
     .await;
 }
 
+/// SIGTERM while callers race: once the last call is answered, every block still held goes back,
+/// so that the store counts exactly what was admitted.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_gives_back_every_block_before_exit() {
+    let prefix = format!("sigterm-{}:", std::process::id());
+    let mut sluice = Sluice::on(Store::Redis, &rules(), &["--redis-key-prefix", &prefix]).await;
+    let port = Store::Redis.redis().expect("a Redis").ports[0];
+    in_one_window(HOUR, async || {
+        let value = format!("{}", common::unix_ms());
+        let stop = Arc::new(AtomicBool::new(false));
+        let (admitted, callers) = race(
+            clients(std::slice::from_ref(&sluice), 32).await,
+            run(&value),
+            stop.clone(),
+        );
+        while admitted.load(Ordering::Relaxed) < LIMIT / 2 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        common::redis::signal(sluice.pid(), "TERM");
+        assert!(
+            sluice
+                .exited_within(Duration::from_secs(10))
+                .await
+                .is_some(),
+            "sluice exits"
+        );
+        stop.store(true, Ordering::Relaxed);
+        for c in callers {
+            c.await.unwrap();
+        }
+        let admitted = admitted.load(Ordering::Relaxed);
+        let counted: u64 =
+            common::redis::cli(port, &["--scan", "--pattern", &format!("{prefix}*")])
+                .split_whitespace()
+                .flat_map(|key| {
+                    common::redis::cli(port, &["HVALS", key])
+                        .split_whitespace()
+                        .filter_map(|n| n.parse::<u64>().ok())
+                        .collect::<Vec<_>>()
+                })
+                .sum();
+        println!("{admitted} admitted; the store counts {counted} after exit");
+        assert_eq!(
+            counted,
+            u64::from(admitted),
+            "what the blocks held went back"
+        );
+        sluice.start_again().await;
+    })
+    .await;
+}
+
 scenarios! {
     leased_replicas_on_a_standalone_redis_admit_exactly_the_limit
         => leased_replicas_admit_exactly_the_limit(Store::Redis),

@@ -380,3 +380,129 @@ impl Leases {
         self.totals_mut().returned += hits;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::{DescriptorKey, RuleId, Unit};
+
+    fn item(limit: u32, hits: u64) -> Item {
+        Item {
+            key: DescriptorKey::new(b"d", &[(b"k", b"v")]).counter("l"),
+            rule: RuleId::default(),
+            limit: Limit {
+                name: String::new(),
+                requests_per_unit: limit,
+                unit: Unit::Minute,
+                unit_multiplier: 1,
+                algorithm: Algorithm::FixedWindow,
+                burst: limit,
+            },
+            mode: Mode::Enforce,
+            hits,
+            refund: false,
+            counting: Counting::Admitted,
+            leased: true,
+            step: Step::Hits,
+        }
+    }
+
+    fn check(item: Item) -> Check {
+        Check {
+            items: vec![item],
+            ..Check::default()
+        }
+    }
+
+    /// The store's answer to a block of `taken` with `left` remaining after it, in window 7.
+    fn answer(taken: u64, left: u64) -> Decision {
+        Decision {
+            admitted: true,
+            usages: vec![Usage {
+                over: false,
+                remaining: left,
+                left_before: left + taken,
+                reset: Duration::from_secs(30),
+                full: false,
+                source: Source::Store,
+                window: 7,
+            }],
+        }
+    }
+
+    /// Takes a block of `taken` for `check` at `now`.
+    fn take(leases: &Leases, check: &Check, now: Instant, taken: u64) -> Check {
+        let Draw::Take(at, take) = leases.draw(check, now) else {
+            panic!("a block to take");
+        };
+        leases.took(check, &at, Some(&answer(taken, 1000)), now);
+        take
+    }
+
+    #[test]
+    fn requests_are_admitted_from_a_block_until_it_is_spent() {
+        let leases = Leases::default();
+        let now = Instant::now();
+        let one = check(item(2000, 1));
+        let take = take(&leases, &one, now, 3);
+        assert_eq!(take.items[0].step, Step::Take { least: 1 });
+        for _ in 0..3 {
+            let Draw::Admitted(d) = leases.draw(&one, now) else {
+                panic!("admitted from the block");
+            };
+            assert_eq!(d.usages[0].source, Source::Lease);
+        }
+        assert!(matches!(leases.draw(&one, now), Draw::Take(..)));
+        assert!(
+            matches!(leases.draw(&one, now), Draw::Wait),
+            "one block on its way per counter"
+        );
+        assert_eq!(leases.totals().admitted, 3);
+    }
+
+    #[test]
+    fn a_block_grows_with_the_rate_and_is_not_spent_past_its_window() {
+        let leases = Leases::default();
+        let now = Instant::now();
+        let one = check(item(2000, 1));
+        take(&leases, &one, now, 40);
+        for _ in 0..40 {
+            assert!(matches!(leases.draw(&one, now), Draw::Admitted(_)));
+        }
+        let next = take(&leases, &one, now, 80);
+        assert_eq!(next.items[0].hits, 80, "40 hits in a period: 80 in 100 ms");
+        let later = now + Duration::from_secs(31);
+        assert!(
+            matches!(leases.draw(&one, later), Draw::Take(..)),
+            "the window is over: its block lapsed"
+        );
+    }
+
+    #[test]
+    fn an_idle_block_goes_back_to_its_window_and_a_changed_limit_takes_its_own() {
+        let leases = Leases::default();
+        let now = Instant::now();
+        let old = check(item(2000, 1));
+        take(&leases, &old, now, 10);
+        assert!(matches!(leases.draw(&old, now), Draw::Admitted(_)));
+        let changed = check(item(3000, 1));
+        assert!(
+            matches!(leases.draw(&changed, now), Draw::Take(..)),
+            "a new limit holds nothing"
+        );
+        assert!(
+            leases.give_back(now, false).items.is_empty(),
+            "not idle yet"
+        );
+        let back = leases.give_back(now + IDLE, false);
+        assert_eq!(
+            back.items.len(),
+            1,
+            "the old limit's block; the new one is on its way"
+        );
+        assert_eq!(back.items[0].hits, 9);
+        assert!(back.items[0].refund);
+        assert_eq!(back.items[0].step, Step::Return { window: 7 });
+        assert!(leases.give_back(now + IDLE, true).items.is_empty());
+    }
+}

@@ -3,6 +3,7 @@
 //! to a store, so it sits above both, where the request path composes them.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::time::Instant;
 
@@ -17,17 +18,25 @@ const DRAWS: usize = 4;
 
 /// Decides checks against a store, from leased blocks or the local over-limit cache when it can.
 pub struct Decider {
-    store: Store,
+    store: Arc<Store>,
     cache: Option<Arc<OverLimitCache>>,
     leases: Arc<Leases>,
+    /// `--store-timeout`, which a block's store call has whatever its caller's deadline.
+    store_timeout: Duration,
 }
 
 impl Decider {
-    pub fn new(store: Store, cache: Option<Arc<OverLimitCache>>, leases: Arc<Leases>) -> Self {
+    pub fn new(
+        store: Store,
+        cache: Option<Arc<OverLimitCache>>,
+        leases: Arc<Leases>,
+        store_timeout: Duration,
+    ) -> Self {
         Decider {
-            store,
+            store: Arc::new(store),
             cache,
             leases,
+            store_timeout,
         }
     }
 
@@ -54,22 +63,22 @@ impl Decider {
                         let _ = tokio::time::timeout_at(deadline.at, taken).await;
                     }
                     Draw::Take(at, take) => {
-                        let mut taking = Taking {
-                            leases: &self.leases,
-                            check,
-                            at: &at,
-                            sent: now,
-                            done: false,
-                        };
-                        // Not through the over-limit cache: a block given back frees a counter
-                        // the cache would hold full until its window ends.
-                        let taken = self.store_call(&take, deadline, now).await;
-                        taking.done = true;
-                        self.leases.took(check, &at, taken.as_ref().ok(), now);
-                        match taken {
-                            Ok(decision) if decision.admitted => {}
-                            Ok(denied) => return Ok(merge(check, &at, denied)),
-                            Err(e) => return Err(e),
+                        // A task of its own, with the store's own deadline: a block the store
+                        // charged is recorded for the next requests even when this one's caller
+                        // gives up first.
+                        let taking = tokio::spawn(take_block(
+                            self.store.clone(),
+                            self.leases.clone(),
+                            check.clone(),
+                            at.clone(),
+                            take,
+                            Deadline::new(self.store_timeout, None),
+                        ));
+                        match tokio::time::timeout_at(deadline.at, taking).await {
+                            Ok(Ok(Ok(decision))) if decision.admitted => {}
+                            Ok(Ok(Ok(denied))) => return Ok(merge(check, &at, denied)),
+                            Ok(Ok(Err(e))) => return Err(e),
+                            Ok(Err(_)) | Err(_) => return Err(StoreError::Timeout),
                         }
                     }
                     Draw::Store => break,
@@ -106,11 +115,7 @@ impl Decider {
         deadline: Deadline,
         asked: Instant,
     ) -> Result<Decision, StoreError> {
-        let decided = self.store.apply(check, deadline).await;
-        METRICS
-            .store_call_seconds
-            .observe(asked.elapsed().as_secs_f64());
-        decided
+        call(&self.store, check, deadline, asked).await
     }
 
     /// Gives back the blocks unused for `lease::IDLE` (all of them, with `all`); what the store
@@ -127,22 +132,35 @@ impl Decider {
     }
 }
 
-/// A block on its way: when the request that takes it gives up first, its counters are no longer
-/// taking one, so that the next request takes it.
-struct Taking<'a> {
-    leases: &'a Leases,
-    check: &'a Check,
-    at: &'a [usize],
-    sent: Instant,
-    done: bool,
+/// Asks `store`, at `asked`.
+async fn call(
+    store: &Store,
+    check: &Check,
+    deadline: Deadline,
+    asked: Instant,
+) -> Result<Decision, StoreError> {
+    let decided = store.apply(check, deadline).await;
+    METRICS
+        .store_call_seconds
+        .observe(asked.elapsed().as_secs_f64());
+    decided
 }
 
-impl Drop for Taking<'_> {
-    fn drop(&mut self) {
-        if !self.done {
-            self.leases.took(self.check, self.at, None, self.sent);
-        }
-    }
+/// Takes the blocks `take` asks for `check`'s items `at`, and records what it got. Not through
+/// the over-limit cache: a block given back frees a counter the cache would hold full until its
+/// window ends.
+async fn take_block(
+    store: Arc<Store>,
+    leases: Arc<Leases>,
+    check: Check,
+    at: Vec<usize>,
+    take: Check,
+    deadline: Deadline,
+) -> Result<Decision, StoreError> {
+    let sent = Instant::now();
+    let taken = call(&store, &take, deadline, sent).await;
+    leases.took(&check, &at, taken.as_ref().ok(), sent);
+    taken
 }
 
 /// The denial of `check` when taking blocks for its items `at` was `denied`: those items as the

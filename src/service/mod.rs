@@ -162,7 +162,12 @@ impl Setup {
         let store = self.backend.open()?;
         Ok(Arc::new(Rls::new(
             self.rules.current.clone(),
-            Decider::new(store, self.cache.clone(), self.leases.clone()),
+            Decider::new(
+                store,
+                self.cache.clone(),
+                self.leases.clone(),
+                self.fallback.store_timeout,
+            ),
             self.bounds,
             self.fallback,
             self.answering.clone(),
@@ -363,8 +368,13 @@ pub async fn run(
     };
     let rls = setup.rls()?;
     // Gives back the blocks that went unused, on this thread's own store connections.
-    let giver = Decider::new(setup.backend.open()?, None, setup.leases.clone());
     let store_timeout = setup.fallback.store_timeout;
+    let giver = Decider::new(
+        setup.backend.open()?,
+        None,
+        setup.leases.clone(),
+        store_timeout,
+    );
     let give_back = async {
         let stop = shutdown.clone().wait();
         tokio::pin!(stop);
