@@ -27,7 +27,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    Algorithm, Check, CounterKey, Counting, Decision, Item, Limit, Mode, Source, Step, Usage,
+    Algorithm, Check, CounterIds, CounterKey, Counting, Decision, IdHasher, Item, Limit, Mode,
+    RuleId, Source, Step, Usage,
 };
 
 /// A block takes at most this part of what remains in the store (`lua/check.lua` applies it).
@@ -76,12 +77,45 @@ pub fn leasable(algorithm: Algorithm) -> bool {
     matches!(algorithm, Algorithm::FixedWindow | Algorithm::SlidingWindow)
 }
 
-/// A counter as leases know it: its key and its limit, so that a changed limit takes blocks of
-/// its own and the old limit's are given back once idle.
-#[derive(Clone, PartialEq, Eq, Hash)]
-struct Id {
-    key: CounterKey,
-    limit: Limit,
+/// The blocks held, by counter: the keyed hash of its key and its limit, so that a changed limit
+/// takes blocks of its own and the old limit's are given back once idle.
+type Table = HashMap<u128, Held, IdHasher>;
+
+/// The hits the items of `check` before item `i` draw from its counter (`ids`): a counter named
+/// twice needs both.
+fn earlier_hits(check: &Check, ids: &[u128], i: usize) -> u64 {
+    check.items[..i]
+        .iter()
+        .zip(ids)
+        .filter(|(_, other)| **other == ids[i])
+        .map(|(item, _)| item.hits)
+        .sum()
+}
+
+/// Admits `check` (whose counters are `ids`) from the blocks `held`, which hold its hits.
+fn admit(held: &mut Table, check: &Check, ids: &[u128], now: Instant) -> Decision {
+    let usages = check
+        .items
+        .iter()
+        .zip(ids)
+        .map(|(item, id)| {
+            let h = held.get_mut(id).expect("a counter with hits is held");
+            h.admit(item.hits, now);
+            Usage {
+                over: false,
+                remaining: h.store_left + h.left,
+                left_before: h.store_left + h.left + item.hits,
+                reset: h.until.duration_since(now) + MARGIN,
+                full: false,
+                source: Source::Lease,
+                window: h.window,
+            }
+        })
+        .collect();
+    Decision {
+        admitted: true,
+        usages,
+    }
 }
 
 /// What this replica holds of one counter.
@@ -102,11 +136,25 @@ struct Held {
     period: (u64, Instant, u64),
     /// A block is on its way.
     taking: bool,
-    /// The item to give the block back with.
-    item: Item,
+    /// The counter's key, rule and limit, to give the block back with, once it took one.
+    counter: Option<(CounterKey, RuleId, Limit)>,
 }
 
 impl Held {
+    /// A counter seen at `now`, holding nothing yet.
+    fn seen(item: &Item, now: Instant) -> Held {
+        Held {
+            left: 0,
+            window: 0,
+            until: now,
+            store_left: 0,
+            drawn: now,
+            period: (item.hits, now, 0),
+            taking: false,
+            counter: None,
+        }
+    }
+
     fn live(&self, now: Instant) -> bool {
         self.until > now
     }
@@ -145,7 +193,8 @@ pub enum Draw {
     Take(Vec<usize>, Check),
     /// A block is on its way for a counter that is short: wait for it, then draw again.
     Wait,
-    /// `MOST_HELD` counters are held: decide by the store, as for a counter not leased.
+    /// A counter not seen lately, or `MOST_HELD` counters held: decide by the store, as for a
+    /// counter not leased.
     Store,
 }
 
@@ -162,7 +211,8 @@ pub struct Totals {
 
 /// The blocks this replica holds, shared by every event loop.
 pub struct Leases {
-    held: Mutex<HashMap<Id, Held>>,
+    ids: CounterIds,
+    held: Mutex<Table>,
     /// Wakes the requests waiting for a block.
     taken: tokio::sync::Notify,
     totals: Mutex<Totals>,
@@ -171,6 +221,7 @@ pub struct Leases {
 impl Default for Leases {
     fn default() -> Self {
         Leases {
+            ids: CounterIds::new(),
             held: Mutex::default(),
             taken: tokio::sync::Notify::new(),
             totals: Mutex::default(),
@@ -179,8 +230,16 @@ impl Default for Leases {
 }
 
 impl Leases {
-    fn held(&self) -> std::sync::MutexGuard<'_, HashMap<Id, Held>> {
+    fn held(&self) -> std::sync::MutexGuard<'_, Table> {
         self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn ids(&self, check: &Check) -> Vec<u128> {
+        check
+            .items
+            .iter()
+            .map(|i| self.ids.id(&i.key, u64::from(i.limit.requests_per_unit)))
+            .collect()
     }
 
     fn totals_mut(&self) -> std::sync::MutexGuard<'_, Totals> {
@@ -223,51 +282,25 @@ impl Leases {
 
     /// Draws `check`'s hits from the blocks held, at `now`.
     pub fn draw(&self, check: &Check, now: Instant) -> Draw {
+        let ids = self.ids(check);
         let mut held = self.held();
-        let ids: Vec<Id> = check
-            .items
-            .iter()
-            .map(|i| Id {
-                key: i.key.clone(),
-                limit: i.limit.clone(),
-            })
-            .collect();
-        // Per item, the hits still needed past those held (a counter named twice needs both).
+        // Per item, the hits still needed past those held.
         let mut short = Vec::new();
-        let mut drawn: HashMap<&Id, u64> = HashMap::new();
         for (i, (item, id)) in check.items.iter().zip(&ids).enumerate() {
-            let so_far = drawn.entry(id).or_default();
+            let before = earlier_hits(check, &ids, i);
             let left = held
                 .get(id)
                 .filter(|h| h.live(now))
-                .map_or(0, |h| h.left.saturating_sub(*so_far));
+                .map_or(0, |h| h.left.saturating_sub(before));
             if left < item.hits {
                 short.push((i, item.hits - left));
             }
-            *so_far += item.hits;
         }
         if short.is_empty() {
-            let mut usages = Vec::with_capacity(check.items.len());
-            for (item, id) in check.items.iter().zip(&ids) {
-                let h = held.get_mut(id).expect("a counter with hits is held");
-                h.admit(item.hits, now);
-                usages.push(Usage {
-                    over: false,
-                    remaining: h.store_left + h.left,
-                    left_before: h.store_left + h.left + item.hits,
-                    reset: h.until.duration_since(now) + MARGIN,
-                    full: false,
-                    source: Source::Lease,
-                    window: h.window,
-                });
-            }
+            let decision = admit(&mut held, check, &ids, now);
             drop(held);
-            let hits: u64 = check.items.iter().map(|i| i.hits).sum();
-            self.totals_mut().admitted += hits;
-            return Draw::Admitted(Decision {
-                admitted: true,
-                usages,
-            });
+            self.count_admitted(check);
+            return Draw::Admitted(decision);
         }
         if short
             .iter()
@@ -275,28 +308,30 @@ impl Leases {
         {
             return Draw::Wait;
         }
-        if short.iter().any(|&(i, _)| !held.contains_key(&ids[i]))
-            && held.len() + short.len() > MOST_HELD
-        {
-            held.retain(|_, h| h.live(now) || h.taking);
-            if held.len() + short.len() > MOST_HELD {
-                return Draw::Store;
+        // A counter not seen lately is decided by the store, its request counted towards the
+        // rate its first block will hold: a counter asked about once in a while never holds one.
+        let unseen: Vec<usize> = short
+            .iter()
+            .map(|&(i, _)| i)
+            .filter(|&i| !held.contains_key(&ids[i]))
+            .collect();
+        if !unseen.is_empty() {
+            if held.len() + unseen.len() > MOST_HELD {
+                held.retain(|_, h| h.live(now) || h.taking || now.duration_since(h.drawn) < IDLE);
             }
+            if held.len() + unseen.len() <= MOST_HELD {
+                for i in unseen {
+                    let item = &check.items[i];
+                    held.insert(ids[i], Held::seen(item, now));
+                }
+            }
+            return Draw::Store;
         }
         let mut take = Check::default();
         let mut at = Vec::with_capacity(short.len());
         for (i, least) in short {
             let item = &check.items[i];
-            let h = held.entry(ids[i].clone()).or_insert_with(|| Held {
-                left: 0,
-                window: 0,
-                until: now,
-                store_left: 0,
-                drawn: now,
-                period: (0, now, 0),
-                taking: false,
-                item: item.clone(),
-            });
+            let h = held.get_mut(&ids[i]).expect("every short counter is held");
             h.taking = true;
             let mut block = item.clone();
             block.hits = h.block(least);
@@ -307,18 +342,26 @@ impl Leases {
         Draw::Take(at, take)
     }
 
+    fn count_admitted(&self, check: &Check) {
+        let hits: u64 = check.items.iter().map(|i| i.hits).sum();
+        self.totals_mut().admitted += hits;
+    }
+
     /// Records the blocks `take` (from `Draw::Take` on `check`'s items `at`) got: `decided`,
-    /// or nothing when the store did not decide, for a call sent at `sent`.
-    pub fn took(&self, check: &Check, at: &[usize], decided: Option<&Decision>, sent: Instant) {
+    /// or nothing when the store did not decide, for a call sent at `sent`; and admits `check`
+    /// from what is held then, if it can.
+    pub fn took(
+        &self,
+        check: &Check,
+        at: &[usize],
+        decided: Option<&Decision>,
+        sent: Instant,
+    ) -> Option<Decision> {
+        let ids = self.ids(check);
         let mut held = self.held();
         let mut blocks = 0;
         for (n, &i) in at.iter().enumerate() {
-            let item = &check.items[i];
-            let id = Id {
-                key: item.key.clone(),
-                limit: item.limit.clone(),
-            };
-            let Some(h) = held.get_mut(&id) else {
+            let Some(h) = held.get_mut(&ids[i]) else {
                 continue;
             };
             h.taking = false;
@@ -327,20 +370,38 @@ impl Leases {
             };
             let usage = &decision.usages[n];
             let block = usage.left_before.saturating_sub(usage.remaining);
-            let until = (sent + usage.reset).checked_sub(MARGIN).unwrap_or(sent);
             if h.window != usage.window || !h.live(sent) {
                 h.left = 0;
             }
             h.left += block;
             h.window = usage.window;
-            h.until = until;
+            h.until = (sent + usage.reset).checked_sub(MARGIN).unwrap_or(sent);
             h.store_left = usage.remaining;
-            h.item = item.clone();
+            let item = &check.items[i];
+            h.counter
+                .get_or_insert_with(|| (item.key.clone(), item.rule, item.limit.clone()));
             blocks += 1;
         }
+        let now = Instant::now();
+        let covered = decided.is_some_and(|d| d.admitted)
+            && check
+                .items
+                .iter()
+                .zip(&ids)
+                .enumerate()
+                .all(|(i, (item, id))| {
+                    held.get(id)
+                        .filter(|h| h.live(now))
+                        .is_some_and(|h| h.left >= earlier_hits(check, &ids, i) + item.hits)
+                });
+        let admitted = covered.then(|| admit(&mut held, check, &ids, now));
         drop(held);
         self.totals_mut().blocks += blocks;
+        if admitted.is_some() {
+            self.count_admitted(check);
+        }
         self.taken.notify_waiters();
+        admitted
     }
 
     /// The next block taken (`took`): made before a `draw` that may answer `Draw::Wait`, so
@@ -354,21 +415,21 @@ impl Leases {
     pub fn give_back(&self, now: Instant, all: bool) -> Check {
         let mut back = Check::default();
         self.held().retain(|_, h| {
-            if h.taking {
+            if h.taking || (!all && now.duration_since(h.drawn) < IDLE) {
                 return true;
             }
-            if !h.live(now) {
-                return false;
-            }
-            if !all && now.duration_since(h.drawn) < IDLE {
-                return true;
-            }
-            if h.left > 0 {
-                let mut item = h.item.clone();
-                item.hits = h.left;
-                item.refund = true;
-                item.step = Step::Return { window: h.window };
-                back.items.push(item);
+            if let (true, Some((key, rule, limit))) = (h.live(now) && h.left > 0, &h.counter) {
+                back.items.push(Item {
+                    key: key.clone(),
+                    rule: *rule,
+                    limit: limit.clone(),
+                    mode: Mode::Enforce,
+                    hits: h.left,
+                    refund: true,
+                    counting: Counting::Admitted,
+                    leased: true,
+                    step: Step::Return { window: h.window },
+                });
             }
             false
         });
@@ -430,12 +491,21 @@ mod tests {
         }
     }
 
-    /// Takes a block of `taken` for `check` at `now`.
+    /// Takes a block of `taken` for `check` at `now` (a counter not seen yet is first decided
+    /// by the store), which admits `check` from it.
     fn take(leases: &Leases, check: &Check, now: Instant, taken: u64) -> Check {
-        let Draw::Take(at, take) = leases.draw(check, now) else {
+        let draw = match leases.draw(check, now) {
+            Draw::Store => leases.draw(check, now),
+            draw => draw,
+        };
+        let Draw::Take(at, take) = draw else {
             panic!("a block to take");
         };
-        leases.took(check, &at, Some(&answer(taken, 1000)), now);
+        let admitted = leases.took(check, &at, Some(&answer(taken, 1000)), now);
+        assert!(
+            admitted.is_some(),
+            "the request that took the block is admitted from it"
+        );
         take
     }
 
@@ -444,9 +514,13 @@ mod tests {
         let leases = Leases::default();
         let now = Instant::now();
         let one = check(item(2000, 1));
+        assert!(
+            matches!(leases.draw(&one, now), Draw::Store),
+            "a counter not seen lately is decided by the store"
+        );
         let take = take(&leases, &one, now, 3);
         assert_eq!(take.items[0].step, Step::Take { least: 1 });
-        for _ in 0..3 {
+        for _ in 0..2 {
             let Draw::Admitted(d) = leases.draw(&one, now) else {
                 panic!("admitted from the block");
             };
@@ -466,11 +540,14 @@ mod tests {
         let now = Instant::now();
         let one = check(item(2000, 1));
         take(&leases, &one, now, 40);
-        for _ in 0..40 {
+        for _ in 0..39 {
             assert!(matches!(leases.draw(&one, now), Draw::Admitted(_)));
         }
         let next = take(&leases, &one, now, 80);
-        assert_eq!(next.items[0].hits, 80, "40 hits in a period: 80 in 100 ms");
+        assert_eq!(
+            next.items[0].hits, 82,
+            "41 hits in a period (the first, decided by the store, counted): 82 in 100 ms"
+        );
         let later = now + Duration::from_secs(31);
         assert!(
             matches!(leases.draw(&one, later), Draw::Take(..)),
@@ -487,8 +564,8 @@ mod tests {
         assert!(matches!(leases.draw(&old, now), Draw::Admitted(_)));
         let changed = check(item(3000, 1));
         assert!(
-            matches!(leases.draw(&changed, now), Draw::Take(..)),
-            "a new limit holds nothing"
+            matches!(leases.draw(&changed, now), Draw::Store),
+            "a new limit is a counter of its own, not seen yet"
         );
         assert!(
             leases.give_back(now, false).items.is_empty(),
@@ -498,9 +575,9 @@ mod tests {
         assert_eq!(
             back.items.len(),
             1,
-            "the old limit's block; the new one is on its way"
+            "the old limit's block; the new one holds nothing"
         );
-        assert_eq!(back.items[0].hits, 9);
+        assert_eq!(back.items[0].hits, 8);
         assert!(back.items[0].refund);
         assert_eq!(back.items[0].step, Step::Return { window: 7 });
         assert!(leases.give_back(now + IDLE, true).items.is_empty());

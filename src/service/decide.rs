@@ -12,9 +12,9 @@ use crate::limiter::{Check, Decision, OverLimitCache};
 use crate::store::{Deadline, Store, StoreError};
 use crate::telemetry::metrics::METRICS;
 
-/// Draws a leased check from its blocks at most this many times (each after a block was taken
-/// or awaited) before the store decides it as any other.
-const DRAWS: usize = 4;
+/// Draws a leased check from its blocks at most this many times (each after a block was taken,
+/// awaited, or listened for) before the store decides it as any other.
+const DRAWS: usize = 6;
 
 /// Decides checks against a store, from leased blocks or the local over-limit cache when it can.
 pub struct Decider {
@@ -52,16 +52,24 @@ impl Decider {
             });
         }
         if Leases::applies(check) {
+            let mut waiting = None;
             for _ in 0..DRAWS {
                 let now = Instant::now();
-                let taken = self.leases.next_taken();
-                tokio::pin!(taken);
-                taken.as_mut().enable();
                 match self.leases.draw(check, now) {
                     Draw::Admitted(decision) => return Ok(decision),
-                    Draw::Wait => {
-                        let _ = tokio::time::timeout_at(deadline.at, taken).await;
-                    }
+                    Draw::Wait => match waiting.take() {
+                        // Listens for the block on its way, then draws again in case it came
+                        // meanwhile.
+                        None => {
+                            let mut taken = Box::pin(self.leases.next_taken());
+                            taken.as_mut().enable();
+                            waiting = Some(taken);
+                            continue;
+                        }
+                        Some(taken) => {
+                            let _ = tokio::time::timeout_at(deadline.at, taken).await;
+                        }
+                    },
                     Draw::Take(at, take) => {
                         // A task of its own, with the store's own deadline: a block the store
                         // charged is recorded for the next requests even when this one's caller
@@ -75,13 +83,15 @@ impl Decider {
                             Deadline::new(self.store_timeout, None),
                         ));
                         match tokio::time::timeout_at(deadline.at, taking).await {
-                            Ok(Ok(Ok(decision))) if decision.admitted => {}
-                            Ok(Ok(Ok(denied))) => return Ok(merge(check, &at, denied)),
+                            Ok(Ok(Ok((_, Some(admitted))))) => return Ok(admitted),
+                            Ok(Ok(Ok((decision, None)))) if decision.admitted => {}
+                            Ok(Ok(Ok((denied, None)))) => return Ok(merge(check, &at, denied)),
                             Ok(Ok(Err(e))) => return Err(e),
                             Ok(Err(_)) | Err(_) => return Err(StoreError::Timeout),
                         }
                     }
-                    Draw::Store => break,
+                    // Not through the over-limit cache, as for a block.
+                    Draw::Store => return self.store_call(check, deadline, now).await,
                 }
                 if Instant::now() >= deadline.at {
                     return Err(StoreError::Timeout);
@@ -146,8 +156,9 @@ async fn call(
     decided
 }
 
-/// Takes the blocks `take` asks for `check`'s items `at`, and records what it got. Not through
-/// the over-limit cache: a block given back frees a counter the cache would hold full until its
+/// Takes the blocks `take` asks for `check`'s items `at`, records what it got, and admits `check`
+/// from what is held then if it can: the store's answer, and that admission. Not through the
+/// over-limit cache: a block given back frees a counter the cache would hold full until its
 /// window ends.
 async fn take_block(
     store: Arc<Store>,
@@ -156,11 +167,11 @@ async fn take_block(
     at: Vec<usize>,
     take: Check,
     deadline: Deadline,
-) -> Result<Decision, StoreError> {
+) -> Result<(Decision, Option<Decision>), StoreError> {
     let sent = Instant::now();
     let taken = call(&store, &take, deadline, sent).await;
-    leases.took(&check, &at, taken.as_ref().ok(), sent);
-    taken
+    let admitted = leases.took(&check, &at, taken.as_ref().ok(), sent);
+    taken.map(|taken| (taken, admitted))
 }
 
 /// The denial of `check` when taking blocks for its items `at` was `denied`: those items as the
