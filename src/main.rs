@@ -202,7 +202,7 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         rules: reload::start(args.rules.feed()?, hangup)?,
         backend,
         cache: args.store.cache(),
-        leases: Arc::default(),
+        leases: Arc::new(args.answers.leases()),
         bounds: args.policy.bounds(),
         fallback: args.policy.fallback(),
         answering: args.answers.answering(),

@@ -12,7 +12,7 @@
 //!   the store's clock; what is left then was counted there and lapses with it.
 //! - One block at a time is taken per counter: a request that finds its counter short while a
 //!   block is on its way waits for it.
-//! - A block unused for `IDLE` is given back (`Step::Return`, in its window only), as is every
+//! - A block unused for `--lease-idle` is given back (`Step::Return`, in its window only), as is every
 //!   block at shutdown; `MOST_HELD` counters at most are held at once, past which a counter is
 //!   decided by the store as any other.
 //!
@@ -37,7 +37,7 @@ pub const SHARE: u64 = 8;
 const AHEAD: Duration = Duration::from_millis(100);
 /// The replica's rate on a counter is measured over periods of this length.
 const PERIOD: Duration = Duration::from_millis(50);
-/// A block not drawn on for this long is given back.
+/// A block not drawn on for this long is given back, by default (`--lease-idle`).
 pub const IDLE: Duration = Duration::from_millis(500);
 /// A block is spent only until this long before its window ends, as this replica times it: a
 /// block given back must reach the store within its window.
@@ -211,6 +211,8 @@ pub struct Totals {
 
 /// The blocks this replica holds, shared by every event loop.
 pub struct Leases {
+    /// A block not drawn on for this long is given back.
+    idle: Duration,
     ids: CounterIds,
     held: Mutex<Table>,
     /// Wakes the requests waiting for a block.
@@ -218,9 +220,11 @@ pub struct Leases {
     totals: Mutex<Totals>,
 }
 
-impl Default for Leases {
-    fn default() -> Self {
+impl Leases {
+    /// Leases whose blocks go back once unused for `idle`.
+    pub fn new(idle: Duration) -> Self {
         Leases {
+            idle,
             ids: CounterIds::new(),
             held: Mutex::default(),
             taken: tokio::sync::Notify::new(),
@@ -317,7 +321,8 @@ impl Leases {
             .collect();
         if !unseen.is_empty() {
             if held.len() + unseen.len() > MOST_HELD {
-                held.retain(|_, h| h.live(now) || h.taking || now.duration_since(h.drawn) < IDLE);
+                let idle = self.idle;
+                held.retain(|_, h| h.live(now) || h.taking || now.duration_since(h.drawn) < idle);
             }
             if held.len() + unseen.len() <= MOST_HELD {
                 for i in unseen {
@@ -410,12 +415,17 @@ impl Leases {
         self.taken.notified()
     }
 
-    /// Forgets the blocks of counters unused since `now - IDLE` (every block, with `all`) and
+    /// How long a block may go unused before it is given back.
+    pub fn idle(&self) -> Duration {
+        self.idle
+    }
+
+    /// Forgets the blocks of counters unused since `now - idle` (every block, with `all`) and
     /// those whose window is over, and returns a check that gives back what the live ones hold.
     pub fn give_back(&self, now: Instant, all: bool) -> Check {
         let mut back = Check::default();
         self.held().retain(|_, h| {
-            if h.taking || (!all && now.duration_since(h.drawn) < IDLE) {
+            if h.taking || (!all && now.duration_since(h.drawn) < self.idle) {
                 return true;
             }
             if let (true, Some((key, rule, limit))) = (h.live(now) && h.left > 0, &h.counter) {
@@ -511,7 +521,7 @@ mod tests {
 
     #[test]
     fn requests_are_admitted_from_a_block_until_it_is_spent() {
-        let leases = Leases::default();
+        let leases = Leases::new(IDLE);
         let now = Instant::now();
         let one = check(item(2000, 1));
         assert!(
@@ -536,7 +546,7 @@ mod tests {
 
     #[test]
     fn a_block_grows_with_the_rate_and_is_not_spent_past_its_window() {
-        let leases = Leases::default();
+        let leases = Leases::new(IDLE);
         let now = Instant::now();
         let one = check(item(2000, 1));
         take(&leases, &one, now, 40);
@@ -557,7 +567,7 @@ mod tests {
 
     #[test]
     fn an_idle_block_goes_back_to_its_window_and_a_changed_limit_takes_its_own() {
-        let leases = Leases::default();
+        let leases = Leases::new(IDLE);
         let now = Instant::now();
         let old = check(item(2000, 1));
         take(&leases, &old, now, 10);

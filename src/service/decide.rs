@@ -128,7 +128,7 @@ impl Decider {
         call(&self.store, check, deadline, asked).await
     }
 
-    /// Gives back the blocks unused for `lease::IDLE` (all of them, with `all`); what the store
+    /// Gives back the blocks unused for `--lease-idle` (all of them, with `all`); what the store
     /// could not take back stays counted until its window ends.
     pub async fn give_back(&self, deadline: Deadline, all: bool) {
         let back = self.leases.give_back(Instant::now(), all);

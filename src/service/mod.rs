@@ -46,7 +46,7 @@ use conns::{Budget, Connections, Slot, Timers, Tracked};
 use decide::Decider;
 
 use crate::limiter::OverLimitCache;
-use crate::limiter::lease::{self, Leases};
+use crate::limiter::lease::Leases;
 use crate::rules::RuleSet;
 use crate::store::Deadline;
 use crate::store::{Backend, StoreError};
@@ -380,7 +380,7 @@ pub async fn run(
         tokio::pin!(stop);
         loop {
             tokio::select! {
-                () = tokio::time::sleep(lease::IDLE / 2) => {}
+                () = tokio::time::sleep(setup.leases.idle() / 2) => {}
                 () = &mut stop => return,
             }
             giver

@@ -2,10 +2,12 @@
 //! share of a limit counted as near it, and what an answer carries back to Envoy (limit
 //! headers, dynamic metadata).
 
+use std::time::Duration;
+
 use clap::Args;
 
 use crate::limiter::Counting;
-use crate::limiter::lease::Leasing;
+use crate::limiter::lease::{Leases, Leasing};
 use crate::service::rls::{Answering, LimitHeaders};
 
 #[derive(Args)]
@@ -28,6 +30,11 @@ pub struct AnswerFlags {
     /// docs/leases.md) or ask the store on every request (off).
     #[arg(long, env = "SLUICE_LEASE", value_enum, default_value_t = Leasing::Off)]
     lease: Leasing,
+    /// How long a leased block may go unused before this replica gives it back: the longest
+    /// another replica's request is denied while capacity sits unused here is about one and a
+    /// half times this (docs/leases.md).
+    #[arg(long, env = "SLUICE_LEASE_IDLE", default_value = "500ms", value_parser = humantime::parse_duration)]
+    lease_idle: Duration,
     /// Send the limit closest to denying (the one that denied, else the one with the least
     /// left) on every answer that has one, as the RateLimit-Limit, RateLimit-Remaining and
     /// RateLimit-Reset headers for Envoy to add to its response.
@@ -54,10 +61,20 @@ pub struct AnswerFlags {
 
 impl AnswerFlags {
     pub(super) fn check(&self) -> anyhow::Result<()> {
+        if self.lease_idle < Duration::from_millis(10)
+            || self.lease_idle > Duration::from_secs(3600)
+        {
+            anyhow::bail!("--lease-idle: must be from 10ms to 1h");
+        }
         if !(self.near_limit_ratio > 0.0 && self.near_limit_ratio <= 1.0) {
             anyhow::bail!("--near-limit-ratio: must be more than 0 and at most 1");
         }
         Ok(())
+    }
+
+    /// The blocks of leased counters this replica will hold.
+    pub fn leases(&self) -> Leases {
+        Leases::new(self.lease_idle)
     }
 
     pub fn answering(&self) -> Answering {
