@@ -297,6 +297,8 @@ pub enum JsonAt {
 #[derive(Clone, Debug)]
 pub struct Addrs {
     pub grpc: SocketAddr,
+    /// The quota service alone, served on its own thread.
+    pub quota: Option<SocketAddr>,
     pub http: SocketAddr,
     pub json: JsonAt,
     /// Prometheus metrics also on an address of their own, at this path (envoyproxy/ratelimit's
@@ -318,6 +320,14 @@ pub async fn run(
     let grpc_listener = TcpListener::bind(addrs.grpc)
         .await
         .with_context(|| format!("cannot listen for gRPC on {}", addrs.grpc))?;
+    let quota_listener = match addrs.quota {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen for the quota service on {addr}"))?,
+        ),
+        None => None,
+    };
     let http_listener = TcpListener::bind(addrs.http)
         .await
         .with_context(|| format!("cannot listen for HTTP on {}", addrs.http))?;
@@ -345,7 +355,7 @@ pub async fn run(
         ),
         None => None,
     };
-    tracing::info!(grpc = %grpc_listener.local_addr()?, http = %http_listener.local_addr()?, json = ?addrs.json, metrics = ?addrs.metrics, debug = ?addrs.debug, loops, "serving");
+    tracing::info!(grpc = %grpc_listener.local_addr()?, quota = ?addrs.quota, http = %http_listener.local_addr()?, json = ?addrs.json, metrics = ?addrs.metrics, debug = ?addrs.debug, loops, "serving");
 
     let admin_listeners = 1 + [
         json_listener.is_some(),
@@ -409,11 +419,37 @@ pub async fn run(
         connections.push(to_loop);
         finished.push(loop_finished);
     }
+
+    // The quota service's own listener shares the gRPC connections' bound.
+    let quota = quota_listener.map(|listener| {
+        let (to_quota, incoming) = mpsc::unbounded_channel();
+        let grpc = Grpc {
+            setup: setup.clone(),
+            health: health.clone(),
+            shutdown: shutdown.clone(),
+        };
+        let served = setup.quotas.spawn(grpc.serve_quota(incoming));
+        let accept = hand_out(
+            listener,
+            grpc_connections.clone(),
+            vec![to_quota],
+            shutdown.clone(),
+        );
+        (accept, served)
+    });
+    let (quota_accept, quota_served) = match quota {
+        Some((accept, served)) => (Some(accept), Some(served)),
+        None => (None, None),
+    };
+    let quota_accept = async {
+        if let Some(accept) = quota_accept {
+            accept.await;
+        }
+    };
     tokio::spawn(readiness.clone().report(health));
     if let Some(tls) = &setup.tls {
         tokio::spawn(tls.clone().watch());
     }
-
     let accept = hand_out(
         grpc_listener,
         grpc_connections,
@@ -467,12 +503,18 @@ pub async fn run(
             serve_http(listener, route, admin_http("debug HTTP"), shutdown.clone()).await;
         }
     };
-    tokio::join!(accept, http, json, metrics, debug, give_back);
+    tokio::join!(accept, quota_accept, http, json, metrics, debug, give_back);
     for loop_finished in finished {
         loop_finished
             .await
             .context("an event loop stopped")?
             .context("gRPC server")?;
+    }
+    if let Some(served) = quota_served {
+        served
+            .await
+            .context("the quota service's thread stopped")?
+            .context("the quota service's gRPC server")?;
     }
     // Every call answered: what the blocks still hold goes back before the process ends.
     giver
@@ -638,7 +680,7 @@ impl Grpc {
     /// once its store is open (said on `ready`), until `shutdown` fires and they are finished.
     fn serve(
         self,
-        mut incoming: mpsc::UnboundedReceiver<(std::net::TcpStream, Slot)>,
+        incoming: mpsc::UnboundedReceiver<(std::net::TcpStream, Slot)>,
         ready: oneshot::Sender<Result<(), StoreError>>,
     ) -> anyhow::Result<()> {
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -659,57 +701,85 @@ impl Grpc {
                     return Ok(());
                 }
             };
-            let edges = self.setup.edges;
-            let max = edges.max_request_bytes;
-            let reflection_v1 = reflection().build_v1().context("reflection v1")?;
-            let reflection_v1alpha = reflection().build_v1alpha().context("reflection v1alpha")?;
-            let routes = tonic::service::Routes::builder()
-                .add_service(
-                    HealthServer::new(HealthService::from_health_reporter(self.health))
-                        .max_decoding_message_size(max),
-                )
-                .add_service(reflection_v1.max_decoding_message_size(max))
-                .add_service(reflection_v1alpha.max_decoding_message_size(max))
-                .add_service(RateLimitServiceServer::from_arc(rls).max_decoding_message_size(max))
-                .add_service(RateLimitQuotaServiceServer::new(rlqs).max_decoding_message_size(max))
-                .clone()
-                .routes()
-                .prepare();
-            let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-            http2
-                .timer(TokioTimer::new())
-                .max_concurrent_streams(edges.max_concurrent_streams);
-            let serving = Arc::new(Serving {
-                routes,
-                http2,
-                tls: self.setup.tls.clone(),
-                answer_within: REQUEST_MESSAGE + self.setup.fallback.store_timeout,
-                timers: Timers {
-                    first_request: Some(FIRST_REQUEST),
-                    idle: Some(IDLE),
-                    max_age: edges.max_connection_age,
-                    grace: CLOSE_GRACE,
-                },
-            });
-            let mut served = JoinSet::new();
-            let stop = self.shutdown.clone().wait();
-            tokio::pin!(stop);
-            loop {
-                tokio::select! {
-                    handed = incoming.recv() => match handed {
-                        Some((stream, slot)) => {
-                            let serving = serving.clone();
-                            served.spawn(serving.connection(stream, slot, self.shutdown.clone()));
-                        }
-                        None => break,
-                    },
-                    Some(_) = served.join_next(), if !served.is_empty() => {}
-                    () = &mut stop => break,
-                }
-            }
-            while served.join_next().await.is_some() {}
+            let max = self.setup.edges.max_request_bytes;
+            let mut routes = self.routes(rlqs)?;
+            routes
+                .add_service(RateLimitServiceServer::from_arc(rls).max_decoding_message_size(max));
+            self.connections(routes, incoming).await;
             Ok(())
         })
+    }
+
+    /// Serves the connections sent on `incoming` with the quota service alone (and health and
+    /// reflection), on the calling runtime, until `shutdown` fires and they are finished.
+    async fn serve_quota(
+        self,
+        incoming: mpsc::UnboundedReceiver<(std::net::TcpStream, Slot)>,
+    ) -> anyhow::Result<()> {
+        let rlqs = self.setup.rlqs(self.shutdown.clone())?;
+        let routes = self.routes(rlqs)?;
+        self.connections(routes, incoming).await;
+        Ok(())
+    }
+
+    /// The services every gRPC listener serves: health, reflection and the quota service.
+    fn routes(&self, rlqs: Rlqs) -> anyhow::Result<tonic::service::RoutesBuilder> {
+        let max = self.setup.edges.max_request_bytes;
+        let reflection_v1 = reflection().build_v1().context("reflection v1")?;
+        let reflection_v1alpha = reflection().build_v1alpha().context("reflection v1alpha")?;
+        let mut routes = tonic::service::Routes::builder();
+        routes
+            .add_service(
+                HealthServer::new(HealthService::from_health_reporter(self.health.clone()))
+                    .max_decoding_message_size(max),
+            )
+            .add_service(reflection_v1.max_decoding_message_size(max))
+            .add_service(reflection_v1alpha.max_decoding_message_size(max))
+            .add_service(RateLimitQuotaServiceServer::new(rlqs).max_decoding_message_size(max));
+        Ok(routes)
+    }
+
+    /// Serves the connections sent on `incoming` with `routes` until `shutdown` fires and they
+    /// are finished.
+    async fn connections(
+        self,
+        routes: tonic::service::RoutesBuilder,
+        mut incoming: mpsc::UnboundedReceiver<(std::net::TcpStream, Slot)>,
+    ) {
+        let edges = self.setup.edges;
+        let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+        http2
+            .timer(TokioTimer::new())
+            .max_concurrent_streams(edges.max_concurrent_streams);
+        let serving = Arc::new(Serving {
+            routes: routes.routes().prepare(),
+            http2,
+            tls: self.setup.tls.clone(),
+            answer_within: REQUEST_MESSAGE + self.setup.fallback.store_timeout,
+            timers: Timers {
+                first_request: Some(FIRST_REQUEST),
+                idle: Some(IDLE),
+                max_age: edges.max_connection_age,
+                grace: CLOSE_GRACE,
+            },
+        });
+        let mut served = JoinSet::new();
+        let stop = self.shutdown.clone().wait();
+        tokio::pin!(stop);
+        loop {
+            tokio::select! {
+                handed = incoming.recv() => match handed {
+                    Some((stream, slot)) => {
+                        let serving = serving.clone();
+                        served.spawn(serving.connection(stream, slot, self.shutdown.clone()));
+                    }
+                    None => break,
+                },
+                Some(_) = served.join_next(), if !served.is_empty() => {}
+                () = &mut stop => break,
+            }
+        }
+        while served.join_next().await.is_some() {}
     }
 }
 

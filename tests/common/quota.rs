@@ -33,7 +33,12 @@ pub struct QuotaStream {
 impl QuotaStream {
     /// Opens a stream reporting for `domain`.
     pub async fn open(sluice: &Sluice, domain: &str) -> QuotaStream {
-        let mut client = RateLimitQuotaServiceClient::new(sluice.channel().await);
+        QuotaStream::open_on(sluice.channel().await, domain).await
+    }
+
+    /// Opens a stream reporting for `domain` on `channel`.
+    pub async fn open_on(channel: tonic::transport::Channel, domain: &str) -> QuotaStream {
+        let mut client = RateLimitQuotaServiceClient::new(channel);
         let (reports, outgoing) = mpsc::channel(16);
         let answers = client
             .stream_rate_limit_quotas(ReceiverStream::new(outgoing))

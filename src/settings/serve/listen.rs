@@ -16,6 +16,12 @@ pub struct ListenerFlags {
     /// Address of the gRPC server (rate limit service, health, reflection).
     #[arg(long, env = "SLUICE_GRPC_ADDR", default_value = "0.0.0.0:8081")]
     grpc_addr: SocketAddr,
+    /// Address of a gRPC server of the quota service (RLQS) alone (with health and reflection),
+    /// served on the quota service's thread: its streams' bytes are then read and written away
+    /// from the event loops that answer ShouldRateLimit. The quota service stays on --grpc-addr
+    /// too.
+    #[arg(long, env = "SLUICE_QUOTA_ADDR")]
+    quota_addr: Option<SocketAddr>,
     /// Address of the admin HTTP server (/healthz, /readyz, /metrics, /config, /rlconfig,
     /// /explain, and /json unless --json-addr moves it).
     #[arg(long, env = "SLUICE_HTTP_ADDR", default_value = "0.0.0.0:8080")]
@@ -80,6 +86,7 @@ impl ListenerFlags {
     ) -> Addrs {
         Addrs {
             grpc: self.grpc_addr,
+            quota: self.quota_addr,
             http: self.http_addr,
             json: self.json_addr.unwrap_or(JsonAt::Http),
             metrics,

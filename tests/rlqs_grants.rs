@@ -1,0 +1,286 @@
+//! The quota service's grants across replicas sharing Redis: a share shrinks at once and grows
+//! only by what no stream on any replica holds, so that at every answer any stream gets, the live
+//! assignments of a bucket add up to at most its limit — through a new subscriber on the other
+//! replica, a stream going idle, a stream ending, Redis restarted empty and a replica killed; and
+//! a division changed on one replica reaches the streams of the other within a few round trips
+//! (the time is printed).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::BucketId;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
+use futures_util::FutureExt;
+
+use common::quota::{QuotaStream, bucket, share};
+use common::redis::Controlled;
+use common::{Sluice, Store};
+
+const DOMAIN: &str = "quota";
+const RULES: &str = "
+domain: quota
+quota_buckets:
+  - bucket: {name: shared}
+    rate_limit: {unit: second, requests_per_unit: 20}
+";
+/// Requests per second.
+const LIMIT: f64 = 20.0;
+/// How long an assignment lives here: the Envoys of a killed replica enforce theirs that long.
+const TTL: Duration = Duration::from_secs(5);
+/// No answer for this long: the division has settled.
+const QUIET: Duration = Duration::from_millis(600);
+
+fn shared() -> BucketId {
+    bucket(&[("name", "shared")])
+}
+
+/// A stream's last assignment of the bucket, in requests per second, and when it came.
+#[derive(Clone, Copy, Debug)]
+struct Assigned {
+    rate: f64,
+    at: Instant,
+}
+
+/// The test's Envoys: their streams (`None` once ended), what each enforces, and the streams of
+/// a killed replica, whose Envoys enforce their last assignments until these expire.
+struct Envoys {
+    streams: Vec<Option<QuotaStream>>,
+    live: Vec<Option<Assigned>>,
+    answers: usize,
+}
+
+impl Envoys {
+    fn new() -> Self {
+        Envoys {
+            streams: Vec::new(),
+            live: Vec::new(),
+            answers: 0,
+        }
+    }
+
+    /// Opens a stream on `sluice`; its index.
+    async fn open(&mut self, sluice: &Sluice) -> usize {
+        self.streams
+            .push(Some(QuotaStream::open(sluice, DOMAIN).await));
+        self.live.push(None);
+        self.streams.len() - 1
+    }
+
+    /// Envoy `i` reports `allowed` and `denied` requests of the bucket.
+    async fn report(&self, i: usize, allowed: u64, denied: u64) {
+        let stream = self.streams[i].as_ref().expect("an open stream");
+        stream.report(&[(&shared(), allowed, denied)]).await;
+    }
+
+    /// Envoy `i`'s stream ends: its assignment no longer counts.
+    fn end(&mut self, i: usize) {
+        self.streams[i] = None;
+        self.live[i] = None;
+    }
+
+    /// Envoy `i`'s replica dies: its stream ends, and its Envoy enforces its last assignment
+    /// until it expires.
+    fn cut(&mut self, i: usize) {
+        self.streams[i] = None;
+    }
+
+    /// Requests per second of the assignments live now.
+    fn total(&self) -> f64 {
+        self.live
+            .iter()
+            .flatten()
+            .filter(|a| a.at.elapsed() < TTL)
+            .map(|a| a.rate)
+            .sum()
+    }
+
+    fn rate(&self, i: usize) -> f64 {
+        self.live[i].map_or(0.0, |a| a.rate)
+    }
+
+    /// Reads answers as they come until none comes for `QUIET` (or `within` passes), checking
+    /// at each that the live assignments add up to at most the limit; when the last came.
+    async fn settle(&mut self, within: Duration) -> Instant {
+        let start = Instant::now();
+        let mut last = start;
+        while start.elapsed() < within {
+            let next = self.next_answer();
+            match tokio::time::timeout(QUIET, next).await {
+                Ok(()) => last = Instant::now(),
+                Err(_) => break,
+            }
+        }
+        last
+    }
+
+    /// Waits for an answer on any stream, then takes every other one already there, before
+    /// checking the bound: answers sent one after the other may be read in either order.
+    async fn next_answer(&mut self) {
+        let waiting: Vec<_> = self
+            .streams
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_mut().map(|s| (i, s)))
+            .map(|(i, s)| Box::pin(async move { (i, s.answers.message().await) }))
+            .collect();
+        if waiting.is_empty() {
+            std::future::pending::<()>().await;
+        }
+        let ((i, answer), _, _) = futures_util::future::select_all(waiting).await;
+        let mut answers = vec![(i, answer)];
+        for (j, stream) in self.streams.iter_mut().enumerate() {
+            let Some(stream) = stream else { continue };
+            while let Some(answer) = stream.answers.message().now_or_never() {
+                answers.push((j, answer));
+            }
+        }
+        for (i, answer) in answers {
+            let answer = answer
+                .expect("the stream stays open")
+                .expect("the stream stays open");
+            for action in answer.bucket_action {
+                assert_eq!(action.bucket_id, Some(shared()));
+                let Some(Action::QuotaAssignmentAction(assigned)) = action.bucket_action else {
+                    panic!("expected an assignment, got {action:?}");
+                };
+                let strategy = assigned
+                    .rate_limit_strategy
+                    .and_then(|s| s.strategy)
+                    .expect("a strategy");
+                let rate = match strategy {
+                    Strategy::BlanketRule(r) if r == BlanketRule::DenyAll as i32 => 0.0,
+                    other => share(&other, 1),
+                };
+                self.live[i] = Some(Assigned {
+                    rate,
+                    at: Instant::now(),
+                });
+                self.answers += 1;
+            }
+        }
+        let total = self.total();
+        assert!(
+            total <= LIMIT + 1e-9,
+            "the live assignments add up to {total}/s, more than {LIMIT}/s: {:?}",
+            self.live
+        );
+    }
+}
+
+fn replica(redis: &Controlled, prefix: &str) -> [String; 6] {
+    [
+        "--redis-url".into(),
+        redis.url.clone(),
+        "--redis-key-prefix".into(),
+        prefix.into(),
+        "--quota-assignment-ttl".into(),
+        format!("{}s", TTL.as_secs()),
+    ]
+}
+
+async fn start(redis: &Controlled, prefix: &str) -> Sluice {
+    let flags = replica(redis, prefix);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    Sluice::on(Store::Memory, &[("quota.yaml", RULES)], &flags).await
+}
+
+fn near(rate: f64, expected: f64) -> bool {
+    (rate - expected).abs() <= expected * 0.02 + 1e-9
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_assignments_of_a_bucket_never_add_up_to_more_than_its_limit() {
+    let mut redis = Controlled::started();
+    let prefix = format!("grants-{}:", std::process::id());
+    let one = start(&redis, &prefix).await;
+    let mut two = start(&redis, &prefix).await;
+    let mut envoys = Envoys::new();
+    let busy = (100, 100);
+
+    // Alone, the whole limit.
+    let a = envoys.open(&one).await;
+    envoys.report(a, 1, 0).await;
+    envoys.settle(Duration::from_secs(3)).await;
+    assert_eq!(envoys.rate(a), LIMIT);
+
+    // A new subscriber on the other replica: a gives half back before b gets it.
+    let b = envoys.open(&two).await;
+    let asked = Instant::now();
+    envoys.report(b, 1, 0).await;
+    let last = envoys.settle(Duration::from_secs(3)).await;
+    assert_eq!((envoys.rate(a), envoys.rate(b)), (10.0, 10.0));
+    println!(
+        "a new subscriber on the other replica: halves in place {:?} after its first report",
+        last - asked
+    );
+
+    // Busy on both, and a third on the first replica: thirds.
+    envoys.report(a, busy.0, busy.1).await;
+    envoys.report(b, busy.0, busy.1).await;
+    let c = envoys.open(&one).await;
+    envoys.report(c, 1, 0).await;
+    envoys.settle(Duration::from_secs(3)).await;
+    for i in [a, b, c] {
+        assert!(near(envoys.rate(i), LIMIT / 3.0), "{:?}", envoys.live);
+    }
+
+    // c goes idle: it keeps one request a second, the others share the rest.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    envoys.report(c, 0, 0).await;
+    let asked = Instant::now();
+    let last = envoys.settle(Duration::from_secs(3)).await;
+    assert_eq!(envoys.rate(c), 1.0, "{:?}", envoys.live);
+    assert!(near(envoys.rate(a), 9.5) && near(envoys.rate(b), 9.5), "{:?}", envoys.live);
+    println!(
+        "a stream gone idle: its share on both replicas {:?} after its report",
+        last - asked
+    );
+
+    // c's stream ends: its share goes to the others at once.
+    envoys.end(c);
+    envoys.settle(Duration::from_secs(3)).await;
+    assert_eq!((envoys.rate(a), envoys.rate(b)), (10.0, 10.0));
+
+    // Redis restarted empty: the replicas list their streams again before any grows, and a new
+    // subscriber gets only what is free.
+    redis.kill();
+    redis.start();
+    let d = envoys.open(&one).await;
+    let restart = Instant::now();
+    while restart.elapsed() < Duration::from_secs(4) {
+        envoys.report(d, busy.0, busy.1).await;
+        envoys.report(a, busy.0, busy.1).await;
+        envoys.report(b, busy.0, busy.1).await;
+        envoys.settle(Duration::from_millis(500)).await;
+    }
+    envoys.settle(Duration::from_secs(3)).await;
+    for i in [a, b, d] {
+        assert!(near(envoys.rate(i), LIMIT / 3.0), "{:?}", envoys.live);
+    }
+
+    // The second replica killed: its Envoys enforce b's share until it expires, and the store
+    // counts it that long; then the first replica's streams take it.
+    two.kill();
+    envoys.cut(b);
+    let killed = Instant::now();
+    let mut grown = None;
+    while killed.elapsed() < Duration::from_secs(25) && grown.is_none() {
+        envoys.report(a, busy.0, busy.1).await;
+        envoys.report(d, busy.0, busy.1).await;
+        envoys.settle(Duration::from_secs(1)).await;
+        if near(envoys.rate(a), LIMIT / 2.0) && near(envoys.rate(d), LIMIT / 2.0) {
+            grown = Some(killed.elapsed());
+        }
+    }
+    let grown = grown.expect("the killed replica's share comes back");
+    assert!(
+        grown >= TTL,
+        "b's share was taken {grown:?} after its replica died, before its assignment expired"
+    );
+    println!(
+        "a replica killed: its streams' shares taken by the others {grown:?} after; {} answers checked",
+        envoys.answers
+    );
+}
