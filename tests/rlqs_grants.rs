@@ -232,7 +232,11 @@ async fn the_assignments_of_a_bucket_never_add_up_to_more_than_its_limit() {
     let asked = Instant::now();
     let last = envoys.settle(Duration::from_secs(3)).await;
     assert_eq!(envoys.rate(c), 1.0, "{:?}", envoys.live);
-    assert!(near(envoys.rate(a), 9.5) && near(envoys.rate(b), 9.5), "{:?}", envoys.live);
+    assert!(
+        near(envoys.rate(a), 9.5) && near(envoys.rate(b), 9.5),
+        "{:?}",
+        envoys.live
+    );
     println!(
         "a stream gone idle: its share on both replicas {:?} after its report",
         last - asked
@@ -282,5 +286,29 @@ async fn the_assignments_of_a_bucket_never_add_up_to_more_than_its_limit() {
     println!(
         "a replica killed: its streams' shares taken by the others {grown:?} after; {} answers checked",
         envoys.answers
+    );
+}
+
+/// On a Cluster, the script's channel reaches the other replica as well: a new subscriber there
+/// has its half once the first stream has given it back, checked at every answer.
+#[tokio::test(flavor = "multi_thread")]
+async fn on_a_cluster_a_share_moves_to_the_other_replica_the_same_way() {
+    let prefix = format!("grants-cluster-{}:", std::process::id());
+    let flags = ["--redis-key-prefix", prefix.as_str()];
+    let one = Sluice::on(Store::Cluster, &[("quota.yaml", RULES)], &flags).await;
+    let two = Sluice::on(Store::Cluster, &[("quota.yaml", RULES)], &flags).await;
+    let mut envoys = Envoys::new();
+    let a = envoys.open(&one).await;
+    envoys.report(a, 1, 0).await;
+    envoys.settle(Duration::from_secs(3)).await;
+    assert_eq!(envoys.rate(a), LIMIT);
+    let b = envoys.open(&two).await;
+    let asked = Instant::now();
+    envoys.report(b, 1, 0).await;
+    let last = envoys.settle(Duration::from_secs(3)).await;
+    assert_eq!((envoys.rate(a), envoys.rate(b)), (10.0, 10.0));
+    println!(
+        "on a Cluster: halves in place {:?} after the new subscriber's first report",
+        last - asked
     );
 }

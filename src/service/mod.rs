@@ -5,7 +5,9 @@
 //! listener hands each new connection to the next loop in turn and the connection stays there.
 //! On one loop, the answers to the requests that arrived together are written together, where a
 //! work-stealing runtime would wake the connection, and write to the socket, once per answer.
-//! Every listener's connections are bounded (`conns`): how many, how long idle, how old.
+//! Every listener's connections are bounded (`conns`): how many, how long idle, how old. The
+//! quota service's own listener (`--quota-addr`), when there is one, is served the same way on
+//! the quota service's thread.
 
 mod conns;
 mod decide;

@@ -283,7 +283,10 @@ impl Quotas {
                     }
                 };
                 runtime.block_on(async move {
-                    match backend.open().and_then(|store| Ok((store, backend.listen()?))) {
+                    match backend
+                        .open()
+                        .and_then(|store| Ok((store, backend.listen()?)))
+                    {
                         Ok((store, told)) => {
                             let handle = tokio::runtime::Handle::current();
                             let _ = opened.send(Ok((handle, store, told)));
@@ -374,7 +377,10 @@ impl Quotas {
                             }
                         }
                         Told::Reconnected => {
-                            *quotas.frozen_until.lock().unwrap_or_else(|e| e.into_inner()) =
+                            *quotas
+                                .frozen_until
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner()) =
                                 Instant::now() + FROZEN_AFTER_RECONNECTION;
                             let all = quotas.all_divided();
                             futures_util::stream::iter(all)
@@ -988,12 +994,7 @@ impl QuotaStream {
             for (step, share, shadow) in &divided {
                 let latest = buckets
                     .get(&step.id)
-                    .and_then(|local| {
-                        local
-                            .subscribers
-                            .iter()
-                            .find(|s| s.stream == self.number)
-                    })
+                    .and_then(|local| local.subscribers.iter().find(|s| s.stream == self.number))
                     .map_or(*share, |s| s.sent);
                 let answer = if *shadow {
                     Assignment::AllowAll
@@ -1154,7 +1155,11 @@ impl QuotaStream {
             key: step.key.clone(),
             subscribers: Vec::with_capacity(1),
         });
-        match local.subscribers.iter_mut().find(|s| s.stream == self.number) {
+        match local
+            .subscribers
+            .iter_mut()
+            .find(|s| s.stream == self.number)
+        {
             Some(subscriber) => {
                 if subscriber.divided.is_none() {
                     // It was sent a fixed assignment, which may be the whole limit or more.
@@ -1190,7 +1195,11 @@ impl QuotaStream {
             key: step.key.clone(),
             subscribers: Vec::with_capacity(1),
         });
-        match local.subscribers.iter_mut().find(|s| s.stream == self.number) {
+        match local
+            .subscribers
+            .iter_mut()
+            .find(|s| s.stream == self.number)
+        {
             Some(subscriber) => {
                 subscriber.labels = step.labels.clone();
                 subscriber.sent = sent;

@@ -321,7 +321,11 @@ mod tests {
         let board = DemandBoard::new(10);
         // The store lost both; b's replica lists b first, with the 12 of 20 it holds.
         let d = settle_with(&board, false, &[("b", Change::Keep, LIMIT, 12_000)], 0);
-        assert_eq!(grants(&d), [("b", 12_000)], "alone as far as the store knows");
+        assert_eq!(
+            grants(&d),
+            [("b", 12_000)],
+            "alone as far as the store knows"
+        );
         let d = settle_with(&board, false, &[("a", Change::Keep, LIMIT, 8_000)], 10);
         assert_eq!(grants(&d), [("a", 8_000), ("b", 12_000)]);
         let d = settle(&board, &[("b", Change::Keep, LIMIT, 12_000)], 20);
@@ -364,7 +368,15 @@ mod tests {
             board.settle(&bucket("b"), &call("s", Change::Report), 0),
             Err(StoreError::Full { max_keys: 1 })
         );
-        assert!(board.settle(&bucket("b"), &call("s", Change::Leave), 0).is_ok());
-        assert!(board.settle(&bucket("a"), &call("t", Change::Report), 0).is_ok());
+        assert!(
+            board
+                .settle(&bucket("b"), &call("s", Change::Leave), 0)
+                .is_ok()
+        );
+        assert!(
+            board
+                .settle(&bucket("a"), &call("t", Change::Report), 0)
+                .is_ok()
+        );
     }
 }

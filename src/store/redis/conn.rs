@@ -5,6 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
+use fred::bytes_utils::Str;
 use fred::clients::WithOptions;
 use fred::interfaces::ClientLike;
 use fred::prelude::*;
@@ -12,13 +14,11 @@ use fred::socket2::TcpKeepalive;
 use fred::types::config::ReconnectError;
 use fred::types::scripts::Script;
 use fred::types::{CustomCommand, FromValue};
-use fred::bytes_utils::Str;
 use tokio::sync::{broadcast, mpsc};
-use bytes::Bytes;
 
 use super::RedisTls;
-use crate::store::{StoreError, Told};
 use crate::store::guard::Breaker;
+use crate::store::{StoreError, Told};
 use crate::telemetry::Throttle;
 
 /// How often an open breaker's probe tries Redis.

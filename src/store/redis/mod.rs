@@ -89,7 +89,13 @@ impl RedisStore {
         tls: Option<&RedisTls>,
     ) -> Result<mpsc::Receiver<Told>, StoreError> {
         let (heard, told) = mpsc::channel(TOLD_WAITING);
-        conn::listen(url, tls, quota_channel(prefix), prefix.len() + TAG_BYTES, heard)?;
+        conn::listen(
+            url,
+            tls,
+            quota_channel(prefix),
+            prefix.len() + TAG_BYTES,
+            heard,
+        )?;
         Ok(told)
     }
 

@@ -386,9 +386,10 @@ fn read_demands(
 ) -> Result<Vec<Result<Division, StoreError>>, StoreError> {
     let malformed = || StoreError::Unavailable("the demand script answered malformed".into());
     let mut values = reply.into_iter();
-    let mut number = || values.next().and_then(|v| v.as_u64()).ok_or_else(malformed);
-    let now_ms = number()?;
-    drop(number);
+    let now_ms = values
+        .next()
+        .and_then(|v| v.as_u64())
+        .ok_or_else(malformed)?;
     let mut answers = Vec::with_capacity(keys.len());
     for key in keys {
         let again = values
@@ -495,7 +496,11 @@ mod tests {
             .iter()
             .map(|s| (s.stream.as_str(), s.demand, s.grant))
             .collect();
-        assert_eq!(granted, [("s1", 250, 250), ("s2", 500, 400)], "sorted by stream id");
+        assert_eq!(
+            granted,
+            [("s1", 250, 250), ("s2", 500, 400)],
+            "sorted by stream id"
+        );
         let error = answers[1].as_ref().unwrap_err();
         assert_eq!(error.kind(), "data");
         assert!(error.to_string().contains("p:b"), "{error}");
