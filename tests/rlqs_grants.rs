@@ -199,22 +199,13 @@ async fn the_assignments_of_a_bucket_never_add_up_to_more_than_its_limit() {
     let mut envoys = Envoys::new();
     let busy = (100, 100);
 
-    // Alone, the whole limit.
-    let a = envoys.open(&one).await;
-    envoys.report(a, 1, 0).await;
-    envoys.settle(Duration::from_secs(3)).await;
-    assert_eq!(envoys.rate(a), LIMIT);
-
-    // A new subscriber on the other replica: a gives half back before b gets it.
-    let b = envoys.open(&two).await;
-    let asked = Instant::now();
-    envoys.report(b, 1, 0).await;
-    let last = envoys.settle(Duration::from_secs(3)).await;
-    assert_eq!((envoys.rate(a), envoys.rate(b)), (10.0, 10.0));
-    println!(
-        "a new subscriber on the other replica: halves in place {:?} after its first report",
-        last - asked
-    );
+    let (a, b) = halves_across(
+        &mut envoys,
+        &one,
+        &two,
+        "a new subscriber on the other replica",
+    )
+    .await;
 
     // Busy on both, and a third on the first replica: thirds.
     envoys.report(a, busy.0, busy.1).await;
@@ -297,18 +288,29 @@ async fn on_a_cluster_a_share_moves_to_the_other_replica_the_same_way() {
     let flags = ["--redis-key-prefix", prefix.as_str()];
     let one = Sluice::on(Store::Cluster, &[("quota.yaml", RULES)], &flags).await;
     let two = Sluice::on(Store::Cluster, &[("quota.yaml", RULES)], &flags).await;
-    let mut envoys = Envoys::new();
-    let a = envoys.open(&one).await;
+    halves_across(&mut Envoys::new(), &one, &two, "on a Cluster").await;
+}
+
+/// A stream on `one` alone has the whole limit; a new subscriber on `two` has half once the
+/// first has given it back (the time printed, as `what`). Their indexes.
+async fn halves_across(
+    envoys: &mut Envoys,
+    one: &Sluice,
+    two: &Sluice,
+    what: &str,
+) -> (usize, usize) {
+    let a = envoys.open(one).await;
     envoys.report(a, 1, 0).await;
     envoys.settle(Duration::from_secs(3)).await;
-    assert_eq!(envoys.rate(a), LIMIT);
-    let b = envoys.open(&two).await;
+    assert_eq!(envoys.rate(a), LIMIT, "alone, the whole limit");
+    let b = envoys.open(two).await;
     let asked = Instant::now();
     envoys.report(b, 1, 0).await;
     let last = envoys.settle(Duration::from_secs(3)).await;
     assert_eq!((envoys.rate(a), envoys.rate(b)), (10.0, 10.0));
     println!(
-        "on a Cluster: halves in place {:?} after the new subscriber's first report",
+        "{what}: halves in place {:?} after the new subscriber's first report",
         last - asked
     );
+    (a, b)
 }
