@@ -195,33 +195,13 @@ async fn three_envoys_over_the_limit_share_the_global_limit_fairly() {
 /// about the whole limit: at least 85 %, over the next 10 s.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_idle_envoys_share_goes_to_the_busy_one_within_two_report_intervals() {
-    let sluice = sluice_on(Store::Memory, &[]).await;
-    idle_share_moves([&sluice, &sluice], "one replica").await;
-}
-
-/// The same with each Envoy on a replica of its own, sharing Redis: the stopped Envoy's replica
-/// gives its share back and the store tells the other replica, which grows its Envoy's share at
-/// once, without waiting for that Envoy's next report.
-#[tokio::test(flavor = "multi_thread")]
-async fn demand_moving_to_the_other_replica_is_followed_within_two_report_intervals() {
-    let prefix = format!("rlqs{}-moving:", std::process::id());
-    let flags = ["--redis-key-prefix", prefix.as_str()];
-    let replicas = [
-        sluice_on(Store::Redis, &flags).await,
-        sluice_on(Store::Redis, &flags).await,
-    ];
-    idle_share_moves([&replicas[0], &replicas[1]], "two replicas").await;
-}
-
-/// Two Envoys, asking `sluices` in that order, share the limit for 15 s; then the second stops.
-/// Prints when the first first admitted 90 % of the limit in a second after the stop.
-async fn idle_share_moves(sluices: [&Sluice; 2], what: &str) {
     const BOTH: Duration = Duration::from_secs(15);
     const MOVED: Duration = Duration::from_secs(15 + 12);
     const WATCHED: u64 = 10;
     let binary = envoy_binary();
+    let sluice = sluice_on(Store::Memory, &[]).await;
     let upstream = Upstream::start();
-    let envoys = quota_envoys(&binary, upstream.addr, &[sluices[0].grpc, sluices[1].grpc]);
+    let envoys = quota_envoys(&binary, upstream.addr, &[sluice.grpc, sluice.grpc]);
 
     let origin = Instant::now();
     let busy = Load::start(
@@ -241,32 +221,29 @@ async fn idle_share_moves(sluices: [&Sluice; 2], what: &str) {
     let before = busy.admitted_in(shared.clone()) as f64 / shared.len() as f64;
     let watched = MOVED.as_secs() as usize..(MOVED.as_secs() + WATCHED) as usize;
     let after = busy.admitted_in(watched.clone());
-    let per_second = busy.admitted_per_second();
-    let followed = per_second
-        .iter()
-        .enumerate()
-        .skip(BOTH.as_secs() as usize)
-        .find(|(_, n)| **n * 10 >= limit * 9)
-        .map(|(second, _)| second - BOTH.as_secs() as usize);
     eprintln!(
-        "demand moves ({what}): busy Envoy {before:.1}/s while shared, {after} in {WATCHED} s from {MOVED:?}, \
-         90 % of the limit from {followed:?} s after the stop; the other admitted {}; busy per second: {per_second:?}",
+        "demand moves: busy Envoy {before:.1}/s while shared, {after} in {WATCHED} s from {MOVED:?}; \
+         the other admitted {}; busy per second: {:?}",
         stopped.admitted(),
+        busy.admitted_per_second()
     );
     assert!(
         (0.4..=0.6).contains(&(before / f64::from(LIMIT))),
-        "while both are busy, each gets about half of {LIMIT}/s: {before:.1}/s; per second: {per_second:?}",
+        "while both are busy, each gets about half of {LIMIT}/s: {before:.1}/s; per second: {:?}",
+        busy.admitted_per_second()
     );
     assert!(
         (limit * WATCHED * 85 / 100..=limit * WATCHED + limit).contains(&after),
-        "from {MOVED:?} the busy Envoy admits about the whole limit: {after} in {WATCHED} s; per second: {per_second:?}",
+        "from {MOVED:?} the busy Envoy admits about the whole limit: {after} in {WATCHED} s; per second: {:?}",
+        busy.admitted_per_second()
     );
 }
 
 /// Two sluice replicas share one Redis and each Envoy asks a different one: the global limit
-/// holds as with one replica, within 2 %. A share grows only by what no stream on either replica
-/// holds, so the second subscriber waits for the first to give its half back (a few ms, told
-/// through Redis) rather than both holding shares that add up to more than the limit.
+/// holds as with one replica. A replica learns of the other's stream only through Redis and
+/// tells its Envoy at that Envoy's next report, so the first subscriber may keep the whole limit
+/// (and its full bucket) for one report interval: `LIMIT / 2` more tokens and `LIMIT / 2 × 5 s`
+/// more requests, within the 10 % of `assert_global_limit_held`.
 #[tokio::test(flavor = "multi_thread")]
 async fn two_replicas_sharing_redis_hold_the_global_limit_across_their_envoys() {
     const RUN: Duration = Duration::from_secs(60);
@@ -305,16 +282,6 @@ async fn two_replicas_sharing_redis_hold_the_global_limit_across_their_envoys() 
     let tallies = finish_all(loads).await;
 
     assert_global_limit_held(&tallies, RUN, "2 replicas");
-    let nominal = u64::from(LIMIT) * RUN.as_secs();
-    let total = admitted(&tallies);
-    let (low, high) = (
-        nominal * 98 / 100,
-        nominal * 102 / 100 + BURST + BEFORE_ASSIGNMENT * 2,
-    );
-    assert!(
-        (low..=high).contains(&total),
-        "2 replicas: {total} admitted in {RUN:?}, outside {low}..={high} (2 % of {nominal} and the bursts)"
-    );
     assert_reported(&[replicas[0].http, replicas[1].http], admitted(&tallies)).await;
 }
 

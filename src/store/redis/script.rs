@@ -11,7 +11,7 @@ use super::conn::{self, Conn};
 use crate::limiter::algorithm::Verdict;
 use crate::limiter::{Algorithm, Check, Counting, Item, Mode, Step};
 use crate::store::StoreError;
-use crate::store::demand::{Change, Division, Granted, Settle};
+use crate::store::demand::{Demands, Report};
 use crate::telemetry::Throttle;
 
 pub(super) const ARGS_PER_ITEM: usize = 8;
@@ -25,9 +25,6 @@ pub(super) type Answer = Result<(bool, Vec<Verdict>), StoreError>;
 #[derive(Clone)]
 pub(super) struct Scripts {
     conn: Conn,
-    /// The channel `lua/demand.lua` tells of a quota bucket whose grants other replicas have to
-    /// move.
-    channel: Bytes,
     check: Lua,
     undo: Lua,
     demand: Lua,
@@ -59,10 +56,9 @@ pub(super) struct Ran {
 }
 
 impl Scripts {
-    pub(super) fn new(conn: Conn, channel: Bytes) -> Self {
+    pub(super) fn new(conn: Conn) -> Self {
         Scripts {
             conn,
-            channel,
             check: Lua::new(include_str!("../../../lua/check.lua")),
             undo: Lua::new(include_str!("../../../lua/undo.lua")),
             demand: Lua::new(include_str!("../../../lua/demand.lua")),
@@ -149,19 +145,16 @@ impl Scripts {
         }
     }
 
-    /// Settles the quota buckets at `keys` (on a Cluster, keys of one slot) with one call of
-    /// `lua/demand.lua`, `args` encoded by `settle_args` one key after another: each key's
-    /// answer, or an error that stands for every key.
+    /// Records demands for the quota buckets at `keys` (on a Cluster, keys of one slot) with one
+    /// call of `lua/demand.lua`, `args` encoded by `record_args` one key after another: each
+    /// key's answer, or an error that stands for every key.
     pub(super) async fn demands(
         &self,
         keys: Vec<Bytes>,
         args: Vec<Value>,
-    ) -> Result<Vec<Result<Division, StoreError>>, StoreError> {
-        let mut all = Vec::with_capacity(args.len() + 1);
-        all.push(Value::from(self.channel.clone()));
-        all.extend(args);
+    ) -> Result<Vec<Result<Demands, StoreError>>, StoreError> {
         let reply = self
-            .eval::<Vec<Value>>(&self.demand, keys.clone(), all)
+            .eval::<Vec<Value>>(&self.demand, keys.clone(), args)
             .await?;
         read_demands(reply, &keys)
     }
@@ -348,42 +341,24 @@ fn unreadable(key: &[u8], held: &str, error: &str) -> StoreError {
     }
 }
 
-/// `lua/demand.lua`'s arguments for one bucket.
-pub(super) fn settle_args(call: &Settle) -> Vec<Value> {
-    let number = |n: u64| Value::from(n.to_string());
-    let flag = |yes: bool| Value::from(if yes { "1" } else { "0" });
-    let mut args = Vec::with_capacity(5 + 5 * call.streams.len());
-    args.extend([
-        number(call.limit),
-        flag(call.grow),
-        number(call.stays_ms),
-        number(call.freeze_ms),
-        number(call.streams.len() as u64),
-    ]);
-    for listed in &call.streams {
-        let change = match listed.change {
-            Change::Report => "r",
-            Change::Keep => "k",
-            Change::Leave => "l",
-        };
-        args.extend([
-            Value::from(listed.stream),
-            Value::from(change),
-            number(listed.demand),
-            number(listed.grant),
-            flag(listed.known),
-        ]);
-    }
-    args
+/// `lua/demand.lua`'s arguments for one record.
+pub(super) fn record_args(report: &Report) -> [Value; 3] {
+    [
+        Value::from(report.stream),
+        report
+            .demand
+            .map_or(Value::from(""), |d| Value::from(d.to_string())),
+        Value::from(report.stays_ms.to_string()),
+    ]
 }
 
-/// The demand script's reply for the buckets at `keys`: the clock, then per key whether the
-/// replica is to settle again, the number of streams counted and their ids, demands and grants;
-/// or -1 and the type the key holds instead of a hash, which fails that key alone.
+/// The demand script's reply for the buckets at `keys`: the clock, then per key the number of
+/// streams counted and their ids and demands; or -1 and the type the key holds instead of a
+/// hash, which fails that key alone.
 fn read_demands(
     reply: Vec<Value>,
     keys: &[Bytes],
-) -> Result<Vec<Result<Division, StoreError>>, StoreError> {
+) -> Result<Vec<Result<Demands, StoreError>>, StoreError> {
     let malformed = || StoreError::Unavailable("the demand script answered malformed".into());
     let mut values = reply.into_iter();
     let now_ms = values
@@ -392,11 +367,11 @@ fn read_demands(
         .ok_or_else(malformed)?;
     let mut answers = Vec::with_capacity(keys.len());
     for key in keys {
-        let again = values
+        let count = values
             .next()
             .and_then(|v| v.as_i64())
             .ok_or_else(malformed)?;
-        if again < 0 {
+        if count < 0 {
             let held = values
                 .next()
                 .and_then(|v| v.as_string())
@@ -407,30 +382,20 @@ fn read_demands(
             }));
             continue;
         }
-        let count = values
-            .next()
-            .and_then(|v| v.as_u64())
-            .ok_or_else(malformed)?;
-        let mut streams = Vec::with_capacity(count.min(1024) as usize);
+        let mut streams = Vec::with_capacity(count as usize);
         for _ in 0..count {
             let stream = values
                 .next()
                 .and_then(|v| v.as_string())
                 .ok_or_else(malformed)?;
-            let mut number = || values.next().and_then(|v| v.as_u64()).ok_or_else(malformed);
-            let (demand, grant) = (number()?, number()?);
-            streams.push(Granted {
-                stream,
-                demand,
-                grant,
-            });
+            let demand = values
+                .next()
+                .and_then(|v| v.as_u64())
+                .ok_or_else(malformed)?;
+            streams.push((stream, demand));
         }
-        streams.sort_by(|a, b| a.stream.cmp(&b.stream));
-        answers.push(Ok(Division {
-            now_ms,
-            again: again > 0,
-            streams,
-        }));
+        streams.sort();
+        answers.push(Ok(Demands { now_ms, streams }));
     }
     if values.next().is_some() {
         return Err(malformed());
@@ -473,46 +438,31 @@ mod tests {
         let text = |t: &str| Value::String(t.into());
         let reply = vec![
             Value::Integer(1_000),
-            Value::Integer(1),
             Value::Integer(2),
             text("s2"),
             Value::Integer(500),
-            Value::Integer(400),
             text("s1"),
-            Value::Integer(250),
             Value::Integer(250),
             Value::Integer(-1),
             text("string"),
-            Value::Integer(0),
             Value::Integer(0),
         ];
         let keys = [b"p:a", b"p:b", b"p:c"].map(|k| Bytes::from_static(k));
         let answers = read_demands(reply, &keys).unwrap();
         let first = answers[0].as_ref().unwrap();
         assert_eq!(first.now_ms, 1_000);
-        assert!(first.again);
-        let granted: Vec<(&str, u64, u64)> = first
-            .streams
-            .iter()
-            .map(|s| (s.stream.as_str(), s.demand, s.grant))
-            .collect();
         assert_eq!(
-            granted,
-            [("s1", 250, 250), ("s2", 500, 400)],
+            first.streams,
+            [("s1".to_owned(), 250), ("s2".to_owned(), 500)],
             "sorted by stream id"
         );
         let error = answers[1].as_ref().unwrap_err();
         assert_eq!(error.kind(), "data");
         assert!(error.to_string().contains("p:b"), "{error}");
         assert!(answers[2].as_ref().unwrap().streams.is_empty());
-        let short = vec![Value::Integer(1_000), Value::Integer(0), Value::Integer(1)];
+        let short = vec![Value::Integer(1_000), Value::Integer(1)];
         assert!(read_demands(short, &keys[..1]).is_err());
-        let long = vec![
-            Value::Integer(1_000),
-            Value::Integer(0),
-            Value::Integer(0),
-            Value::Integer(0),
-        ];
+        let long = vec![Value::Integer(1_000), Value::Integer(0), Value::Integer(0)];
         assert!(read_demands(long, &keys[..1]).is_err());
     }
 
