@@ -427,3 +427,48 @@ cases! {
     started_before_redis_sluice_is_not_ready_and_gives_the_deny_answer_then_decides_once_ready
         => redis_starts_late(Deny),
 }
+
+/// A Redis that requires a password, reached without one, with a wrong one, and a port where
+/// nothing listens: for as long as it lasts, `/readyz` names the cause, the log says it, and
+/// `sluice_store_unreachable_total` counts it by kind.
+#[tokio::test(flavor = "multi_thread")]
+async fn why_redis_cannot_be_reached_is_said_and_counted() {
+    let redis = Controlled::started_with(&["--requirepass", "right"]);
+    let nothing = Controlled::unstarted();
+    for (url, kind, said) in [
+        (redis.url.clone(), "auth", "NOAUTH"),
+        (
+            format!("redis://:wrong@127.0.0.1:{}", redis.port),
+            "auth",
+            "WRONGPASS",
+        ),
+        (nothing.url.clone(), "refused", "refused"),
+    ] {
+        let flags = [
+            "--redis-url",
+            url.as_str(),
+            "--store-timeout",
+            STORE_TIMEOUT,
+        ];
+        let sluice = Sluice::spawn(&[("rules.yaml", RULES)], &flags, None, Wait::Live).await;
+        let start = Instant::now();
+        let body = loop {
+            let (status, _, body) = http(sluice.http, "GET", "/readyz", "");
+            assert_eq!(status, 503, "not ready while Redis cannot be reached");
+            if body.contains(said) || start.elapsed() > Duration::from_secs(10) {
+                break body;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert!(
+            body.contains(&format!("the counter store is unreachable ({kind}: "))
+                && body.contains(said),
+            "{url}: /readyz says {body:?}"
+        );
+        let counted = common::metrics::scrape(sluice.http)
+            .get("sluice_store_unreachable_total", &[("kind", kind)])
+            .unwrap_or(0.0);
+        assert!(counted >= 1.0, "{url}: {kind} counted {counted} times");
+        assert!(sluice.log_text().contains(said), "{url}: the log says why");
+    }
+}

@@ -207,14 +207,17 @@ pub struct Readiness {
 }
 
 impl Readiness {
-    /// `None` when ready, else why not.
-    pub fn problem(&self) -> Option<&'static str> {
+    /// `None` when ready, else why not (for an unreachable store, the cause last seen).
+    pub fn problem(&self) -> Option<String> {
         if self.shutdown.fired() {
-            Some("shutting down")
+            Some("shutting down".into())
         } else if !self.rules.loaded() {
-            Some("no rules loaded")
+            Some("no rules loaded".into())
         } else if !self.store_reachable() {
-            Some("the counter store is unreachable")
+            Some(match self.backend.unreachable_cause() {
+                Some(cause) => format!("the counter store is unreachable ({cause})"),
+                None => "the counter store is unreachable".into(),
+            })
         } else {
             None
         }

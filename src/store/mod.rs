@@ -109,6 +109,15 @@ impl Backend {
         }
     }
 
+    /// Why Redis was last found unreachable, while it is; `None` on the embedded store or when
+    /// no cause is known.
+    pub fn unreachable_cause(&self) -> Option<String> {
+        match self {
+            Backend::Memory(_) => None,
+            Backend::Redis { breakers, .. } => breakers.cause(),
+        }
+    }
+
     /// Redis breakers open now; `None` on the embedded store.
     pub fn open_breakers(&self) -> Option<usize> {
         match self {

@@ -143,6 +143,8 @@ pub fn sentinel() -> Redis {
 pub struct Controlled {
     pub port: u16,
     pub url: String,
+    /// Flags of its own, beyond the defaults.
+    flags: Vec<String>,
     child: Option<Child>,
     /// Its working directory, where a replica writes the copy it receives.
     dir: tempfile::TempDir,
@@ -155,6 +157,7 @@ impl Controlled {
         Controlled {
             port,
             url: format!("redis://127.0.0.1:{port}"),
+            flags: Vec::new(),
             child: None,
             dir: tempfile::tempdir().expect("a directory for the server"),
         }
@@ -162,7 +165,13 @@ impl Controlled {
 
     /// A server, started and answering PING.
     pub fn started() -> Controlled {
+        Controlled::started_with(&[])
+    }
+
+    /// A server started with `flags` beyond the defaults (e.g. `--requirepass`), answering.
+    pub fn started_with(flags: &[&str]) -> Controlled {
         let mut redis = Controlled::unstarted();
+        redis.flags = flags.iter().map(|f| f.to_string()).collect();
         redis.start();
         redis
     }
@@ -177,6 +186,7 @@ impl Controlled {
             .args(["--protected-mode", "no", "--repl-diskless-sync-delay", "0"])
             .arg("--dir")
             .arg(self.dir.path())
+            .args(&self.flags)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -184,8 +194,12 @@ impl Controlled {
             .expect("redis-server starts (install redis-server)");
         self.child = Some(child);
         let port = self.port;
+        // A server that requires a password answers NOAUTH: it answers all the same.
         wait_for(
-            || cli(port, &["PING"]).trim() == "PONG",
+            || {
+                let pong = cli(port, &["PING"]);
+                pong.trim() == "PONG" || pong.contains("NOAUTH")
+            },
             "redis-server answers PING",
         );
     }

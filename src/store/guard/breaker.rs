@@ -12,6 +12,8 @@ use tokio::sync::Notify;
 
 use super::Deadline;
 use crate::store::StoreError;
+use crate::telemetry::Throttle;
+use crate::telemetry::metrics::METRICS;
 
 /// Consecutive failed or timed-out calls that open the breaker.
 pub const FAILURES_TO_OPEN: u32 = 5;
@@ -19,6 +21,8 @@ pub const FAILURES_TO_OPEN: u32 = 5;
 pub struct Breaker {
     open: AtomicBool,
     failures: AtomicU32,
+    /// Why the store was last found unreachable, until it answers again.
+    cause: Mutex<Option<String>>,
     /// Told when the breaker opens or closes.
     changed: Arc<Notify>,
 }
@@ -28,6 +32,7 @@ impl Breaker {
         Breaker {
             open: AtomicBool::new(true),
             failures: AtomicU32::new(0),
+            cause: Mutex::new(None),
             changed,
         }
     }
@@ -80,8 +85,27 @@ impl Breaker {
         }
     }
 
+    /// Hears that the store could not be reached, for a cause of `kind` (one of `UNREACHABLE`),
+    /// as `detail` says: counted, logged (at most once a second over every store) and kept for
+    /// readiness to name until the store answers again.
+    pub fn unreachable(&self, kind: &'static str, detail: &str) {
+        static LOGGED: Throttle = Throttle::new();
+        METRICS.store_unreachable(kind);
+        let cause = format!("{kind}: {detail}");
+        if let Some(n) = LOGGED.hit() {
+            tracing::warn!("Redis cannot be reached ({n} time(s) since the last report): {cause}");
+        }
+        *self.cause.lock().unwrap_or_else(|e| e.into_inner()) = Some(cause);
+    }
+
+    /// Why the store was last found unreachable, while it has not answered since.
+    pub fn cause(&self) -> Option<String> {
+        self.cause.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
     pub fn close(&self) {
         self.failures.store(0, Ordering::Relaxed);
+        *self.cause.lock().unwrap_or_else(|e| e.into_inner()) = None;
         if self.open.swap(false, Ordering::Relaxed) {
             tracing::info!("Redis answers: deciding from its counters");
             self.changed.notify_one();
@@ -108,6 +132,16 @@ impl Breakers {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(breaker);
+    }
+
+    /// Why a store whose breaker is open was last found unreachable, if known.
+    pub fn cause(&self) -> Option<String> {
+        self.all
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|b| b.is_open())
+            .find_map(|b| b.cause())
     }
 
     pub fn all_closed(&self) -> bool {

@@ -12,6 +12,7 @@ use fred::socket2::TcpKeepalive;
 use fred::types::config::ReconnectError;
 use fred::types::scripts::Script;
 use fred::types::{CustomCommand, FromValue};
+use tokio::sync::broadcast;
 
 use super::RedisTls;
 use crate::store::StoreError;
@@ -130,7 +131,7 @@ pub(super) fn failed(e: Error) -> StoreError {
 /// resume, so it succeeds as soon as Redis answers again. While the breaker is closed, pings
 /// Redis every `PING_INTERVAL` and opens it when no answer comes within that time.
 pub(super) async fn probe(conn: Conn, scripts: Vec<Script>, breaker: Arc<Breaker>) {
-    static FAILED: Throttle = Throttle::new();
+    tokio::spawn(causes(conn.client.error_rx(), breaker.clone()));
     let mut tick = tokio::time::interval(PROBE_INTERVAL);
     let mut last_ping = tokio::time::Instant::now();
     loop {
@@ -138,13 +139,7 @@ pub(super) async fn probe(conn: Conn, scripts: Vec<Script>, breaker: Arc<Breaker
         if breaker.is_open() {
             match conn.load(&scripts).await {
                 Ok(()) => breaker.close(),
-                Err(e) => {
-                    if let Some(n) = FAILED.hit() {
-                        tracing::warn!(
-                            "Redis is not reachable ({n} tries since the last report): {e}"
-                        );
-                    }
-                }
+                Err(e) => breaker.unreachable(cause_of(&e), e.details()),
             }
         } else if last_ping.elapsed() >= PING_INTERVAL {
             last_ping = tokio::time::Instant::now();
@@ -155,5 +150,79 @@ pub(super) async fn probe(conn: Conn, scripts: Vec<Script>, breaker: Arc<Breaker
                 Err(_) => breaker.trip(&"no answer to PING within 1 s"),
             }
         }
+    }
+}
+
+/// Tells `breaker` why each connection of its client could not be made or was dropped: these
+/// errors reach no command (the commands wait for the reconnection), so without them an
+/// unreachable store would not say why.
+async fn causes(mut errors: broadcast::Receiver<(Error, Option<Server>)>, breaker: Arc<Breaker>) {
+    loop {
+        match errors.recv().await {
+            Ok((e, _)) => breaker.unreachable(cause_of(&e), e.details()),
+            Err(broadcast::error::RecvError::Lagged(_)) => {}
+            Err(broadcast::error::RecvError::Closed) => return,
+        }
+    }
+}
+
+/// Why Redis could not be reached, as `sluice_store_unreachable_total` counts it.
+fn cause_of(e: &Error) -> &'static str {
+    let details = e.details();
+    let says = |reply: &str| details.contains(reply);
+    match e.kind() {
+        _ if says("NOAUTH") || says("WRONGPASS") || says("invalid password") => "auth",
+        ErrorKind::Auth => "auth",
+        ErrorKind::Tls => "tls",
+        ErrorKind::Timeout => "timeout",
+        _ if says("READONLY") => "readonly",
+        _ if says("LOADING") => "loading",
+        _ if says("unknown command") => "unknown_command",
+        ErrorKind::IO if says("refused") || says("Connection refused") => "refused",
+        ErrorKind::IO => "io",
+        _ => "other",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_to_reach_redis_is_told_by_its_cause() {
+        let cause = |kind, details: &'static str| cause_of(&Error::new(kind, details));
+        assert_eq!(
+            cause(ErrorKind::IO, "Connection refused (os error 111)"),
+            "refused"
+        );
+        assert_eq!(
+            cause(ErrorKind::Auth, "WRONGPASS invalid username-password pair"),
+            "auth"
+        );
+        assert_eq!(
+            cause(ErrorKind::Unknown, "NOAUTH Authentication required."),
+            "auth"
+        );
+        assert_eq!(cause(ErrorKind::Timeout, "Connection timed out"), "timeout");
+        assert_eq!(
+            cause(
+                ErrorKind::Unknown,
+                "READONLY You can't write against a read only replica."
+            ),
+            "readonly"
+        );
+        assert_eq!(
+            cause(
+                ErrorKind::Unknown,
+                "LOADING Redis is loading the dataset in memory"
+            ),
+            "loading"
+        );
+        assert_eq!(
+            cause(ErrorKind::Unknown, "ERR unknown command 'EVALSHA'"),
+            "unknown_command"
+        );
+        assert_eq!(cause(ErrorKind::IO, "Broken pipe"), "io");
+        assert_eq!(cause(ErrorKind::Protocol, "an unexpected frame"), "other");
     }
 }

@@ -64,6 +64,7 @@ pub struct Metrics {
     /// Requests per Redis script call.
     pub batch_requests: Histogram,
     store_errors: Family<Labels, Counter>,
+    store_unreachable: Family<Labels, Counter>,
     redis_errors: Counter,
     /// Requests refused as invalid (envoyproxy/ratelimit's `service_error`).
     pub service_errors: Counter,
@@ -89,6 +90,19 @@ pub struct Metrics {
 
 pub static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
 
+/// Why Redis could not be reached, as `sluice_store_unreachable_total` counts it.
+pub const UNREACHABLE: [&str; 9] = [
+    "refused",
+    "timeout",
+    "tls",
+    "auth",
+    "readonly",
+    "loading",
+    "unknown_command",
+    "io",
+    "other",
+];
+
 impl Metrics {
     fn new() -> Self {
         let m = Metrics {
@@ -98,6 +112,7 @@ impl Metrics {
             store_call_seconds: Histogram::new(LATENCY_BUCKETS),
             batch_requests: Histogram::new(BATCH_BUCKETS),
             store_errors: Family::default(),
+            store_unreachable: Family::default(),
             redis_errors: Counter::default(),
             service_errors: Counter::default(),
             policy_answers: Family::default(),
@@ -180,6 +195,14 @@ impl Metrics {
             m.quota_actions.clone(),
         );
         r.register(
+            "sluice_store_unreachable",
+            "Failures to reach Redis (a connection not made, or refusing sluice's commands) seen by each of sluice's Redis clients, by cause: refused, timeout, tls, auth, readonly, loading, unknown_command, io, other",
+            m.store_unreachable.clone(),
+        );
+        for kind in UNREACHABLE {
+            drop(m.store_unreachable.get_or_create(&[("kind", kind)]));
+        }
+        r.register(
             "sluice_quota_store_errors",
             "Quota demand records the store could not take, by kind: the bucket kept its last assignment",
             m.quota_store_errors.clone(),
@@ -247,6 +270,13 @@ impl Metrics {
         self.quota_untracked
             .get_or_create(&[("bound", bound)])
             .inc_by(n);
+    }
+
+    /// Redis not reached, for a cause of `kind` (one of `UNREACHABLE`).
+    pub fn store_unreachable(&self, kind: &'static str) {
+        self.store_unreachable
+            .get_or_create(&[("kind", kind)])
+            .inc();
     }
 
     /// A quota demand record the store could not take.
