@@ -1,57 +1,208 @@
--- demand.lua: streams' demands for quota buckets of the Rate Limit Quota Service, each kept
--- beside every other stream's, whichever sluice replica serves it, so that every replica shares
--- the bucket's limit out from the same figures. One call records one demand per key: the quota
--- service's records waiting at once ride in one call (on a Cluster, one key per call).
+-- demand.lua: the quota buckets of the Rate Limit Quota Service, divided among the streams (one
+-- per Envoy) that report them, whichever sluice replica serves them. Per stream, a bucket's hash
+-- keeps the stream's demand and its grant: the share of the limit its Envoy may be enforcing now.
+-- A grant shrinks at once and grows only by what no stream holds: the grants of a bucket never
+-- add up to more than its limit. One call settles one bucket for one replica, the replica's own
+-- streams of it listed; the quota service's records waiting at once ride in one call (on a
+-- Cluster, one key per call).
 --
--- KEYS[i]  a bucket's hash: per stream id, '<demand>:<expiry ms>'.
--- ARGV     per key, three: the stream id; its demand (a whole number: thousandths of a request
---          per window), or '' when the stream leaves the bucket; how long (ms) the stream stays
---          counted without reporting again.
--- Reply    the Redis clock (ms), then per key: the number of streams counted and, per stream,
---          its id and its demand; or -1 and the type the key holds when it holds another type
---          than a hash (left as it is).
--- Invariant: a stream is counted once, with the demand it last reported, until it leaves or
---          stops reporting for the ms given; a key expires when its last stream would; a field
---          that is not a demand this script wrote is dropped.
+-- KEYS[i]  a bucket's hash: per stream id, '<demand>:<grant>:<held>:<expiry ms>'; `held` is at
+--          least the grant and, after a shrink, the grant before it, until the replica says the
+--          shrink has reached its Envoy. '~frozen': until when (ms) no grant grows, once a
+--          record was found lost.
+-- ARGV     the channel told of a bucket whose other replicas have grants to move; then per key:
+--          the limit; whether the replica's streams may grow ('1' or '0'); how long (ms) a stream
+--          stays counted once its replica stops listing it (an assignment sent with the call lives
+--          at most that long); how long (ms) no grant grows once a record is
+--          found lost; the number of the replica's streams listed; and per stream five: its id;
+--          'r' (a report: its demand is new), 'k' (kept: as the store has it, or as listed if the
+--          store lost it) or 'l' (it leaves the bucket); its demand; the most its Envoy may be
+--          enforcing (what it was last sent, or more while a smaller grant sent to it may not have
+--          reached it); '1' when the replica had it counted here before (so that its absence
+--          means the record was lost), else '0'. Demands, grants and the limit are whole
+--          numbers, thousandths of a request per window.
+-- Reply    the Redis clock (ms), then per key: 1 when a shrink of the replica's streams is yet
+--          to reach their Envoys (the replica calls again once it has), else 0; when (ms) the
+--          first stream the replica did not list and that holds something stops being counted
+--          (0: none), as what it holds is then free; the number of streams counted and, per
+--          stream, its id, its demand, its grant and its share; or -1 and the type the key holds
+--          when it holds another type than a hash (left as it is).
+-- Invariant: the grants of a bucket, each counted at its `held`, add up to at most its limit
+--          unless a shrink of the limit or a lost record made them more, and then no grant grows
+--          until they add up to less. A listed stream's `held` is what its replica says its Envoy
+--          may be enforcing, and at least its grant.
 
-local call, tonumber, match = redis.call, tonumber, string.match
+local call, tonumber, match, floor = redis.call, tonumber, string.match, math.floor
 
 local time = call('TIME')
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local now = tonumber(time[1]) * 1000 + floor(tonumber(time[2]) / 1000)
 local out = { now }
+local channel = ARGV[1]
 
+-- Max-min fair division of `limit` among `wants` (in order), as `quota::share::divide` divides.
+local function divide(limit, wants)
+  local n, given, order, w = #wants, {}, {}, {}
+  if n == 0 then
+    return given
+  end
+  local least = 0
+  if limit >= n * 1000 then
+    least = 1000
+  end
+  for i = 1, n do
+    w[i] = math.max(wants[i], least)
+    order[i] = i
+  end
+  table.sort(order, function(a, b)
+    if w[a] ~= w[b] then
+      return w[a] < w[b]
+    end
+    return a < b
+  end)
+  local left = limit
+  for k = 1, n do
+    local i = order[k]
+    given[i] = math.min(w[i], floor(left / (n - k + 1)))
+    left = left - given[i]
+  end
+  local each, rest = floor(left / n), left % n
+  for i = 1, n do
+    given[i] = given[i] + each
+    if i <= rest then
+      given[i] = given[i] + 1
+    end
+  end
+  return given
+end
+
+-- Whether a grant stays while its share is `share`, as `limiter::share::settled` says: within 2 %.
+local function settled(grant, share)
+  return math.abs(grant - share) * 50 <= grant
+end
+
+local at = 2
 for k = 1, #KEYS do
   local key = KEYS[k]
-  local stream, demand, stays = ARGV[3 * k - 2], ARGV[3 * k - 1], tonumber(ARGV[3 * k])
+  local limit, grow, stays, freeze, listed = tonumber(ARGV[at]), ARGV[at + 1] == '1',
+    tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3]), tonumber(ARGV[at + 4])
+  local first = at + 5
+  at = first + 5 * listed
   local held = call('TYPE', key).ok
   if held ~= 'hash' and held ~= 'none' then
     out[#out + 1] = -1
     out[#out + 1] = held
   else
-    if demand == '' then
-      call('HDEL', key, stream)
-    else
-      call('HSET', key, stream, demand .. ':' .. string.format('%d', now + stays))
-    end
-    local count_at, latest = #out + 1, 0
-    out[count_at] = 0
+    -- `changed`: what the others may take moved (a demand, a stream, a grant or a delivery).
+    local streams, changed = {}, false
+    local frozen = 0
     local fields = call('HGETALL', key)
     for i = 1, #fields, 2 do
-      local d, expiry = match(fields[i + 1], '^(%d+):(%d+)$')
-      expiry = tonumber(expiry)
-      if d == nil or expiry <= now then
-        call('HDEL', key, fields[i])
+      local d, g, h, e = match(fields[i + 1], '^(%d+):(%d+):(%d+):(%d+)$')
+      if fields[i] == '~frozen' then
+        frozen = tonumber(fields[i + 1]) or 0
+      elseif d ~= nil and tonumber(e) > now then
+        streams[fields[i]] = { d = tonumber(d), g = tonumber(g), h = tonumber(h), e = tonumber(e) }
       else
-        out[#out + 1] = fields[i]
-        out[#out + 1] = d
-        out[count_at] = out[count_at] + 1
-        if expiry > latest then
-          latest = expiry
-        end
+        changed = true
       end
+    end
+    local mine = {}
+    for s = first, at - 1, 5 do
+      local id, what, demand, grant = ARGV[s], ARGV[s + 1], tonumber(ARGV[s + 2]), tonumber(ARGV[s + 3])
+      local stream = streams[id]
+      if what == 'l' then
+        changed = changed or stream ~= nil
+        streams[id] = nil
+      else
+        if stream == nil and ARGV[s + 4] == '1' then
+          -- Counted here before, and lost (a restarted server): what the other replicas'
+          -- streams hold is not known either until they list them again.
+          frozen = math.max(frozen, now + freeze)
+        end
+        if stream == nil then
+          stream = { d = demand, g = grant, h = grant, e = now + stays }
+          streams[id] = stream
+          changed = true
+        elseif what == 'r' then
+          changed = changed or stream.d ~= demand
+          stream.d, stream.e = demand, now + stays
+        else
+          -- Kept: a grant sent now lives as long as one sent with a report.
+          stream.e = math.max(stream.e, now + stays)
+        end
+        local h = math.max(stream.g, grant)
+        if h ~= stream.h then
+          stream.h = h
+          changed = true
+        end
+        mine[id] = true
+      end
+    end
+    local ids, wants = {}, {}
+    for id in pairs(streams) do
+      ids[#ids + 1] = id
+    end
+    table.sort(ids)
+    for i, id in ipairs(ids) do
+      wants[i] = streams[id].d
+    end
+    local shares = divide(limit, wants)
+    local taken = 0
+    for i, id in ipairs(ids) do
+      local stream = streams[id]
+      if mine[id] and stream.g > shares[i] and not settled(stream.g, shares[i]) then
+        stream.g, changed = shares[i], true
+      end
+      taken = taken + stream.h
+    end
+    local free, again, others = math.max(limit - taken, 0), 0, false
+    grow = grow and now >= frozen
+    for i, id in ipairs(ids) do
+      local stream = streams[id]
+      if mine[id] then
+        if grow and stream.g < shares[i] and not settled(stream.g, shares[i]) and free > 0 then
+          local more = math.min(shares[i] - stream.g, free)
+          stream.g, free, changed = stream.g + more, free - more, true
+          stream.h = math.max(stream.h, stream.g)
+        end
+        if stream.h > stream.g then
+          again = 1
+        end
+      elseif not settled(stream.g, shares[i]) then
+        others = true
+      end
+    end
+    local lapse = 0
+    for _, id in ipairs(ids) do
+      local stream = streams[id]
+      if not mine[id] and stream.h > 0 and (lapse == 0 or stream.e < lapse) then
+        lapse = stream.e
+      end
+    end
+    call('DEL', key)
+    out[#out + 1] = again
+    out[#out + 1] = lapse
+    out[#out + 1] = #ids
+    local latest = 0
+    if frozen > now then
+      call('HSET', key, '~frozen', string.format('%d', frozen))
+    end
+    for i, id in ipairs(ids) do
+      local stream = streams[id]
+      call('HSET', key, id, string.format('%d:%d:%d:%d', stream.d, stream.g, stream.h, stream.e))
+      if stream.e > latest then
+        latest = stream.e
+      end
+      out[#out + 1] = id
+      out[#out + 1] = stream.d
+      out[#out + 1] = stream.g
+      out[#out + 1] = shares[i]
     end
     if latest > 0 then
       call('PEXPIREAT', key, string.format('%d', latest))
+    end
+    if others and changed then
+      call('PUBLISH', channel, key)
     end
   end
 end

@@ -197,7 +197,7 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         metrics::use_mapper(mapper);
     }
     let backend = args.store.backend()?;
-    let quotas = Arc::new(Quotas::start(args.quota.settings(), &backend)?);
+    let quotas = Quotas::start(args.quota.settings(), &backend)?;
     let setup = Setup {
         rules: reload::start(args.rules.feed()?, hangup)?,
         backend,

@@ -351,7 +351,8 @@ async fn the_quota_service_has_a_port_of_its_own_when_asked() {
 /// often, its record counted for three of those longer intervals (so it never lapses between
 /// two), its share kept in between. Ten new buckets within one record a second: one recorded,
 /// counted 30 s (ten buckets at one a second), and a report at once after records nothing, with
-/// the same shares. With the default budget, all ten, 15 s, and a record per report.
+/// the same shares. With the default budget, all ten, 30 s (no less than an assignment lives:
+/// the Envoys of a replica that died enforce theirs that long), and a record per report.
 #[tokio::test(flavor = "multi_thread")]
 async fn demand_records_stay_within_their_budget_and_never_lapse_between_two() {
     let port = Store::Redis.redis().unwrap().ports[0];
@@ -373,7 +374,7 @@ async fn demand_records_stay_within_their_budget_and_never_lapse_between_two() {
     let ids: Vec<BucketId> = (0..10).map(|n| tenant(&format!("r{n}"))).collect();
     let reports: Vec<(&BucketId, u64, u64)> = ids.iter().map(|id| (id, 1, 0)).collect();
     for (budget, recorded, counted_ms, recorded_again) in
-        [(Some("1"), 1, 30_000, false), (None, 10, 15_000, true)]
+        [(Some("1"), 1, 30_000, false), (None, 10, 30_000, true)]
     {
         let prefix = format!("records-{}-{}:", std::process::id(), common::unix_ms());
         let mut flags = vec!["--redis-key-prefix", prefix.as_str()];
@@ -424,37 +425,6 @@ async fn demand_records_stay_within_their_budget_and_never_lapse_between_two() {
             );
         }
     }
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn replicas_sharing_redis_divide_one_limit() {
-    let one = Sluice::on(
-        Store::Redis,
-        &[("quota.yaml", RULES)],
-        &["--redis-key-prefix", "rlqs-replicas:"],
-    )
-    .await;
-    let two = Sluice::on(
-        Store::Redis,
-        &[("quota.yaml", RULES)],
-        &["--redis-key-prefix", "rlqs-replicas:"],
-    )
-    .await;
-    let acme = tenant("acme");
-    let mut first = QuotaStream::open(&one, DOMAIN).await;
-    let mut second = QuotaStream::open(&two, DOMAIN).await;
-    assert_eq!(tokens(&first.ask(&acme, 1, 0).await, 1), 20);
-    assert_eq!(
-        tokens(&second.ask(&acme, 1, 0).await, 1),
-        10,
-        "the other replica's stream is counted"
-    );
-    assert!(
-        first.quiet_for(Duration::from_millis(500)).await,
-        "no push across replicas: the first stream learns with its next report"
-    );
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    assert_eq!(tokens(&first.ask(&acme, 100, 100).await, 1), 10);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -233,6 +233,13 @@ impl CounterIds {
         }
         h.finish128().as_u128()
     }
+
+    /// The id (unsalted) of the key whose bytes are `key`, as the store names it.
+    pub fn id_of_bytes(&self, key: &[u8]) -> u128 {
+        let mut h = SipHasher13::new_with_keys(self.keys.0, self.keys.1);
+        h.write(key);
+        h.finish128().as_u128()
+    }
 }
 
 impl Default for CounterIds {

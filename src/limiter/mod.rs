@@ -6,6 +6,7 @@ pub mod algorithm;
 mod cache;
 mod key;
 pub mod lease;
+pub mod share;
 
 use std::time::Duration;
 

@@ -2,22 +2,14 @@
 //! much of a bucket's global limit each Envoy gets. Each stream (one Envoy) reports what it let
 //! through and denied; its demand is that per window, on sluice's clock. The limit is divided
 //! among every stream counted in the bucket (on any replica, through the store) by max-min
-//! fairness (`share`), and each stream gets its share as a token bucket Envoy enforces on its own.
-
-mod share;
+//! fairness (`limiter::share`), and each stream gets its share as a token bucket Envoy enforces on
+//! its own.
 
 use std::time::Duration;
 
 use crate::limiter::Limit;
 
-pub use share::divide;
-
-/// Demands and shares are counted in thousandths of a request per window.
-pub const MILLI: u64 = 1000;
-
-/// How much a stream's share must move before it is sent a new one: Envoy rebuilds a token
-/// bucket whose numbers change, and a rebuilt bucket starts anew.
-const SETTLED: u64 = 50;
+pub use crate::limiter::share::MILLI;
 
 /// What one stream is told to do with one bucket.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,16 +74,6 @@ impl Assignment {
             Assignment::AllowAll => "allow_all",
             Assignment::DenyAll => "deny_all",
         }
-    }
-}
-
-/// The share to send a stream that was last sent `sent` and is now due `due` (thousandths of a
-/// request per window): the one it has while they differ by 2 % or less, so that noise in the
-/// reports does not make Envoy rebuild its bucket at every report.
-pub fn settle(sent: Option<u64>, due: u64) -> u64 {
-    match sent {
-        Some(sent) if sent.abs_diff(due) * SETTLED <= sent => sent,
-        _ => due,
     }
 }
 
@@ -165,15 +147,5 @@ mod tests {
             bucket(u32::MAX, u32::MAX, 1)
         );
         assert_eq!(Assignment::share(1500, &huge), bucket(2, 1, 1));
-    }
-
-    #[test]
-    fn a_share_that_moves_by_2_percent_or_less_stays() {
-        assert_eq!(settle(None, 10_000), 10_000);
-        assert_eq!(settle(Some(10_000), 10_200), 10_000);
-        assert_eq!(settle(Some(10_000), 9_800), 10_000);
-        assert_eq!(settle(Some(10_000), 10_201), 10_201);
-        assert_eq!(settle(Some(10_000), 9_799), 9_799);
-        assert_eq!(settle(Some(0), 1), 1);
     }
 }

@@ -7,8 +7,13 @@
 //! bucket with an explicit `tokens_per_fill` and a whole-second `fill_interval`, or a blanket rule;
 //! an assignment with a whole-second time to live, which expires without a new one, so it is sent
 //! again on every report. The first report of a bucket on a stream subscribes the stream to it.
-//! When one report changes how a bucket divides, the other streams of that bucket on this replica
-//! get their new shares at once; streams on other replicas get theirs with their next report.
+//!
+//! What a stream may enforce of a bucket is its grant in the store (`store::demand`): a grant
+//! shrinks at once and grows only by what no stream on any replica holds, so the assignments of a
+//! bucket never add up to more than its limit. When a report changes how a bucket divides, this
+//! replica's streams of it are sent their new grants at once; once a shrink is sent, the bucket is
+//! settled again, which frees it; and the store names the bucket on a channel every replica
+//! listens to, so that the streams of the others move theirs within a few round trips.
 //!
 //! Every stream is served on a thread of its own (`Quotas::start`), with a store of its own: a
 //! flood of reports is decoded, matched and recorded there, never on the event loops that answer
@@ -40,10 +45,11 @@ use super::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_repo
 use super::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
+use crate::limiter::share::settled;
 use crate::limiter::{CounterIds, CounterKey, DescriptorKey, IdHasher, Limit};
-use crate::quota::{Assignment, MILLI, demand, divide, settle};
+use crate::quota::{Assignment, MILLI, demand};
 use crate::rules::{QuotaRule, RuleSet};
-use crate::store::{Backend, Deadline, Demands, Report, Store, StoreError};
+use crate::store::{Backend, Change, Deadline, Division, Listed, Settle, Store, StoreError, Told};
 use crate::telemetry::Throttle;
 use crate::telemetry::metrics::{METRICS, QuotaLabels, UNKNOWN_DOMAIN, UNMATCHED_RULE};
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
@@ -73,6 +79,17 @@ const RECORDS_IN_FLIGHT: usize = 64;
 const BUCKETS_AT_A_TIME: usize = 256;
 /// Buckets that may be divided at once on one replica (their ids hashed to as many turns).
 const TURNS: usize = 256;
+/// Settle calls one division may take: its own, then one after each round of shrinks sent.
+const SETTLE_ROUNDS: usize = 3;
+/// How long a settle call waits for the shrinks it sent to be taken by their connections before
+/// it settles again, which frees them for the others.
+const TAKEN_WITHIN: Duration = Duration::from_millis(100);
+/// How long no grant grows on this replica once its store connection is made again: a restarted
+/// store has lost what every replica's streams hold, and every replica lists its own again (at
+/// once, on its reconnection) before any grows.
+const FROZEN_AFTER_RECONNECTION: Duration = Duration::from_secs(2);
+/// How long after a stream of another replica lapses its bucket is settled again.
+const WAKE_SLACK: Duration = Duration::from_millis(20);
 /// Answers waiting to be written to one stream (each of at most `BUCKETS_AT_A_TIME` buckets); a
 /// push that finds it full is dropped (the stream's next report is answered anyway), and an answer
 /// to a report waits, holding back the rest of the report.
@@ -177,7 +194,9 @@ pub struct Quotas {
     next_stream: AtomicU64,
     /// Per bucket, by the keyed 128-bit hash of its key (as the embedded store indexes
     /// counters), the streams subscribed to it on this replica.
-    buckets: Mutex<HashMap<u128, Vec<Subscriber>, IdHasher>>,
+    buckets: Mutex<HashMap<u128, Local, IdHasher>>,
+    /// Until when no grant grows (`FROZEN_AFTER_RECONNECTION`).
+    frozen_until: Mutex<Instant>,
     ids: CounterIds,
     /// Turns to divide a bucket, one bucket at a time: a bucket takes the turn its id hashes to.
     turns: Box<[tokio::sync::Mutex<()>]>,
@@ -194,11 +213,20 @@ pub struct Quotas {
     store: Store,
 }
 
+/// A bucket's streams on this replica.
+struct Local {
+    key: CounterKey,
+    subscribers: Vec<Subscriber>,
+    /// It is to be settled again when what a stream of another replica holds lapses, for one of
+    /// its streams here waits for it.
+    waking: bool,
+}
+
 /// One stream subscribed to one bucket.
 struct Subscriber {
     /// The stream's number on this replica.
     stream: u64,
-    outbox: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
+    outbox: Outbox,
     /// The bucket id as the stream reported it, encoded (a few dozen bytes, where the decoded
     /// map takes hundreds), for pushes.
     bucket_id: Box<[u8]>,
@@ -209,11 +237,28 @@ struct Subscriber {
     share: Option<u64>,
     /// The bucket's rule is in shadow mode: it is sent "allow all" whatever its share.
     shadow: bool,
+    /// The rule dividing the bucket, while the stream takes part in the division.
+    divided: Option<Arc<QuotaRule>>,
+    /// Its last demand, in thousandths of a request per window.
+    demand: u64,
+    /// The most its Envoy may be enforcing, in thousandths of a request per window: its grant,
+    /// or more while a smaller one has not been sent to it.
+    held: u64,
+    /// A settle call has counted it in the store.
+    known: bool,
+}
+
+/// What one stream's report or departure changes in a bucket.
+#[derive(Clone, Copy)]
+struct Move {
+    stream: u64,
+    change: Change,
+    demand: u64,
 }
 
 impl Quotas {
     /// Starts the thread that serves every quota stream, with a store of its own on `backend`.
-    pub fn start(settings: QuotaSettings, backend: &Backend) -> anyhow::Result<Quotas> {
+    pub fn start(settings: QuotaSettings, backend: &Backend) -> anyhow::Result<Arc<Quotas>> {
         let (opened, store) = std::sync::mpsc::channel();
         let backend = backend.clone();
         std::thread::Builder::new()
@@ -244,9 +289,13 @@ impl Quotas {
                     }
                 };
                 runtime.block_on(async move {
-                    match backend.open() {
-                        Ok(store) => {
-                            let _ = opened.send(Ok((tokio::runtime::Handle::current(), store)));
+                    match backend
+                        .open()
+                        .and_then(|store| Ok((store, backend.listen()?)))
+                    {
+                        Ok((store, told)) => {
+                            let handle = tokio::runtime::Handle::current();
+                            let _ = opened.send(Ok((handle, store, told)));
                             // Serves the streams spawned on it for the life of the process.
                             std::future::pending::<()>().await;
                         }
@@ -257,17 +306,18 @@ impl Quotas {
                 });
             })
             .context("starting the quota service's thread")?;
-        let (runtime, store) = store
+        let (runtime, store, told) = store
             .recv()
             .context("the quota service's thread stopped")??;
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();
-        Ok(Quotas {
+        let quotas = Arc::new(Quotas {
             settings,
             replica: format!("{:x}-{:x}", std::process::id(), now.as_nanos()),
             next_stream: AtomicU64::new(1),
             buckets: Mutex::default(),
+            frozen_until: Mutex::new(Instant::now()),
             ids: CounterIds::new(),
             turns: (0..TURNS).map(|_| tokio::sync::Mutex::new(())).collect(),
             tracked_buckets: Allowance::new(settings.max_buckets),
@@ -276,7 +326,11 @@ impl Quotas {
             records_left: RecordBudget::new(settings.max_records),
             runtime,
             store,
-        })
+        });
+        if let Some(told) = told {
+            quotas.runtime.spawn(quotas.clone().hear(told));
+        }
+        Ok(quotas)
     }
 
     /// Runs `work` on the quota service's thread.
@@ -304,8 +358,268 @@ impl Quotas {
         Duration::from_secs_f64(tracked / f64::from(self.settings.max_records.max(1)))
     }
 
-    fn buckets(&self) -> std::sync::MutexGuard<'_, HashMap<u128, Vec<Subscriber>, IdHasher>> {
+    fn buckets(&self) -> std::sync::MutexGuard<'_, HashMap<u128, Local, IdHasher>> {
         self.buckets.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether grants may grow now (not for `FROZEN_AFTER_RECONNECTION` after the store's
+    /// connection was made again).
+    fn growing(&self) -> bool {
+        Instant::now() >= *self.frozen_until.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Settles what other replicas name, and lists every bucket again when the store's
+    /// connection is made again, a few buckets at a time.
+    async fn hear(self: Arc<Self>, told: mpsc::Receiver<Told>) {
+        ReceiverStream::new(told)
+            .for_each_concurrent(RECORDS_IN_FLIGHT, |heard| {
+                let quotas = self.clone();
+                async move {
+                    match heard {
+                        Told::Bucket(counter) => {
+                            let id = quotas.ids.id_of_bytes(&counter);
+                            if let Some((key, rule)) = quotas.divided(id) {
+                                quotas.settle_in_background(id, key, rule).await;
+                            }
+                        }
+                        Told::Reconnected => {
+                            *quotas
+                                .frozen_until
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner()) =
+                                Instant::now() + FROZEN_AFTER_RECONNECTION;
+                            let all = quotas.all_divided();
+                            futures_util::stream::iter(all)
+                                .for_each_concurrent(RECORDS_IN_FLIGHT, |(id, key, rule)| {
+                                    quotas.settle_in_background(id, key, rule)
+                                })
+                                .await;
+                        }
+                    }
+                }
+            })
+            .await;
+    }
+
+    /// The key and rule of bucket `id`, if a stream of this replica takes part in its division.
+    fn divided(&self, id: u128) -> Option<(CounterKey, Arc<QuotaRule>)> {
+        let buckets = self.buckets();
+        let local = buckets.get(&id)?;
+        let rule = local.subscribers.iter().find_map(|s| s.divided.clone())?;
+        Some((local.key.clone(), rule))
+    }
+
+    /// Every bucket a stream of this replica takes part in the division of.
+    fn all_divided(&self) -> Vec<(u128, CounterKey, Arc<QuotaRule>)> {
+        let buckets = self.buckets();
+        buckets
+            .iter()
+            .filter_map(|(&id, local)| {
+                let rule = local.subscribers.iter().find_map(|s| s.divided.clone())?;
+                Some((id, local.key.clone(), rule))
+            })
+            .collect()
+    }
+
+    /// Settles bucket `id` with no report (another replica moved, or the store came back).
+    async fn settle_in_background(
+        self: &Arc<Self>,
+        id: u128,
+        key: CounterKey,
+        rule: Arc<QuotaRule>,
+    ) {
+        if let Err(e) = self.settle(id, &key, &rule, None, None).await {
+            failed_settle(&e);
+        }
+    }
+
+    /// Settles bucket `id` (`key`, divided by `rule`) for this replica's streams of it, with
+    /// `moving`'s report or departure, and sends every stream whose grant moved its new
+    /// assignment, but for a growth of `answering`'s, which its answer carries. Once a shrink has
+    /// been sent, settles again, which frees it for the others. One bucket at a time: each sees
+    /// what the ones before it left.
+    async fn settle(
+        self: &Arc<Self>,
+        id: u128,
+        key: &CounterKey,
+        rule: &QuotaRule,
+        mut moving: Option<Move>,
+        answering: Option<u64>,
+    ) -> Result<Division, StoreError> {
+        let _turn = self.turn(id).lock().await;
+        let limit = rule.limit.as_ref().expect("a divided bucket has a limit");
+        let total = u64::from(limit.requests_per_unit) * MILLI;
+        let stays = self.stays();
+        let mut rounds = 0;
+        loop {
+            let listed = self.listed(id, moving);
+            let call = Settle {
+                limit: total,
+                grow: self.growing(),
+                stays_ms: stays.as_millis() as u64,
+                freeze_ms: FROZEN_AFTER_RECONNECTION.as_millis() as u64,
+                streams: listed
+                    .iter()
+                    .map(|(stream, change, demand, held, known)| Listed {
+                        stream,
+                        change: *change,
+                        demand: *demand,
+                        grant: *held,
+                        known: *known,
+                    })
+                    .collect(),
+            };
+            let division = self.record(key, &call).await?;
+            let shrunk = self.send_grants(id, &division, limit, answering);
+            moving = None;
+            rounds += 1;
+            if !division.again || shrunk.is_empty() || rounds == SETTLE_ROUNDS {
+                self.wake_when_free(id, &division);
+                return Ok(division);
+            }
+            taken(&shrunk).await;
+        }
+    }
+
+    /// When a stream of this replica has less than its share of bucket `id` and a stream of
+    /// another replica holds some of it, settles the bucket again once that stream stops being
+    /// counted (a replica that died is not told to shrink): its Envoy gets its grant then, not at
+    /// its next report. One wake-up at a time per bucket.
+    fn wake_when_free(self: &Arc<Self>, id: u128, division: &Division) {
+        let Some(lapse_ms) = division.lapse_ms else {
+            return;
+        };
+        {
+            let mut buckets = self.buckets();
+            let Some(local) = buckets.get_mut(&id) else {
+                return;
+            };
+            let short = local.subscribers.iter().any(|s| {
+                s.divided.is_some()
+                    && division
+                        .of(&self.stream_id(s.stream))
+                        .is_some_and(|g| g.grant < g.share && !settled(g.grant, g.share))
+            });
+            if !short || local.waking {
+                return;
+            }
+            local.waking = true;
+        }
+        // The store's clock, not this one: how long from now, with a little for the two to
+        // differ in their reading of the lapse.
+        let after = Duration::from_millis(lapse_ms.saturating_sub(division.now_ms)) + WAKE_SLACK;
+        let quotas = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            if let Some(local) = quotas.buckets().get_mut(&id) {
+                local.waking = false;
+            }
+            if let Some((key, rule)) = quotas.divided(id) {
+                quotas.settle_in_background(id, key, rule).await;
+            }
+        });
+    }
+
+    /// How long a stream stays counted in the store without reporting again: three of its
+    /// records' intervals (it stays counted until the next), and no less than an assignment
+    /// lives (the Envoys of a replica that died keep enforcing theirs that long).
+    fn stays(&self) -> Duration {
+        DEMAND_STAYS
+            .max(3 * self.record_every())
+            .max(self.settings.ttl)
+    }
+
+    /// This replica's streams of bucket `id` in its division, as a settle call lists them: id,
+    /// change, demand, what its Envoy may be enforcing and whether the store counted it;
+    /// `moving`'s with its change (a stream new to the bucket, or one that left it, holding
+    /// nothing).
+    fn listed(&self, id: u128, moving: Option<Move>) -> Vec<(String, Change, u64, u64, bool)> {
+        let buckets = self.buckets();
+        let mut listed: Vec<(String, Change, u64, u64, bool)> = buckets
+            .get(&id)
+            .map(|local| {
+                local
+                    .subscribers
+                    .iter()
+                    .filter(|s| s.divided.is_some())
+                    .map(|s| {
+                        let (change, demand) = match moving {
+                            Some(m) if m.stream == s.stream => (m.change, m.demand),
+                            _ => (Change::Keep, s.demand),
+                        };
+                        (self.stream_id(s.stream), change, demand, s.held, s.known)
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        if let Some(m) = moving {
+            let stream = self.stream_id(m.stream);
+            if !listed.iter().any(|(s, ..)| *s == stream) {
+                listed.push((stream, m.change, m.demand, 0, false));
+            }
+        }
+        listed
+    }
+
+    /// Sends this replica's streams of bucket `id` the grants `division` gave them, where their
+    /// assignments change (but a growth of `answering`'s, which its answer carries); the outboxes
+    /// a shrink was sent to. A push that finds its stream's outbox full is dropped: the stream's
+    /// Envoy is then taken to enforce what it was last sent, until its next answer.
+    fn send_grants(
+        &self,
+        id: u128,
+        division: &Division,
+        limit: &Limit,
+        answering: Option<u64>,
+    ) -> Vec<Outbox> {
+        let mut buckets = self.buckets();
+        let Some(local) = buckets.get_mut(&id) else {
+            return Vec::new();
+        };
+        let mut shrunk = Vec::new();
+        for subscriber in local.subscribers.iter_mut() {
+            if subscriber.divided.is_none() {
+                continue;
+            }
+            let Some(granted) = division.of(&self.stream_id(subscriber.stream)) else {
+                continue;
+            };
+            subscriber.known = true;
+            if granted.waiting() {
+                continue;
+            }
+            let grant = granted.grant;
+            let assignment = Assignment::share(grant, limit);
+            let shrinks = grant < subscriber.held;
+            let pushed = if subscriber.shadow
+                || assignment == subscriber.sent
+                || (answering == Some(subscriber.stream) && !shrinks)
+            {
+                true
+            } else {
+                push(subscriber, assignment, self.settings.ttl)
+            };
+            if pushed {
+                subscriber.sent = assignment;
+                subscriber.share = Some(grant);
+                subscriber.held = grant;
+                if shrinks {
+                    shrunk.push(subscriber.outbox.clone());
+                }
+            }
+        }
+        shrunk
+    }
+
+    /// One settle call, once one of the replica's `RECORDS_IN_FLIGHT` is free.
+    async fn record(&self, bucket: &CounterKey, call: &Settle<'_>) -> Result<Division, StoreError> {
+        let _in_flight = self
+            .records
+            .acquire()
+            .await
+            .expect("the semaphore is never closed");
+        let deadline = Deadline::new(STORE_DEADLINE, None);
+        self.store.settle(bucket, call, deadline).await
     }
 
     /// Per quota bucket rule: (stream, bucket) subscriptions on this replica, and the requests
@@ -313,7 +627,7 @@ impl Quotas {
     /// bucket counts the share it would be sent).
     pub fn by_rule(&self) -> Vec<(QuotaLabels, usize, f64)> {
         let mut out: HashMap<Arc<QuotaLabels>, (usize, f64)> = HashMap::new();
-        for subscriber in self.buckets().values().flatten() {
+        for subscriber in self.buckets().values().flat_map(|l| &l.subscribers) {
             let entry = out.entry(subscriber.labels.clone()).or_default();
             entry.0 += 1;
             entry.1 += subscriber.sent.rate().unwrap_or(0.0);
@@ -347,6 +661,8 @@ impl Rlqs {
 }
 
 type Answers = Pin<Box<dyn Stream<Item = Result<RateLimitQuotaResponse, Status>> + Send>>;
+/// Where a stream's answers wait for its connection.
+type Outbox = mpsc::Sender<Result<RateLimitQuotaResponse, Status>>;
 
 #[tonic::async_trait]
 impl RateLimitQuotaService for Rlqs {
@@ -384,7 +700,7 @@ struct QuotaStream {
     number: u64,
     quotas: Arc<Quotas>,
     rules: Arc<ArcSwap<RuleSet>>,
-    outbox: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
+    outbox: Outbox,
     /// The domain the stream reports for: Envoy names it in every report, gRPC's clients only in
     /// the first.
     domain: String,
@@ -699,8 +1015,14 @@ impl QuotaStream {
                     if let Some(was_shared) = was_shared {
                         // A rule that stopped dividing this bucket (a reload): out of the
                         // division.
-                        if was_shared {
-                            self.leave_division(&step.key).await;
+                        let rule = self
+                            .quotas
+                            .buckets()
+                            .get(&step.id)
+                            .and_then(|l| l.subscribers.iter().find(|s| s.stream == self.number))
+                            .and_then(|s| s.divided.clone());
+                        if let (true, Some(rule)) = (was_shared, rule) {
+                            self.leave_division(&step.key, step.id, &rule).await;
                         }
                         self.subscribe(&step, assignment, None, false);
                     }
@@ -709,7 +1031,7 @@ impl QuotaStream {
                 (None, _) => shared.push((step, requests)),
             }
         }
-        let divided: Vec<(Step, Assignment, bool)> = futures_util::stream::iter(shared)
+        let divided: Vec<(Step, Option<Assignment>, bool)> = futures_util::stream::iter(shared)
             .map(|(step, requests)| self.divide(step, requests))
             .buffer_unordered(RECORDS_IN_FLIGHT)
             .collect()
@@ -720,19 +1042,21 @@ impl QuotaStream {
             }
         }
         // Each divided bucket is answered with the latest share this stream got, its own or one
-        // pushed by a later division; pushes go out under the same lock, so the Envoy gets shares
-        // in the order they were decided.
+        // pushed by a later division, and not at all while it waits for one; pushes go out under
+        // the same lock, so the Envoy gets shares in the order they were decided.
         let late = {
             let buckets = self.quotas.buckets();
             for (step, share, shadow) in &divided {
                 let latest = buckets
                     .get(&step.id)
-                    .and_then(|local| local.iter().find(|s| s.stream == self.number))
-                    .map_or(*share, |s| s.sent);
-                let answer = if *shadow {
-                    Assignment::AllowAll
-                } else {
-                    latest
+                    .and_then(|local| local.subscribers.iter().find(|s| s.stream == self.number))
+                    .filter(|s| s.share.is_some())
+                    .map(|s| s.sent)
+                    .or(*share);
+                let answer = match latest {
+                    _ if *shadow => Assignment::AllowAll,
+                    Some(latest) => latest,
+                    None => continue,
                 };
                 actions.push(self.action(step, answer, tally));
             }
@@ -799,15 +1123,12 @@ impl QuotaStream {
         }
     }
 
-    /// Records this stream's demand for a shared bucket and divides the bucket's limit among
-    /// every stream counted in it: this stream's share, and new shares pushed to the others on
-    /// this replica. When the store cannot answer, the stream keeps what it was last sent, and
-    /// so it does when its record is not due (`--quota-max-records`).
-    async fn divide(&self, mut step: Step, requests: u64) -> (Step, Assignment, bool) {
-        // One division of a bucket at a time on this replica: each sees the demands recorded
-        // before it, and its pushes and share land after theirs.
-        let _turn = self.quotas.turn(step.id).lock().await;
-        let rule = step.rule.as_ref().expect("a shared bucket has a rule");
+    /// Records this stream's demand for a shared bucket and settles the bucket: this stream's
+    /// grant (none while it waits for others to free its share), and new grants sent to the
+    /// others on this replica. When the store cannot answer, the stream keeps what it was last
+    /// sent, and so it does when its record is not due (`--quota-max-records`).
+    async fn divide(&self, mut step: Step, requests: u64) -> (Step, Option<Assignment>, bool) {
+        let rule = step.rule.clone().expect("a shared bucket has a rule");
         let limit = rule.limit.as_ref().expect("a shared bucket has a limit");
         let total = u64::from(limit.requests_per_unit);
         let window = Duration::from_millis(limit.window_ms());
@@ -829,47 +1150,39 @@ impl QuotaStream {
                 now.saturating_duration_since(at) + REPORT_INTERVAL / 2 >= every
             });
         let due = due && self.quotas.records_left.take(lapsing);
-        // Counted for three of its records' intervals: it stays counted until the next.
-        let stays = DEMAND_STAYS.max(3 * every);
-        let report = Report {
-            stream: &self.id,
-            demand: Some(wanted),
-            stays_ms: stays.as_millis() as u64,
-        };
-        let recorded = if due {
-            Some(self.record(&step.key, report).await)
-        } else {
-            None
-        };
-        let (share, milli) = match recorded {
-            None => self.kept(step.id, limit),
-            Some(Ok(demands)) => {
-                step.recorded = Some((now, now + stays));
-                let wants: Vec<u64> = demands.streams.iter().map(|(_, d)| *d).collect();
-                let shares = divide(total * MILLI, &wants);
-                // The streams come sorted by id.
-                let share_of = |stream: &str| {
-                    demands
-                        .streams
-                        .binary_search_by(|(s, _)| s.as_str().cmp(stream))
-                        .ok()
-                        .map(|at| shares[at])
-                };
-                self.push(&step, share_of, limit);
-                let due = share_of(&self.id).unwrap_or(total * MILLI);
-                let milli = settle(self.last_share(step.id), due);
-                (Assignment::share(milli, limit), Some(milli))
-            }
-            Some(Err(e)) => {
-                static FAILED: Throttle = Throttle::new();
-                METRICS.quota_store_error(e.kind());
-                if let Some(n) = FAILED.hit() {
-                    tracing::warn!(
-                        "{n} quota demand record(s) since the last report failed, the buckets keep their last assignments: {e}"
-                    );
+        let stays = self.quotas.stays();
+        let share = if due {
+            self.enlist(&step, &rule, wanted, total * MILLI);
+            let moving = Move {
+                stream: self.number,
+                change: Change::Report,
+                demand: wanted,
+            };
+            let settled = self
+                .quotas
+                .settle(step.id, &step.key, &rule, Some(moving), Some(self.number))
+                .await;
+            match settled {
+                Ok(division) => {
+                    step.recorded = Some((now, now + stays));
+                    match division.of(&self.id) {
+                        Some(granted) if granted.waiting() => None,
+                        granted => {
+                            let grant = granted.map_or(0, |g| g.grant);
+                            Some((Assignment::share(grant, limit), Some(grant)))
+                        }
+                    }
                 }
-                self.kept(step.id, limit)
+                Err(e) => {
+                    failed_settle(&e);
+                    self.kept(step.id, limit)
+                }
             }
+        } else {
+            self.kept(step.id, limit)
+        };
+        let Some((share, milli)) = share else {
+            return (step, None, rule.shadow);
         };
         if let (Some(elapsed), true) = (step.elapsed, rule.shadow) {
             let admissible = share.rate().unwrap_or(f64::INFINITY) * elapsed.as_secs_f64();
@@ -880,104 +1193,88 @@ impl QuotaStream {
         }
         self.subscribe(&step, share, milli, rule.shadow);
         let shadow = rule.shadow;
-        (step, share, shadow)
+        (step, Some(share), shadow)
     }
 
-    /// One demand record, once one of the replica's `RECORDS_IN_FLIGHT` is free.
-    async fn record(&self, bucket: &CounterKey, report: Report<'_>) -> Result<Demands, StoreError> {
-        let _in_flight = self
-            .quotas
-            .records
-            .acquire()
-            .await
-            .expect("the semaphore is never closed");
-        let deadline = Deadline::new(STORE_DEADLINE, None);
-        self.quotas
-            .store
-            .record_demand(bucket, report, deadline)
-            .await
-    }
-
-    /// The share this stream was last sent for a bucket, if it was sent one.
-    fn last_share(&self, id: u128) -> Option<u64> {
+    /// What a bucket gets while the store cannot answer, or before its first record is due:
+    /// what this stream was last sent; nothing while the store counts it waiting for its share;
+    /// or for a bucket new to it the limit divided among this replica's streams of it.
+    fn kept(&self, id: u128, limit: &Limit) -> Option<(Assignment, Option<u64>)> {
         let buckets = self.quotas.buckets();
-        buckets
-            .get(&id)?
-            .iter()
-            .find(|s| s.stream == self.number)?
-            .share
-    }
-
-    /// What a bucket gets while the store cannot answer: what this stream was last sent, or for
-    /// a bucket new to it the limit divided among this replica's streams of the bucket.
-    fn kept(&self, id: u128, limit: &Limit) -> (Assignment, Option<u64>) {
-        let buckets = self.quotas.buckets();
-        let local = buckets.get(&id);
-        if let Some(s) = local.and_then(|l| l.iter().find(|s| s.stream == self.number)) {
-            return (s.sent, s.share);
+        let local = buckets.get(&id).map_or(&[][..], |l| &l.subscribers[..]);
+        match local.iter().find(|s| s.stream == self.number) {
+            Some(s) if s.share.is_some() => return Some((s.sent, s.share)),
+            Some(s) if s.known => return None,
+            _ => {}
         }
-        let streams = local.map_or(0, Vec::len) as u64 + 1;
-        let milli = u64::from(limit.requests_per_unit) * MILLI / streams;
-        (Assignment::share(milli, limit), Some(milli))
+        let others = local.iter().filter(|s| s.stream != self.number).count() as u64;
+        let milli = u64::from(limit.requests_per_unit) * MILLI / (others + 1);
+        Some((Assignment::share(milli, limit), Some(milli)))
     }
 
-    /// Sends the other streams of this replica subscribed to the bucket their new shares, where
-    /// they changed.
-    fn push(&self, step: &Step, share_of: impl Fn(&str) -> Option<u64>, limit: &Limit) {
+    /// Makes the stream take part in the division of a bucket of `total` thousandths with its
+    /// demand `demand`: listed in the next settle call, holding what it was last sent (nothing,
+    /// when new to it).
+    fn enlist(&self, step: &Step, rule: &Arc<QuotaRule>, demand: u64, total: u64) {
         let mut buckets = self.quotas.buckets();
-        let Some(local) = buckets.get_mut(&step.id) else {
-            return;
-        };
-        for subscriber in local.iter_mut() {
-            if subscriber.stream == self.number || subscriber.shadow {
-                continue;
-            }
-            let Some(due) = share_of(&self.quotas.stream_id(subscriber.stream)) else {
-                continue;
-            };
-            let milli = settle(subscriber.share, due);
-            let assignment = Assignment::share(milli, limit);
-            if assignment == subscriber.sent {
-                continue;
-            }
-            let Ok(bucket_id) = BucketId::decode(&*subscriber.bucket_id) else {
-                continue;
-            };
-            let pushed = RateLimitQuotaResponse {
-                bucket_action: vec![assign(bucket_id, assignment, self.quotas.settings.ttl)],
-            };
-            // A full outbox drops the push; the stream's next answer carries the share anyway.
-            subscriber.sent = assignment;
-            subscriber.share = Some(milli);
-            if subscriber.outbox.try_send(Ok(pushed)).is_ok() {
-                METRICS.quota_actions(&subscriber.labels, assignment.name(), 1);
-            }
+        let (subscriber, new) = self.subscriber(&mut buckets, step);
+        if new {
+            subscriber.shadow = rule.shadow;
+        } else if subscriber.divided.is_none() {
+            // It was sent a fixed assignment, which may be the whole limit or more.
+            subscriber.held = total;
         }
+        subscriber.divided = Some(rule.clone());
+        subscriber.demand = demand;
     }
 
     /// Remembers what the stream was sent for a bucket, for pushes and for store outages.
     fn subscribe(&self, step: &Step, sent: Assignment, share: Option<u64>, shadow: bool) {
         let mut buckets = self.quotas.buckets();
-        let local = buckets.entry(step.id).or_default();
-        match local.iter_mut().find(|s| s.stream == self.number) {
-            Some(subscriber) => {
-                subscriber.labels = step.labels.clone();
-                subscriber.sent = sent;
-                subscriber.share = share;
-                subscriber.shadow = shadow;
-            }
+        let (subscriber, _) = self.subscriber(&mut buckets, step);
+        subscriber.labels = step.labels.clone();
+        subscriber.sent = sent;
+        subscriber.share = share;
+        subscriber.shadow = shadow;
+        subscriber.held = subscriber.held.max(share.unwrap_or(0));
+    }
+
+    /// The stream's subscription to `step`'s bucket, and whether it is new: then sent nothing,
+    /// out of the division and holding nothing.
+    fn subscriber<'a>(
+        &self,
+        buckets: &'a mut HashMap<u128, Local, IdHasher>,
+        step: &Step,
+    ) -> (&'a mut Subscriber, bool) {
+        let local = buckets.entry(step.id).or_insert_with(|| Local {
+            key: step.key.clone(),
+            subscribers: Vec::with_capacity(1),
+            waking: false,
+        });
+        let at = local
+            .subscribers
+            .iter()
+            .position(|s| s.stream == self.number);
+        match at {
+            Some(at) => (&mut local.subscribers[at], false),
             None => {
                 // Most buckets have one subscriber: no room for more until there is one.
-                local.reserve_exact(1);
-                local.push(Subscriber {
+                local.subscribers.reserve_exact(1);
+                local.subscribers.push(Subscriber {
                     stream: self.number,
                     outbox: self.outbox.clone(),
                     bucket_id: step.bucket_id.encode_to_vec().into(),
                     labels: step.labels.clone(),
-                    sent,
-                    share,
-                    shadow,
+                    sent: Assignment::DenyAll,
+                    share: None,
+                    shadow: false,
+                    divided: None,
+                    demand: 0,
+                    held: 0,
+                    known: false,
                 });
+                let last = local.subscribers.len() - 1;
+                (&mut local.subscribers[last], true)
             }
         }
     }
@@ -994,49 +1291,111 @@ impl QuotaStream {
             self.held_bytes -= held.size;
             self.quotas.tracked_buckets.give_back(1);
         }
-        self.unsubscribe(id);
-        self.leave_division(key).await;
-    }
-
-    fn unsubscribe(&self, id: u128) {
-        let mut buckets = self.quotas.buckets();
-        if let Some(local) = buckets.get_mut(&id) {
-            local.retain(|s| s.stream != self.number);
-            if local.is_empty() {
-                buckets.remove(&id);
-            }
+        let divided = self.unsubscribe(id).and_then(|s| s.divided);
+        if let Some(rule) = divided {
+            self.leave_division(key, id, &rule).await;
         }
     }
 
-    /// Takes the stream's demand for a bucket out of the store, if it is there.
-    async fn leave_division(&self, key: &CounterKey) {
-        let report = Report {
-            stream: &self.id,
-            demand: None,
-            stays_ms: DEMAND_STAYS.as_millis() as u64,
+    /// Takes the stream off bucket `id` on this replica: what it was subscribed as.
+    fn unsubscribe(&self, id: u128) -> Option<Subscriber> {
+        let mut buckets = self.quotas.buckets();
+        let local = buckets.get_mut(&id)?;
+        let at = local
+            .subscribers
+            .iter()
+            .position(|s| s.stream == self.number)?;
+        let subscriber = local.subscribers.swap_remove(at);
+        if local.subscribers.is_empty() {
+            buckets.remove(&id);
+        }
+        Some(subscriber)
+    }
+
+    /// Takes the stream out of a bucket's division (`rule`'s), in the store and on this replica:
+    /// its grant goes to the others at once.
+    async fn leave_division(&self, key: &CounterKey, id: u128, rule: &QuotaRule) {
+        if let Some(subscriber) = self
+            .quotas
+            .buckets()
+            .get_mut(&id)
+            .and_then(|l| l.subscribers.iter_mut().find(|s| s.stream == self.number))
+        {
+            subscriber.divided = None;
+            subscriber.known = false;
+        }
+        let leaving = Move {
+            stream: self.number,
+            change: Change::Leave,
+            demand: 0,
         };
-        let _ = self.record(key, report).await;
+        if let Err(e) = self.quotas.settle(id, key, rule, Some(leaving), None).await {
+            failed_settle(&e);
+        }
     }
 
     /// At the stream's end: its buckets leave the division, so that the Envoy's next stream (on
-    /// this replica or another) is not counted twice; then what it tracked is given back.
+    /// this replica or another) is not counted twice and the others get its grants; then what it
+    /// tracked is given back.
     async fn leave(self) {
+        let mut shared = Vec::new();
         for key in self.buckets.keys() {
-            self.unsubscribe(self.quotas.ids.id(key, 0));
+            let id = self.quotas.ids.id(key, 0);
+            if let Some(rule) = self.unsubscribe(id).and_then(|s| s.divided) {
+                shared.push((key, id, rule));
+            }
         }
-        let shared: Vec<&CounterKey> = self
-            .buckets
-            .iter()
-            .filter(|(_, held)| held.shared)
-            .map(|(key, _)| key)
-            .collect();
+        let this = &self;
         futures_util::stream::iter(shared)
-            .for_each_concurrent(RECORDS_IN_FLIGHT, |key| self.leave_division(key))
+            .for_each_concurrent(RECORDS_IN_FLIGHT, |(key, id, rule)| async move {
+                this.leave_division(key, id, &rule).await;
+            })
             .await;
         self.quotas.tracked_buckets.give_back(self.buckets.len());
         if self.counted {
             self.quotas.tracked_streams.give_back(1);
         }
+    }
+}
+
+/// Sends `subscriber` its new `assignment` of the bucket, for `ttl`; whether it went (a full
+/// outbox drops it).
+fn push(subscriber: &Subscriber, assignment: Assignment, ttl: Duration) -> bool {
+    let Ok(bucket_id) = BucketId::decode(&*subscriber.bucket_id) else {
+        return false;
+    };
+    let pushed = RateLimitQuotaResponse {
+        bucket_action: vec![assign(bucket_id, assignment, ttl)],
+    };
+    let sent = subscriber.outbox.try_send(Ok(pushed)).is_ok();
+    if sent {
+        METRICS.quota_actions(&subscriber.labels, assignment.name(), 1);
+    }
+    sent
+}
+
+/// Waits until the connections of `outboxes` have taken what was pushed to them, for at most
+/// `TAKEN_WITHIN`: a shrink is then on its way to its Envoy before what it frees is given to
+/// another.
+async fn taken(outboxes: &[Outbox]) {
+    let start = Instant::now();
+    while outboxes
+        .iter()
+        .any(|o| !o.is_closed() && o.capacity() < o.max_capacity())
+        && start.elapsed() < TAKEN_WITHIN
+    {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Logs (at most once a second) that a settle call failed: the buckets keep their assignments.
+fn failed_settle(e: &StoreError) {
+    static FAILED: Throttle = Throttle::new();
+    METRICS.quota_store_error(e.kind());
+    if let Some(n) = FAILED.hit() {
+        tracing::warn!(
+            "{n} quota demand record(s) since the last report failed, the buckets keep their last assignments: {e}"
+        );
     }
 }
 

@@ -1,43 +1,121 @@
-//! Demand for the quota buckets of the Rate Limit Quota Service: what each stream (one Envoy)
-//! last reported wanting of a bucket, kept beside every other stream's, whichever sluice replica
-//! serves it, so that every replica shares a bucket's limit out from the same figures. Redis keeps
-//! it with `lua/demand.lua`; the embedded store keeps it here, with the same semantics, for a
-//! single replica.
+//! The quota buckets of the Rate Limit Quota Service, divided among the streams (one per Envoy)
+//! that report them, whichever sluice replica serves them. Per stream, a bucket keeps the
+//! stream's demand and its grant: the share of the limit its Envoy may be enforcing now. A grant
+//! shrinks at once and grows only by what no stream holds, so that the grants of a bucket never
+//! add up to more than its limit; a shrink counts at the grant before it until the replica says
+//! it has reached its Envoy (by settling the bucket again). Redis keeps buckets with
+//! `lua/demand.lua`; the embedded store keeps them here, with the same semantics, for a single
+//! replica.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
 use super::StoreError;
+use crate::limiter::share::{divide, settled};
 use crate::limiter::{CounterIds, CounterKey, IdHasher};
 
-/// Every stream counted in a bucket after a report, and the store's clock.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Demands {
-    pub now_ms: u64,
-    /// Per stream, its id and demand (thousandths of a request per window), sorted by id.
-    pub streams: Vec<(String, u64)>,
+/// What a settle call says of one of the replica's streams of a bucket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// It reported: its demand is new.
+    Report,
+    /// As the store has it; as listed if the store lost it.
+    Keep,
+    /// It leaves the bucket: its grant is free at once.
+    Leave,
 }
 
-/// One stream's report for one bucket.
+/// One of the replica's streams of a bucket, as a settle call lists it.
 #[derive(Clone, Copy, Debug)]
-pub struct Report<'a> {
+pub struct Listed<'a> {
     pub stream: &'a str,
-    /// Thousandths of a request per window; `None` when the stream leaves the bucket.
-    pub demand: Option<u64>,
-    /// How long the stream stays counted without reporting again.
+    pub change: Change,
+    /// Thousandths of a request per window.
+    pub demand: u64,
+    /// The most its Envoy may be enforcing, in thousandths of a request per window: what it was
+    /// last sent, or more while a smaller grant sent to it may not have reached it.
+    pub grant: u64,
+    /// The replica had it counted in the store before: missing, its record was lost (a
+    /// restarted Redis), and no grant of the bucket grows for `Settle::freeze_ms`, until every
+    /// replica has listed its streams again. The embedded store loses nothing while the process
+    /// lives, and does not read it.
+    pub known: bool,
+}
+
+/// One replica's call to settle a bucket: its streams of it, all listed.
+#[derive(Clone, Debug)]
+pub struct Settle<'a> {
+    /// The bucket's limit, in thousandths of a request per window.
+    pub limit: u64,
+    /// Whether the replica's streams may grow (not while it may be the only one to have told the
+    /// store what its streams hold, after the store lost its records).
+    pub grow: bool,
+    /// How long a stream stays counted once its replica stops listing it: an assignment sent
+    /// with the call lives at most that long.
     pub stays_ms: u64,
+    /// How long no grant of the bucket grows once a record is found lost.
+    pub freeze_ms: u64,
+    pub streams: Vec<Listed<'a>>,
+}
+
+/// A bucket's streams after a settle call, and the store's clock.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Division {
+    pub now_ms: u64,
+    /// A shrink of the replica's streams is yet to reach their Envoys: once sent, the replica
+    /// settles the bucket again, which frees it for the others.
+    pub again: bool,
+    /// When (store clock, ms) the first stream the replica did not list and that holds something
+    /// stops being counted: what it holds is free then.
+    pub lapse_ms: Option<u64>,
+    /// Every stream counted, sorted by id.
+    pub streams: Vec<Granted>,
+}
+
+/// One stream counted in a bucket.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Granted {
+    pub stream: String,
+    /// Thousandths of a request per window.
+    pub demand: u64,
+    /// Thousandths of a request per window.
+    pub grant: u64,
+    /// Its fair share of the limit, which its grant moves to as far as others free it.
+    pub share: u64,
+}
+
+impl Granted {
+    /// Nothing granted yet of a share that is not nothing: what it is to have is still held by
+    /// others (a new stream, or streams of a replica that died and are still counted). Its Envoy
+    /// is told nothing until it has some: it keeps the assignment it has, which is what the
+    /// others' grants stand for when it reconnected from one of them.
+    pub fn waiting(&self) -> bool {
+        self.grant == 0 && self.share > 0
+    }
+}
+
+impl Division {
+    /// `stream`, if it is counted.
+    pub fn of(&self, stream: &str) -> Option<&Granted> {
+        self.streams
+            .binary_search_by(|s| s.stream.as_str().cmp(stream))
+            .ok()
+            .map(|at| &self.streams[at])
+    }
 }
 
 /// One stream counted in a bucket.
 struct Standing {
     stream: Box<str>,
-    /// Thousandths of a request per window.
     demand: u64,
+    grant: u64,
+    /// At least `grant`; after a shrink, the grant before it, until the shrink reaches its Envoy.
+    held: u64,
     /// When it stops being counted (ms).
     until_ms: u64,
 }
 
-/// The embedded store's demands: per bucket, indexed by the keyed 128-bit hash of its key (as
+/// The embedded store's buckets: per bucket, indexed by the keyed 128-bit hash of its key (as
 /// the embedded store indexes counters), the streams counted, sorted by id. Most buckets have
 /// one stream, so a bucket takes about a hundred bytes.
 pub struct DemandBoard {
@@ -56,19 +134,21 @@ impl DemandBoard {
         }
     }
 
-    /// Records `report` for `bucket` at `now_ms` and answers every stream counted in it.
-    pub fn record(
+    /// Settles `bucket` for one replica at `now_ms`, as `lua/demand.lua` does.
+    pub fn settle(
         &self,
         bucket: &CounterKey,
-        report: Report,
+        call: &Settle,
         now_ms: u64,
-    ) -> Result<Demands, StoreError> {
+    ) -> Result<Division, StoreError> {
         let id = self.ids.id(bucket, 0);
         let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
         if !buckets.contains_key(&id) {
-            if report.demand.is_none() {
-                return Ok(Demands {
+            if call.streams.iter().all(|s| s.change == Change::Leave) {
+                return Ok(Division {
                     now_ms,
+                    again: false,
+                    lapse_ms: None,
                     streams: Vec::new(),
                 });
             }
@@ -80,36 +160,88 @@ impl DemandBoard {
         }
         let streams = buckets.entry(id).or_insert_with(|| Vec::with_capacity(1));
         streams.retain(|s| s.until_ms > now_ms);
-        let at = streams.binary_search_by(|s| (*s.stream).cmp(report.stream));
-        match (report.demand, at) {
-            (Some(demand), Ok(at)) => {
-                streams[at].demand = demand;
-                streams[at].until_ms = now_ms + report.stays_ms;
-            }
-            (Some(demand), Err(at)) => streams.insert(
-                at,
-                Standing {
-                    stream: report.stream.into(),
-                    demand,
-                    until_ms: now_ms + report.stays_ms,
-                },
-            ),
-            (None, Ok(at)) => {
-                streams.remove(at);
-            }
-            (None, Err(_)) => {}
+        let mut mine = Vec::with_capacity(call.streams.len());
+        for listed in &call.streams {
+            let at = streams.binary_search_by(|s| (*s.stream).cmp(listed.stream));
+            let at = match (listed.change, at) {
+                (Change::Leave, Ok(at)) => {
+                    streams.remove(at);
+                    continue;
+                }
+                (Change::Leave, Err(_)) => continue,
+                (Change::Report, Ok(at)) => {
+                    streams[at].demand = listed.demand;
+                    streams[at].until_ms = now_ms + call.stays_ms;
+                    at
+                }
+                (Change::Keep, Ok(at)) => {
+                    streams[at].until_ms = streams[at].until_ms.max(now_ms + call.stays_ms);
+                    at
+                }
+                (_, Err(at)) => {
+                    streams.insert(
+                        at,
+                        Standing {
+                            stream: listed.stream.into(),
+                            demand: listed.demand,
+                            grant: listed.grant,
+                            held: listed.grant,
+                            until_ms: now_ms + call.stays_ms,
+                        },
+                    );
+                    at
+                }
+            };
+            streams[at].held = streams[at].grant.max(listed.grant);
+            mine.push(listed.stream);
         }
-        let counted = streams
+        let is_mine = |s: &Standing| mine.contains(&&*s.stream);
+        let wants: Vec<u64> = streams.iter().map(|s| s.demand).collect();
+        let shares = divide(call.limit, &wants);
+        for (s, &share) in streams.iter_mut().zip(&shares) {
+            if is_mine(s) && s.grant > share && !settled(s.grant, share) {
+                s.grant = share;
+            }
+        }
+        let taken: u64 = streams.iter().map(|s| s.held).sum();
+        let mut free = call.limit.saturating_sub(taken);
+        let mut again = false;
+        for (s, &share) in streams.iter_mut().zip(&shares) {
+            if !is_mine(s) {
+                continue;
+            }
+            if call.grow && s.grant < share && !settled(s.grant, share) && free > 0 {
+                let more = (share - s.grant).min(free);
+                s.grant += more;
+                s.held = s.held.max(s.grant);
+                free -= more;
+            }
+            again |= s.held > s.grant;
+        }
+        let lapse_ms = streams
             .iter()
-            .map(|s| (s.stream.to_string(), s.demand))
-            .collect();
+            .filter(|s| !is_mine(s) && s.held > 0)
+            .map(|s| s.until_ms)
+            .min();
+        let division = Division {
+            now_ms,
+            again,
+            lapse_ms,
+            streams: streams
+                .iter()
+                .zip(&shares)
+                .map(|(s, &share)| Granted {
+                    stream: s.stream.to_string(),
+                    demand: s.demand,
+                    grant: s.grant,
+                    share,
+                })
+                .collect(),
+        };
         if streams.is_empty() {
             buckets.remove(&id);
         }
-        Ok(Demands {
-            now_ms,
-            streams: counted,
-        })
+        Ok(division)
     }
 
     /// Drops the streams that stopped reporting, and the buckets left without one.
@@ -133,43 +265,164 @@ mod tests {
     use super::*;
     use crate::limiter::DescriptorKey;
 
+    const LIMIT: u64 = 20_000;
+
     fn bucket(name: &str) -> CounterKey {
-        DescriptorKey::new(b"d", &[(b"name", name.as_bytes())]).counter("rlqs")
+        DescriptorKey::new(b"d", &[(b"name", name.as_bytes())]).counter("quota")
     }
 
-    fn report(stream: &str, demand: Option<u64>) -> Report<'_> {
-        Report {
-            stream,
-            demand,
+    fn settle(
+        board: &DemandBoard,
+        streams: &[(&'static str, Change, u64, u64)],
+        now_ms: u64,
+    ) -> Division {
+        settle_with(board, true, streams, now_ms)
+    }
+
+    fn settle_with(
+        board: &DemandBoard,
+        grow: bool,
+        streams: &[(&'static str, Change, u64, u64)],
+        now_ms: u64,
+    ) -> Division {
+        let call = Settle {
+            limit: LIMIT,
+            grow,
             stays_ms: 15_000,
-        }
+            freeze_ms: 2_000,
+            streams: streams
+                .iter()
+                .map(|&(stream, change, demand, grant)| Listed {
+                    stream,
+                    change,
+                    demand,
+                    grant,
+                    known: false,
+                })
+                .collect(),
+        };
+        board.settle(&bucket("b"), &call, now_ms).unwrap()
+    }
+
+    fn grants(division: &Division) -> Vec<(&str, u64)> {
+        division
+            .streams
+            .iter()
+            .map(|s| (s.stream.as_str(), s.grant))
+            .collect()
     }
 
     #[test]
-    fn every_stream_is_counted_once_with_its_last_demand_until_it_leaves_or_goes_quiet() {
+    fn a_grant_grows_only_once_the_shrink_that_frees_it_has_reached_its_envoy() {
         let board = DemandBoard::new(10);
-        let b = bucket("b");
-        board.record(&b, report("s1", Some(5)), 1_000).unwrap();
-        board.record(&b, report("s2", Some(7)), 2_000).unwrap();
-        let d = board.record(&b, report("s1", Some(9)), 3_000).unwrap();
-        assert_eq!(d.streams, [("s1".into(), 9), ("s2".into(), 7)]);
-        let d = board.record(&b, report("s1", None), 4_000).unwrap();
-        assert_eq!(d.streams, [("s2".into(), 7)]);
-        let d = board.record(&b, report("s3", Some(1)), 17_000).unwrap();
-        assert_eq!(d.streams, [("s3".into(), 1)], "s2 went quiet 15 s ago");
+        let d = settle(&board, &[("a", Change::Report, LIMIT, 0)], 0);
+        assert_eq!(grants(&d), [("a", LIMIT)], "alone, all of it");
+        // Another replica's stream subscribes: nothing is free yet.
+        let d = settle(&board, &[("b", Change::Report, LIMIT, 0)], 10);
+        assert_eq!(grants(&d), [("a", LIMIT), ("b", 0)]);
+        assert!(d.of("b").unwrap().waiting(), "b's share is half");
+        assert_eq!(
+            d.lapse_ms,
+            Some(15_000),
+            "what a holds is free when a lapses"
+        );
+        // a's replica shrinks it; what it gave up counts until a's Envoy has it.
+        let d = settle(&board, &[("a", Change::Keep, LIMIT, LIMIT)], 20);
+        assert_eq!(grants(&d), [("a", 10_000), ("b", 0)]);
+        assert!(d.again);
+        let d = settle(&board, &[("b", Change::Keep, LIMIT, 0)], 30);
+        assert_eq!(grants(&d), [("a", 10_000), ("b", 0)], "not free yet");
+        let d = settle(&board, &[("a", Change::Keep, LIMIT, 10_000)], 40);
+        assert!(!d.again);
+        let d = settle(&board, &[("b", Change::Keep, LIMIT, 0)], 50);
+        assert_eq!(grants(&d), [("a", 10_000), ("b", 10_000)]);
+    }
+
+    #[test]
+    fn a_stream_that_leaves_frees_its_grant_at_once() {
+        let board = DemandBoard::new(10);
+        settle(&board, &[("a", Change::Report, LIMIT, 0)], 0);
+        let d = settle(
+            &board,
+            &[("a", Change::Leave, 0, 0), ("b", Change::Report, LIMIT, 0)],
+            10,
+        );
+        assert_eq!(grants(&d), [("b", LIMIT)]);
+    }
+
+    #[test]
+    fn a_lost_record_is_listed_again_and_nothing_grows_until_every_replica_has_listed_its_own() {
+        let board = DemandBoard::new(10);
+        // The store lost both; b's replica lists b first, with the 12 of 20 it holds.
+        let d = settle_with(&board, false, &[("b", Change::Keep, LIMIT, 12_000)], 0);
+        assert_eq!(
+            grants(&d),
+            [("b", 12_000)],
+            "alone as far as the store knows"
+        );
+        let d = settle_with(&board, false, &[("a", Change::Keep, LIMIT, 8_000)], 10);
+        assert_eq!(grants(&d), [("a", 8_000), ("b", 12_000)]);
+        let d = settle(&board, &[("b", Change::Keep, LIMIT, 12_000)], 20);
+        assert_eq!(grants(&d), [("a", 8_000), ("b", 10_000)]);
+        settle(&board, &[("b", Change::Keep, LIMIT, 10_000)], 30);
+        let d = settle(&board, &[("a", Change::Keep, LIMIT, 8_000)], 40);
+        assert_eq!(grants(&d), [("a", 10_000), ("b", 10_000)]);
+    }
+
+    #[test]
+    fn streams_that_stop_reporting_leave_the_division() {
+        let board = DemandBoard::new(10);
+        settle(&board, &[("a", Change::Report, 5_000, 0)], 0);
+        let d = settle(&board, &[("b", Change::Report, 30_000, 0)], 16_000);
+        assert_eq!(grants(&d), [("b", LIMIT)], "a went quiet 15 s ago");
         board.sweep(40_000);
         assert_eq!(board.buckets(), 0);
     }
 
     #[test]
+    fn a_stream_its_replica_lists_stays_counted_as_long_as_what_it_was_sent_lives() {
+        let board = DemandBoard::new(10);
+        settle(&board, &[("a", Change::Report, LIMIT, 0)], 0);
+        // Listed again at 10 s (its replica settles the bucket), when it may be sent its grant.
+        settle(&board, &[("a", Change::Keep, LIMIT, LIMIT)], 10_000);
+        let d = settle(&board, &[("b", Change::Report, LIMIT, 0)], 20_000);
+        assert_eq!(grants(&d), [("a", LIMIT), ("b", 0)], "a counted until 25 s");
+        let d = settle(&board, &[("b", Change::Report, LIMIT, 0)], 25_001);
+        assert_eq!(grants(&d), [("b", LIMIT)]);
+    }
+
+    #[test]
     fn a_full_board_refuses_new_buckets_but_serves_the_ones_it_has() {
         let board = DemandBoard::new(1);
-        board.record(&bucket("a"), report("s", Some(1)), 0).unwrap();
+        let call = |stream, change| Settle {
+            limit: LIMIT,
+            grow: true,
+            stays_ms: 15_000,
+            freeze_ms: 2_000,
+            streams: vec![Listed {
+                stream,
+                change,
+                demand: 1,
+                grant: 0,
+                known: false,
+            }],
+        };
+        board
+            .settle(&bucket("a"), &call("s", Change::Report), 0)
+            .unwrap();
         assert_eq!(
-            board.record(&bucket("b"), report("s", Some(1)), 0),
+            board.settle(&bucket("b"), &call("s", Change::Report), 0),
             Err(StoreError::Full { max_keys: 1 })
         );
-        assert!(board.record(&bucket("b"), report("s", None), 0).is_ok());
-        assert!(board.record(&bucket("a"), report("t", Some(1)), 0).is_ok());
+        assert!(
+            board
+                .settle(&bucket("b"), &call("s", Change::Leave), 0)
+                .is_ok()
+        );
+        assert!(
+            board
+                .settle(&bucket("a"), &call("t", Change::Report), 0)
+                .is_ok()
+        );
     }
 }

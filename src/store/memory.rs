@@ -22,7 +22,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::StoreError;
-use super::demand::{DemandBoard, Demands, Report};
+use super::demand::{DemandBoard, Division, Settle};
 use crate::limiter::algorithm::{Ask, Verdict, gcra, log, window};
 use crate::limiter::{
     Algorithm, Check, CounterIds, CounterKey, Counting, Decision, IdHasher, Item, Limit, RuleId,
@@ -460,13 +460,9 @@ impl MemoryStore {
             .sum()
     }
 
-    /// Records a stream's demand for a quota bucket (see `demand`).
-    pub fn record_demand(
-        &self,
-        bucket: &CounterKey,
-        report: Report,
-    ) -> Result<Demands, StoreError> {
-        self.demand.record(bucket, report, now_ms())
+    /// Settles a quota bucket for this replica's streams of it (see `demand`).
+    pub fn settle(&self, bucket: &CounterKey, call: &Settle) -> Result<Division, StoreError> {
+        self.demand.settle(bucket, call, now_ms())
     }
 
     /// Drops expired counters, one shard at a time, and quota streams gone quiet.

@@ -13,7 +13,10 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use demand::{Demands, Report};
+use bytes::Bytes;
+use tokio::sync::mpsc;
+
+pub use demand::{Change, Division, Listed, Settle};
 pub use guard::Deadline;
 pub use memory::{MemoryStore, Percent, Stored};
 pub use redis::{RedisStore, RedisTls, redis_key};
@@ -89,6 +92,21 @@ impl Backend {
                     counters: Counters::Redis(Box::new(store)),
                 })
             }
+        }
+    }
+
+    /// What other replicas tell this one of the quota buckets, for as long as the receiver is
+    /// kept; `None` on the embedded store, which serves one replica. Call it inside a Tokio
+    /// runtime.
+    pub fn listen(&self) -> Result<Option<mpsc::Receiver<Told>>, StoreError> {
+        match self {
+            Backend::Memory(_) => Ok(None),
+            Backend::Redis {
+                url,
+                key_prefix,
+                tls,
+                ..
+            } => RedisStore::listen(url, key_prefix, tls.as_ref()).map(Some),
         }
     }
 
@@ -168,22 +186,31 @@ impl Store {
         self.guard.call(deadline, call).await
     }
 
-    /// Records one stream's demand for a quota bucket and answers every stream's.
-    pub async fn record_demand(
+    /// Settles a quota bucket for this replica's streams of it (see `demand`).
+    pub async fn settle(
         &self,
         bucket: &CounterKey,
-        report: Report<'_>,
+        call: &Settle<'_>,
         deadline: Deadline,
-    ) -> Result<Demands, StoreError> {
-        let call = async {
+    ) -> Result<Division, StoreError> {
+        let settled = async {
             match &self.counters {
-                Counters::Memory(memory) => memory.record_demand(bucket, report),
+                Counters::Memory(memory) => memory.settle(bucket, call),
                 // Boxed, as `apply`'s: the quota service's futures nest deep enough already.
-                Counters::Redis(redis) => Box::pin(redis.record_demand(bucket, report)).await,
+                Counters::Redis(redis) => Box::pin(redis.settle(bucket, call)).await,
             }
         };
-        self.guard.call(deadline, call).await
+        self.guard.call(deadline, settled).await
     }
+}
+
+/// What the quota service hears from other replicas through the store.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Told {
+    /// The bucket of this counter key (its bytes) has grants this replica may have to move.
+    Bucket(Bytes),
+    /// The store's connection was made again: a restarted store may have lost the buckets.
+    Reconnected,
 }
 
 /// Why a store could not decide.

@@ -5,6 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
+use fred::bytes_utils::Str;
 use fred::clients::WithOptions;
 use fred::interfaces::ClientLike;
 use fred::prelude::*;
@@ -12,11 +14,11 @@ use fred::socket2::TcpKeepalive;
 use fred::types::config::ReconnectError;
 use fred::types::scripts::Script;
 use fred::types::{CustomCommand, FromValue};
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, mpsc};
 
 use super::RedisTls;
-use crate::store::StoreError;
 use crate::store::guard::Breaker;
+use crate::store::{StoreError, Told};
 use crate::telemetry::Throttle;
 
 /// How often an open breaker's probe tries Redis.
@@ -50,33 +52,7 @@ impl Conn {
     /// replaces the client's default (the system's CAs, no client certificate). Fails only on a
     /// malformed URL.
     pub(super) fn connect(url: &str, tls: Option<&RedisTls>) -> Result<Conn, StoreError> {
-        let config_error = |e: Error| StoreError::Config(format!("--redis-url: {e}"));
-        let mut config = Config::from_url(url).map_err(config_error)?;
-        if let Some(tls) = tls {
-            config.tls = Some(tls.connector());
-        }
-        // The first connection follows the reconnect policy too: sluice serves before Redis.
-        config.fail_fast = false;
-        let client = Builder::from_config(config)
-            .with_connection_config(|c| {
-                c.max_command_attempts = 1;
-                c.connection_timeout = Duration::from_secs(2);
-                c.internal_command_timeout = Duration::from_secs(2);
-                c.tcp = TcpConfig {
-                    nodelay: Some(true),
-                    keepalive: Some(
-                        TcpKeepalive::new()
-                            .with_time(Duration::from_secs(5))
-                            .with_interval(Duration::from_secs(1)),
-                    ),
-                    user_timeout: Some(Duration::from_secs(5)),
-                    ..Default::default()
-                };
-                c.reconnect_errors = WRONG_NODE.iter().map(|(_, e)| e.clone()).collect();
-            })
-            .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2))
-            .build()
-            .map_err(config_error)?;
+        let client = builder(url, tls)?.build().map_err(config_error)?;
         client.connect();
         let at_once = client.with_options(&Options {
             fail_fast: true,
@@ -106,6 +82,98 @@ impl Conn {
         }
         Ok(())
     }
+}
+
+/// The client settings of `url`, as `Conn::connect` says.
+fn builder(url: &str, tls: Option<&RedisTls>) -> Result<Builder, StoreError> {
+    let mut config = Config::from_url(url).map_err(config_error)?;
+    if let Some(tls) = tls {
+        config.tls = Some(tls.connector());
+    }
+    // The first connection follows the reconnect policy too: sluice serves before Redis.
+    config.fail_fast = false;
+    let mut builder = Builder::from_config(config);
+    builder
+        .with_connection_config(|c| {
+            c.max_command_attempts = 1;
+            c.connection_timeout = Duration::from_secs(2);
+            c.internal_command_timeout = Duration::from_secs(2);
+            c.tcp = TcpConfig {
+                nodelay: Some(true),
+                keepalive: Some(
+                    TcpKeepalive::new()
+                        .with_time(Duration::from_secs(5))
+                        .with_interval(Duration::from_secs(1)),
+                ),
+                user_timeout: Some(Duration::from_secs(5)),
+                ..Default::default()
+            };
+            c.reconnect_errors = WRONG_NODE.iter().map(|(_, e)| e.clone()).collect();
+        })
+        .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2));
+    Ok(builder)
+}
+
+fn config_error(e: Error) -> StoreError {
+    StoreError::Config(format!("--redis-url: {e}"))
+}
+
+/// Listens on `channel` of `url` for as long as `heard` is open, following reconnections and
+/// re-subscribing after each: every message's payload, less its first `skip` bytes (the key
+/// prefix and hash tag of the bucket it names), goes to `heard`, and `Told::Reconnected` once a
+/// connection is made again, when a restarted server may have lost what it held.
+/// A message that finds `heard` full is dropped.
+pub(super) fn listen(
+    url: &str,
+    tls: Option<&RedisTls>,
+    channel: Bytes,
+    skip: usize,
+    heard: mpsc::Sender<Told>,
+) -> Result<(), StoreError> {
+    let subscriber = builder(url, tls)?
+        .build_subscriber_client()
+        .map_err(config_error)?;
+    let mut messages = subscriber.message_rx();
+    let reconnections = subscriber.reconnect_rx();
+    subscriber.connect();
+    subscriber.manage_subscriptions();
+    tokio::spawn(async move {
+        static FAILED: Throttle = Throttle::new();
+        let channel = Str::from_inner(channel).unwrap_or_default();
+        while let Err(e) = subscriber.subscribe(channel.clone()).await {
+            if let Some(n) = FAILED.hit() {
+                tracing::warn!("{n} failed subscription(s) to the quota service's channel: {e}");
+            }
+            tokio::time::sleep(PROBE_INTERVAL).await;
+        }
+        // The connections made until the subscription are no reconnections: nothing was held
+        // before them.
+        let mut reconnections = reconnections.resubscribe();
+        loop {
+            let heard_now = tokio::select! {
+                message = messages.recv() => match message {
+                    Ok(message) => match message.value.into_bytes() {
+                        Some(payload) if payload.len() > skip => {
+                            Told::Bucket(payload.slice(skip..))
+                        }
+                        _ => continue,
+                    },
+                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(broadcast::error::RecvError::Closed) => return,
+                },
+                reconnected = reconnections.recv() => match reconnected {
+                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {
+                        Told::Reconnected
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                },
+            };
+            if let Err(mpsc::error::TrySendError::Closed(_)) = heard.try_send(heard_now) {
+                return;
+            }
+        }
+    });
+    Ok(())
 }
 
 /// What a command Redis failed comes to. A reply saying that the connection reaches a node that

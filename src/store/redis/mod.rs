@@ -28,11 +28,11 @@ use std::io::Write;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
-use super::demand::{Demands, Report};
+use super::demand::{Division, Settle};
 use super::guard::{self, Breaker, Queue};
-use super::{Deadline, StoreError};
+use super::{Deadline, StoreError, Told};
 use crate::limiter::{Check, CounterKey, Decision};
 use batch::Pending;
 use conn::Conn;
@@ -61,7 +61,7 @@ impl RedisStore {
         breaker: Arc<Breaker>,
     ) -> Result<Self, StoreError> {
         let conn = Conn::connect(url, tls)?;
-        let scripts = Scripts::new(conn.clone());
+        let scripts = Scripts::new(conn.clone(), quota_channel(prefix));
         tokio::spawn(conn::probe(conn.clone(), scripts.all(), breaker));
         let queue = (!conn.clustered()).then(|| {
             let (queue, waiting) = guard::queue();
@@ -79,6 +79,24 @@ impl RedisStore {
             queue,
             records,
         })
+    }
+
+    /// Listens for the quota buckets other replicas name on the quota channel under `prefix`
+    /// (see `Backend::listen`).
+    pub fn listen(
+        url: &str,
+        prefix: &str,
+        tls: Option<&RedisTls>,
+    ) -> Result<mpsc::Receiver<Told>, StoreError> {
+        let (heard, told) = mpsc::channel(TOLD_WAITING);
+        conn::listen(
+            url,
+            tls,
+            quota_channel(prefix),
+            prefix.len() + TAG_BYTES,
+            heard,
+        )?;
+        Ok(told)
     }
 
     fn key(&self, key: &CounterKey) -> Bytes {
@@ -107,21 +125,33 @@ impl RedisStore {
         Ok(Decision::of(check, admitted, &verdicts))
     }
 
-    /// Records a stream's demand for a quota bucket, in the next batched call of
+    /// Settles a quota bucket for this replica's streams of it, in the next batched call of
     /// `lua/demand.lua`, or in a call of its own on a Cluster.
-    pub async fn record_demand(
+    pub async fn settle(
         &self,
         bucket: &CounterKey,
-        report: Report<'_>,
-    ) -> Result<Demands, StoreError> {
+        call: &Settle<'_>,
+    ) -> Result<Division, StoreError> {
         let key = self.key(bucket);
         let Some(records) = &self.records else {
-            return records::alone(&self.scripts, key, &report).await;
+            return records::alone(&self.scripts, key, call).await;
         };
         let (reply, answer) = oneshot::channel();
-        records.push(Record::new(key, &report, reply))?;
+        records.push(Record::new(key, call, reply))?;
         answer.await.unwrap_or(Err(StoreError::Timeout))
     }
+}
+
+/// Buckets named on the quota channel waiting for the quota service; past it, one is dropped (its
+/// streams' next reports settle it).
+const TOLD_WAITING: usize = 4096;
+/// The bytes of a key's hash tag, `{<16 hex digits>}`.
+const TAG_BYTES: usize = 18;
+
+/// The channel on which `lua/demand.lua` names the quota buckets under `prefix` whose grants
+/// other replicas have to move.
+fn quota_channel(prefix: &str) -> Bytes {
+    Bytes::from(format!("{prefix}quota-moves"))
 }
 
 /// The Redis key of a counter under `prefix`: the prefix, a hash tag derived from the
@@ -129,7 +159,7 @@ impl RedisStore {
 /// encoding.
 pub fn redis_key(prefix: &[u8], key: &CounterKey) -> Bytes {
     let counter = key.as_bytes();
-    let mut out = Vec::with_capacity(prefix.len() + 18 + counter.len());
+    let mut out = Vec::with_capacity(prefix.len() + TAG_BYTES + counter.len());
     out.extend_from_slice(prefix);
     out.push(b'{');
     write!(out, "{:016x}}}", fnv1a(key.descriptor())).expect("writing to a Vec succeeds");

@@ -11,9 +11,9 @@ use bytes::Bytes;
 use fred::prelude::Value;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
-use super::script::{Scripts, record_args};
+use super::script::{Scripts, settle_args};
 use crate::store::StoreError;
-use crate::store::demand::{Demands, Report};
+use crate::store::demand::{Division, Settle};
 
 /// Script calls in flight at once; records arriving meanwhile wait for the next.
 const CALLS_IN_FLIGHT: usize = 2;
@@ -24,19 +24,19 @@ const RECORDS_PER_CALL: usize = 32;
 /// One bucket's record, waiting for a batched call.
 pub(super) struct Record {
     key: Bytes,
-    args: [Value; 3],
-    reply: oneshot::Sender<Result<Demands, StoreError>>,
+    args: Vec<Value>,
+    reply: oneshot::Sender<Result<Division, StoreError>>,
 }
 
 impl Record {
     pub(super) fn new(
         key: Bytes,
-        report: &Report,
-        reply: oneshot::Sender<Result<Demands, StoreError>>,
+        call: &Settle,
+        reply: oneshot::Sender<Result<Division, StoreError>>,
     ) -> Self {
         Record {
             key,
-            args: record_args(report),
+            args: settle_args(call),
             reply,
         }
     }
@@ -68,7 +68,7 @@ pub(super) async fn run(scripts: Scripts, mut queue: mpsc::Receiver<Record>) {
 /// One call for `records`.
 async fn call(scripts: Scripts, records: Vec<Record>, _permit: OwnedSemaphorePermit) {
     let mut keys = Vec::with_capacity(records.len());
-    let mut args = Vec::with_capacity(3 * records.len());
+    let mut args = Vec::with_capacity(records.iter().map(|r| r.args.len()).sum());
     let mut replies = Vec::with_capacity(records.len());
     for record in records {
         keys.push(record.key);
@@ -93,11 +93,9 @@ async fn call(scripts: Scripts, records: Vec<Record>, _permit: OwnedSemaphorePer
 pub(super) async fn alone(
     scripts: &Scripts,
     key: Bytes,
-    report: &Report<'_>,
-) -> Result<Demands, StoreError> {
-    let answers = scripts
-        .demands(vec![key], record_args(report).into())
-        .await?;
+    call: &Settle<'_>,
+) -> Result<Division, StoreError> {
+    let answers = scripts.demands(vec![key], settle_args(call)).await?;
     answers.into_iter().next().unwrap_or_else(|| {
         Err(StoreError::Unavailable(
             "the demand script answered malformed".into(),

@@ -11,7 +11,7 @@ use super::conn::{self, Conn};
 use crate::limiter::algorithm::Verdict;
 use crate::limiter::{Algorithm, Check, Counting, Item, Mode, Step};
 use crate::store::StoreError;
-use crate::store::demand::{Demands, Report};
+use crate::store::demand::{Change, Division, Granted, Settle};
 use crate::telemetry::Throttle;
 
 pub(super) const ARGS_PER_ITEM: usize = 8;
@@ -25,6 +25,9 @@ pub(super) type Answer = Result<(bool, Vec<Verdict>), StoreError>;
 #[derive(Clone)]
 pub(super) struct Scripts {
     conn: Conn,
+    /// The channel `lua/demand.lua` tells of a quota bucket whose grants other replicas have to
+    /// move.
+    channel: Bytes,
     check: Lua,
     undo: Lua,
     demand: Lua,
@@ -56,9 +59,10 @@ pub(super) struct Ran {
 }
 
 impl Scripts {
-    pub(super) fn new(conn: Conn) -> Self {
+    pub(super) fn new(conn: Conn, channel: Bytes) -> Self {
         Scripts {
             conn,
+            channel,
             check: Lua::new(include_str!("../../../lua/check.lua")),
             undo: Lua::new(include_str!("../../../lua/undo.lua")),
             demand: Lua::new(include_str!("../../../lua/demand.lua")),
@@ -145,16 +149,19 @@ impl Scripts {
         }
     }
 
-    /// Records demands for the quota buckets at `keys` (on a Cluster, keys of one slot) with one
-    /// call of `lua/demand.lua`, `args` encoded by `record_args` one key after another: each
-    /// key's answer, or an error that stands for every key.
+    /// Settles the quota buckets at `keys` (on a Cluster, keys of one slot) with one call of
+    /// `lua/demand.lua`, `args` encoded by `settle_args` one key after another: each key's
+    /// answer, or an error that stands for every key.
     pub(super) async fn demands(
         &self,
         keys: Vec<Bytes>,
         args: Vec<Value>,
-    ) -> Result<Vec<Result<Demands, StoreError>>, StoreError> {
+    ) -> Result<Vec<Result<Division, StoreError>>, StoreError> {
+        let mut all = Vec::with_capacity(args.len() + 1);
+        all.push(Value::from(self.channel.clone()));
+        all.extend(args);
         let reply = self
-            .eval::<Vec<Value>>(&self.demand, keys.clone(), args)
+            .eval::<Vec<Value>>(&self.demand, keys.clone(), all)
             .await?;
         read_demands(reply, &keys)
     }
@@ -341,24 +348,43 @@ fn unreadable(key: &[u8], held: &str, error: &str) -> StoreError {
     }
 }
 
-/// `lua/demand.lua`'s arguments for one record.
-pub(super) fn record_args(report: &Report) -> [Value; 3] {
-    [
-        Value::from(report.stream),
-        report
-            .demand
-            .map_or(Value::from(""), |d| Value::from(d.to_string())),
-        Value::from(report.stays_ms.to_string()),
-    ]
+/// `lua/demand.lua`'s arguments for one bucket.
+pub(super) fn settle_args(call: &Settle) -> Vec<Value> {
+    let number = |n: u64| Value::from(n.to_string());
+    let flag = |yes: bool| Value::from(if yes { "1" } else { "0" });
+    let mut args = Vec::with_capacity(5 + 5 * call.streams.len());
+    args.extend([
+        number(call.limit),
+        flag(call.grow),
+        number(call.stays_ms),
+        number(call.freeze_ms),
+        number(call.streams.len() as u64),
+    ]);
+    for listed in &call.streams {
+        let change = match listed.change {
+            Change::Report => "r",
+            Change::Keep => "k",
+            Change::Leave => "l",
+        };
+        args.extend([
+            Value::from(listed.stream),
+            Value::from(change),
+            number(listed.demand),
+            number(listed.grant),
+            flag(listed.known),
+        ]);
+    }
+    args
 }
 
-/// The demand script's reply for the buckets at `keys`: the clock, then per key the number of
-/// streams counted and their ids and demands; or -1 and the type the key holds instead of a
-/// hash, which fails that key alone.
+/// The demand script's reply for the buckets at `keys`: the clock, then per key whether the
+/// replica is to settle again, when the first stream it did not list lapses, the number of
+/// streams counted and their ids, demands, grants and shares;
+/// or -1 and the type the key holds instead of a hash, which fails that key alone.
 fn read_demands(
     reply: Vec<Value>,
     keys: &[Bytes],
-) -> Result<Vec<Result<Demands, StoreError>>, StoreError> {
+) -> Result<Vec<Result<Division, StoreError>>, StoreError> {
     let malformed = || StoreError::Unavailable("the demand script answered malformed".into());
     let mut values = reply.into_iter();
     let now_ms = values
@@ -367,11 +393,11 @@ fn read_demands(
         .ok_or_else(malformed)?;
     let mut answers = Vec::with_capacity(keys.len());
     for key in keys {
-        let count = values
+        let again = values
             .next()
             .and_then(|v| v.as_i64())
             .ok_or_else(malformed)?;
-        if count < 0 {
+        if again < 0 {
             let held = values
                 .next()
                 .and_then(|v| v.as_string())
@@ -382,20 +408,36 @@ fn read_demands(
             }));
             continue;
         }
-        let mut streams = Vec::with_capacity(count as usize);
+        let lapse_ms = values
+            .next()
+            .and_then(|v| v.as_u64())
+            .ok_or_else(malformed)?;
+        let count = values
+            .next()
+            .and_then(|v| v.as_u64())
+            .ok_or_else(malformed)?;
+        let mut streams = Vec::with_capacity(count.min(1024) as usize);
         for _ in 0..count {
             let stream = values
                 .next()
                 .and_then(|v| v.as_string())
                 .ok_or_else(malformed)?;
-            let demand = values
-                .next()
-                .and_then(|v| v.as_u64())
-                .ok_or_else(malformed)?;
-            streams.push((stream, demand));
+            let mut number = || values.next().and_then(|v| v.as_u64()).ok_or_else(malformed);
+            let (demand, grant, share) = (number()?, number()?, number()?);
+            streams.push(Granted {
+                stream,
+                demand,
+                grant,
+                share,
+            });
         }
-        streams.sort();
-        answers.push(Ok(Demands { now_ms, streams }));
+        streams.sort_by(|a, b| a.stream.cmp(&b.stream));
+        answers.push(Ok(Division {
+            now_ms,
+            again: again > 0,
+            lapse_ms: (lapse_ms > 0).then_some(lapse_ms),
+            streams,
+        }));
     }
     if values.next().is_some() {
         return Err(malformed());
@@ -438,31 +480,58 @@ mod tests {
         let text = |t: &str| Value::String(t.into());
         let reply = vec![
             Value::Integer(1_000),
+            Value::Integer(1),
+            Value::Integer(31_000),
             Value::Integer(2),
             text("s2"),
             Value::Integer(500),
+            Value::Integer(400),
+            Value::Integer(500),
             text("s1"),
+            Value::Integer(250),
+            Value::Integer(250),
             Value::Integer(250),
             Value::Integer(-1),
             text("string"),
+            Value::Integer(0),
+            Value::Integer(0),
             Value::Integer(0),
         ];
         let keys = [b"p:a", b"p:b", b"p:c"].map(|k| Bytes::from_static(k));
         let answers = read_demands(reply, &keys).unwrap();
         let first = answers[0].as_ref().unwrap();
         assert_eq!(first.now_ms, 1_000);
+        assert!(first.again);
+        assert_eq!(first.lapse_ms, Some(31_000));
+        let granted: Vec<(&str, u64, u64, u64)> = first
+            .streams
+            .iter()
+            .map(|s| (s.stream.as_str(), s.demand, s.grant, s.share))
+            .collect();
         assert_eq!(
-            first.streams,
-            [("s1".to_owned(), 250), ("s2".to_owned(), 500)],
+            granted,
+            [("s1", 250, 250, 250), ("s2", 500, 400, 500)],
             "sorted by stream id"
         );
         let error = answers[1].as_ref().unwrap_err();
         assert_eq!(error.kind(), "data");
         assert!(error.to_string().contains("p:b"), "{error}");
         assert!(answers[2].as_ref().unwrap().streams.is_empty());
-        let short = vec![Value::Integer(1_000), Value::Integer(1)];
+        assert_eq!(answers[2].as_ref().unwrap().lapse_ms, None);
+        let short = vec![
+            Value::Integer(1_000),
+            Value::Integer(0),
+            Value::Integer(0),
+            Value::Integer(1),
+        ];
         assert!(read_demands(short, &keys[..1]).is_err());
-        let long = vec![Value::Integer(1_000), Value::Integer(0), Value::Integer(0)];
+        let long = vec![
+            Value::Integer(1_000),
+            Value::Integer(0),
+            Value::Integer(0),
+            Value::Integer(0),
+            Value::Integer(0),
+        ];
         assert!(read_demands(long, &keys[..1]).is_err());
     }
 

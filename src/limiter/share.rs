@@ -1,9 +1,21 @@
-//! Max-min fair division of a bucket's limit among the streams that report it, as Doorman's
+//! Max-min fair division of a quota bucket's limit among the streams that report it, as Doorman's
 //! FAIR_SHARE divides capacity among clients: no stream gets more than it asks while another that
 //! asks more gets less than an equal part. What nobody asks for is spread evenly on top, so that a
 //! stream whose demand grows is not held at its last demand until its next report.
 
-use super::MILLI;
+/// Demands and shares are counted in thousandths of a request per window.
+pub const MILLI: u64 = 1000;
+
+/// How much a grant must move to be changed: Envoy rebuilds a token bucket whose numbers change,
+/// and a rebuilt bucket starts anew.
+const SETTLED: u64 = 50;
+
+/// Whether a stream granted `grant` keeps it while its share is `share`: while they differ by 2 %
+/// of the grant or less, so that noise in the reports does not make Envoy rebuild its bucket at
+/// every report.
+pub fn settled(grant: u64, share: u64) -> bool {
+    grant.abs_diff(share) * SETTLED <= grant
+}
 
 /// Divides `limit` requests per window among streams asking `demands`, both in thousandths of a
 /// request per window, in stream order. The shares add up to `limit` exactly; when there is one
@@ -72,6 +84,16 @@ mod tests {
     #[test]
     fn an_idle_stream_keeps_one_request_and_the_busy_one_gets_the_rest() {
         assert_eq!(divide(20 * MILLI, &requests(&[0, 30])), requests(&[1, 19]));
+    }
+
+    #[test]
+    fn a_grant_within_2_percent_of_its_share_stays() {
+        assert!(settled(10_000, 10_200));
+        assert!(settled(10_000, 9_800));
+        assert!(!settled(10_000, 10_201));
+        assert!(!settled(10_000, 9_799));
+        assert!(!settled(0, 1));
+        assert!(settled(0, 0));
     }
 
     #[test]
