@@ -14,7 +14,7 @@ use sluice::rules::RuleSet;
 use sluice::service::rlqs::Quotas;
 use sluice::service::{self, Setup, Shutdown, reload};
 use sluice::settings::{self, Command, ExplainArgs, HealthArgs, ServeArgs, erl};
-use sluice::telemetry::{self, metrics};
+use sluice::telemetry::{self, metrics, statsd};
 
 /// mimalloc: measurably less CPU per request than the system allocator on the request path, and
 /// less memory held for the embedded store's many small counters.
@@ -91,6 +91,8 @@ fn check_config(source: &config::Source) -> ExitCode {
 
 /// Exit status of `explain` for a request it cannot read (as clap's for a malformed argument).
 const MALFORMED_REQUEST: u8 = 2;
+/// How long the statsd push has, once serving ends, to send what the drain counted.
+const STATSD_LAST_FLUSH: Duration = Duration::from_secs(1);
 
 fn explain(args: &ExplainArgs) -> ExitCode {
     let request = args.request();
@@ -212,9 +214,17 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         quotas,
     };
     let shutdown = on_signal(args.listen.shutdown_grace());
+    let statsd = args
+        .telemetry
+        .statsd()
+        .map(|settings| tokio::spawn(statsd::push(settings, shutdown.clone().wait())));
     let served = service::run(setup, args.addrs(), args.listen.loops(), shutdown)
         .await
         .context("serving");
+    if let Some(statsd) = statsd {
+        // The last flush, with what the drain counted.
+        let _ = tokio::time::timeout(STATSD_LAST_FLUSH, statsd).await;
+    }
     tracing::info!("stopped");
     served
 }

@@ -149,7 +149,9 @@ fn an_empty_environment_gets_envoyproxy_ratelimits_defaults_on_the_embedded_stor
             "serve --http-addr=0.0.0.0:8080 --grpc-addr=0.0.0.0:8081 --debug-addr=0.0.0.0:6070 \
              --config=/srv/runtime_data/current/config --counting=always --local-cache-size=0 \
              --grpc-max-connection-age=24h --grpc-max-connection-age-grace=1h \
-             --healthcheck-without-rules --log-level=warn --log-format=text"
+             --healthcheck-without-rules \
+             --statsd-addr=localhost:8125 --statsd-flush-interval=10s \
+             --log-level=warn --log-format=text"
         )
     );
     assert_eq!(t.notes.len(), 1);
@@ -454,6 +456,7 @@ fn only_variables_set_to_what_would_matter_are_unhonoured() {
     assert_eq!(unhonoured(&harmless), Vec::<&str>::new());
     let mattering = [
         ("USE_STATSD", "true"),
+        ("STATSD_PROTOCOL", "tcp"),
         ("REDIS_POOL_SIZE", "20"),
         ("GRPC_UDS", "/tmp/rl.sock"),
         ("REDIS_PERSECOND", "true"),
@@ -462,11 +465,54 @@ fn only_variables_set_to_what_would_matter_are_unhonoured() {
         unhonoured(&mattering),
         [
             "GRPC_UDS",
-            "USE_STATSD",
+            "STATSD_PROTOCOL",
             "REDIS_POOL_SIZE",
             "REDIS_PERSECOND"
         ]
     );
+}
+
+/// statsd is on by default, as in envoyproxy/ratelimit, to localhost:8125 every 10 s; off with
+/// `USE_STATSD=false`, `DISABLE_STATS`, or `USE_PROMETHEUS` with `USE_STATSD` unset (a pair that
+/// project refuses to start with); `EXTRA_TAGS` and `USE_DOG_STATSD` carried over.
+#[test]
+fn statsd_variables_become_the_statsd_flags() {
+    let statsd = |env: &[(&str, &str)]| -> Vec<String> {
+        args(env)
+            .into_iter()
+            .filter(|a| a.starts_with("--statsd"))
+            .collect()
+    };
+    assert_eq!(
+        statsd(&[]),
+        [
+            "--statsd-addr=localhost:8125",
+            "--statsd-flush-interval=10s"
+        ]
+    );
+    assert_eq!(
+        statsd(&[
+            ("USE_DOG_STATSD", "true"),
+            ("USE_STATSD", "false"),
+            ("STATSD_HOST", "::1"),
+            ("STATSD_PORT", "9125"),
+            ("STATS_FLUSH_INTERVAL", "500ms"),
+            ("EXTRA_TAGS", "zone:eu,app:rl"),
+        ]),
+        [
+            "--statsd-addr=[::1]:9125",
+            "--statsd-flush-interval=500ms",
+            "--statsd-tags=zone:eu,app:rl",
+            "--statsd-dogstatsd"
+        ]
+    );
+    for off in [
+        &[("USE_STATSD", "false")][..],
+        &[("DISABLE_STATS", "true")],
+        &[("USE_PROMETHEUS", "true")],
+    ] {
+        assert_eq!(statsd(off), Vec::<String>::new(), "{off:?}");
+    }
 }
 
 /// envoyproxy/ratelimit's opt-in to drop a connection that answers READONLY (a primary demoted

@@ -341,8 +341,9 @@ fn ready(sluice: &Sluice) -> bool {
     http(sluice.http, "GET", "/readyz", "").0 == 200
 }
 
-/// Sluice started before Redis: live but not ready, every request answered at once by the policy;
-/// once Redis starts, ready within a few seconds and deciding, having counted nothing before.
+/// Sluice started before Redis: live but not ready; its gRPC connections accepted 2 s after the
+/// start, and every request then answered at once by the policy; once Redis starts, ready within
+/// a few seconds and deciding, having counted nothing before.
 async fn redis_starts_late(policy: Policy) {
     let mut redis = Controlled::unstarted();
     let files = [("rules.yaml", RULES)];
@@ -392,6 +393,40 @@ async fn redis_starts_late(policy: Policy) {
         "once ready, every request is decided"
     );
     assert_eq!(counter(&redis), 20, "only the decided requests counted");
+}
+
+/// Started with Redis up, sluice accepts gRPC connections once it has reached Redis: a client
+/// that connects and asks as soon as the port lets it, at each of 50 starts in a row, is always
+/// decided, never answered by the policy (the connection waits in the listener's backlog
+/// meanwhile).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_sent_as_soon_as_sluice_starts_is_decided_not_answered_by_policy() {
+    let redis = Controlled::started();
+    let mut sluice = sluice_on(&redis, Policy::Deny).await;
+    for start in 1..=50 {
+        sluice.kill();
+        sluice.relaunch();
+        let launched = Instant::now();
+        let channel = loop {
+            let endpoint = Channel::from_shared(format!("http://{}", sluice.grpc)).unwrap();
+            match endpoint.connect().await {
+                Ok(channel) => break channel,
+                Err(_) if launched.elapsed() < Duration::from_secs(10) => {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                Err(e) => panic!("start {start}: the gRPC port never accepted: {e}"),
+            }
+        };
+        let answer = ask_once(&mut RateLimitServiceClient::new(channel), Policy::Deny).await;
+        assert!(
+            matches!(answer.kind, Kind::Decided),
+            "start {start}: the first request, sent {:?} after the launch, was not decided: {:?}; \
+             the log:\n{}",
+            answer.sent - launched,
+            answer.kind,
+            sluice.log_text()
+        );
+    }
 }
 
 /// One test per scenario and policy, counting in one hour window: a new window drops the last

@@ -24,7 +24,7 @@ pub mod tls;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use arc_swap::ArcSwap;
@@ -314,52 +314,26 @@ pub struct Addrs {
 }
 
 /// Serves gRPC with `loops` event loops and the admin HTTP server (and `/json` where `addrs`
-/// says) until `shutdown` fires, then lets in-flight calls finish. Serves at once, whether or
-/// not the store is reachable yet.
+/// says) until `shutdown` fires, then lets in-flight calls finish. Every listener is bound at
+/// once and admin HTTP served at once; gRPC connections are accepted once the store is reached,
+/// or `STORE_AT_START` after the start if it is not.
 pub async fn run(
     setup: Setup,
     addrs: Addrs,
     loops: usize,
     shutdown: Shutdown,
 ) -> anyhow::Result<()> {
-    let grpc_listener = TcpListener::bind(addrs.grpc)
-        .await
-        .with_context(|| format!("cannot listen for gRPC on {}", addrs.grpc))?;
-    let quota_listener = match addrs.quota {
-        Some(addr) => Some(
-            TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen for the quota service on {addr}"))?,
-        ),
-        None => None,
-    };
-    let http_listener = TcpListener::bind(addrs.http)
-        .await
-        .with_context(|| format!("cannot listen for HTTP on {}", addrs.http))?;
-    let json_listener = match addrs.json {
-        JsonAt::Addr(addr) => Some(
-            TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen for /json on {addr}"))?,
-        ),
+    let grpc_listener = bind(addrs.grpc, "gRPC").await?;
+    let quota_listener = bind_some(addrs.quota, "the quota service").await?;
+    let http_listener = bind(addrs.http, "HTTP").await?;
+    let json_addr = match addrs.json {
+        JsonAt::Addr(addr) => Some(addr),
         JsonAt::Http | JsonAt::Off => None,
     };
-    let metrics_listener = match &addrs.metrics {
-        Some((addr, _)) => Some(
-            TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen for metrics on {addr}"))?,
-        ),
-        None => None,
-    };
-    let debug_listener = match addrs.debug {
-        Some(addr) => Some(
-            TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen for debug HTTP on {addr}"))?,
-        ),
-        None => None,
-    };
+    let json_listener = bind_some(json_addr, "/json").await?;
+    let metrics_addr = addrs.metrics.as_ref().map(|(addr, _)| *addr);
+    let metrics_listener = bind_some(metrics_addr, "metrics").await?;
+    let debug_listener = bind_some(addrs.debug, "debug HTTP").await?;
     tracing::info!(grpc = %grpc_listener.local_addr()?, quota = ?addrs.quota, http = %http_listener.local_addr()?, json = ?addrs.json, metrics = ?addrs.metrics, debug = ?addrs.debug, loops, "serving");
 
     let admin_listeners = 1 + [
@@ -426,26 +400,24 @@ pub async fn run(
     }
 
     // The quota service's own listener shares the gRPC connections' bound.
-    let quota = quota_listener.map(|listener| {
-        let (to_quota, incoming) = mpsc::unbounded_channel();
-        let grpc = Grpc {
-            setup: setup.clone(),
-            health: health.clone(),
-            shutdown: shutdown.clone(),
-        };
-        let served = setup.quotas.spawn(grpc.serve_quota(incoming));
-        let accept = hand_out(
-            listener,
-            grpc_connections.clone(),
-            vec![to_quota],
-            shutdown.clone(),
-        );
-        (accept, served)
-    });
-    let (quota_accept, quota_served) = match quota {
-        Some((accept, served)) => (Some(accept), Some(served)),
-        None => (None, None),
-    };
+    let (quota_accept, quota_served) = quota_listener
+        .map(|listener| {
+            let (to_quota, incoming) = mpsc::unbounded_channel();
+            let grpc = Grpc {
+                setup: setup.clone(),
+                health: health.clone(),
+                shutdown: shutdown.clone(),
+            };
+            let served = setup.quotas.spawn(grpc.serve_quota(incoming));
+            let accept = hand_out(
+                listener,
+                grpc_connections.clone(),
+                vec![to_quota],
+                shutdown.clone(),
+            );
+            (accept, served)
+        })
+        .unzip();
     let quota_accept = async {
         if let Some(accept) = quota_accept {
             accept.await;
@@ -461,6 +433,11 @@ pub async fn run(
         connections,
         shutdown.clone(),
     );
+    // Connections wait in the listeners' backlogs meanwhile, the admin port answering.
+    let accept = async {
+        store_reached_at_start(&setup.backend, shutdown.clone()).await;
+        tokio::join!(accept, quota_accept);
+    };
     let gauges = gauges::Gauges {
         backend: setup.backend.clone(),
         cache: setup.cache.clone(),
@@ -508,7 +485,7 @@ pub async fn run(
             serve_http(listener, route, admin_http("debug HTTP"), shutdown.clone()).await;
         }
     };
-    tokio::join!(accept, quota_accept, http, json, metrics, debug, give_back);
+    tokio::join!(accept, http, json, metrics, debug, give_back);
     for loop_finished in finished {
         loop_finished
             .await
@@ -528,6 +505,51 @@ pub async fn run(
     Ok(())
 }
 
+/// Listens on `addr` for `what`.
+async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen for {what} on {addr}"))
+}
+
+/// Listens on `addr`, if there is one, for `what`.
+async fn bind_some(addr: Option<SocketAddr>, what: &str) -> anyhow::Result<Option<TcpListener>> {
+    match addr {
+        Some(addr) => Ok(Some(bind(addr, what).await?)),
+        None => Ok(None),
+    }
+}
+
+/// Waits, at the start, until every store connection has reached the store, for at most
+/// `STORE_AT_START`: a request is then not answered by `--on-store-error` only because sluice
+/// has just started. Past it, sluice serves as it does while the store is unreachable.
+async fn store_reached_at_start(backend: &Backend, shutdown: Shutdown) {
+    let start = Instant::now();
+    let reached = async {
+        while !backend.reachable() {
+            tokio::select! {
+                () = backend.changed() => {}
+                () = tokio::time::sleep(STORE_POLL) => {}
+            }
+        }
+    };
+    tokio::select! {
+        () = reached => tracing::info!(
+            after_ms = start.elapsed().as_millis() as u64,
+            "the counter store is reached: accepting gRPC connections"
+        ),
+        () = tokio::time::sleep(STORE_AT_START) => tracing::warn!(
+            "the counter store was not reached within {STORE_AT_START:?} of the start: accepting \
+             gRPC connections, answered by --on-store-error until it is"
+        ),
+        () = shutdown.wait() => {}
+    }
+}
+
+/// How long gRPC connections wait at the start for the store to be reached.
+const STORE_AT_START: Duration = Duration::from_secs(2);
+/// How often the start looks again whether the store is reached, besides being told.
+const STORE_POLL: Duration = Duration::from_millis(5);
 /// How long the blocks still held at exit have to reach the store.
 const GIVE_BACK_AT_EXIT: Duration = Duration::from_secs(1);
 /// The longest pause after a failed accept.

@@ -77,6 +77,7 @@ pub fn translate(env: Env<'_>) -> Result<Translation, String> {
     connection_age(&vars, &mut out)?;
     health(&vars, &mut out)?;
     metrics(&vars, &mut out)?;
+    statsd(&vars, &mut out)?;
     logs(&vars, &mut out)?;
     out.unhonoured = unhonoured(&vars)?;
     Ok(out)
@@ -573,6 +574,53 @@ fn metrics(vars: &Vars, out: &mut Translation) -> Result<(), String> {
     Ok(())
 }
 
+/// envoyproxy/ratelimit's statsd: `USE_STATSD` (on by default there; sluice takes it off when
+/// unset and `USE_PROMETHEUS` asks for Prometheus instead, a pair that project refuses),
+/// `USE_DOG_STATSD`, `STATSD_HOST`:`STATSD_PORT` (localhost:8125), `STATS_FLUSH_INTERVAL` (10s) and
+/// `EXTRA_TAGS`; none with `DISABLE_STATS`.
+fn statsd(vars: &Vars, out: &mut Translation) -> Result<(), String> {
+    if !statsd_on(vars)? {
+        return Ok(());
+    }
+    let host = vars.or("STATSD_HOST", "localhost");
+    let port = vars.number("STATSD_PORT", 8125)?;
+    if port > u64::from(u16::MAX) {
+        return Err(format!("STATSD_PORT={port}: not a port"));
+    }
+    let host = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host
+    };
+    out.arg("--statsd-addr", format!("{host}:{port}"));
+    let (every, text) = vars.duration("STATS_FLUSH_INTERVAL", "10s")?;
+    out.var_as(
+        "--statsd-flush-interval",
+        "STATS_FLUSH_INTERVAL",
+        text,
+        &flag_duration(every),
+    );
+    if let Some(tags) = vars.get("EXTRA_TAGS") {
+        out.var("--statsd-tags", "EXTRA_TAGS", tags);
+    }
+    if vars.flag("USE_DOG_STATSD")? {
+        out.flag("--statsd-dogstatsd");
+    }
+    Ok(())
+}
+
+/// Whether the environment asks for statsd stats.
+fn statsd_on(vars: &Vars) -> Result<bool, String> {
+    if vars.flag("DISABLE_STATS")? {
+        return Ok(false);
+    }
+    let plain = match vars.get("USE_STATSD") {
+        Some(_) => vars.flag("USE_STATSD")?,
+        None => !vars.flag("USE_PROMETHEUS")?,
+    };
+    Ok(plain || vars.flag("USE_DOG_STATSD")?)
+}
+
 /// `LOG_LEVEL` (logrus' names, any case; `WARN` by default) and `LOG_FORMAT` (`json`, else text).
 fn logs(vars: &Vars, out: &mut Translation) -> Result<(), String> {
     let level = vars.or("LOG_LEVEL", "WARN");
@@ -705,7 +753,7 @@ fn flag_duration(duration: Duration) -> String {
 fn unhonoured(vars: &Vars) -> Result<Vec<Unhonoured>, String> {
     let on = |name| vars.flag(name);
     let set = |name: &str| vars.get(name).is_some();
-    let statsd = on("USE_STATSD")? || on("USE_DOG_STATSD")?;
+    let statsd = statsd_on(vars)?;
     let tracing = on("TRACING_ENABLED")?;
     let per_second = on("REDIS_PERSECOND")?;
     let xds = vars.or("CONFIG_TYPE", "FILE") == "GRPC_XDS_SOTW";
@@ -725,29 +773,14 @@ fn unhonoured(vars: &Vars) -> Result<Vec<Unhonoured>, String> {
             "any client certificate signed by GRPC_CLIENT_TLS_CACERT is accepted",
         ),
         (
-            "USE_STATSD",
-            on("USE_STATSD")?,
-            "metrics are served to Prometheus only",
-        ),
-        (
-            "USE_DOG_STATSD",
-            on("USE_DOG_STATSD")?,
-            "metrics are served to Prometheus only",
-        ),
-        (
-            "STATSD_HOST",
-            statsd && set("STATSD_HOST"),
-            "metrics are served to Prometheus only",
-        ),
-        (
-            "STATSD_PORT",
-            statsd && set("STATSD_PORT"),
-            "metrics are served to Prometheus only",
+            "STATSD_PROTOCOL",
+            statsd && differs("STATSD_PROTOCOL", &["udp", "udp4", "udp6"]),
+            "statsd stats are sent over UDP",
         ),
         (
             "EXTRA_TAGS",
-            set("EXTRA_TAGS"),
-            "metrics carry no extra tags",
+            !statsd && set("EXTRA_TAGS"),
+            "only statsd stats carry EXTRA_TAGS, and statsd is off",
         ),
         (
             "PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS",

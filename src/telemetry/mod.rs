@@ -6,6 +6,7 @@
 
 pub mod mapper;
 pub mod metrics;
+pub mod statsd;
 
 use std::io::IsTerminal;
 use std::sync::Mutex;

@@ -255,6 +255,17 @@ impl Sluice {
     /// Starts `sluice serve` again as it was started first (same addresses, rules and flags, so
     /// the same store), its log going on in the same file, and waits until it reports SERVING.
     pub async fn start_again(&mut self) {
+        self.relaunch();
+        assert!(
+            wait_serving(&mut self.child, self.grpc).await,
+            "sluice did not start again on {}; its log:\n{}",
+            self.grpc,
+            self.log_text()
+        );
+    }
+
+    /// Starts `sluice serve` again as it was started first, and returns at once.
+    pub fn relaunch(&mut self) {
         assert!(!self.alive(), "sluice still runs");
         let log_file = std::fs::OpenOptions::new()
             .append(true)
@@ -268,12 +279,6 @@ impl Sluice {
             self.http,
             &flags,
             log_file,
-        );
-        assert!(
-            wait_serving(&mut self.child, self.grpc).await,
-            "sluice did not start again on {}; its log:\n{}",
-            self.grpc,
-            self.log_text()
         );
     }
 

@@ -56,7 +56,8 @@ impl ServeArgs {
         self.store.check()?;
         self.policy.check()?;
         self.answers.check()?;
-        self.quota.check()
+        self.quota.check()?;
+        self.telemetry.check()
     }
 
     /// Every address served: the listeners', the metrics' own, envoyproxy/ratelimit's debug port.

@@ -15,7 +15,7 @@ mod statsd;
 
 pub use response_times::ResponseTimes;
 pub use rules::{Outcome, RuleStats};
-pub use statsd::use_mapper;
+pub use statsd::{RESPONSE_TIME, StatsdTotals, use_mapper};
 
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, LazyLock, Mutex};
@@ -333,6 +333,12 @@ impl Metrics {
     /// Forgets the series of rules that `keep` (domain, rule path) no longer has.
     pub fn retain_rules(&self, keep: impl Fn(&str, &str) -> bool) {
         lock(&self.rules).retain(keep);
+    }
+
+    /// envoyproxy/ratelimit's statsd stats for what was counted, unmapped, for a statsd push.
+    pub fn statsd_totals(&self) -> StatsdTotals {
+        let snapshot = lock(&self.rules).snapshot(statsd::rule_series);
+        statsd::totals(self, &snapshot)
     }
 
     /// The metrics in the OpenMetrics text format, `extra` (gauges read at scrape time)

@@ -258,6 +258,13 @@ pub(super) const RULE_STATS: [(&str, &str, &str); 6] = [
 ];
 
 impl RuleSnapshot {
+    /// Each rule's domain, descriptor and values, in `RULE_STATS` order.
+    pub(super) fn values(&self) -> impl Iterator<Item = (&str, &str, [u64; 6])> {
+        self.0
+            .iter()
+            .map(|rule| (rule.domain.as_str(), rule.descriptor.as_str(), rule.values))
+    }
+
     /// Each stat the mapping names, with its value, rule by rule.
     pub(super) fn mapped(&self) -> impl Iterator<Item = (&Series, u64)> {
         self.0.iter().flat_map(|rule| {

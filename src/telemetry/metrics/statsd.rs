@@ -3,8 +3,8 @@
 //! alerts keep working: the per-rule stats, the service's counters and the response-time timer.
 //!
 //! The statsd names are made here (`rule_series` for a rule's stats, `StatsdSeries::gather` for
-//! the service's counters and the timer): a statsd push over UDP, as that project emits, would
-//! take the same names and values, unmapped, and send them as counter and timing lines.
+//! the service's counters and the timer); `totals` gives the same names and values, unmapped, to
+//! the statsd push (`telemetry::statsd`).
 
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
@@ -87,6 +87,70 @@ fn ipv4_at(s: &[u8]) -> Option<usize> {
     Some(at)
 }
 
+/// The response-time timer's statsd name.
+pub const RESPONSE_TIME: &str = "ratelimit_server.ShouldRateLimit.response_time";
+/// The calls counter's statsd name.
+const TOTAL_REQUESTS: &str = "ratelimit_server.ShouldRateLimit.total_requests";
+
+/// envoyproxy/ratelimit's stats, unmapped, as its statsd sink would name them.
+#[derive(Debug)]
+pub struct StatsdTotals {
+    /// Each counter's name and running total.
+    pub counters: Vec<(String, u64)>,
+    /// The response times seen: (whole milliseconds, calls), running totals.
+    pub response_times: Vec<(u64, u64)>,
+}
+
+/// The service's counters (not per rule): statsd name and running total.
+fn service_counters(metrics: &Metrics) -> [(&'static str, u64); 5] {
+    [
+        (
+            "ratelimit.service.config_load_success",
+            metrics.loads_ok.get(),
+        ),
+        (
+            "ratelimit.service.config_load_error",
+            metrics.loads_failed.get(),
+        ),
+        (
+            "ratelimit.service.call.should_rate_limit.redis_error",
+            metrics.redis_errors.get(),
+        ),
+        (
+            "ratelimit.service.call.should_rate_limit.service_error",
+            metrics.service_errors.get(),
+        ),
+        (
+            "ratelimit.service.global_shadow_mode",
+            metrics.global_shadow_mode.get(),
+        ),
+    ]
+}
+
+/// envoyproxy/ratelimit's stats for what `metrics` counted, per rule (`rules`) and for the
+/// service, unmapped.
+pub(super) fn totals(metrics: &Metrics, rules: &RuleSnapshot) -> StatsdTotals {
+    let mut counters = Vec::new();
+    for (domain, descriptor, values) in rules.values() {
+        let key = sanitize(&format!("{domain}.{descriptor}"));
+        for ((stat, _, _), value) in RULE_STATS.iter().zip(values) {
+            counters.push((format!("ratelimit.service.rate_limit.{key}.{stat}"), value));
+        }
+    }
+    counters.extend(
+        service_counters(metrics)
+            .into_iter()
+            .map(|(name, value)| (name.to_owned(), value)),
+    );
+    let response_times = metrics.response_times.seen();
+    let calls = response_times.iter().map(|(_, n)| n).sum();
+    counters.push((TOTAL_REQUESTS.to_owned(), calls));
+    StatsdTotals {
+        counters,
+        response_times,
+    }
+}
+
 /// envoyproxy/ratelimit's series as its mapping names them, gathered at scrape time: counters
 /// of equal name and labels add up, as statsd_exporter adds them; a name already taken by a
 /// series of the other type keeps its first one (statsd_exporter's conflict).
@@ -129,34 +193,17 @@ impl StatsdSeries {
             out.counter(series, value);
         }
         let m = mapper();
-        let counters = [
-            ("ratelimit.service.config_load_success", &metrics.loads_ok),
-            ("ratelimit.service.config_load_error", &metrics.loads_failed),
-            (
-                "ratelimit.service.call.should_rate_limit.redis_error",
-                &metrics.redis_errors,
-            ),
-            (
-                "ratelimit.service.call.should_rate_limit.service_error",
-                &metrics.service_errors,
-            ),
-            (
-                "ratelimit.service.global_shadow_mode",
-                &metrics.global_shadow_mode,
-            ),
-        ];
-        for (name, counter) in counters {
+        for (name, value) in service_counters(metrics) {
             if let Some(series) = m.map(name, Kind::Counter) {
-                out.counter(&series, counter.get());
+                out.counter(&series, value);
             }
         }
         let times = metrics.response_times.seen();
         let calls = times.iter().map(|(_, n)| n).sum();
-        let method = "ratelimit_server.ShouldRateLimit";
-        if let Some(series) = m.map(&format!("{method}.total_requests"), Kind::Counter) {
+        if let Some(series) = m.map(TOTAL_REQUESTS, Kind::Counter) {
             out.counter(&series, calls);
         }
-        if let Some(series) = m.map(&format!("{method}.response_time"), Kind::Observer) {
+        if let Some(series) = m.map(RESPONSE_TIME, Kind::Observer) {
             out.observations(&series, &times);
         }
         out
