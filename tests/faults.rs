@@ -463,9 +463,10 @@ cases! {
         => redis_starts_late(Deny),
 }
 
-/// A Redis that requires a password, reached without one, with a wrong one, and a port where
-/// nothing listens: for as long as it lasts, `/readyz` names the cause, the log says it, and
-/// `sluice_store_unreachable_total` counts it by kind.
+/// A Redis that requires a password, reached without one, with a wrong one, over TLS (it speaks
+/// none), and a port where nothing listens: within a second and for as long as it lasts,
+/// `/readyz` names the cause, the log says it, and `sluice_store_unreachable_total` counts it by
+/// kind.
 #[tokio::test(flavor = "multi_thread")]
 async fn why_redis_cannot_be_reached_is_said_and_counted() {
     let redis = Controlled::started_with(&["--requirepass", "right"]);
@@ -478,6 +479,7 @@ async fn why_redis_cannot_be_reached_is_said_and_counted() {
             "WRONGPASS",
         ),
         (nothing.url.clone(), "refused", "refused"),
+        (format!("rediss://127.0.0.1:{}", redis.port), "tls", "TLS"),
     ] {
         let flags = [
             "--redis-url",
@@ -486,19 +488,24 @@ async fn why_redis_cannot_be_reached_is_said_and_counted() {
             STORE_TIMEOUT,
         ];
         let sluice = Sluice::spawn(&[("rules.yaml", RULES)], &flags, None, Wait::Live).await;
-        let start = Instant::now();
+        let live = Instant::now();
         let body = loop {
             let (status, _, body) = http(sluice.http, "GET", "/readyz", "");
             assert_eq!(status, 503, "not ready while Redis cannot be reached");
-            if body.contains(said) || start.elapsed() > Duration::from_secs(10) {
+            if body.contains(said) || live.elapsed() > Duration::from_secs(10) {
                 break body;
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
         };
         assert!(
             body.contains(&format!("the counter store is unreachable ({kind}: "))
                 && body.contains(said),
             "{url}: /readyz says {body:?}"
+        );
+        assert!(
+            live.elapsed() < Duration::from_secs(1),
+            "{url}: /readyz named the cause {:?} after sluice was live, not within a second",
+            live.elapsed()
         );
         let counted = common::metrics::scrape(sluice.http)
             .get("sluice_store_unreachable_total", &[("kind", kind)])

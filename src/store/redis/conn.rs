@@ -14,6 +14,8 @@ use fred::socket2::TcpKeepalive;
 use fred::types::config::ReconnectError;
 use fred::types::scripts::Script;
 use fred::types::{CustomCommand, FromValue};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 use tokio::sync::{broadcast, mpsc};
 
 use super::RedisTls;
@@ -21,6 +23,8 @@ use crate::store::guard::Breaker;
 use crate::store::{StoreError, Told};
 use crate::telemetry::Throttle;
 
+/// How long a TCP connection to Redis may take when a failure is diagnosed.
+const DIAGNOSIS: Duration = Duration::from_millis(500);
 /// How often an open breaker's probe tries Redis.
 const PROBE_INTERVAL: Duration = Duration::from_millis(200);
 /// How often, and how patiently, a closed breaker's probe pings Redis, so that an outage is
@@ -199,7 +203,20 @@ pub(super) fn failed(e: Error) -> StoreError {
 /// resume, so it succeeds as soon as Redis answers again. While the breaker is closed, pings
 /// Redis every `PING_INTERVAL` and opens it when no answer comes within that time.
 pub(super) async fn probe(conn: Conn, scripts: Vec<Script>, breaker: Arc<Breaker>) {
-    tokio::spawn(causes(conn.client.error_rx(), breaker.clone()));
+    let config = conn.client.client_config();
+    let tls_to: Arc<[Server]> = if config.tls.is_some() {
+        config.server.hosts().into()
+    } else {
+        Arc::new([])
+    };
+    tokio::spawn(causes(
+        conn.client.error_rx(),
+        breaker.clone(),
+        tls_to.clone(),
+    ));
+    if !tls_to.is_empty() {
+        tokio::spawn(plain_text(tls_to.clone(), breaker.clone()));
+    }
     let mut tick = tokio::time::interval(PROBE_INTERVAL);
     let mut last_ping = tokio::time::Instant::now();
     loop {
@@ -207,7 +224,10 @@ pub(super) async fn probe(conn: Conn, scripts: Vec<Script>, breaker: Arc<Breaker
         if breaker.is_open() {
             match conn.load(&scripts).await {
                 Ok(()) => breaker.close(),
-                Err(e) => breaker.unreachable(cause_of(&e), e.details()),
+                Err(e) => {
+                    let (kind, detail) = diagnosed(&e, &tls_to).await;
+                    breaker.unreachable(kind, &detail);
+                }
             }
         } else if last_ping.elapsed() >= PING_INTERVAL {
             last_ping = tokio::time::Instant::now();
@@ -224,14 +244,78 @@ pub(super) async fn probe(conn: Conn, scripts: Vec<Script>, breaker: Arc<Breaker
 /// Tells `breaker` why each connection of its client could not be made or was dropped: these
 /// errors reach no command (the commands wait for the reconnection), so without them an
 /// unreachable store would not say why.
-async fn causes(mut errors: broadcast::Receiver<(Error, Option<Server>)>, breaker: Arc<Breaker>) {
+async fn causes(
+    mut errors: broadcast::Receiver<(Error, Option<Server>)>,
+    breaker: Arc<Breaker>,
+    tls_to: Arc<[Server]>,
+) {
     loop {
         match errors.recv().await {
-            Ok((e, _)) => breaker.unreachable(cause_of(&e), e.details()),
+            Ok((e, _)) => {
+                let (kind, detail) = diagnosed(&e, &tls_to).await;
+                breaker.unreachable(kind, &detail);
+            }
             Err(broadcast::error::RecvError::Lagged(_)) => {}
             Err(broadcast::error::RecvError::Closed) => return,
         }
     }
+}
+
+/// While `breaker` is open, asks each server reached over TLS (`tls_to`) for a `PING` in plain
+/// text, every `DIAGNOSIS`: one that answers it serves no TLS (a `rediss://` URL for a plain
+/// Redis), which is said at once rather than when the TLS handshake times out.
+async fn plain_text(tls_to: Arc<[Server]>, breaker: Arc<Breaker>) {
+    loop {
+        tokio::time::sleep(DIAGNOSIS).await;
+        if !breaker.is_open() {
+            continue;
+        }
+        for server in tls_to.iter() {
+            if answers_plain_text(server).await {
+                breaker.unreachable(
+                    "tls",
+                    &format!(
+                        "{server} answers in plain text: it serves no TLS, which the URL asks for"
+                    ),
+                );
+            }
+        }
+    }
+}
+
+/// Whether `server` answers a `PING` sent in plain text with a Redis reply, within `DIAGNOSIS`.
+async fn answers_plain_text(server: &Server) -> bool {
+    let asked = async {
+        let mut tcp = TcpStream::connect((&*server.host, server.port)).await?;
+        tcp.write_all(b"PING\r\n").await?;
+        let mut first = [0u8; 1];
+        tcp.read_exact(&mut first).await?;
+        Ok::<_, std::io::Error>(matches!(first[0], b'+' | b'-'))
+    };
+    matches!(tokio::time::timeout(DIAGNOSIS, asked).await, Ok(Ok(true)))
+}
+
+/// Why Redis could not be reached, as `sluice_store_unreachable_total` counts it, and what to
+/// say. A timeout over TLS (`tls_to`: the servers reached over TLS) when a plain TCP connection to
+/// the same address is made at once is a TLS handshake that never completes: most likely a
+/// server that speaks no TLS, reached through a `rediss://` URL.
+async fn diagnosed(e: &Error, tls_to: &[Server]) -> (&'static str, String) {
+    if matches!(e.kind(), ErrorKind::Timeout) {
+        for server in tls_to {
+            let tcp = TcpStream::connect((&*server.host, server.port));
+            if let Ok(Ok(_)) = tokio::time::timeout(DIAGNOSIS, tcp).await {
+                return (
+                    "tls",
+                    format!(
+                        "TCP connections to {server} are made, but no TLS handshake completes: \
+                         does it serve TLS? ({})",
+                        e.details()
+                    ),
+                );
+            }
+        }
+    }
+    (cause_of(e), e.details().to_owned())
 }
 
 /// Why Redis could not be reached, as `sluice_store_unreachable_total` counts it.
