@@ -400,20 +400,34 @@ async fn demand_records_stay_within_their_budget_and_never_lapse_between_two() {
         envoy.report(&reports).await;
         let again = envoy.answer().await;
         assert_eq!(again.bucket_action.len(), 10, "every bucket answered");
+        // Each bucket's strategy, and the assignments' lives in seconds.
         let actions = |answer: &RateLimitQuotaResponse| {
-            let mut shown: Vec<String> = answer
-                .bucket_action
-                .iter()
-                .map(|a| {
-                    let id = a.bucket_id.as_ref().expect("a bucket id");
-                    let id: std::collections::BTreeMap<_, _> = id.bucket.iter().collect();
-                    format!("{id:?} {:?}", a.bucket_action)
-                })
-                .collect();
+            let mut shown = Vec::new();
+            let mut lives = Vec::new();
+            for a in &answer.bucket_action {
+                let id = a.bucket_id.as_ref().expect("a bucket id");
+                let id: std::collections::BTreeMap<_, _> = id.bucket.iter().collect();
+                let Some(Action::QuotaAssignmentAction(assigned)) = &a.bucket_action else {
+                    panic!("an assignment: {a:?}");
+                };
+                shown.push(format!("{id:?} {:?}", assigned.rate_limit_strategy));
+                lives.push(assigned.assignment_time_to_live.map_or(0, |d| d.seconds));
+            }
             shown.sort();
-            shown
+            (shown, lives)
         };
-        assert_eq!(actions(&first), actions(&again), "the shares kept");
+        let ((first, first_lives), (again, again_lives)) = (actions(&first), actions(&again));
+        assert_eq!(first, again, "the shares kept");
+        assert!(first_lives.iter().all(|&s| s == 30), "{first_lives:?}");
+        // A bucket answered from its record, none due, lives no longer than the record is
+        // counted (30 s from the first report): a replica that dies sends no more.
+        let shortened: Vec<i64> = again_lives.iter().copied().filter(|&s| s != 30).collect();
+        let recorded_only_before = if recorded_again { 0 } else { recorded };
+        assert_eq!(shortened.len(), recorded_only_before, "{again_lives:?}");
+        assert!(
+            shortened.iter().all(|s| (28..30).contains(s)),
+            "{again_lives:?}"
+        );
         // The buckets recorded the first time (another may take a record the budget has
         // gained meanwhile).
         let after = records(&prefix);

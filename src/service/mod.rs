@@ -525,12 +525,10 @@ async fn bind_some(addr: Option<SocketAddr>, what: &str) -> anyhow::Result<Optio
 /// has just started. Past it, sluice serves as it does while the store is unreachable.
 async fn store_reached_at_start(backend: &Backend, shutdown: Shutdown) {
     let start = Instant::now();
+    // Polled: `Backend::changed` wakes one waiter, which is gRPC health's.
     let reached = async {
         while !backend.reachable() {
-            tokio::select! {
-                () = backend.changed() => {}
-                () = tokio::time::sleep(STORE_POLL) => {}
-            }
+            tokio::time::sleep(STORE_POLL).await;
         }
     };
     tokio::select! {
@@ -548,7 +546,7 @@ async fn store_reached_at_start(backend: &Backend, shutdown: Shutdown) {
 
 /// How long gRPC connections wait at the start for the store to be reached.
 const STORE_AT_START: Duration = Duration::from_secs(2);
-/// How often the start looks again whether the store is reached, besides being told.
+/// How often the start looks again whether the store is reached.
 const STORE_POLL: Duration = Duration::from_millis(5);
 /// How long the blocks still held at exit have to reach the store.
 const GIVE_BACK_AT_EXIT: Duration = Duration::from_secs(1);

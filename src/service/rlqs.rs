@@ -88,6 +88,8 @@ const TAKEN_WITHIN: Duration = Duration::from_millis(100);
 /// store has lost what every replica's streams hold, and every replica lists its own again (at
 /// once, on its reconnection) before any grows.
 const FROZEN_AFTER_RECONNECTION: Duration = Duration::from_secs(2);
+/// The shortest life of an assignment (Envoy reads whole seconds).
+const ONE_SECOND: Duration = Duration::from_secs(1);
 /// How long after a stream of another replica lapses its bucket is settled again.
 const WAKE_SLACK: Duration = Duration::from_millis(20);
 /// Answers waiting to be written to one stream (each of at most `BUCKETS_AT_A_TIME` buckets); a
@@ -740,6 +742,9 @@ struct Step {
     tracked: bool,
     /// When its demand was last recorded, and until when that record stays counted.
     recorded: Option<(Instant, Instant)>,
+    /// How long its answer may live when shorter than an assignment: what its record has left,
+    /// when it is answered without a record (none due) and the store is counting it.
+    lives: Option<Duration>,
 }
 
 /// The bound that was full when a bucket was answered untracked, as the metrics name it.
@@ -998,6 +1003,7 @@ impl QuotaStream {
                 elapsed,
                 tracked,
                 recorded,
+                lives: None,
             };
             let requests = allowed.saturating_add(denied);
             let fixed = self.fixed(&step);
@@ -1179,6 +1185,11 @@ impl QuotaStream {
                 }
             }
         } else {
+            // Its grant is counted in the store only until its record lapses: its Envoy must not
+            // enforce it longer (a replica that dies sends no more).
+            step.lives = step
+                .recorded
+                .map(|(_, until)| until.saturating_duration_since(now).max(ONE_SECOND));
             self.kept(step.id, limit)
         };
         let Some((share, milli)) = share else {
@@ -1282,7 +1293,12 @@ impl QuotaStream {
     /// The answer for one bucket, counted.
     fn action(&self, step: &Step, assignment: Assignment, tally: &mut Tally) -> Bytes {
         tally.action(&step.labels, assignment.name());
-        assign(step.bucket_id.clone(), assignment, self.quotas.settings.ttl)
+        let ttl = self.quotas.settings.ttl;
+        assign(
+            step.bucket_id.clone(),
+            assignment,
+            step.lives.map_or(ttl, |lives| lives.min(ttl)),
+        )
     }
 
     /// Forgets a bucket the stream is told to abandon.

@@ -152,7 +152,7 @@ impl Backend {
         }
     }
 
-    /// Woken whenever `reachable` may have changed.
+    /// Woken whenever `reachable` may have changed; one waiter only (gRPC health's).
     pub async fn changed(&self) {
         match self {
             Backend::Memory(_) => std::future::pending().await,
