@@ -12,8 +12,8 @@
 --          record was found lost.
 -- ARGV     the channel told of a bucket whose other replicas have grants to move; then per key:
 --          the limit; whether the replica's streams may grow ('1' or '0'); how long (ms) a stream
---          stays counted once its replica stops listing it (an assignment sent with the call lives
---          at most that long); how long (ms) no grant grows once a record is
+--          stays counted after its report, or after its grant moved (an assignment lives at most
+--          that long); how long (ms) no grant grows once a record is
 --          found lost; the number of the replica's streams listed; and per stream five: its id;
 --          'r' (a report: its demand is new), 'k' (kept: as the store has it, or as listed if the
 --          store lost it) or 'l' (it leaves the bucket); its demand; the most its Envoy may be
@@ -126,9 +126,6 @@ for k = 1, #KEYS do
         elseif what == 'r' then
           changed = changed or stream.d ~= demand
           stream.d, stream.e = demand, now + stays
-        else
-          -- Kept: a grant sent now lives as long as one sent with a report.
-          stream.e = math.max(stream.e, now + stays)
         end
         local h = math.max(stream.g, grant)
         if h ~= stream.h then
@@ -151,7 +148,8 @@ for k = 1, #KEYS do
     for i, id in ipairs(ids) do
       local stream = streams[id]
       if mine[id] and stream.g > shares[i] and not settled(stream.g, shares[i]) then
-        stream.g, changed = shares[i], true
+        -- Sent now: it lives as long as a grant sent with a report.
+        stream.g, stream.e, changed = shares[i], math.max(stream.e, now + stays), true
       end
       taken = taken + stream.h
     end
@@ -163,7 +161,7 @@ for k = 1, #KEYS do
         if grow and stream.g < shares[i] and not settled(stream.g, shares[i]) and free > 0 then
           local more = math.min(shares[i] - stream.g, free)
           stream.g, free, changed = stream.g + more, free - more, true
-          stream.h = math.max(stream.h, stream.g)
+          stream.h, stream.e = math.max(stream.h, stream.g), math.max(stream.e, now + stays)
         end
         if stream.h > stream.g then
           again = 1

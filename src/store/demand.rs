@@ -50,8 +50,8 @@ pub struct Settle<'a> {
     /// Whether the replica's streams may grow (not while it may be the only one to have told the
     /// store what its streams hold, after the store lost its records).
     pub grow: bool,
-    /// How long a stream stays counted once its replica stops listing it: an assignment sent
-    /// with the call lives at most that long.
+    /// How long a stream stays counted after its report, or after its grant moved: an
+    /// assignment lives at most that long.
     pub stays_ms: u64,
     /// How long no grant of the bucket grows once a record is found lost.
     pub freeze_ms: u64,
@@ -174,10 +174,7 @@ impl DemandBoard {
                     streams[at].until_ms = now_ms + call.stays_ms;
                     at
                 }
-                (Change::Keep, Ok(at)) => {
-                    streams[at].until_ms = streams[at].until_ms.max(now_ms + call.stays_ms);
-                    at
-                }
+                (Change::Keep, Ok(at)) => at,
                 (_, Err(at)) => {
                     streams.insert(
                         at,
@@ -201,6 +198,7 @@ impl DemandBoard {
         for (s, &share) in streams.iter_mut().zip(&shares) {
             if is_mine(s) && s.grant > share && !settled(s.grant, share) {
                 s.grant = share;
+                s.until_ms = s.until_ms.max(now_ms + call.stays_ms);
             }
         }
         let taken: u64 = streams.iter().map(|s| s.held).sum();
@@ -214,6 +212,7 @@ impl DemandBoard {
                 let more = (share - s.grant).min(free);
                 s.grant += more;
                 s.held = s.held.max(s.grant);
+                s.until_ms = s.until_ms.max(now_ms + call.stays_ms);
                 free -= more;
             }
             again |= s.held > s.grant;
@@ -380,13 +379,17 @@ mod tests {
     }
 
     #[test]
-    fn a_stream_its_replica_lists_stays_counted_as_long_as_what_it_was_sent_lives() {
+    fn a_stream_sent_a_new_grant_stays_counted_as_long_as_the_grant_lives() {
         let board = DemandBoard::new(10);
         settle(&board, &[("a", Change::Report, LIMIT, 0)], 0);
-        // Listed again at 10 s (its replica settles the bucket), when it may be sent its grant.
-        settle(&board, &[("a", Change::Keep, LIMIT, LIMIT)], 10_000);
+        settle(&board, &[("b", Change::Report, LIMIT, 0)], 5_000);
+        // a's replica shrinks it at 10 s, sending it the new grant, valid 15 s from then.
+        let d = settle(&board, &[("a", Change::Keep, LIMIT, LIMIT)], 10_000);
+        assert_eq!(grants(&d), [("a", 10_000), ("b", 0)]);
         let d = settle(&board, &[("b", Change::Report, LIMIT, 0)], 20_000);
-        assert_eq!(grants(&d), [("a", LIMIT), ("b", 0)], "a counted until 25 s");
+        assert!(d.of("a").is_some(), "a counted until 25 s");
+        // Listed again with its grant unchanged: nothing sent, not counted longer.
+        settle(&board, &[("a", Change::Keep, LIMIT, 10_000)], 24_000);
         let d = settle(&board, &[("b", Change::Report, LIMIT, 0)], 25_001);
         assert_eq!(grants(&d), [("b", LIMIT)]);
     }
