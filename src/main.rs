@@ -14,6 +14,7 @@ use sluice::rules::RuleSet;
 use sluice::service::rlqs::Quotas;
 use sluice::service::{self, Setup, Shutdown, reload};
 use sluice::settings::{self, Command, ExplainArgs, HealthArgs, ServeArgs, erl};
+use sluice::telemetry::traces::Traces;
 use sluice::telemetry::{self, metrics, statsd};
 
 /// mimalloc: measurably less CPU per request than the system allocator on the request path, and
@@ -35,7 +36,21 @@ fn main() -> ExitCode {
         Command::Explain(args) => explain(&args),
         Command::Load(options) => load(options),
         Command::Serve(args) => {
-            telemetry::init(args.telemetry.log_format(), args.telemetry.log_level());
+            let traces = args.telemetry.tracing().map(|t| Traces::start(&t));
+            let (traces, tracer, failed) = match traces {
+                Some(Ok((traces, tracer))) => (Some(traces), Some(tracer), None),
+                Some(Err(e)) => (None, None, Some(e)),
+                None => (None, None, None),
+            };
+            telemetry::init(
+                args.telemetry.log_format(),
+                args.telemetry.log_level(),
+                tracer,
+            );
+            if let Some(e) = failed {
+                tracing::error!("tracing: {e:#}");
+                return ExitCode::FAILURE;
+            }
             if let Some(t) = &translation {
                 for unhonoured in &t.unhonoured {
                     tracing::warn!("{unhonoured}");
@@ -49,7 +64,11 @@ fn main() -> ExitCode {
                 Some(t) => anyhow::anyhow!(t.blame(&format!("{e:#}"))),
                 None => e,
             });
-            match checked.and_then(|()| serve(*args)) {
+            let served = checked.and_then(|()| serve(*args));
+            if let Some(traces) = traces {
+                traces.flush(TRACES_LAST_FLUSH);
+            }
+            match served {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!("{e:#}");
@@ -93,6 +112,8 @@ fn check_config(source: &config::Source) -> ExitCode {
 const MALFORMED_REQUEST: u8 = 2;
 /// How long the statsd push has, once serving ends, to send what the drain counted.
 const STATSD_LAST_FLUSH: Duration = Duration::from_secs(1);
+/// How long the spans still queued at exit may take to reach the collector.
+const TRACES_LAST_FLUSH: Duration = Duration::from_secs(1);
 
 fn explain(args: &ExplainArgs) -> ExitCode {
     let request = args.request();

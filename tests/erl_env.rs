@@ -98,22 +98,55 @@ fn envoy_gateways_environment_becomes_these_serve_flags() {
 }
 
 #[test]
-fn envoy_gateways_tracing_variables_are_named_as_unhonoured() {
+fn envoy_gateways_tracing_variables_become_tracing_flags() {
     let env: Vec<_> = ENVOY_GATEWAY
         .iter()
         .chain(ENVOY_GATEWAY_TRACING)
         .copied()
         .collect();
+    let t = translated(&env).unwrap();
+    assert_eq!(t.unhonoured, [], "every tracing variable is honoured");
+    let args = strings(t.args);
+    for expected in [
+        "--tracing=http",
+        "--tracing-service-name=envoy-ratelimit",
+        "--tracing-service-namespace=envoy-gateway-system",
+        "--tracing-service-instance-id=envoy-ratelimit-5d8f7c9b6-x2x7q",
+        "--tracing-sampling-rate=1",
+    ] {
+        assert!(args.iter().any(|a| a == expected), "{expected} in {args:?}");
+    }
+    // The exporter reads OTEL_EXPORTER_OTLP_ENDPOINT itself, as that project's does.
+    assert!(
+        !args.iter().any(|a| a.starts_with("--tracing-endpoint")),
+        "{args:?}"
+    );
+
+    let mut env = ENVOY_GATEWAY.to_vec();
+    env.extend([
+        ("TRACING_ENABLED", "true"),
+        ("TRACING_EXPORTER_PROTOCOL", "grpc"),
+        ("TRACING_SAMPLING_RATE", "2.5"),
+    ]);
+    assert_eq!(value(&env, "--tracing").as_deref(), Some("grpc"));
     assert_eq!(
-        unhonoured(&env),
-        [
-            "TRACING_ENABLED",
-            "TRACING_SERVICE_NAME",
-            "TRACING_SERVICE_NAMESPACE",
-            "TRACING_SERVICE_INSTANCE_ID",
-            "TRACING_SAMPLING_RATE",
-            "OTEL_EXPORTER_OTLP_ENDPOINT"
-        ]
+        value(&env, "--tracing-service-name").as_deref(),
+        Some("RateLimit")
+    );
+    assert_eq!(
+        value(&env, "--tracing-sampling-rate").as_deref(),
+        Some("1"),
+        "past 1: all"
+    );
+
+    env.push(("TRACING_EXPORTER_PROTOCOL", "udp"));
+    let env: Vec<_> = env
+        .into_iter()
+        .filter(|(k, v)| *k != "TRACING_EXPORTER_PROTOCOL" || *v == "udp")
+        .collect();
+    assert_eq!(
+        translated(&env).unwrap_err(),
+        "TRACING_EXPORTER_PROTOCOL=udp: not http or grpc"
     );
 }
 
@@ -762,13 +795,21 @@ async fn as_ratelimit_unhonoured_variables_are_logged_once_by_name() {
     let mut env = on_redis("log");
     env.extend([
         ("USE_STATSD", "false".to_owned()),
-        ("TRACING_ENABLED", "true".to_owned()),
+        (
+            "PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS",
+            "true".to_owned(),
+        ),
         ("REDIS_POOL_SIZE", "64".to_owned()),
         ("GRPC_SERVER_TLS_CA_CERT", "/certs/ca.crt".to_owned()),
     ]);
     let (rl, _channel) = Ratelimit::serving(RULES, &pairs(&env)).await;
     let log = rl.log_text();
-    assert_eq!(log.matches("TRACING_ENABLED").count(), 1, "{log}");
+    assert_eq!(
+        log.matches("PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS")
+            .count(),
+        1,
+        "{log}"
+    );
     assert_eq!(log.matches("REDIS_POOL_SIZE").count(), 1, "{log}");
     assert!(!log.contains("USE_STATSD"), "{log}");
     assert!(!log.contains("GRPC_SERVER_TLS_CA_CERT"), "{log}");

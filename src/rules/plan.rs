@@ -69,6 +69,19 @@ pub enum Stats<'a> {
     Request(Arc<RuleStats>),
 }
 
+impl Plan<'_> {
+    /// The path of the rule whose limits this descriptor has, for a trace: never a value the
+    /// request named.
+    pub fn rule(&self) -> Option<&str> {
+        match self {
+            Plan::Limited {
+                stats: Some(stats), ..
+            } => Some(stats.get().rule_path()),
+            _ => None,
+        }
+    }
+}
+
 impl Stats<'_> {
     fn get(&self) -> &RuleStats {
         match self {

@@ -6,11 +6,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use crate::limiter::lease::{Draw, Leases};
 use crate::limiter::{Check, Decision, OverLimitCache};
 use crate::store::{Deadline, Store, StoreError};
 use crate::telemetry::metrics::METRICS;
+use crate::telemetry::traces;
 
 /// Draws a leased check from its blocks at most this many times (each after a block was taken,
 /// awaited, or listened for) before the store decides it as any other.
@@ -74,14 +76,17 @@ impl Decider {
                         // A task of its own, with the store's own deadline: a block the store
                         // charged is recorded for the next requests even when this one's caller
                         // gives up first.
-                        let taking = tokio::spawn(take_block(
-                            self.store.clone(),
-                            self.leases.clone(),
-                            check.clone(),
-                            at.clone(),
-                            take,
-                            Deadline::new(self.store_timeout, None),
-                        ));
+                        let taking = tokio::spawn(
+                            take_block(
+                                self.store.clone(),
+                                self.leases.clone(),
+                                check.clone(),
+                                at.clone(),
+                                take,
+                                Deadline::new(self.store_timeout, None),
+                            )
+                            .in_current_span(),
+                        );
                         match tokio::time::timeout_at(deadline.at, taking).await {
                             Ok(Ok(Ok((_, Some(admitted))))) => return Ok(admitted),
                             Ok(Ok(Ok((decision, None)))) if decision.admitted => {}
@@ -149,7 +154,11 @@ async fn call(
     deadline: Deadline,
     asked: Instant,
 ) -> Result<Decision, StoreError> {
-    let decided = store.apply(check, deadline).await;
+    let span = traces::store_span(check.items.len());
+    let decided = store.apply(check, deadline).instrument(span.clone()).await;
+    if let Err(e) = &decided {
+        traces::store_failed(&span, e);
+    }
     METRICS
         .store_call_seconds
         .observe(asked.elapsed().as_secs_f64());

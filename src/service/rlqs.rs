@@ -34,6 +34,7 @@ use prost::Message;
 use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use super::Shutdown;
 use super::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
@@ -52,6 +53,7 @@ use crate::rules::{QuotaRule, RuleSet};
 use crate::store::{Backend, Change, Deadline, Division, Listed, Settle, Store, StoreError, Told};
 use crate::telemetry::Throttle;
 use crate::telemetry::metrics::{METRICS, QuotaLabels, UNKNOWN_DOMAIN, UNMATCHED_RULE};
+use crate::telemetry::traces;
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
 use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
 use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, UInt32Value};
@@ -471,7 +473,14 @@ impl Quotas {
                     })
                     .collect(),
             };
-            let division = self.record(key, &call).await?;
+            let span = traces::division_span(&rule.path, call.streams.len());
+            let division = match self.record(key, &call).instrument(span.clone()).await {
+                Ok(division) => division,
+                Err(e) => {
+                    traces::store_failed(&span, &e);
+                    return Err(e);
+                }
+            };
             let shrunk = self.send_grants(id, &division, limit, answering);
             moving = None;
             rounds += 1;

@@ -12,6 +12,7 @@ use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::google::protobuf;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
+use tracing::{Instrument, Span};
 
 use super::decide::Decider;
 use super::metadata;
@@ -28,6 +29,7 @@ use crate::rules::plan::{Asked, Global, Override, Plan};
 use crate::store::{Deadline, StoreError};
 use crate::telemetry::Throttle;
 use crate::telemetry::metrics::METRICS;
+use crate::telemetry::traces;
 
 /// Limits on the shape of a request, which Envoy's route configuration decides (not its
 /// clients), so that no caller can make a check unboundedly large. Keys and values may be any
@@ -154,6 +156,9 @@ impl Rls {
         }
         let asked = descriptors(request);
         let (plans, mut check) = rules.plan(&request.domain, &asked, self.answering.global(), true);
+        if traces::on() {
+            traced(request, &plans);
+        }
         if let Some(at) = at {
             if let Some(item) = check
                 .items
@@ -181,6 +186,10 @@ impl Rls {
             Ok(decision) => {
                 count(&plans, &check, &decision, &self.answering);
                 let response = respond(request, &plans, &check, &decision, &self.answering);
+                if traces::on() {
+                    let code = Code::try_from(response.overall_code).unwrap_or(Code::Unknown);
+                    Span::current().record("ratelimit.decision", code.as_str_name());
+                }
                 tracing::debug!(
                     domain = %String::from_utf8_lossy(&request.domain),
                     descriptors = request.descriptors.len(),
@@ -214,6 +223,11 @@ impl Rls {
             OnStoreError::Deny => "deny",
         };
         METRICS.policy_answer(name);
+        if traces::on() {
+            let span = Span::current();
+            span.record("ratelimit.policy_answer", name);
+            traces::store_failed(&span, &e);
+        }
         if let Some(n) = UNDECIDED.hit() {
             tracing::warn!(
                 "{n} request(s) since the last report answered by --on-store-error {name}: {e}"
@@ -312,7 +326,11 @@ impl RateLimitService for Rls {
     ) -> Result<Response<RateLimitResponse>, Status> {
         let started = Instant::now();
         let caller_timeout = grpc_timeout(request.metadata());
-        let answer = self.answer(request.get_ref(), caller_timeout, None).await;
+        let span = traces::call_span(request.metadata());
+        let answer = self
+            .answer(request.get_ref(), caller_timeout, None)
+            .instrument(span)
+            .await;
         let elapsed = started.elapsed();
         METRICS.request_seconds.observe(elapsed.as_secs_f64());
         METRICS.response_times.observe(elapsed);
@@ -392,6 +410,38 @@ pub(super) fn descriptors(request: &RateLimitRequest) -> Vec<Asked<'_>> {
             }),
         })
         .collect()
+}
+
+/// Names, on the call's span, its domain and the rules its descriptors matched, and with
+/// `--tracing-values` the descriptors themselves.
+fn traced(request: &RateLimitRequest, plans: &[Plan]) {
+    let span = Span::current();
+    span.record(
+        "ratelimit.domain",
+        String::from_utf8_lossy(&request.domain).as_ref(),
+    );
+    let rules: Vec<&str> = plans.iter().filter_map(Plan::rule).collect();
+    span.record("ratelimit.rules", rules.join(" ").as_str());
+    if traces::values() {
+        let descriptors: Vec<String> = request
+            .descriptors
+            .iter()
+            .map(|d| {
+                d.entries
+                    .iter()
+                    .map(|e| {
+                        format!(
+                            "{}={}",
+                            String::from_utf8_lossy(&e.key),
+                            String::from_utf8_lossy(&e.value)
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .collect();
+        span.record("ratelimit.descriptors", descriptors.join(" ").as_str());
+    }
 }
 
 /// Counts each decided descriptor's hits in its rule's metrics.

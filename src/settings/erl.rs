@@ -78,6 +78,7 @@ pub fn translate(env: Env<'_>) -> Result<Translation, String> {
     health(&vars, &mut out)?;
     metrics(&vars, &mut out)?;
     statsd(&vars, &mut out)?;
+    tracing(&vars, &mut out)?;
     logs(&vars, &mut out)?;
     out.unhonoured = unhonoured(&vars)?;
     Ok(out)
@@ -621,6 +622,57 @@ fn statsd_on(vars: &Vars) -> Result<bool, String> {
     Ok(plain || vars.flag("USE_DOG_STATSD")?)
 }
 
+/// `TRACING_ENABLED` and its settings: OTLP over `TRACING_EXPORTER_PROTOCOL` (http by default)
+/// to where the `OTEL_EXPORTER_OTLP_*` variables say, which the exporter reads as that project's
+/// does; service `RateLimit` by default; a sampling rate past 1 samples all, below 0 none.
+fn tracing(vars: &Vars, out: &mut Translation) -> Result<(), String> {
+    if !vars.flag("TRACING_ENABLED")? {
+        return Ok(());
+    }
+    let protocol = vars.or("TRACING_EXPORTER_PROTOCOL", "http");
+    match protocol.as_str() {
+        "http" | "grpc" => out.var_as(
+            "--tracing",
+            "TRACING_EXPORTER_PROTOCOL",
+            protocol.clone(),
+            &protocol,
+        ),
+        other => {
+            return Err(format!(
+                "TRACING_EXPORTER_PROTOCOL={other}: not http or grpc"
+            ));
+        }
+    }
+    match vars.get("TRACING_SERVICE_NAME") {
+        Some(name) => out.var("--tracing-service-name", "TRACING_SERVICE_NAME", name),
+        None => out.arg("--tracing-service-name", "RateLimit"),
+    }
+    for (flag, name) in [
+        ("--tracing-service-namespace", "TRACING_SERVICE_NAMESPACE"),
+        (
+            "--tracing-service-instance-id",
+            "TRACING_SERVICE_INSTANCE_ID",
+        ),
+    ] {
+        if let Some(value) = vars.get(name) {
+            out.var(flag, name, value);
+        }
+    }
+    if let Some(rate) = vars.get("TRACING_SAMPLING_RATE") {
+        let parsed: f64 = rate
+            .trim()
+            .parse()
+            .map_err(|_| format!("TRACING_SAMPLING_RATE={rate}: not a number"))?;
+        out.var_as(
+            "--tracing-sampling-rate",
+            "TRACING_SAMPLING_RATE",
+            rate,
+            &parsed.clamp(0.0, 1.0).to_string(),
+        );
+    }
+    Ok(())
+}
+
 /// `LOG_LEVEL` (logrus' names, any case; `WARN` by default) and `LOG_FORMAT` (`json`, else text).
 fn logs(vars: &Vars, out: &mut Translation) -> Result<(), String> {
     let level = vars.or("LOG_LEVEL", "WARN");
@@ -754,7 +806,6 @@ fn unhonoured(vars: &Vars) -> Result<Vec<Unhonoured>, String> {
     let on = |name| vars.flag(name);
     let set = |name: &str| vars.get(name).is_some();
     let statsd = statsd_on(vars)?;
-    let tracing = on("TRACING_ENABLED")?;
     let per_second = on("REDIS_PERSECOND")?;
     let xds = vars.or("CONFIG_TYPE", "FILE") == "GRPC_XDS_SOTW";
     let differs = |name: &str, harmless: &[&str]| {
@@ -787,7 +838,6 @@ fn unhonoured(vars: &Vars) -> Result<Vec<Unhonoured>, String> {
             on("PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS")?,
             "response times are observed in seconds, scaled as the mapping says",
         ),
-        ("TRACING_ENABLED", tracing, "no traces are exported"),
         (
             "EXPIRATION_JITTER_MAX_SECONDS",
             differs("EXPIRATION_JITTER_MAX_SECONDS", &["0", "300"]),
@@ -850,19 +900,6 @@ fn unhonoured(vars: &Vars) -> Result<Vec<Unhonoured>, String> {
             xds && set(name),
             "the xDS client reconnects with its own backoff",
         ));
-    }
-    // With tracing on, each of its settings is named: none of them reaches a tracer.
-    for name in [
-        "TRACING_SERVICE_NAME",
-        "TRACING_SERVICE_NAMESPACE",
-        "TRACING_SERVICE_INSTANCE_ID",
-        "TRACING_SAMPLING_RATE",
-        "TRACING_EXPORTER_PROTOCOL",
-        "OTEL_EXPORTER_OTLP_ENDPOINT",
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-        "OTEL_EXPORTER_OTLP_HEADERS",
-    ] {
-        checks.push((name, tracing && set(name), "no traces are exported"));
     }
     Ok(checks
         .into_iter()

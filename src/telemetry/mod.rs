@@ -1,18 +1,22 @@
 //! Logs and metrics. Logging: `tracing` events to stderr, as text (coloured only on a terminal)
 //! or one JSON object per line, `info` by default; `Throttle` keeps an event that every request
 //! (or a spinning loop) can hit from flooding the log. Metrics: see `metrics`. Traces
-//! (OpenTelemetry) would be a layer on the same subscriber, added in `init`, over spans opened on
-//! the request path.
+//! (OpenTelemetry, see `traces`) are a layer on the same subscriber, added in `init`, over the
+//! spans opened on the request path.
 
 pub mod mapper;
 pub mod metrics;
 pub mod statsd;
+pub mod traces;
 
 use std::io::IsTerminal;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::filter::{FilterExt, filter_fn};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
 
 /// How log lines are written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -23,10 +27,15 @@ pub enum LogFormat {
     Json,
 }
 
-/// Starts logging. `level` (`--log-level`) is a level (`debug`: sluice's own events at debug,
-/// its libraries' at info) or a full filter (`info,sluice=trace`); without it, `SLUICE_LOG`,
-/// then `RUST_LOG`, else `info`.
-pub fn init(format: LogFormat, level: Option<&str>) {
+/// Starts logging, and tracing through `tracer` if given. `level` (`--log-level`) is a level
+/// (`debug`: sluice's own events at debug, its libraries' at info) or a full filter
+/// (`info,sluice=trace`); without it, `SLUICE_LOG`, then `RUST_LOG`, else `info`. The log never
+/// sees the spans traced, nor the traces the log's events.
+pub fn init(
+    format: LogFormat,
+    level: Option<&str>,
+    tracer: Option<opentelemetry_sdk::trace::Tracer>,
+) {
     let filter = match level {
         Some(l) if l.contains(['=', ',']) => EnvFilter::new(l),
         Some(l) => EnvFilter::new(format!("info,sluice={l}")),
@@ -34,13 +43,31 @@ pub fn init(format: LogFormat, level: Option<&str>) {
             .or_else(|_| EnvFilter::try_from_default_env())
             .unwrap_or_else(|_| EnvFilter::new("info")),
     };
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
-        LogFormat::Json => builder.json().with_current_span(false).init(),
-    }
+    let filter = filter.and(filter_fn(|meta| meta.target() != traces::TARGET));
+    let builder = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let log = match format {
+        LogFormat::Text => builder
+            .with_ansi(std::io::stderr().is_terminal())
+            .with_filter(filter)
+            .boxed(),
+        LogFormat::Json => builder
+            .json()
+            .with_current_span(false)
+            .with_filter(filter)
+            .boxed(),
+    };
+    let traced = tracer.map(|tracer| {
+        tracing_opentelemetry::layer()
+            .with_tracer(tracer)
+            .with_location(false)
+            .with_threads(false)
+            .with_target(false)
+            .with_tracked_inactivity(false)
+            .with_filter(filter_fn(|meta| {
+                meta.is_span() && meta.target() == traces::TARGET
+            }))
+    });
+    tracing_subscriber::registry().with(log).with(traced).init();
 }
 
 /// Counts occurrences of one event and lets it be logged at most once a second.

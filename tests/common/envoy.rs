@@ -199,6 +199,23 @@ impl Envoy {
         })
     }
 
+    /// `start`, with Envoy tracing every request (its OpenTelemetry tracer, all sampled) to the
+    /// OTLP/gRPC collector at `collector`, as service `ENVOY_SERVICE`.
+    pub fn start_traced(
+        binary: &Path,
+        upstream: SocketAddr,
+        ratelimit: SocketAddr,
+        filter: &Filter,
+        collector: SocketAddr,
+    ) -> Envoy {
+        Envoy::launch(binary, &|listener, admin| {
+            traced(
+                &bootstrap(listener, admin, upstream, ratelimit, filter, None),
+                collector,
+            )
+        })
+    }
+
     /// Starts Envoy with the bootstrap `yaml` makes for its listener and admin addresses, and
     /// waits until it routes; the bootstrap must route `/probe` to an upstream answering
     /// `UPSTREAM_BODY`.
@@ -386,6 +403,54 @@ fn bootstrap(
         filters: &ratelimit_filter(filter.domain, filter.failure_mode_deny, filter.timeout),
     };
     bootstrap_with(listener, admin, upstream, ratelimit, &front, tls)
+}
+
+/// The service name Envoy's spans have with `Envoy::start_traced`.
+pub const ENVOY_SERVICE: &str = "front-envoy";
+
+/// `yaml` (a bootstrap of `bootstrap`) with every request traced to the OTLP/gRPC collector at
+/// `collector`, spans flushed every 200 ms.
+fn traced(yaml: &str, collector: SocketAddr) -> String {
+    let tracing = format!(
+        r#"                stat_prefix: ingress
+                tracing:
+                  random_sampling: {{ value: 100 }}
+                  provider:
+                    name: envoy.tracers.opentelemetry
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig
+                      service_name: {ENVOY_SERVICE}
+                      grpc_service:
+                        envoy_grpc: {{ cluster_name: otlp }}
+                        timeout: 1s
+"#
+    );
+    let cluster = format!(
+        r#"    - name: otlp
+      type: STATIC
+      connect_timeout: 1s
+      typed_extension_protocol_options:
+        envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+          "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+          explicit_http_config:
+            http2_protocol_options: {{}}
+      load_assignment:
+        cluster_name: otlp
+        endpoints:
+          - lb_endpoints:
+              - endpoint:
+                  address:
+                    socket_address: {{ address: 127.0.0.1, port_value: {port} }}
+layered_runtime:
+  layers:
+    - name: flush
+      static_layer:
+        tracing.opentelemetry.flush_interval_ms: 200
+        tracing.opentelemetry.min_flush_spans: 1
+"#,
+        port = collector.port()
+    );
+    yaml.replacen("                stat_prefix: ingress\n", &tracing, 1) + &cluster
 }
 
 /// What Envoy does with requests, as YAML written from column 0: the routes after `/probe` (a

@@ -4,6 +4,7 @@
 
 pub mod envoy;
 pub mod metrics;
+pub mod otlp;
 pub mod proxy;
 pub mod quota;
 pub mod ratelimit;

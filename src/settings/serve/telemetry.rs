@@ -1,5 +1,5 @@
 //! What `serve` tells about itself: the metrics' own address and path, envoyproxy/ratelimit's
-//! statsd stats, and how log lines are written and filtered.
+//! statsd stats, traces, and how log lines are written and filtered.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -8,6 +8,7 @@ use clap::Args;
 
 use crate::telemetry::LogFormat;
 use crate::telemetry::statsd::{StatsdSettings, parse_tags};
+use crate::telemetry::traces::{Protocol, TracingSettings};
 
 #[derive(Args)]
 #[command(next_help_heading = "Metrics and logs")]
@@ -34,6 +35,40 @@ pub struct TelemetryFlags {
     /// Tag statsd stats DogStatsD's way, `|#key:value` (USE_DOG_STATSD).
     #[arg(long, env = "SLUICE_STATSD_DOGSTATSD")]
     statsd_dogstatsd: bool,
+    /// Export traces (OpenTelemetry, OTLP) over this protocol: http (protobuf over HTTP, port
+    /// 4318) or grpc (port 4317). Each ShouldRateLimit call is a span continuing the trace
+    /// Envoy sends (W3C traceparent or B3), with its store call and Redis script call as child
+    /// spans (envoyproxy/ratelimit's TRACING_ENABLED and TRACING_EXPORTER_PROTOCOL).
+    #[arg(long, env = "SLUICE_TRACING", value_enum)]
+    tracing: Option<Protocol>,
+    /// The collector traces go to, such as http://collector:4318 (OTLP/HTTP's /v1/traces is
+    /// added to an address without a path). Without it, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
+    /// then OTEL_EXPORTER_OTLP_ENDPOINT, else localhost on the protocol's port. Other
+    /// OTEL_EXPORTER_OTLP_* variables (headers, timeout, compression) apply too.
+    #[arg(long, env = "SLUICE_TRACING_ENDPOINT")]
+    tracing_endpoint: Option<String>,
+    /// The share of traces sampled, 0 to 1, where the caller did not decide: a call whose
+    /// caller sampled its trace (or did not) follows that (TRACING_SAMPLING_RATE).
+    #[arg(long, env = "SLUICE_TRACING_SAMPLING_RATE", default_value_t = 1.0)]
+    tracing_sampling_rate: f64,
+    /// The service name spans are exported under (TRACING_SERVICE_NAME).
+    #[arg(long, env = "SLUICE_TRACING_SERVICE_NAME", default_value = "sluice")]
+    tracing_service_name: String,
+    /// The service namespace spans are exported under (TRACING_SERVICE_NAMESPACE).
+    #[arg(long, env = "SLUICE_TRACING_SERVICE_NAMESPACE")]
+    tracing_service_namespace: Option<String>,
+    /// The service instance id spans are exported under, a random one by default
+    /// (TRACING_SERVICE_INSTANCE_ID).
+    #[arg(long, env = "SLUICE_TRACING_SERVICE_INSTANCE_ID")]
+    tracing_service_instance_id: Option<String>,
+    /// Spans waiting for export at most; past it, spans are dropped and counted in
+    /// sluice_trace_spans_total{outcome="dropped"}, never holding a decision up.
+    #[arg(long, env = "SLUICE_TRACING_QUEUE", default_value_t = 4096)]
+    tracing_queue: usize,
+    /// Put descriptor values in spans (the entries of each descriptor, which can be personal
+    /// data: client addresses, user ids). Without it, spans name the rules matched only.
+    #[arg(long, env = "SLUICE_TRACING_VALUES")]
+    tracing_values: bool,
     /// How log lines are written: text, or json (one object per line).
     #[arg(long, env = "SLUICE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -57,7 +92,27 @@ impl TelemetryFlags {
             anyhow::bail!("--statsd-flush-interval: must be more than 0");
         }
         parse_tags(&self.statsd_tags).map_err(|e| anyhow::anyhow!("--statsd-tags: {e}"))?;
+        if !(0.0..=1.0).contains(&self.tracing_sampling_rate) {
+            anyhow::bail!("--tracing-sampling-rate: must be between 0 and 1");
+        }
+        if self.tracing_queue == 0 {
+            anyhow::bail!("--tracing-queue: must be more than 0");
+        }
         Ok(())
+    }
+
+    /// Where and how traces go, if they do.
+    pub fn tracing(&self) -> Option<TracingSettings> {
+        Some(TracingSettings {
+            protocol: self.tracing?,
+            endpoint: self.tracing_endpoint.clone(),
+            sampling_rate: self.tracing_sampling_rate,
+            service_name: self.tracing_service_name.clone(),
+            service_namespace: self.tracing_service_namespace.clone(),
+            service_instance_id: self.tracing_service_instance_id.clone(),
+            queue: self.tracing_queue,
+            values: self.tracing_values,
+        })
     }
 
     /// Where and how the statsd stats go, if they do.

@@ -10,12 +10,14 @@ use bytes::Bytes;
 use fred::prelude::Value;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::script::{
     ARGS_PER_ITEM, Answer, Charge, Scripts, Undo, encode, split_clock, take_request,
 };
 use crate::limiter::Check;
 use crate::telemetry::metrics::METRICS;
+use crate::telemetry::traces;
 
 /// Script calls in flight at once; requests arriving meanwhile wait for the next.
 const CALLS_IN_FLIGHT: usize = 2;
@@ -29,6 +31,8 @@ pub(super) struct Pending {
     charges: Vec<Charge>,
     deadline: Instant,
     reply: oneshot::Sender<Answer>,
+    /// Its store call's span, which the script call carrying it links to.
+    span: tracing::Span,
 }
 
 impl Pending {
@@ -49,6 +53,7 @@ impl Pending {
             keys,
             deadline,
             reply,
+            span: tracing::Span::current(),
         }
     }
 
@@ -96,12 +101,13 @@ async fn call(
     let mut args = Vec::with_capacity(3 * requests.len() + counters * ARGS_PER_ITEM);
     let mut waiting = Vec::with_capacity(requests.len());
     METRICS.batch_requests.observe(requests.len() as f64);
+    let span = traces::script_span(requests.iter().map(|r| &r.span), counters);
     for request in requests {
         keys.extend(request.keys.iter().cloned());
         args.extend(request.args);
         waiting.push((request.keys, request.charges, request.reply));
     }
-    let reply: Vec<Value> = match scripts.check(keys, args).await {
+    let reply: Vec<Value> = match scripts.check(keys, args).instrument(span).await {
         Ok(reply) => reply,
         Err(e) => {
             for (_, _, reply) in waiting {

@@ -12,11 +12,13 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use futures_util::future::join_all;
 use tokio::sync::oneshot;
+use tracing::Instrument;
 
 use super::script::{Answer, Charge, Scripts, Undo};
 use crate::limiter::algorithm::Verdict;
 use crate::limiter::{Check, admits};
 use crate::store::StoreError;
+use crate::telemetry::traces;
 
 /// Decides `check` (whose counters are `keys`) and sends the answer on `reply`; runs to the end
 /// even when the caller has stopped waiting, so that nothing it charged stays charged.
@@ -31,11 +33,12 @@ pub(super) async fn decide(
     }
     let groups = slot_groups(&keys);
     let quota_here = groups.len() == 1;
-    let ran = join_all(
-        groups
-            .iter()
-            .map(|g| scripts.run(&check, &keys, g, quota_here)),
-    )
+    let traced = tracing::Span::current();
+    let ran = join_all(groups.iter().map(|g| {
+        scripts
+            .run(&check, &keys, g, quota_here)
+            .instrument(traces::script_span(std::iter::once(&traced), g.len()))
+    }))
     .await;
     let mut verdicts: Vec<Option<Verdict>> = vec![None; check.items.len()];
     // Per group that answered: the call's time and whether it admitted its items.

@@ -29,6 +29,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument;
 
 use super::demand::{Division, Settle};
 use super::guard::{self, Breaker, Queue};
@@ -112,12 +113,10 @@ impl RedisStore {
         match &self.queue {
             Some(queue) => queue.push(Pending::new(check, keys, deadline.at, reply))?,
             None => {
-                tokio::spawn(cluster::decide(
-                    self.scripts.clone(),
-                    check.clone(),
-                    keys,
-                    reply,
-                ));
+                tokio::spawn(
+                    cluster::decide(self.scripts.clone(), check.clone(), keys, reply)
+                        .in_current_span(),
+                );
             }
         }
         // Dropped from the queue once its time had run out: no answer in time.

@@ -86,6 +86,7 @@ pub struct Metrics {
     quota_store_errors: Family<Labels, Counter>,
     memory_refused: Family<Labels, Counter>,
     quota_untracked: Family<Labels, Counter>,
+    trace_spans: Family<Labels, Counter>,
 }
 
 pub static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
@@ -131,6 +132,7 @@ impl Metrics {
             quota_store_errors: Family::default(),
             memory_refused: Family::default(),
             quota_untracked: Family::default(),
+            trace_spans: Family::default(),
         };
         let mut registry = Registry::default();
         let r = &mut registry;
@@ -235,6 +237,11 @@ impl Metrics {
         for result in ["ok", "failed"] {
             drop(m.reloads.get_or_create(&[("result", result)]));
         }
+        r.register(
+            "sluice_trace_spans",
+            "Trace spans, by outcome: exported, dropped (the export queue was full), failed (the collector did not take them)",
+            m.trace_spans.clone(),
+        );
         Metrics { registry, ..m }
     }
 
@@ -296,6 +303,13 @@ impl Metrics {
         self.policy_answers
             .get_or_create(&[("answer", answer)])
             .inc();
+    }
+
+    /// `n` trace spans that ended `outcome` (exported, dropped, failed).
+    pub fn trace_spans(&self, outcome: &'static str, n: u64) {
+        self.trace_spans
+            .get_or_create(&[("outcome", outcome)])
+            .inc_by(n);
     }
 
     /// Rules loaded, at start or by a reload, with their hash.

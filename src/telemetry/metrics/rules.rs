@@ -148,6 +148,12 @@ impl RuleStats {
         }
     }
 
+    /// The path of its rule: for a series named from request values, the rule it belongs to,
+    /// not those values.
+    pub fn rule_path(&self) -> &str {
+        self.rule.as_deref().unwrap_or(&self.descriptor)
+    }
+
     /// Counts `hits` of one decided descriptor as envoyproxy/ratelimit does: a near-limit hit is
     /// one past `near_ratio` of the limit; a shadow-mode hit over the limit is also an
     /// `over_limit` hit. Hits charged over the limit split as that project's
