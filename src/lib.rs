@@ -39,8 +39,9 @@
 //! [`telemetry`] sets up logging (and keeps events every request can hit from flooding it) and
 //! holds the Prometheus metrics every layer counts into (`telemetry::metrics`: the registry,
 //! per-rule series and their cap, envoyproxy/ratelimit's statsd stats through its
-//! statsd_exporter mapping, the response-time summary), and [`load`] is the client-side load
-//! generator of `sluice load`.
+//! statsd_exporter mapping, the response-time summary; `telemetry::top`: who is being limited
+//! right now, in sketches of a fixed size), [`load`] is the client-side load generator of
+//! `sluice load`, and [`top`] the terminal view of `sluice top`.
 //!
 //! Before any of it: [`settings`] holds every command's flags, `serve`'s as one clap group per
 //! concern (rules and xDS, listeners, TLS, counter store and Redis, deadlines and policy,
@@ -63,3 +64,4 @@ pub mod service;
 pub mod settings;
 pub mod store;
 pub mod telemetry;
+pub mod top;

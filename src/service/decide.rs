@@ -11,6 +11,7 @@ use crate::limiter::lease::{Draw, Leases};
 use crate::limiter::{Check, Decision, OverLimitCache};
 use crate::store::{Deadline, Store, StoreError};
 use crate::telemetry::metrics::METRICS;
+use crate::telemetry::top;
 
 /// Draws a leased check from its blocks at most this many times (each after a block was taken,
 /// awaited, or listened for) before the store decides it as any other.
@@ -150,9 +151,11 @@ async fn call(
     asked: Instant,
 ) -> Result<Decision, StoreError> {
     let decided = store.apply(check, deadline).await;
-    METRICS
-        .store_call_seconds
-        .observe(asked.elapsed().as_secs_f64());
+    let took = asked.elapsed();
+    METRICS.store_call_seconds.observe(took.as_secs_f64());
+    if let Some(view) = top::top() {
+        view.store_call(took);
+    }
     decided
 }
 

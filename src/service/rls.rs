@@ -28,6 +28,7 @@ use crate::rules::plan::{Asked, Global, Override, Plan};
 use crate::store::{Deadline, StoreError};
 use crate::telemetry::Throttle;
 use crate::telemetry::metrics::METRICS;
+use crate::telemetry::top;
 
 /// Limits on the shape of a request, which Envoy's route configuration decides (not its
 /// clients), so that no caller can make a check unboundedly large. Keys and values may be any
@@ -177,9 +178,13 @@ impl Rls {
             check.at = Some(at);
         }
         let deadline = Deadline::new(self.fallback.store_timeout, caller_timeout);
-        match self.decider.decide(&check, deadline).await {
+        let decided = self.decider.decide(&check, deadline).await;
+        if let Some(view) = top::top() {
+            view.decided();
+        }
+        match decided {
             Ok(decision) => {
-                count(&plans, &check, &decision, &self.answering);
+                count(&plans, &asked, &check, &decision, &self.answering);
                 let response = respond(request, &plans, &check, &decision, &self.answering);
                 tracing::debug!(
                     domain = %String::from_utf8_lossy(&request.domain),
@@ -214,6 +219,9 @@ impl Rls {
             OnStoreError::Deny => "deny",
         };
         METRICS.policy_answer(name);
+        if let Some(view) = top::top() {
+            view.policy_answer(name);
+        }
         if let Some(n) = UNDECIDED.hit() {
             tracing::warn!(
                 "{n} request(s) since the last report answered by --on-store-error {name}: {e}"
@@ -394,13 +402,19 @@ pub(super) fn descriptors(request: &RateLimitRequest) -> Vec<Asked<'_>> {
         .collect()
 }
 
-/// Counts each decided descriptor's hits in its rule's metrics.
-fn count(plans: &[Plan], check: &Check, decision: &Decision, answering: &Answering) {
+/// Counts each decided descriptor's hits in its rule's metrics and its values in the top view.
+fn count(
+    plans: &[Plan],
+    asked: &[Asked],
+    check: &Check,
+    decision: &Decision,
+    answering: &Answering,
+) {
     if answering.shadow_mode && !decision.admitted {
         METRICS.global_shadow_mode.inc();
     }
-    for plan in plans {
-        plan.count(check, decision, answering.near_limit_ratio);
+    for (plan, asked) in plans.iter().zip(asked) {
+        plan.count(check, decision, answering.near_limit_ratio, &asked.entries);
     }
 }
 

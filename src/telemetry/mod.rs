@@ -1,12 +1,14 @@
 //! Logs and metrics. Logging: `tracing` events to stderr, as text (coloured only on a terminal)
 //! or one JSON object per line, `info` by default; `Throttle` keeps an event that every request
-//! (or a spinning loop) can hit from flooding the log. Metrics: see `metrics`. Traces
+//! (or a spinning loop) can hit from flooding the log. Metrics: see `metrics`; who is being
+//! limited right now, in sketches of a fixed size: see `top`. Traces
 //! (OpenTelemetry) would be a layer on the same subscriber, added in `init`, over spans opened on
 //! the request path.
 
 pub mod mapper;
 pub mod metrics;
 pub mod statsd;
+pub mod top;
 
 use std::io::IsTerminal;
 use std::sync::Mutex;
