@@ -45,10 +45,10 @@
 //!
 //! Before any of it: [`settings`] holds every command's flags, `serve`'s as one clap group per
 //! concern (rules and xDS, listeners, TLS, counter store and Redis, deadlines and policy,
-//! answers, quota service, metrics and logs, envoyproxy/ratelimit compatibility), each with its
-//! help heading, its bounds and the typed values the modules receive (`service::reload::Feed`,
-//! `store::Backend`, `service::Edges`…); and it turns envoyproxy/ratelimit's environment into
-//! `serve` flags when sluice runs as `ratelimit`. Only the `sluice` command reads it: no module
+//! answers, quota service, metrics and logs, the top view, envoyproxy/ratelimit compatibility),
+//! each with its help heading, its bounds and the typed values the modules receive
+//! (`service::reload::Feed`, `store::Backend`, `service::Edges`…); and it turns
+//! envoyproxy/ratelimit's environment into `serve` flags when sluice runs as `ratelimit`. Only the `sluice` command reads it: no module
 //! imports it.
 //!
 //! TLS: [`certs`] reads certificates and keys from PEM files for both edges that speak it, the

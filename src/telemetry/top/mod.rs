@@ -61,7 +61,7 @@ pub struct TopSettings {
 
 impl TopSettings {
     /// The most memory the sketches can take, in bytes: every counter of every slot holding a
-    /// value of `MOST_VALUE_BYTES` (about 72 bytes more each for the counter, its index entry
+    /// value of `MOST_VALUE_BYTES` (at most 80 bytes more each for the counter, its index entry
     /// and the allocation's rounding).
     pub fn most_bytes(&self) -> usize {
         let value = match self.values {
@@ -73,7 +73,7 @@ impl TopSettings {
             Values::Show | Values::Hash => self.capacity.div_ceil(SHARDS) * SHARDS,
         };
         let slots: usize = Period::ALL.iter().map(|p| p.slots()).sum();
-        (self.rules + 1) * 2 * slots * counters * (value + 72)
+        (self.rules + 1) * 2 * slots * counters * (value + 80)
     }
 }
 
