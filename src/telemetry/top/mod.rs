@@ -357,9 +357,10 @@ fn parts<'a>(entries: &'a [(&'a [u8], &'a [u8])]) -> impl Iterator<Item = &'a [u
     })
 }
 
-/// A value as shown, cut to `MOST_VALUE_BYTES`.
+/// A value as shown, cut to `MOST_VALUE_BYTES`, in one allocation of its size.
 fn shown(entries: &[(&[u8], &[u8])]) -> Box<[u8]> {
-    let mut out = Vec::with_capacity(MOST_VALUE_BYTES.min(64));
+    let len = parts(entries).map(<[u8]>::len).sum::<usize>();
+    let mut out = Vec::with_capacity(len.min(MOST_VALUE_BYTES));
     for part in parts(entries) {
         let n = part.len().min(MOST_VALUE_BYTES - out.len());
         out.extend_from_slice(&part[..n]);
