@@ -39,15 +39,16 @@
 //! [`telemetry`] sets up logging (and keeps events every request can hit from flooding it) and
 //! holds the Prometheus metrics every layer counts into (`telemetry::metrics`: the registry,
 //! per-rule series and their cap, envoyproxy/ratelimit's statsd stats through its
-//! statsd_exporter mapping, the response-time summary), and [`load`] is the client-side load
-//! generator of `sluice load`.
+//! statsd_exporter mapping, the response-time summary; `telemetry::top`: who is being limited
+//! right now, in sketches of a fixed size), [`load`] is the client-side load generator of
+//! `sluice load`, and [`top`] the terminal view of `sluice top`.
 //!
 //! Before any of it: [`settings`] holds every command's flags, `serve`'s as one clap group per
 //! concern (rules and xDS, listeners, TLS, counter store and Redis, deadlines and policy,
-//! answers, quota service, metrics and logs, envoyproxy/ratelimit compatibility), each with its
-//! help heading, its bounds and the typed values the modules receive (`service::reload::Feed`,
-//! `store::Backend`, `service::Edges`…); and it turns envoyproxy/ratelimit's environment into
-//! `serve` flags when sluice runs as `ratelimit`. Only the `sluice` command reads it: no module
+//! answers, quota service, metrics and logs, the top view, envoyproxy/ratelimit compatibility),
+//! each with its help heading, its bounds and the typed values the modules receive
+//! (`service::reload::Feed`, `store::Backend`, `service::Edges`…); and it turns
+//! envoyproxy/ratelimit's environment into `serve` flags when sluice runs as `ratelimit`. Only the `sluice` command reads it: no module
 //! imports it.
 //!
 //! TLS: [`certs`] reads certificates and keys from PEM files for both edges that speak it, the
@@ -63,3 +64,4 @@ pub mod service;
 pub mod settings;
 pub mod store;
 pub mod telemetry;
+pub mod top;

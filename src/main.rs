@@ -1,6 +1,6 @@
 //! The `sluice` command: `serve` runs the service, `check-config` validates rule files, `explain`
-//! shows how rules match a request, `load` measures a running service and `health` probes its
-//! gRPC health. Run as `ratelimit` (a link named so), it serves as envoyproxy/ratelimit does, from
+//! shows how rules match a request, `load` measures a running service, `health` probes its
+//! gRPC health and `top` watches who it is limiting. Run as `ratelimit` (a link named so), it serves as envoyproxy/ratelimit does, from
 //! that project's environment variables. The flags of each are in `settings`.
 
 use std::process::ExitCode;
@@ -15,7 +15,7 @@ use sluice::service::rlqs::Quotas;
 use sluice::service::{self, Setup, Shutdown, reload};
 use sluice::settings::{self, Command, ExplainArgs, HealthArgs, ServeArgs, erl};
 use sluice::telemetry::traces::Traces;
-use sluice::telemetry::{self, metrics, statsd};
+use sluice::telemetry::{self, metrics, statsd, top};
 
 /// mimalloc: measurably less CPU per request than the system allocator on the request path, and
 /// less memory held for the embedded store's many small counters.
@@ -35,6 +35,7 @@ fn main() -> ExitCode {
         Command::Health(args) => health(&args),
         Command::Explain(args) => explain(&args),
         Command::Load(options) => load(options),
+        Command::Top(options) => top(options),
         Command::Serve(args) => {
             let traces = args.telemetry.tracing().map(|t| Traces::start(&t));
             let (traces, tracer, failed) = match traces {
@@ -172,6 +173,17 @@ async fn load(options: sluice::load::Options) -> ExitCode {
 }
 
 #[tokio::main(flavor = "current_thread")]
+async fn top(options: sluice::top::Options) -> ExitCode {
+    match sluice::top::run(options).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sluice top: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[tokio::main(flavor = "current_thread")]
 async fn health(args: &HealthArgs) -> ExitCode {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
@@ -218,6 +230,15 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     if let Some(mapper) = args.erl.mapper()? {
         metrics::use_mapper(mapper);
+    }
+    if let Some(settings) = args.top.settings() {
+        tracing::info!(
+            "top view: {} counters per rule and slot, {} rules apart, at most {} MiB",
+            settings.capacity,
+            settings.rules,
+            settings.most_bytes().div_ceil(1 << 20)
+        );
+        top::start(settings);
     }
     let backend = args.store.backend()?;
     let quotas = Quotas::start(args.quota.settings(), &backend)?;

@@ -286,8 +286,15 @@ impl Plan<'_> {
     }
 
     /// Counts the descriptor's hits, as `decision` decided them, in its metric series (none for
-    /// an explanation), hits past `near_ratio` of a limit as near it.
-    pub fn count(&self, check: &Check, decision: &Decision, near_ratio: f64) {
+    /// an explanation), hits past `near_ratio` of a limit as near it, and its `entries` in the
+    /// top view (refunds apart).
+    pub fn count(
+        &self,
+        check: &Check,
+        decision: &Decision,
+        near_ratio: f64,
+        entries: &[(&[u8], &[u8])],
+    ) {
         let Plan::Limited {
             stats: Some(stats), ..
         } = self
@@ -315,6 +322,10 @@ impl Plan<'_> {
             }
         };
         stats.get().count(item.hits, outcome, near_ratio);
+        if !item.refund {
+            let denied = usage.over && !item.mode.is_shadow();
+            stats.get().seen(entries, item.hits, denied);
+        }
     }
 }
 

@@ -12,6 +12,7 @@ use crate::limiter::lease::{Draw, Leases};
 use crate::limiter::{Check, Decision, OverLimitCache};
 use crate::store::{Deadline, Store, StoreError};
 use crate::telemetry::metrics::METRICS;
+use crate::telemetry::top;
 use crate::telemetry::traces;
 
 /// Draws a leased check from its blocks at most this many times (each after a block was taken,
@@ -159,9 +160,11 @@ async fn call(
     if let Err(e) = &decided {
         traces::store_failed(&span, e);
     }
-    METRICS
-        .store_call_seconds
-        .observe(asked.elapsed().as_secs_f64());
+    let took = asked.elapsed();
+    METRICS.store_call_seconds.observe(took.as_secs_f64());
+    if let Some(view) = top::top() {
+        view.store_call(took);
+    }
     decided
 }
 

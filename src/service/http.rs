@@ -6,6 +6,7 @@
 //! Beside the request's fields, `/json` takes `"at"`: an RFC 3339 instant the request counts at
 //! (a message scheduled for then, at most `--max-schedule-ahead` ahead), which `fixed_window` and
 //! `sliding_log` limits honour.
+//! `/top` tells who is being limited right now (`telemetry::top`), as JSON.
 //! Apart, envoyproxy/ratelimit's debug port: `/rlconfig` and the list of its endpoints.
 
 use std::sync::{Arc, LazyLock};
@@ -13,7 +14,7 @@ use std::sync::{Arc, LazyLock};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{StatusCode, header};
+use axum::http::{StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor};
@@ -24,6 +25,7 @@ use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitRespon
 use super::rls::Rls;
 use super::{Readiness, Rules};
 use crate::rules::RuleSet;
+use crate::telemetry::top::{self, Period, Report};
 
 static POOL: LazyLock<DescriptorPool> = LazyLock::new(|| {
     DescriptorPool::decode(super::DESCRIPTORS).expect("build.rs writes a valid descriptor set")
@@ -40,6 +42,7 @@ pub fn admin(readiness: Readiness, rules: Rules, gauges: Gauges) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .merge(metrics_route("/metrics", gauges))
+        .route("/top", get(|uri: Uri| top_page(uri)))
         .route(
             "/config",
             get(move || render(config, RuleSet::rendered_json, "application/json")),
@@ -113,7 +116,57 @@ async fn render(rules: Rules, page: fn(&RuleSet) -> Bytes, content_type: &'stati
     }
 }
 
-/// The `/json` route, bounded to `max_body` bytes.
+/// Rows of each list of `/top` unless `?n=` says.
+const TOP_ROWS: usize = 10;
+
+/// `/top`: who is being limited, over `?period=` 1m or 10m (both unless it says), the first
+/// `?n=` rows of each list; 404 when the top view is off.
+async fn top_page(uri: Uri) -> Response {
+    let Some(view) = top::top() else {
+        return (
+            StatusCode::NOT_FOUND,
+            "the top view is off (--top-capacity 0)\n",
+        )
+            .into_response();
+    };
+    let (periods, n) = match top_query(uri.query().unwrap_or_default()) {
+        Ok(asked) => asked,
+        Err(message) => return (StatusCode::BAD_REQUEST, message).into_response(),
+    };
+    // Small (--top-capacity and --top-rules bound it), but a merge of every slot of every rule:
+    // off the thread that answers probes.
+    let report = tokio::task::spawn_blocking(move || Report {
+        periods: periods.into_iter().map(|p| view.report(p, n)).collect(),
+    });
+    match report.await.map(|r| serde_json::to_string(&r)) {
+        Ok(Ok(mut json)) => {
+            json.push('\n');
+            ([(header::CONTENT_TYPE, "application/json")], json).into_response()
+        }
+        _ => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
+}
+
+/// The periods and rows `/top`'s query asks for.
+fn top_query(query: &str) -> Result<(Vec<Period>, usize), String> {
+    let (mut periods, mut n) = (Period::ALL.to_vec(), TOP_ROWS);
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("period", "1m")) => periods = vec![Period::Minute],
+            Some(("period", "10m")) => periods = vec![Period::TenMinutes],
+            Some(("n", rows)) => {
+                n = rows
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=top::MOST_ROWS).contains(n))
+                    .ok_or_else(|| format!("n: rows from 1 to {}\n", top::MOST_ROWS))?;
+            }
+            _ => return Err(format!("{pair}: /top takes period=1m|10m and n=ROWS\n")),
+        }
+    }
+    Ok((periods, n))
+}
+
 /// Prometheus metrics on `path` (the admin `/metrics`, and `--metrics-path` on
 /// `--metrics-addr`).
 pub fn metrics_route(path: &str, gauges: Gauges) -> Router {
@@ -136,6 +189,7 @@ pub fn metrics_route(path: &str, gauges: Gauges) -> Router {
     )
 }
 
+/// The `/json` route, bounded to `max_body` bytes.
 pub fn json_route(rls: Arc<Rls>, max_body: usize) -> Router {
     Router::new()
         .route("/json", post(json))

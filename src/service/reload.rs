@@ -28,6 +28,7 @@ use crate::config::{self, Source};
 use crate::rules::RuleSet;
 use crate::telemetry::Throttle;
 use crate::telemetry::metrics::METRICS;
+use crate::telemetry::top;
 
 /// How long changes must stop before a reload: an editor's or kubelet's several writes make one.
 const SETTLE: Duration = Duration::from_millis(200);
@@ -232,6 +233,9 @@ fn swap(rules: &Rules, loaded: RuleSet, trigger: &str) {
     let hash = loaded.origin().hash.clone();
     METRICS.rules_loaded(&hash, true);
     METRICS.retain_rules(|domain, rule| loaded.has_rule(domain, rule));
+    if let Some(view) = top::top() {
+        view.retain(|domain, rule| loaded.has_rule(domain, rule));
+    }
     let domains = loaded.domains();
     rules.replace(loaded);
     tracing::info!(domains, %hash, "{trigger}: rules reloaded");

@@ -29,6 +29,7 @@ use crate::rules::plan::{Asked, Global, Override, Plan};
 use crate::store::{Deadline, StoreError};
 use crate::telemetry::Throttle;
 use crate::telemetry::metrics::METRICS;
+use crate::telemetry::top;
 use crate::telemetry::traces;
 
 /// Limits on the shape of a request, which Envoy's route configuration decides (not its
@@ -182,9 +183,13 @@ impl Rls {
             check.at = Some(at);
         }
         let deadline = Deadline::new(self.fallback.store_timeout, caller_timeout);
-        match self.decider.decide(&check, deadline).await {
+        let decided = self.decider.decide(&check, deadline).await;
+        if let Some(view) = top::top() {
+            view.decided();
+        }
+        match decided {
             Ok(decision) => {
-                count(&plans, &check, &decision, &self.answering);
+                count(&plans, &asked, &check, &decision, &self.answering);
                 let response = respond(request, &plans, &check, &decision, &self.answering);
                 if traces::on() {
                     let code = Code::try_from(response.overall_code).unwrap_or(Code::Unknown);
@@ -227,6 +232,9 @@ impl Rls {
             let span = Span::current();
             span.record("ratelimit.policy_answer", name);
             traces::store_failed(&span, &e);
+        }
+        if let Some(view) = top::top() {
+            view.policy_answer(name);
         }
         if let Some(n) = UNDECIDED.hit() {
             tracing::warn!(
@@ -444,13 +452,19 @@ fn traced(request: &RateLimitRequest, plans: &[Plan]) {
     }
 }
 
-/// Counts each decided descriptor's hits in its rule's metrics.
-fn count(plans: &[Plan], check: &Check, decision: &Decision, answering: &Answering) {
+/// Counts each decided descriptor's hits in its rule's metrics and its values in the top view.
+fn count(
+    plans: &[Plan],
+    asked: &[Asked],
+    check: &Check,
+    decision: &Decision,
+    answering: &Answering,
+) {
     if answering.shadow_mode && !decision.admitted {
         METRICS.global_shadow_mode.inc();
     }
-    for plan in plans {
-        plan.count(check, decision, answering.near_limit_ratio);
+    for (plan, asked) in plans.iter().zip(asked) {
+        plan.count(check, decision, answering.near_limit_ratio, &asked.entries);
     }
 }
 

@@ -38,6 +38,9 @@ pub enum Command {
     Load(crate::load::Options),
     /// Ask a running server's gRPC health service; exit 0 when it reports SERVING.
     Health(HealthArgs),
+    /// Watch who a running server is limiting: its decision rate, store latency and policy
+    /// answers, the values most denied and the rules most denied, from its admin /top.
+    Top(crate::top::Options),
 }
 
 /// The command line; run as `ratelimit`, `serve` with the flags envoyproxy/ratelimit's

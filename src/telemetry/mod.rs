@@ -1,19 +1,22 @@
 //! Logs and metrics. Logging: `tracing` events to stderr, as text (coloured only on a terminal)
 //! or one JSON object per line, `info` by default; `Throttle` keeps an event that every request
-//! (or a spinning loop) can hit from flooding the log. Metrics: see `metrics`. Traces
-//! (OpenTelemetry, see `traces`) are a layer on the same subscriber, added in `init`, over the
-//! spans opened on the request path.
+//! (or a spinning loop) can hit from flooding the log. Metrics: see `metrics`; who is being
+//! limited right now, in sketches of a fixed size: see `top`. Traces (OpenTelemetry, see
+//! `traces`) are a layer on the same subscriber, added in `init`, over the spans opened on the
+//! request path.
 
 pub mod mapper;
 pub mod metrics;
 pub mod statsd;
+pub mod top;
 pub mod traces;
 
 use std::io::IsTerminal;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use tracing_subscriber::filter::{FilterExt, filter_fn};
+use tracing::Level;
+use tracing_subscriber::filter::Targets;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
@@ -43,31 +46,41 @@ pub fn init(
             .or_else(|_| EnvFilter::try_from_default_env())
             .unwrap_or_else(|_| EnvFilter::new("info")),
     };
-    let filter = filter.and(filter_fn(|meta| meta.target() != traces::TARGET));
-    let builder = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
-    let log = match format {
-        LogFormat::Text => builder
-            .with_ansi(std::io::stderr().is_terminal())
-            .with_filter(filter)
-            .boxed(),
-        LogFormat::Json => builder
-            .json()
-            .with_current_span(false)
-            .with_filter(filter)
-            .boxed(),
+    let Some(tracer) = tracer else {
+        // One filter for the whole subscriber: an event it turns off costs nothing at its
+        // call site.
+        let registry = tracing_subscriber::registry().with(filter);
+        registry.with(log_layer(format)).init();
+        return;
     };
-    let traced = tracer.map(|tracer| {
-        tracing_opentelemetry::layer()
-            .with_tracer(tracer)
-            .with_location(false)
-            .with_threads(false)
-            .with_target(false)
-            .with_tracked_inactivity(false)
-            .with_filter(filter_fn(|meta| {
-                meta.is_span() && meta.target() == traces::TARGET
-            }))
-    });
-    tracing_subscriber::registry().with(log).with(traced).init();
+    // A filter per layer, each deciding once per call site: the log never sees the spans
+    // traced, the traces only those spans.
+    let spans_off = format!("{}=off", traces::TARGET)
+        .parse()
+        .expect("a valid directive");
+    let traced = tracing_opentelemetry::layer()
+        .with_tracer(tracer)
+        .with_location(false)
+        .with_threads(false)
+        .with_target(false)
+        .with_tracked_inactivity(false)
+        .with_filter(Targets::new().with_target(traces::TARGET, Level::INFO));
+    tracing_subscriber::registry()
+        .with(log_layer(format).with_filter(filter.add_directive(spans_off)))
+        .with(traced)
+        .init();
+}
+
+/// The layer writing log lines to stderr as `format` says.
+fn log_layer<S>(format: LogFormat) -> Box<dyn Layer<S> + Send + Sync>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    let builder = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).boxed(),
+        LogFormat::Json => builder.json().with_current_span(false).boxed(),
+    }
 }
 
 /// Counts occurrences of one event and lets it be logged at most once a second.

@@ -11,6 +11,7 @@ mod rules;
 mod store;
 mod telemetry;
 mod tls;
+mod top;
 mod xds;
 
 use clap::Args;
@@ -25,6 +26,7 @@ use rules::RuleFlags;
 use store::StoreFlags;
 use telemetry::TelemetryFlags;
 use tls::TlsFlags;
+use top::TopFlags;
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -45,6 +47,8 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub telemetry: TelemetryFlags,
     #[command(flatten)]
+    pub top: TopFlags,
+    #[command(flatten)]
     pub erl: ErlFlags,
 }
 
@@ -57,7 +61,8 @@ impl ServeArgs {
         self.policy.check()?;
         self.answers.check()?;
         self.quota.check()?;
-        self.telemetry.check()
+        self.telemetry.check()?;
+        self.top.check()
     }
 
     /// Every address served: the listeners', the metrics' own, envoyproxy/ratelimit's debug port.

@@ -2,9 +2,10 @@
 //! the limit, in shadow mode, from the local cache), one series per rule, plus, for rules with
 //! `detailed_metric` or `value_to_metric`, one per request value, at most `DETAILED_SERIES` in all.
 //!
-//! Each decided descriptor's outcome arrives at `RuleStats::count` (from `rules::plan`): a view of
-//! who is being limited (the request values most often over a limit) would be fed there, in a
-//! bounded top-k of its own rather than in more series under the cap.
+//! Each decided descriptor's outcome arrives at `RuleStats::count` (from `rules::plan`), and its
+//! values at `RuleStats::seen`, which feeds the top view (`telemetry::top`: the request values
+//! most often over a limit, in a bounded top-k of its own rather than in more series under the
+//! cap).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,6 +16,7 @@ use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 
 use crate::telemetry::mapper::Series;
+use crate::telemetry::top::{self, RuleTop};
 
 /// Most series made from request values (`detailed_metric`, `value_to_metric`); past it, such
 /// hits count under their rule's own series.
@@ -112,6 +114,8 @@ pub struct RuleStats {
     /// What its stats are named through the mapping (`None`: dropped), worked out at the first
     /// scrape.
     mapped: OnceLock<Vec<Option<Series>>>,
+    /// The top view's sketches of its rule, found at its first decision.
+    top: OnceLock<Arc<RuleTop>>,
 }
 
 /// How one descriptor of a decided request fared.
@@ -145,6 +149,7 @@ impl RuleStats {
             shadow_mode: AtomicU64::new(0),
             over_limit_with_local_cache: AtomicU64::new(0),
             mapped: OnceLock::new(),
+            top: OnceLock::new(),
         }
     }
 
@@ -152,6 +157,18 @@ impl RuleStats {
     /// not those values.
     pub fn rule_path(&self) -> &str {
         self.rule.as_deref().unwrap_or(&self.descriptor)
+    }
+
+    /// Counts, in the top view when it is on, `hits` of a descriptor of `entries` under its
+    /// rule, `denied` or not.
+    pub fn seen(&self, entries: &[(&[u8], &[u8])], hits: u64, denied: bool) {
+        let Some(view) = top::top() else {
+            return;
+        };
+        let rule = self
+            .top
+            .get_or_init(|| view.rule(&self.domain, self.rule_path()));
+        view.record(rule, entries, hits, denied);
     }
 
     /// Counts `hits` of one decided descriptor as envoyproxy/ratelimit does: a near-limit hit is
