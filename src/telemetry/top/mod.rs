@@ -549,6 +549,7 @@ mod tests {
         assert!(held <= SHARDS * 16 * 2 * (7 + 11), "{held}");
         let report = top.report(Period::Minute, 1_000);
         assert_eq!(report.rules_by_hits[0].hits, 1_000_000);
-        assert!(report.hits.len() <= 64);
+        // K values a slot at most; a slow run spans more than one of the period's slots.
+        assert!(report.hits.len() <= 64 * Period::Minute.slots());
     }
 }
