@@ -1,7 +1,8 @@
 //! The `sluice` command: `serve` runs the service, `check-config` validates rule files, `explain`
 //! shows how rules match a request, `load` measures a running service, `health` probes its
-//! gRPC health and `top` watches who it is limiting. Run as `ratelimit` (a link named so), it serves as envoyproxy/ratelimit does, from
-//! that project's environment variables. The flags of each are in `settings`.
+//! gRPC health and `top` watches who it is limiting. Run as `ratelimit` (a link named so), it
+//! serves as envoyproxy/ratelimit does, from that project's environment variables. The flags of
+//! each are in `settings`.
 
 use std::process::ExitCode;
 use std::sync::Arc;
