@@ -255,6 +255,22 @@ async fn the_sampling_ratio_decides_where_the_caller_did_not_and_the_caller_wher
     );
 }
 
+/// Waits until Redis on `port` leaves a PING unanswered for 100 ms: it is paused.
+fn wait_paused(port: u16) {
+    use std::io::{Read, Write};
+    for _ in 0..100 {
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        conn.set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        conn.write_all(b"PING\r\n").unwrap();
+        if conn.read(&mut [0u8; 16]).is_err() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("Redis never paused");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn one_redis_call_carrying_several_requests_is_one_span_linked_to_each() {
     let redis = redis::dedicated();
@@ -273,10 +289,15 @@ async fn one_redis_call_carrying_several_requests_is_one_span_linked_to_each() {
         ],
     )
     .await;
-    // Redis busy for a while: the requests queue, then go in batched calls.
+    // Redis holding every command for a while: the requests queue, then go in batched calls.
     let port = redis.ports[0];
-    let sleeping = std::thread::spawn(move || redis::cli(port, &["DEBUG", "SLEEP", "0.5"]));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        redis::cli(port, &["CLIENT", "PAUSE", "1000", "ALL"]).trim(),
+        "OK"
+    );
+    tokio::task::spawn_blocking(move || wait_paused(port))
+        .await
+        .unwrap();
     let mut asking = Vec::new();
     for n in 1..=20 {
         let mut client = sluice.client().await;
@@ -292,7 +313,6 @@ async fn one_redis_call_carrying_several_requests_is_one_span_linked_to_each() {
     for a in asking {
         assert_eq!(a.await.unwrap(), OK);
     }
-    sleeping.join().unwrap();
 
     let traces: HashSet<String> = (1..=20).map(|n| format!("{n:032x}")).collect();
     let carried = |spans: &[Span]| -> u64 {
