@@ -4,7 +4,8 @@
 -- `decide` mirrors the embedded store (src/store/memory.rs) and `admits` (src/limiter/mod.rs).
 --
 -- KEYS     the counters of every request, request by request.
--- ARGV     per request: n, the number of its counters; the instant it names (ms since the Unix
+-- ARGV     first '1' to have the reply name this node's replication ID, '0' not to; then per
+--          request: n, the number of its counters; the instant it names (ms since the Unix
 --          epoch; '0' for none); '1' if its quota limits deny when all of them are over, '0' if
 --          they never deny here (a Cluster group, where the caller applies the rule across
 --          groups, or a request where a descriptor passes as a quota); followed for each counter
@@ -15,7 +16,9 @@
 --          in window w only), mode ('e' enforce, 's' shadow, 'q' quota, 'p' shadow and quota: a
 --          quota limit never over), counting ('1' always: charged whatever the answer, over
 --          only when the count is above the limit).
--- Reply    the time of the call (Redis TIME, in ms), then per request: admitted (1|0), then per
+-- Reply    the time of the call (Redis TIME, in ms), this node's replication ID if asked ('' if
+--          not: a refund names it, so that lua/undo.lua refunds only on the node that charged,
+--          never on a replica promoted without the charge), then per request: admitted (1|0), then per
 --          counter: over (1|0), remaining if admitted, remaining if not, ms until reset if
 --          admitted, ms until reset if not, what its write charges (hits, log entries or
 --          bucket units; 0 for none), and the window it counts in (instant / window; 0 for a
@@ -52,7 +55,12 @@ local clock = call('TIME')
 local now = tonumber(clock[1]) * 1000 + floor(tonumber(clock[2]) / 1000)
 -- What this call knows of each counter in Redis, by key (false: nothing stored).
 local disk = {}
-local reply = { now }
+-- A replica takes its primary's replication ID, and a promoted one a new ID: the ID names the
+-- node that took these writes, among those that can take writes.
+local function replication_id()
+  return string.match(call('INFO', 'replication'), 'master_replid:(%w+)') or ''
+end
+local reply = { now, ARGV[1] == '1' and replication_id() or '' }
 
 local function int(x)
   return format('%d', x)
@@ -503,7 +511,7 @@ local function decide(k, a, n, at, quota_here)
   end
 end
 
-local k, a = 0, 0
+local k, a = 0, 1
 while a < #ARGV do
   local n = tonumber(ARGV[a + 1])
   decide(k, a + 3, n, max(tonumber(ARGV[a + 2]), now), ARGV[a + 3] == '1')

@@ -3,13 +3,16 @@
 -- undo: it decides and answers in one step.
 --
 -- KEYS     the counters the request charged, as check.lua writes them.
--- ARGV     per counter four values: its kind and what the charge was:
+-- ARGV     first the replication ID check.lua named when it charged, or '' to refund wherever
+--          this runs; then per counter four values: its kind and what the charge was:
 --          'f' (fixed window): the window index, the hits;
 --          's' (sliding window): the window index (the call's time / window), the hits;
 --          'l' (sliding log): the instant the entries were logged at, the hits;
 --          'b' (bucket): the call's time, the units added (hits × window), the limit.
 --          The fourth value is '0' where unused.
--- Reply    the number of counters written.
+-- Reply    the number of counters written: none on a node whose replication ID is not the one
+--          named, such as a replica promoted after its primary failed, which may never have
+--          received the charge (refunding it there would let a request over the limit).
 -- Invariant: an undo only lowers what its own request raised, never more than of it can still
 --          count: never below zero, never in another window, TTLs untouched, so it never lets a
 --          later request over the limit. A bucket's charge is assumed to have drained first,
@@ -65,10 +68,14 @@ local function undo(key, kind, a, b, c)
   return 0
 end
 
+if ARGV[1] ~= '' and string.match(call('INFO', 'replication'), 'master_replid:(%w+)') ~= ARGV[1] then
+  return 0
+end
 local undone = 0
 for i, key in ipairs(KEYS) do
-  local a, b, c = tonumber(ARGV[4 * i - 2]), tonumber(ARGV[4 * i - 1]), tonumber(ARGV[4 * i])
-  local done, e = pcall(undo, key, ARGV[4 * i - 3], a, b, c)
+  local o = 4 * i - 3
+  local a, b, c = tonumber(ARGV[o + 2]), tonumber(ARGV[o + 3]), tonumber(ARGV[o + 4])
+  local done, e = pcall(undo, key, ARGV[o + 1], a, b, c)
   if done then
     undone = undone + e
   else

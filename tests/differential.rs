@@ -104,9 +104,10 @@ fn counters(rng: &mut Rng, seed: u64) -> Vec<Counter> {
         .collect()
 }
 
-/// The check script's arguments for one request, per its header.
+/// The check script's arguments for one request, per its header (the node's replication ID not
+/// asked for).
 fn args(check: &Check, counters: &[&Counter]) -> Vec<Value> {
-    let mut args: Vec<Value> = vec![(counters.len() as i64).into()];
+    let mut args: Vec<Value> = vec![Value::from("0"), (counters.len() as i64).into()];
     args.push((check.at.unwrap_or(0) as i64).into());
     args.push(Value::from(if check.quota_passes { "0" } else { "1" }));
     for item in &check.items {
@@ -334,7 +335,15 @@ async fn run(client: &Client, seed: u64, steps: usize) {
         };
         let chosen: Vec<&Counter> = picked.iter().map(|&i| &counters[i]).collect();
         let keys = chosen.iter().map(|c| c.redis.clone()).collect();
-        let reply = numbers(eval(client, CHECK, keys, args(&check, &chosen)).await);
+        let mut reply = eval(client, CHECK, keys, args(&check, &chosen))
+            .await
+            .into_array();
+        assert_eq!(
+            reply.remove(1).as_str().as_deref(),
+            Some(""),
+            "no replication ID asked for"
+        );
+        let reply = numbers(Value::Array(reply));
         now = reply[0] as u64;
         let (admitted, verdicts) = memory.decide_at(&check, now).expect("room");
         let mut expected = vec![i64::from(admitted)];

@@ -23,6 +23,9 @@ pub struct Gauges {
     pub cache: Option<Arc<OverLimitCache>>,
     pub leases: Arc<Leases>,
     pub quotas: Arc<Quotas>,
+    /// The Tokio runtimes serving, by role (`main`, `quota`, `event_loop`), whose tasks a
+    /// growth would show in.
+    pub runtimes: Arc<[(&'static str, tokio::runtime::Handle)]>,
 }
 
 impl Gauges {
@@ -103,6 +106,17 @@ impl Gauges {
             "sluice_quota_tracked_streams",
             "Quota streams tracked on this replica (at most --quota-max-streams)",
             ConstGauge::new(streams as i64),
+        );
+        let tasks = Family::<[(&str, &str); 1], Gauge>::default();
+        for (role, runtime) in self.runtimes.iter() {
+            tasks
+                .get_or_create(&[("runtime", role)])
+                .inc_by(runtime.metrics().num_alive_tasks() as i64);
+        }
+        r.register(
+            "sluice_tasks",
+            "Tokio tasks alive, per runtime: main (admin, probes, accepts), quota (the quota service's thread) and event_loop (all of them)",
+            tasks,
         );
         process(&mut r);
         // Envoy Gateway's "Global Ratelimit" dashboard charts this Go runtime gauge of

@@ -379,6 +379,10 @@ pub async fn run(
     };
     let mut connections = Vec::with_capacity(loops);
     let mut finished = Vec::with_capacity(loops);
+    let mut runtimes = vec![
+        ("main", tokio::runtime::Handle::current()),
+        ("quota", setup.quotas.runtime()),
+    ];
     for n in 0..loops {
         let (to_loop, incoming) = mpsc::unbounded_channel();
         let (ready, loop_ready) = oneshot::channel();
@@ -394,7 +398,10 @@ pub async fn run(
                 let _ = done.send(grpc.serve(incoming, ready));
             })
             .context("starting an event loop")?;
-        loop_ready.await.context("an event loop stopped")??;
+        runtimes.push((
+            "event_loop",
+            loop_ready.await.context("an event loop stopped")??,
+        ));
         connections.push(to_loop);
         finished.push(loop_finished);
     }
@@ -443,6 +450,7 @@ pub async fn run(
         cache: setup.cache.clone(),
         leases: setup.leases.clone(),
         quotas: setup.quotas.clone(),
+        runtimes: runtimes.into(),
     };
     let metrics = match (metrics_listener, addrs.metrics) {
         (Some(listener), Some((_, path))) => {
@@ -706,11 +714,12 @@ impl Grpc {
     fn serve(
         self,
         incoming: mpsc::UnboundedReceiver<(std::net::TcpStream, Slot)>,
-        ready: oneshot::Sender<Result<(), StoreError>>,
+        ready: oneshot::Sender<Result<tokio::runtime::Handle, StoreError>>,
     ) -> anyhow::Result<()> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
+        let handle = runtime.handle().clone();
         runtime.block_on(async move {
             let services = self
                 .setup
@@ -718,7 +727,7 @@ impl Grpc {
                 .and_then(|rls| Ok((rls, self.setup.rlqs(self.shutdown.clone())?)));
             let (rls, rlqs) = match services {
                 Ok(services) => {
-                    let _ = ready.send(Ok(()));
+                    let _ = ready.send(Ok(handle));
                     services
                 }
                 Err(e) => {

@@ -337,6 +337,11 @@ impl Quotas {
         Ok(quotas)
     }
 
+    /// The runtime of the quota service's thread.
+    pub fn runtime(&self) -> tokio::runtime::Handle {
+        self.runtime.clone()
+    }
+
     /// Runs `work` on the quota service's thread.
     pub fn spawn<F>(&self, work: F) -> tokio::task::JoinHandle<F::Output>
     where

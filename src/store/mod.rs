@@ -33,6 +33,8 @@ pub enum Backend {
         url: String,
         key_prefix: String,
         tls: Option<RedisTls>,
+        /// Replicas that must acknowledge a decision's writes before it is answered; 0 for none.
+        confirm_replicas: u32,
         /// The breakers of every store opened on this deployment: it is reachable when all are
         /// closed.
         breakers: Breakers,
@@ -60,12 +62,19 @@ impl Backend {
     }
 
     /// A Redis deployment (see `RedisStore::connect` for the URL forms), reached over TLS as
-    /// `tls` says when the URL asks for TLS.
-    pub fn redis(url: String, key_prefix: String, tls: Option<RedisTls>) -> Backend {
+    /// `tls` says when the URL asks for TLS, whose decisions count once `confirm_replicas`
+    /// replicas acknowledge their writes (0: as soon as the primary has them).
+    pub fn redis(
+        url: String,
+        key_prefix: String,
+        tls: Option<RedisTls>,
+        confirm_replicas: u32,
+    ) -> Backend {
         Backend::Redis {
             url,
             key_prefix,
             tls,
+            confirm_replicas,
             breakers: Breakers::default(),
         }
     }
@@ -82,10 +91,17 @@ impl Backend {
                 url,
                 key_prefix,
                 tls,
+                confirm_replicas,
                 breakers,
             } => {
                 let breaker = breakers.breaker();
-                let store = RedisStore::connect(url, key_prefix, tls.as_ref(), breaker.clone())?;
+                let store = RedisStore::connect(
+                    url,
+                    key_prefix,
+                    tls.as_ref(),
+                    *confirm_replicas,
+                    breaker.clone(),
+                )?;
                 breakers.add(breaker.clone());
                 Ok(Store {
                     guard: Guard::new(Some(breaker)),
@@ -236,6 +252,18 @@ pub enum StoreError {
         /// What is wrong with it.
         why: String,
     },
+    /// The request's Cluster slot is moving to another node (Redis answered MOVED or ASK): it
+    /// was not decided. Redis answered, so it is not counted as down.
+    Redirected,
+    /// Fewer replicas than `--redis-confirm-replicas` asks for acknowledged the request's writes
+    /// before its deadline: they were refunded, so a failover cannot find them missing. Redis
+    /// answered, so it is not counted as down.
+    Unconfirmed {
+        /// Replicas that acknowledged.
+        confirmed: u32,
+        /// Replicas asked for.
+        asked: u32,
+    },
     /// The Redis URL or options are wrong.
     Config(String),
 }
@@ -256,13 +284,22 @@ impl fmt::Display for StoreError {
                 f,
                 "the Redis key \"{key}\" is not a counter sluice can read: {why}"
             ),
+            StoreError::Redirected => {
+                f.write_str("the counter's Cluster slot is moving to another node (MOVED or ASK)")
+            }
+            StoreError::Unconfirmed { confirmed, asked } => write!(
+                f,
+                "{confirmed} of the {asked} replica(s) --redis-confirm-replicas asks for \
+                 acknowledged the writes in time"
+            ),
             StoreError::Unavailable(why) | StoreError::Config(why) => f.write_str(why),
         }
     }
 }
 
 impl StoreError {
-    /// The kind, as the metrics label it: full, timeout, shed, down, unavailable or data.
+    /// The kind, as the metrics label it: full, timeout, shed, down, unavailable, data,
+    /// redirected or unconfirmed.
     pub fn kind(&self) -> &'static str {
         match self {
             StoreError::Full { .. } => "full",
@@ -271,12 +308,18 @@ impl StoreError {
             StoreError::Down => "down",
             StoreError::Unavailable(_) | StoreError::Config(_) => "unavailable",
             StoreError::Data { .. } => "data",
+            StoreError::Redirected => "redirected",
+            StoreError::Unconfirmed { .. } => "unconfirmed",
         }
     }
 
-    /// A key at fault rather than the store: Redis answered.
-    pub fn is_data(&self) -> bool {
-        matches!(self, StoreError::Data { .. })
+    /// Redis answered, and the request failed by what it found: a key it cannot read, a slot
+    /// on the move, or replicas that did not confirm. It says nothing of whether Redis is up.
+    pub fn answered(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Data { .. } | StoreError::Redirected | StoreError::Unconfirmed { .. }
+        )
     }
 }
 

@@ -71,18 +71,7 @@ pub fn dedicated_cluster() -> Redis {
         );
     }
     let nodes: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-    let created = Command::new("redis-cli")
-        .args(["--cluster", "create"])
-        .args(&nodes)
-        .args(["--cluster-replicas", "0", "--cluster-yes"])
-        .stdin(Stdio::null())
-        .output()
-        .expect("redis-cli runs");
-    assert!(
-        created.status.success(),
-        "cluster create: {}",
-        String::from_utf8_lossy(&created.stdout)
-    );
+    create_cluster(&nodes, 0);
     for &p in &ports {
         wait_for(
             || cli(p, &["CLUSTER", "INFO"]).contains("cluster_state:ok"),
@@ -238,6 +227,242 @@ impl Drop for Controlled {
             signal(child.id(), "CONT");
         }
         self.kill();
+    }
+}
+
+impl Controlled {
+    /// Cuts this replica off its primary and keeps it off: it reconnects with a password the
+    /// primary does not take, as a replica whose network link dropped would find no way back.
+    pub fn cut_off(&self) {
+        self.cli(&["CONFIG", "SET", "masterauth", "not-the-password"]);
+        self.cli(&["CLIENT", "KILL", "TYPE", "master"]);
+    }
+
+    /// Whether it is a primary now (`ROLE`).
+    pub fn is_primary(&self) -> bool {
+        self.cli(&["ROLE"]).lines().next() == Some("master")
+    }
+
+    /// Whether it is a replica whose link to its primary is up.
+    pub fn in_sync(&self) -> bool {
+        self.cli(&["INFO", "replication"])
+            .contains("master_link_status:up")
+    }
+
+    /// `CLUSTER MYID`.
+    pub fn node_id(&self) -> String {
+        self.cli(&["CLUSTER", "MYID"]).trim().to_owned()
+    }
+
+    /// Whether the process runs (it may be killed and not started again).
+    pub fn running(&self) -> bool {
+        self.child.is_some()
+    }
+}
+
+/// Makes a Cluster of the `nodes` (`host:port`), with `replicas` replicas per primary.
+fn create_cluster(nodes: &[String], replicas: u8) {
+    let created = Command::new("redis-cli")
+        .args(["--cluster", "create"])
+        .args(nodes)
+        .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("redis-cli runs");
+    assert!(
+        created.status.success(),
+        "cluster create: {}",
+        String::from_utf8_lossy(&created.stdout)
+    );
+}
+
+/// A primary with one replica, watched by three Sentinels (quorum 2, a primary down after
+/// `DOWN_AFTER_MS` without answers); every process belongs to the test and dies with it.
+pub struct Sentinels {
+    pub primary: Controlled,
+    pub replica: Controlled,
+    /// `redis-sentinel://…` naming the three Sentinels.
+    pub url: String,
+    sentinels: Vec<Child>,
+    _dir: tempfile::TempDir,
+}
+
+impl Sentinels {
+    pub const DOWN_AFTER_MS: u64 = 500;
+
+    /// Starts them and waits until the replica has its first copy and every Sentinel knows it.
+    pub fn start() -> Sentinels {
+        let primary = Controlled::started();
+        let replica =
+            Controlled::started_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
+        wait_for(|| replica.in_sync(), "the replica syncs");
+        let dir = tempfile::tempdir().expect("a directory for the Sentinels' files");
+        let ports = low_free_ports(3);
+        let sentinels = ports
+            .iter()
+            .map(|&port| {
+                let conf = dir.path().join(format!("sentinel-{port}.conf"));
+                std::fs::write(
+                    &conf,
+                    format!(
+                        "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                         sentinel monitor primary 127.0.0.1 {primary} 2\n\
+                         sentinel down-after-milliseconds primary {down}\n\
+                         sentinel failover-timeout primary 5000\n",
+                        dir = dir.path().display(),
+                        primary = primary.port,
+                        down = Sentinels::DOWN_AFTER_MS,
+                    ),
+                )
+                .expect("sentinel.conf written");
+                Command::new("redis-server")
+                    .arg(&conf)
+                    .arg("--sentinel")
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("redis-server --sentinel starts")
+            })
+            .collect();
+        let replica_port = replica.port.to_string();
+        for &port in &ports {
+            wait_for(
+                || {
+                    cli(port, &["SENTINEL", "REPLICAS", "primary"]).contains(&replica_port)
+                        && cli(port, &["SENTINEL", "SENTINELS", "primary"])
+                            .matches("127.0.0.1")
+                            .count()
+                            == 2
+                },
+                "every Sentinel knows the replica and the other Sentinels",
+            );
+        }
+        Sentinels {
+            url: format!(
+                "redis-sentinel://127.0.0.1:{}?sentinelServiceName=primary&node=127.0.0.1:{}&node=127.0.0.1:{}",
+                ports[0], ports[1], ports[2]
+            ),
+            primary,
+            replica,
+            sentinels,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for Sentinels {
+    fn drop(&mut self) {
+        for sentinel in &mut self.sentinels {
+            let _ = sentinel.kill();
+            let _ = sentinel.wait();
+        }
+    }
+}
+
+/// A Redis Cluster of three primaries, each with one replica, whose nodes belong to the test:
+/// each can be killed and started again with its cluster state. A primary that answers nothing
+/// for `NODE_TIMEOUT_MS` fails over to its replica, whatever the replica's lag.
+pub struct ReplicatedCluster {
+    pub nodes: Vec<Controlled>,
+    /// `redis-cluster://…` naming every node.
+    pub url: String,
+}
+
+impl ReplicatedCluster {
+    pub const NODE_TIMEOUT_MS: u64 = 1000;
+
+    /// Starts the six nodes, creates the cluster and waits until every replica is in sync.
+    pub fn start() -> ReplicatedCluster {
+        let timeout = ReplicatedCluster::NODE_TIMEOUT_MS.to_string();
+        let nodes: Vec<Controlled> = (0..6)
+            .map(|_| {
+                Controlled::started_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    &timeout,
+                    "--cluster-replica-validity-factor",
+                    "0",
+                ])
+            })
+            .collect();
+        let addresses: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        create_cluster(&addresses, 1);
+        let cluster = ReplicatedCluster {
+            url: format!(
+                "redis-cluster://{}?{}",
+                addresses[0],
+                addresses[1..]
+                    .iter()
+                    .map(|a| format!("node={a}"))
+                    .collect::<Vec<_>>()
+                    .join("&")
+            ),
+            nodes,
+        };
+        for node in &cluster.nodes {
+            wait_for(
+                || node.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"),
+                "cluster state ok",
+            );
+        }
+        for i in 0..cluster.nodes.len() {
+            if !cluster.nodes[i].is_primary() {
+                wait_for(|| cluster.nodes[i].in_sync(), "every replica syncs");
+            }
+        }
+        cluster
+    }
+
+    /// The nodes that are primaries now, by index.
+    pub fn primaries(&self) -> Vec<usize> {
+        (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].running() && self.nodes[i].is_primary())
+            .collect()
+    }
+
+    /// The node that holds `key` (its primary), by index.
+    pub fn holder_of(&self, key: &str) -> usize {
+        self.primaries()
+            .into_iter()
+            .find(|&i| self.nodes[i].cli(&["EXISTS", key]).trim() == "1")
+            .unwrap_or_else(|| panic!("no primary holds {key}"))
+    }
+
+    /// The replica of the primary `primary`, by index.
+    pub fn replica_of(&self, primary: usize) -> usize {
+        let primary_port = format!("master_port:{}\r", self.nodes[primary].port);
+        (0..self.nodes.len())
+            .find(|&i| {
+                i != primary
+                    && self.nodes[i].running()
+                    && self.nodes[i]
+                        .cli(&["INFO", "replication"])
+                        .contains(&primary_port)
+            })
+            .expect("the primary has a replica")
+    }
+
+    /// The keys under `prefix` held by the primaries.
+    pub fn keys(&self, prefix: &str) -> Vec<String> {
+        let pattern = format!("{prefix}*");
+        self.primaries()
+            .into_iter()
+            .flat_map(|i| {
+                self.nodes[i]
+                    .cli(&["--scan", "--pattern", &pattern])
+                    .lines()
+                    .filter(|k| !k.is_empty())
+                    .map(str::to_owned)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
     }
 }
 

@@ -29,6 +29,17 @@ pub struct StoreFlags {
     /// The PEM private key of --redis-cert.
     #[arg(long, env = "SLUICE_REDIS_KEY", requires = "redis_cert")]
     redis_key: Option<PathBuf>,
+    /// Answer a decision only once this many replicas acknowledge its writes (Redis WAIT, within
+    /// the store deadline); a request whose writes are not acknowledged in time is refunded and
+    /// gets the --on-store-error answer. A failover to a replica that lagged then under-admits
+    /// rather than over-admits. 0: answer as soon as the primary has the writes.
+    #[arg(
+        long,
+        env = "SLUICE_REDIS_CONFIRM_REPLICAS",
+        default_value_t = 0,
+        requires = "redis_url"
+    )]
+    redis_confirm_replicas: u32,
     /// Most live counters the embedded store holds; a request needing a new one beyond that gets
     /// the --on-store-error answer.
     #[arg(long, env = "SLUICE_MAX_KEYS", default_value_t = 1_000_000)]
@@ -60,6 +71,7 @@ impl StoreFlags {
             url.clone(),
             self.redis_key_prefix.clone(),
             tls,
+            self.redis_confirm_replicas,
         ))
     }
 

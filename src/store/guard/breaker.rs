@@ -49,11 +49,12 @@ impl Breaker {
         Ok(())
     }
 
-    /// Hears how a call with `deadline` went: an answer, even one saying a key cannot be read,
-    /// is a success; missing a deadline the caller set sooner is neither.
+    /// Hears how a call with `deadline` went: an answer, even one saying a key cannot be read or
+    /// that replicas did not confirm, is a success; missing a deadline the caller set sooner is neither.
     pub fn count<T>(&self, answer: &Result<T, StoreError>, deadline: Deadline) {
         match answer {
-            Ok(_) | Err(StoreError::Data { .. }) => self.success(),
+            Ok(_) => self.success(),
+            Err(e) if e.answered() => self.success(),
             Err(StoreError::Timeout) if !deadline.store_own => {}
             Err(e) => self.failure(e),
         }

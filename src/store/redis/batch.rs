@@ -2,7 +2,7 @@
 //! calls before them are in flight wait in a bounded queue and are decided together by the next
 //! call, each all-or-nothing and in order: one `EVALSHA` per request at most. A request whose
 //! caller has gone, or whose time has run out, is never sent; one admitted by a call whose answer
-//! came too late is refunded.
+//! came too late, or whose writes the replicas did not confirm, is refunded.
 
 use std::sync::Arc;
 
@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::script::{
-    ARGS_PER_ITEM, Answer, Charge, Scripts, Undo, encode, split_clock, take_request,
+    ARGS_PER_ITEM, Answer, Charge, Checked, Scripts, Undo, encode, split_head, take_request,
 };
 use crate::limiter::Check;
 use crate::telemetry::metrics::METRICS;
@@ -100,6 +100,12 @@ async fn call(
     let mut keys = Vec::with_capacity(counters);
     let mut args = Vec::with_capacity(3 * requests.len() + counters * ARGS_PER_ITEM);
     let mut waiting = Vec::with_capacity(requests.len());
+    // The replicas' confirmation must come while every caller still waits.
+    let deadline = requests
+        .iter()
+        .map(|r| r.deadline)
+        .min()
+        .unwrap_or_else(Instant::now);
     METRICS.batch_requests.observe(requests.len() as f64);
     let span = traces::script_span(requests.iter().map(|r| &r.span), counters);
     for request in requests {
@@ -107,8 +113,15 @@ async fn call(
         args.extend(request.args);
         waiting.push((request.keys, request.charges, request.reply));
     }
-    let reply: Vec<Value> = match scripts.check(keys, args).instrument(span).await {
-        Ok(reply) => reply,
+    let checked = scripts.check(keys, args, deadline).instrument(span).await;
+    let split = match &checked {
+        Ok(Checked { reply, confirmed }) => {
+            split_head(reply).map(|(head, rest)| (head, rest, confirmed))
+        }
+        Err(e) => Err(e.clone()),
+    };
+    let (head, mut rest, confirmed) = match split {
+        Ok(split) => split,
         Err(e) => {
             for (_, _, reply) in waiting {
                 let _ = reply.send(Err(e.clone()));
@@ -116,18 +129,22 @@ async fn call(
             return;
         }
     };
-    let (now_ms, mut rest) = split_clock(&reply).unwrap_or((0, &[]));
-    let mut undo = Undo::default();
+    let mut undo = Undo::of(&head);
     for (keys, charges, reply) in waiting {
-        // A request on a key that cannot be read gets its error; the others, their decisions.
+        // A request on a key that cannot be read gets its error; the others, their decisions,
+        // or the error of replicas that did not confirm them.
         let answer = take_request(&mut rest, &keys);
         let decided = answer.as_ref().ok().cloned();
-        if reply.send(answer).is_err()
+        let answer = match (confirmed, answer) {
+            (Err(e), Ok(_)) => Err(e.clone()),
+            (_, answer) => answer,
+        };
+        if (reply.send(answer).is_err() || confirmed.is_err())
             && let Some((admitted, verdicts)) = decided
         {
             for ((key, charge), verdict) in keys.iter().zip(charges).zip(&verdicts) {
                 if charge.landed(admitted) {
-                    undo.add(key, charge, verdict, now_ms);
+                    undo.add(key, charge, verdict);
                 }
             }
         }

@@ -6,12 +6,18 @@
 //! denied request are queued on their connections before the answer leaves, so this process's
 //! next request on those counters sees them; until they land, another replica may see a counter
 //! a little higher: a Cluster can briefly under-admit, never over-admit.
+//!
+//! A group's confirmation by replicas (`--redis-confirm-replicas`) is asked of the node that
+//! serves its slot once its call answered. While a slot migrates, a call that the old node
+//! redirected (ASK) ran on the new node, which the `WAIT` does not reach: the confirmation of
+//! keys moving at that moment is the old node's.
 
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use futures_util::future::join_all;
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::script::{Answer, Charge, Scripts, Undo};
@@ -20,12 +26,14 @@ use crate::limiter::{Check, admits};
 use crate::store::StoreError;
 use crate::telemetry::traces;
 
-/// Decides `check` (whose counters are `keys`) and sends the answer on `reply`; runs to the end
-/// even when the caller has stopped waiting, so that nothing it charged stays charged.
+/// Decides `check` (whose counters are `keys`) by `deadline` and sends the answer on `reply`;
+/// runs to the end even when the caller has stopped waiting, so that nothing it charged stays
+/// charged.
 pub(super) async fn decide(
     scripts: Scripts,
     check: Check,
     keys: Vec<Bytes>,
+    deadline: Instant,
     reply: oneshot::Sender<Answer>,
 ) {
     if reply.is_closed() {
@@ -36,7 +44,7 @@ pub(super) async fn decide(
     let traced = tracing::Span::current();
     let ran = join_all(groups.iter().map(|g| {
         scripts
-            .run(&check, &keys, g, quota_here)
+            .run(&check, &keys, g, quota_here, deadline)
             .instrument(traces::script_span(std::iter::once(&traced), g.len()))
     }))
     .await;
@@ -47,14 +55,15 @@ pub(super) async fn decide(
     for (group, ran) in groups.iter().zip(ran) {
         match ran {
             Ok(ran) => {
-                wrote.push((group, ran.now_ms, ran.admitted));
+                wrote.push((group, ran.head, ran.admitted));
                 for (&i, v) in group.iter().zip(ran.verdicts) {
                     verdicts[i] = Some(v);
                 }
             }
-            // An outage outranks a key that cannot be read: it is what the breaker must hear.
+            // An outage outranks an answer that failed the request: it is what the breaker must
+            // hear.
             Err(e) => {
-                if failure.as_ref().is_none_or(StoreError::is_data) {
+                if failure.as_ref().is_none_or(StoreError::answered) {
                     failure = Some(e);
                 }
             }
@@ -65,14 +74,14 @@ pub(super) async fn decide(
         && wrote.iter().all(|(_, _, admitted)| *admitted);
     // Takes back the charges that `undone` selects among those each group's call wrote.
     let refund = |undone: fn(&Charge, bool) -> bool| {
-        join_all(wrote.iter().map(|&(group, now_ms, group_admitted)| {
-            let mut undo = Undo::default();
+        join_all(wrote.iter().map(|&(group, ref head, group_admitted)| {
+            let mut undo = Undo::of(head);
             for &i in group {
                 let charge = Charge::of(&check.items[i], check.at);
                 if let Some(verdict) = &verdicts[i]
                     && undone(&charge, group_admitted)
                 {
-                    undo.add(&keys[i], charge, verdict, now_ms);
+                    undo.add(&keys[i], charge, verdict);
                 }
             }
             scripts.undo(undo)

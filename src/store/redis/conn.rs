@@ -13,7 +13,7 @@ use fred::prelude::*;
 use fred::socket2::TcpKeepalive;
 use fred::types::config::ReconnectError;
 use fred::types::scripts::Script;
-use fred::types::{CustomCommand, FromValue};
+use fred::types::{ClusterHash, CustomCommand, FromValue};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{broadcast, mpsc};
@@ -79,6 +79,32 @@ impl Conn {
         self.at_once.custom(command, args).await
     }
 
+    /// Waits, at most `timeout`, for `replicas` replicas of the node that serves `slot` to
+    /// acknowledge every write this connection sent it so far (`WAIT`): `Unconfirmed` when
+    /// fewer do in time.
+    pub(super) async fn confirm(
+        &self,
+        slot: ClusterHash,
+        replicas: u32,
+        timeout: Duration,
+    ) -> Result<(), StoreError> {
+        // Never 0, which WAIT takes as no timeout at all.
+        let ms = timeout.as_millis().clamp(1, i64::MAX as u128) as i64;
+        // Sent as a plain command, so that the client queues the calls behind it on the
+        // connection as usual: Redis holds them until WAIT answers.
+        let wait = CustomCommand::new_static("WAIT", slot, false);
+        let args = vec![Value::from(i64::from(replicas)), Value::from(ms)];
+        let confirmed: i64 = self.send(wait, args).await.map_err(failed)?;
+        let confirmed = u32::try_from(confirmed).unwrap_or(0);
+        if confirmed < replicas {
+            return Err(StoreError::Unconfirmed {
+                confirmed,
+                asked: replicas,
+            });
+        }
+        Ok(())
+    }
+
     /// Loads `scripts` on every primary.
     async fn load(&self, scripts: &[Script]) -> Result<(), Error> {
         for script in scripts {
@@ -100,6 +126,11 @@ fn builder(url: &str, tls: Option<&RedisTls>) -> Result<Builder, StoreError> {
     builder
         .with_connection_config(|c| {
             c.max_command_attempts = 1;
+            // A Cluster's MOVED refreshes the slots and fails the command, which did not run;
+            // ASK fails it too. The client's own ASK handling reads the reply to ASKING off a
+            // connection other commands are pipelined on, takes another's, and stops the client
+            // for good: a slot migrating under load would take Redis away until a restart.
+            c.max_redirections = 0;
             c.connection_timeout = Duration::from_secs(2);
             c.internal_command_timeout = Duration::from_secs(2);
             c.tcp = TcpConfig {
@@ -181,8 +212,12 @@ pub(super) fn listen(
 }
 
 /// What a command Redis failed comes to. A reply saying that the connection reaches a node that
-/// is no longer a primary is logged: fred reconnects, to reach the primary.
+/// is no longer a primary is logged: fred reconnects, to reach the primary. A MOVED or ASK
+/// reply, which the client does not follow (see `builder`), is an answer.
 pub(super) fn failed(e: Error) -> StoreError {
+    if matches!(e.kind(), ErrorKind::Routing) && e.details().contains("redirections") {
+        return StoreError::Redirected;
+    }
     static WRONG: Throttle = Throttle::new();
     if WRONG_NODE
         .iter()

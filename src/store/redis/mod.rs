@@ -9,13 +9,20 @@
 //! (`records`, `lua/demand.lua`).
 //!
 //! Commands are never re-sent (a script re-sent after a broken connection could count a request
-//! twice) and never wait for a reconnection: while the client is not connected they fail at once,
-//! and after `FAILURES_TO_OPEN` failures in a row the breaker answers for Redis until the probe
-//! reaches it again. A connection is dropped when the network stops acknowledging (TCP user
+//! twice), not even after a Cluster's MOVED or ASK (`conn`: the request gets the
+//! `--on-store-error` answer, and MOVED refreshes the slots for the next), and never wait for a
+//! reconnection: while the client is not connected they fail at once, and after
+//! `FAILURES_TO_OPEN` failures in a row the breaker answers for Redis until the probe reaches it
+//! again. A connection is dropped when the network stops acknowledging (TCP user
 //! timeout) or when it reaches a node that is no longer a primary (`WRONG_NODE`), never because
 //! Redis is slow: a paused Redis answers every call when it resumes, and what it admitted for
 //! callers that have gone is refunded. A key that holds what no counter does fails only the
 //! requests naming it (`StoreError::Data`), and never counts against Redis.
+//!
+//! With `--redis-confirm-replicas`, each check call is followed by a `WAIT` on its connection,
+//! bounded by the deadline: what the replicas did not acknowledge in time is refunded and its
+//! requests fail (`StoreError::Unconfirmed`), so that a replica promoted after losing the last
+//! writes finds every admitted request counted.
 
 mod batch;
 mod cluster;
@@ -54,15 +61,18 @@ impl RedisStore {
     /// A store on `url` (`redis://`, `rediss://`, `redis-cluster://`, `redis-sentinel://`). It
     /// connects in the background, retrying with backoff, and its `breaker` stays open until the
     /// probe has loaded the scripts on every primary. `tls`, given for a TLS URL, replaces the
-    /// client's default (the system's CAs, no client certificate). Fails only on a malformed URL.
+    /// client's default (the system's CAs, no client certificate). A decision is answered once
+    /// `confirm_replicas` replicas acknowledge its writes (0: at once). Fails only on a
+    /// malformed URL.
     pub fn connect(
         url: &str,
         prefix: &str,
         tls: Option<&RedisTls>,
+        confirm_replicas: u32,
         breaker: Arc<Breaker>,
     ) -> Result<Self, StoreError> {
         let conn = Conn::connect(url, tls)?;
-        let scripts = Scripts::new(conn.clone(), quota_channel(prefix));
+        let scripts = Scripts::new(conn.clone(), quota_channel(prefix), confirm_replicas);
         tokio::spawn(conn::probe(conn.clone(), scripts.all(), breaker));
         let queue = (!conn.clustered()).then(|| {
             let (queue, waiting) = guard::queue();
@@ -114,8 +124,14 @@ impl RedisStore {
             Some(queue) => queue.push(Pending::new(check, keys, deadline.at, reply))?,
             None => {
                 tokio::spawn(
-                    cluster::decide(self.scripts.clone(), check.clone(), keys, reply)
-                        .in_current_span(),
+                    cluster::decide(
+                        self.scripts.clone(),
+                        check.clone(),
+                        keys,
+                        deadline.at,
+                        reply,
+                    )
+                    .in_current_span(),
                 );
             }
         }

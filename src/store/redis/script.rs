@@ -6,6 +6,7 @@ use bytes::Bytes;
 use fred::prelude::Value;
 use fred::types::scripts::Script;
 use fred::types::{ClusterHash, CustomCommand, FromValue};
+use tokio::time::Instant;
 
 use super::conn::{self, Conn};
 use crate::limiter::algorithm::Verdict;
@@ -31,6 +32,8 @@ pub(super) struct Scripts {
     check: Lua,
     undo: Lua,
     demand: Lua,
+    /// Replicas that must acknowledge a check's writes (`--redis-confirm-replicas`); 0: none.
+    confirm_replicas: u32,
 }
 
 /// A script: its source, for `EVAL` after a `NOSCRIPT`, and its SHA-1.
@@ -47,25 +50,44 @@ impl Lua {
             script: Script::from_lua(source),
         }
     }
+
+    /// The slot that picks the node (the keys share one: one call per slot on a Cluster), and
+    /// the `EVALSHA` arguments.
+    fn call(&self, keys: Vec<Bytes>, args: Vec<Value>) -> (ClusterHash, Vec<Value>) {
+        let slot = ClusterHash::Custom(keys.first().map_or(0, |k| fred::util::redis_keyslot(k)));
+        let mut command = Vec::with_capacity(2 + keys.len() + args.len());
+        command.push(Value::from(self.script.sha1().clone()));
+        command.push(Value::from(keys.len() as i64));
+        command.extend(keys.into_iter().map(Value::Bytes));
+        command.extend(args);
+        (slot, command)
+    }
+}
+
+/// The check script's reply, and whether the replicas `--redis-confirm-replicas` asks for
+/// acknowledged what it wrote: when they did not, its writes must be refunded and its requests
+/// answered with the error.
+pub(super) struct Checked {
+    pub(super) reply: Vec<Value>,
+    pub(super) confirmed: Result<(), StoreError>,
 }
 
 /// What one script call decided for a group of counters taken as one request.
 pub(super) struct Ran {
-    /// Redis' clock when the script ran, in ms: a charged counter was charged in window
-    /// `now_ms / window`.
-    pub(super) now_ms: i64,
+    pub(super) head: Head,
     pub(super) admitted: bool,
     pub(super) verdicts: Vec<Verdict>,
 }
 
 impl Scripts {
-    pub(super) fn new(conn: Conn, channel: Bytes) -> Self {
+    pub(super) fn new(conn: Conn, channel: Bytes, confirm_replicas: u32) -> Self {
         Scripts {
             conn,
             channel,
             check: Lua::new(include_str!("../../../lua/check.lua")),
             undo: Lua::new(include_str!("../../../lua/undo.lua")),
             demand: Lua::new(include_str!("../../../lua/demand.lua")),
+            confirm_replicas,
         }
     }
 
@@ -85,52 +107,111 @@ impl Scripts {
         keys: Vec<Bytes>,
         args: Vec<Value>,
     ) -> Result<R, StoreError> {
-        // The keys share a slot (one call per slot on a Cluster), which picks the node.
-        let slot = ClusterHash::Custom(keys.first().map_or(0, |k| fred::util::redis_keyslot(k)));
-        let mut command = Vec::with_capacity(2 + keys.len() + args.len());
-        command.push(Value::from(lua.script.sha1().clone()));
-        command.push(Value::from(keys.len() as i64));
-        command.extend(keys.into_iter().map(Value::Bytes));
-        command.extend(args);
+        let (slot, command) = lua.call(keys, args);
         let evalsha = CustomCommand::new_static("EVALSHA", slot.clone(), false);
         match self.conn.send(evalsha, command.clone()).await {
-            Err(e) if e.details().starts_with("NOSCRIPT") => {
-                command[0] = Value::from_static_str(lua.source);
-                let eval = CustomCommand::new_static("EVAL", slot, false);
-                self.conn.send(eval, command).await
-            }
-            other => other,
+            Err(e) if e.details().starts_with("NOSCRIPT") => self.resend(lua, slot, command).await,
+            other => other.map_err(conn::failed),
         }
-        .map_err(conn::failed)
+    }
+
+    /// `command` again, by `EVAL` with `lua`'s source, after a `NOSCRIPT`.
+    async fn resend<R: FromValue>(
+        &self,
+        lua: &Lua,
+        slot: ClusterHash,
+        mut command: Vec<Value>,
+    ) -> Result<R, StoreError> {
+        command[0] = Value::from_static_str(lua.source);
+        let eval = CustomCommand::new_static("EVAL", slot, false);
+        self.conn.send(eval, command).await.map_err(conn::failed)
     }
 
     /// One call of the check script over requests whose counters are `keys`, with `args`
-    /// encoded by `encode` one request after another; its reply, read by `split_clock` and
-    /// `take_request`.
+    /// encoded by `encode` one request after another; its reply, read by `split_head` and
+    /// `take_request`. With `--redis-confirm-replicas`, a `WAIT` follows it, bounded by what is
+    /// left until `deadline` less a fifth, kept for the answer to travel back.
     pub(super) async fn check(
         &self,
         keys: Vec<Bytes>,
-        args: Vec<Value>,
-    ) -> Result<Vec<Value>, StoreError> {
-        self.eval(&self.check, keys, args).await
+        requests: Vec<Value>,
+        deadline: Instant,
+    ) -> Result<Checked, StoreError> {
+        let replicas = self.confirm_replicas;
+        // Refunds of what replicas may not have run only where it was charged.
+        let mut args = Vec::with_capacity(1 + requests.len());
+        args.push(flag(replicas > 0));
+        args.extend(requests);
+        if replicas == 0 {
+            let reply = self.eval(&self.check, keys, args).await?;
+            return Ok(Checked {
+                reply,
+                confirmed: Ok(()),
+            });
+        }
+        let confirm = |slot: ClusterHash| {
+            let left = deadline.saturating_duration_since(Instant::now());
+            self.conn.confirm(slot, replicas, left - left / 5)
+        };
+        let (slot, command) = self.check.call(keys, args);
+        let evalsha = CustomCommand::new_static("EVALSHA", slot.clone(), false);
+        let sent = self.conn.send::<Vec<Value>>(evalsha, command.clone());
+        // On one server the WAIT rides right behind the script on its connection: one round
+        // trip. On a Cluster the script may be redirected (MOVED, ASK), so the WAIT follows its
+        // answer, to the node that serves the slot then.
+        let (ran, confirmed) = if self.conn.clustered() {
+            let ran = sent.await;
+            let confirmed = match ran {
+                Ok(_) => confirm(slot.clone()).await,
+                Err(_) => Ok(()),
+            };
+            (ran, confirmed)
+        } else {
+            futures_util::join!(sent, confirm(slot.clone()))
+        };
+        match ran {
+            // The WAIT ran before the script's source did: it has to be asked again.
+            Err(e) if e.details().starts_with("NOSCRIPT") => {
+                let reply = self.resend(&self.check, slot.clone(), command).await?;
+                let confirmed = confirm(slot).await;
+                Ok(Checked { reply, confirmed })
+            }
+            ran => Ok(Checked {
+                reply: ran.map_err(conn::failed)?,
+                confirmed,
+            }),
+        }
     }
 
     /// Runs the check script over the items `at` of `check` as one request. With `quota_here`
-    /// the script applies the quota rule itself (the items are the whole request).
+    /// the script applies the quota rule itself (the items are the whole request). When the
+    /// replicas do not confirm what it wrote, that is refunded and the call fails.
     pub(super) async fn run(
         &self,
         check: &Check,
         keys: &[Bytes],
         at: &[usize],
         quota_here: bool,
+        deadline: Instant,
     ) -> Result<Ran, StoreError> {
         let args = encode(check, at, quota_here);
         let group_keys: Vec<Bytes> = at.iter().map(|&i| keys[i].clone()).collect();
-        let reply: Vec<Value> = self.check(group_keys.clone(), args).await?;
-        let (now_ms, mut rest) = split_clock(&reply)?;
+        let Checked { reply, confirmed } = self.check(group_keys.clone(), args, deadline).await?;
+        let (head, mut rest) = split_head(&reply)?;
         let (admitted, verdicts) = take_request(&mut rest, &group_keys)?;
+        if let Err(e) = confirmed {
+            let mut undo = Undo::of(&head);
+            for ((&i, key), verdict) in at.iter().zip(&group_keys).zip(&verdicts) {
+                let charge = Charge::of(&check.items[i], check.at);
+                if charge.landed(admitted) {
+                    undo.add(key, charge, verdict);
+                }
+            }
+            self.undo(undo).await;
+            return Err(e);
+        }
         Ok(Ran {
-            now_ms,
+            head,
             admitted,
             verdicts,
         })
@@ -197,23 +278,42 @@ impl Charge {
     }
 }
 
-/// Refunds for admitted requests: the counters they charged and, for each, what the charge was,
-/// as `lua/undo.lua` takes them.
-#[derive(Default)]
+/// What a check reply says before its requests: when the call ran, and the node that ran it.
+#[derive(Clone)]
+pub(super) struct Head {
+    /// Redis' clock when the script ran, in ms: a charged counter was charged in window
+    /// `now_ms / window`.
+    pub(super) now_ms: i64,
+    /// The replication ID of the node that ran it, when asked (with `--redis-confirm-replicas`),
+    /// else empty: a refund runs only on that node.
+    node: Bytes,
+}
+
+/// Refunds of what one check call charged for requests that were not admitted after all: the
+/// counters and, for each, what the charge was, as `lua/undo.lua` takes them.
 pub(super) struct Undo {
+    head: Head,
     keys: Vec<Bytes>,
     args: Vec<Value>,
 }
 
 impl Undo {
-    /// Adds what the check script, in a call that ran at `now_ms`, charged to `key` as
-    /// `verdict` says (a sliding log or a bucket records nothing for hits that do not fit,
-    /// unless counted `always`).
-    pub(super) fn add(&mut self, key: &Bytes, charge: Charge, verdict: &Verdict, now_ms: i64) {
+    /// Refunds of what the call that `head` describes charged.
+    pub(super) fn of(head: &Head) -> Self {
+        Undo {
+            head: head.clone(),
+            keys: Vec::new(),
+            args: vec![Value::Bytes(head.node.clone())],
+        }
+    }
+
+    /// Adds what the check script charged to `key` as `verdict` says (a sliding log or a
+    /// bucket records nothing for hits that do not fit, unless counted `always`).
+    pub(super) fn add(&mut self, key: &Bytes, charge: Charge, verdict: &Verdict) {
         if verdict.charged == 0 {
             return;
         }
-        let now = now_ms.max(0) as u64;
+        let now = self.head.now_ms.max(0) as u64;
         let at = charge.at.map_or(now, |at| at.max(now));
         let charged = verdict.charged;
         let (kind, a, b, c) = match charge.algorithm {
@@ -269,10 +369,19 @@ fn flag(on: bool) -> Value {
 }
 
 /// The check script's clock, and the requests' answers after it.
-pub(super) fn split_clock(reply: &[Value]) -> Result<(i64, &[Value]), StoreError> {
-    match reply.split_first() {
-        Some((now_ms, rest)) => Ok((now_ms.as_i64().ok_or_else(malformed_reply)?, rest)),
-        None => Err(StoreError::Unavailable(
+pub(super) fn split_head(reply: &[Value]) -> Result<(Head, &[Value]), StoreError> {
+    match reply {
+        [now_ms, node, rest @ ..] => {
+            let head = Head {
+                now_ms: now_ms.as_i64().ok_or_else(malformed_reply)?,
+                node: node
+                    .as_bytes()
+                    .map(Bytes::copy_from_slice)
+                    .unwrap_or_default(),
+            };
+            Ok((head, rest))
+        }
+        _ => Err(StoreError::Unavailable(
             "the check script answered nothing".into(),
         )),
     }

@@ -224,7 +224,16 @@ impl Metrics {
         );
         // Every label a counter can take exists from the start, so the first event is an
         // increase a rate or an alert sees.
-        for kind in ["full", "timeout", "shed", "down", "unavailable", "data"] {
+        for kind in [
+            "full",
+            "timeout",
+            "shed",
+            "down",
+            "unavailable",
+            "data",
+            "redirected",
+            "unconfirmed",
+        ] {
             drop(m.store_errors.get_or_create(&[("kind", kind)]));
             drop(m.quota_store_errors.get_or_create(&[("kind", kind)]));
         }
