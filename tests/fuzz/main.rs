@@ -1,5 +1,5 @@
 //! Generated inputs against every edge that reads what others write: rule files, requests, xDS
-//! resources, quota reports and envoyproxy/ratelimit's environment. Each property runs a fixed
+//! resources, quota reports, what Redis holds and envoyproxy/ratelimit's environment. Each property runs a fixed
 //! number of cases from a fixed seed, and stops early at its time budget, so a run is repeatable
 //! and bounded; `fuzz/` holds `cargo fuzz` targets on the same entry points for longer runs.
 
@@ -11,6 +11,7 @@ mod planned;
 mod quota;
 mod requests;
 mod rule_files;
+mod store_data;
 mod xds;
 
 use std::fmt::Debug;

@@ -68,13 +68,12 @@ pub fn all_or_nothing(
         ));
     }
     // Refunds give room back, to counters other items may share.
-    if admitted && !check.items.iter().any(|i| i.refund) {
-        if let Some(i) = (0..before.len()).find(|&i| after[i] > before[i]) {
-            return Err(format!(
-                "{:?} has more room after it was charged",
-                check.items[i].key
-            ));
-        }
+    if admitted
+        && !check.items.iter().any(|i| i.refund)
+        && let Some(i) = (0..before.len()).find(|&i| after[i] > before[i])
+    {
+        let key = &check.items[i].key;
+        return Err(format!("{key:?} has more room after it was charged"));
     }
     Ok(())
 }

@@ -20,7 +20,7 @@ use sluice::quota::{Assignment, MILLI, demand};
 use sluice::limiter::share::divide;
 
 use super::common::Sluice;
-use super::common::quota::{PATIENCE, QuotaStream};
+use super::common::quota::QuotaStream;
 use super::fuzz;
 
 #[test]
@@ -117,6 +117,10 @@ fn a_demand_and_its_assignment_never_exceed_the_limit() {
 }
 
 const DOMAIN: &str = "quota";
+
+/// How long a report's answers may take: the quota service's thread yields the CPU to every other
+/// (`SCHED_IDLE`), and the other fuzz targets keep both cores busy.
+const PATIENCE: Duration = Duration::from_secs(30);
 
 const RULES: &str = r#"domain: quota
 quota_buckets:

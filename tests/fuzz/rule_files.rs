@@ -15,7 +15,7 @@ use super::fuzz;
 
 /// A YAML value, rendered in block or flow style.
 #[derive(Clone, Debug)]
-pub enum Yaml {
+enum Yaml {
     Scalar(String),
     Seq(Vec<Yaml>),
     Map(Vec<(String, Yaml)>),
@@ -27,7 +27,7 @@ impl Yaml {
     }
 
     /// The text of this value as a document; `flow` writes collections as `[…]` and `{…}`.
-    pub fn render(&self, flow: bool) -> String {
+    fn render(&self, flow: bool) -> String {
         let mut out = String::new();
         if flow {
             self.flow(&mut out);

@@ -218,3 +218,180 @@ fn generated_resources_convert_or_are_rejected_naming_them() {
         },
     );
 }
+
+/// A rule as both a rule file and an xDS resource can say it.
+#[derive(Clone, Debug)]
+struct Rule {
+    key: String,
+    value: String,
+    limit: Option<RateLimitPolicy>,
+    shadow_mode: bool,
+    nested: Vec<Rule>,
+}
+
+/// Units as the resource numbers them (and one it does not), with their names in a rule file.
+const UNITS: [(i32, &str); 9] = [
+    (0, ""),
+    (1, "second"),
+    (2, "minute"),
+    (3, "hour"),
+    (4, "day"),
+    (5, "month"),
+    (6, "year"),
+    (7, "week"),
+    (99, "fortnight"),
+];
+
+fn words() -> impl Strategy<Value = String> {
+    prop_oneof![
+        3 => prop::sample::select(vec!["", "a", "b", "*", "a*", "*b", "x_y", "é"]).prop_map(str::to_owned),
+        1 => "[ab*_ .]{0,4}",
+    ]
+}
+
+fn same_rules() -> impl Strategy<Value = Vec<Rule>> {
+    let policy = (
+        prop::sample::select(UNITS.map(|(n, _)| n).to_vec()),
+        prop_oneof![Just(0u32), Just(1), Just(u32::MAX), any::<u32>()],
+        prop::bool::weighted(0.2),
+        words(),
+        prop::collection::vec(words(), 0..2),
+    )
+        .prop_map(
+            |(unit, requests_per_unit, unlimited, name, replaces)| RateLimitPolicy {
+                unit,
+                requests_per_unit,
+                unlimited,
+                name,
+                replaces: replaces
+                    .into_iter()
+                    .map(|name| RateLimitReplace { name })
+                    .collect(),
+            },
+        );
+    let leaf = (
+        words(),
+        words(),
+        prop::option::of(policy),
+        prop::bool::weighted(0.2),
+    )
+        .prop_map(|(key, value, limit, shadow_mode)| Rule {
+            key,
+            value,
+            limit,
+            shadow_mode,
+            nested: Vec::new(),
+        });
+    let tree = leaf.prop_recursive(3, 24, 3, |inner| {
+        (inner.clone(), prop::collection::vec(inner, 0..3)).prop_map(|(mut rule, nested)| {
+            rule.nested = nested;
+            rule
+        })
+    });
+    prop::collection::vec(tree, 0..4)
+}
+
+fn proto(rule: &Rule) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        key: rule.key.clone(),
+        value: rule.value.clone(),
+        rate_limit: rule.limit.clone(),
+        shadow_mode: rule.shadow_mode,
+        descriptors: rule.nested.iter().map(proto).collect(),
+        ..Default::default()
+    }
+}
+
+/// The rule as a rule file writes it (in JSON, which YAML reads), saying only what a resource
+/// can tell from its absence: no empty text, no false.
+fn yaml(rule: &Rule) -> serde_json::Value {
+    let mut out = serde_json::json!({"key": rule.key});
+    if !rule.value.is_empty() {
+        out["value"] = rule.value.clone().into();
+    }
+    if let Some(p) = &rule.limit {
+        let mut limit = serde_json::json!({"requests_per_unit": p.requests_per_unit});
+        if let Some((_, name)) = UNITS
+            .iter()
+            .find(|(n, name)| *n == p.unit && !name.is_empty())
+        {
+            limit["unit"] = (*name).into();
+        }
+        if p.unlimited {
+            limit["unlimited"] = true.into();
+        }
+        if !p.name.is_empty() {
+            limit["name"] = p.name.clone().into();
+        }
+        if !p.replaces.is_empty() {
+            let replaces: Vec<_> = p
+                .replaces
+                .iter()
+                .map(|r| serde_json::json!({"name": r.name}))
+                .collect();
+            limit["replaces"] = replaces.into();
+        }
+        out["rate_limit"] = limit;
+    }
+    if rule.shadow_mode {
+        out["shadow_mode"] = true.into();
+    }
+    if !rule.nested.is_empty() {
+        out["descriptors"] = rule.nested.iter().map(yaml).collect::<Vec<_>>().into();
+    }
+    out
+}
+
+/// The rules without the lines they were read from, which a resource does not have.
+fn unlined(rules: &mut [sluice::config::DescriptorConfig]) {
+    for rule in rules {
+        rule.line = 0;
+        unlined(&mut rule.descriptors);
+    }
+}
+
+#[test]
+fn a_resource_and_a_rule_file_saying_the_same_rules_are_both_valid_and_equal_or_both_refused() {
+    fuzz(
+        "xds::same_as_rule_files",
+        2_000,
+        Duration::from_secs(8),
+        same_rules(),
+        |rules| {
+            let config = RateLimitConfig {
+                name: "r".into(),
+                domain: "web".into(),
+                descriptors: rules.iter().map(proto).collect(),
+            };
+            let bytes = config.encode_to_vec();
+            let digest = Sha256::digest(&bytes).into();
+            let from_xds = convert(vec![any_resource(bytes)], &[digest], false);
+            let text = serde_json::json!({
+                "domain": "web",
+                "descriptors": rules.iter().map(yaml).collect::<Vec<_>>(),
+            })
+            .to_string();
+            let from_file = sluice::config::parse(std::path::Path::new("r.yaml"), &text);
+            match (from_xds, from_file) {
+                (Ok(mut loaded), Ok((mut domain, _))) => {
+                    unlined(&mut domain.descriptors);
+                    unlined(&mut loaded.domains[0].descriptors);
+                    prop_assert_eq!(&loaded.domains[0].descriptors, &domain.descriptors);
+                }
+                (Err(_), Err(_)) => {}
+                (Ok(_), Err(errors)) => {
+                    return Err(TestCaseError::fail(format!(
+                        "{text}\nonly the file is refused: {errors:?}"
+                    )));
+                }
+                (Err(rejection), Ok(_)) => {
+                    return Err(TestCaseError::fail(format!(
+                        "{text}\nonly the resource is refused: {}",
+                        rejection.summary()
+                    )));
+                }
+            }
+            Ok(())
+        },
+    );
+}
