@@ -27,7 +27,7 @@ use super::fuzz;
 fn shares_add_up_to_the_limit_and_none_is_shut_out_when_there_is_enough() {
     fuzz(
         "quota::divide",
-        1_000,
+        800,
         Duration::from_secs(3),
         (
             prop_oneof![Just(0u64), Just(MILLI), 0..u64::from(u32::MAX) * MILLI],

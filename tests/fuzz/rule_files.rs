@@ -461,7 +461,7 @@ fn any_text_is_parsed_or_refused_at_a_line_of_the_file() {
 fn generated_rule_files_edited_are_parsed_or_refused_at_a_line_of_the_file() {
     fuzz(
         "rule_files::generated",
-        400,
+        300,
         Duration::from_secs(10),
         (rule_files(), edits()),
         |(text, edits)| parses_or_names_its_line(&apply(text, &edits)),

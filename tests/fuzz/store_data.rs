@@ -13,29 +13,13 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::google::protobuf::UInt64Value;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
-use serde_json::Value;
 use tonic::Code;
 
 use super::common::metrics::scrape;
-use super::common::{OK, OVER_LIMIT, Sluice, Store, descriptor, http, request};
+use super::common::{OK, OVER_LIMIT, Sluice, Store, descriptor, redis_key, request};
 use super::fuzz;
 
 const DOMAIN: &str = "data";
-
-/// A rule per algorithm, each keyed on its own descriptor key.
-const RULES: &str = "domain: data
-descriptors:
-  - key: fixed_window
-    rate_limit: {unit: hour, requests_per_unit: 1000}
-  - key: sliding_window
-    rate_limit: {unit: hour, requests_per_unit: 1000, algorithm: sliding_window}
-  - key: sliding_log
-    rate_limit: {unit: hour, requests_per_unit: 1000, algorithm: sliding_log}
-  - key: token_bucket
-    rate_limit: {unit: hour, requests_per_unit: 1000, algorithm: token_bucket}
-  - key: leaky_bucket
-    rate_limit: {unit: hour, requests_per_unit: 1000, algorithm: leaky_bucket}
-";
 
 const ALGORITHMS: [&str; 5] = [
     "fixed_window",
@@ -44,6 +28,17 @@ const ALGORITHMS: [&str; 5] = [
     "token_bucket",
     "leaky_bucket",
 ];
+
+/// A rule per algorithm, keyed on its name.
+fn rules() -> String {
+    let rules: String = ALGORITHMS
+        .iter()
+        .map(|a| {
+            format!("  - key: {a}\n    rate_limit: {{unit: hour, requests_per_unit: 1000, algorithm: {a}}}\n")
+        })
+        .collect();
+    format!("domain: {DOMAIN}\ndescriptors:\n{rules}")
+}
 
 /// Sends one command to the Redis server at `port` and reads its one-line reply.
 fn command(port: u16, args: &[&[u8]]) -> String {
@@ -60,21 +55,6 @@ fn command(port: u16, args: &[&[u8]]) -> String {
         .read_line(&mut reply)
         .expect("Redis replies");
     reply
-}
-
-/// The Redis key sluice counts `key=value` of `DOMAIN` in, as its `/explain` names it.
-fn counter_key(sluice: &Sluice, key: &str, value: &str) -> String {
-    let body = serde_json::json!({
-        "domain": DOMAIN,
-        "descriptors": [{"entries": [{"key": key, "value": value}]}],
-    });
-    let (status, _, text) = http(sluice.http, "POST", "/explain", &body.to_string());
-    assert_eq!(status, 200, "{text}");
-    let explained: Value = serde_json::from_str(&text).unwrap();
-    explained["descriptors"][0]["counters"][0]["redis_key"]
-        .as_str()
-        .expect("a Redis key")
-        .to_owned()
 }
 
 /// Values as a counter's fields might hold them, or not.
@@ -122,16 +102,16 @@ fn writes() -> impl Strategy<Value = Vec<Vec<u8>>> {
 fn any_data_in_a_counters_key_fails_only_the_requests_on_it() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let store = Store::Redis;
-    let mut sluice = runtime.block_on(Sluice::on(store, &[("rules.yaml", RULES)], &[]));
+    let mut sluice = runtime.block_on(Sluice::on(store, &[("rules.yaml", &rules())], &[]));
     let port = store.redis().expect("a Redis server").ports[0];
     let keys: Vec<String> = ALGORITHMS
         .iter()
-        .map(|a| counter_key(&sluice, a, "bad"))
+        .map(|a| redis_key(&sluice, DOMAIN, &[(a, "bad")]))
         .collect();
     let channel = runtime.block_on(sluice.channel());
     fuzz(
         "store_data::any_data",
-        1_500,
+        1_200,
         Duration::from_secs(12),
         (
             0..ALGORITHMS.len(),

@@ -22,7 +22,7 @@ use super::fuzz;
 /// separators and count.
 const LONGEST_SUMMARY: usize = 10 * (1024 + 5) + 64;
 
-fn text() -> impl Strategy<Value = String> {
+fn text() -> impl Strategy<Value = String> + Clone {
     prop_oneof![
         4 => prop::sample::select(vec!["", "k", "v", "*", "a*b", "web", "x"]).prop_map(str::to_owned),
         1 => any::<String>(),
@@ -30,13 +30,17 @@ fn text() -> impl Strategy<Value = String> {
     ]
 }
 
-fn policies() -> impl Strategy<Value = RateLimitPolicy> {
+/// Limits of `units` (as the resource numbers them), named and replacing `names`.
+fn policies(
+    units: impl Strategy<Value = i32>,
+    names: impl Strategy<Value = String> + Clone,
+) -> impl Strategy<Value = RateLimitPolicy> {
     (
-        prop_oneof![3 => 0..8i32, 1 => any::<i32>()],
+        units,
         prop_oneof![Just(0u32), Just(1), Just(u32::MAX), any::<u32>()],
         prop::bool::weighted(0.2),
-        text(),
-        prop::collection::vec(text().prop_map(|name| RateLimitReplace { name }), 0..2),
+        names.clone(),
+        prop::collection::vec(names.prop_map(|name| RateLimitReplace { name }), 0..2),
     )
         .prop_map(
             |(unit, requests_per_unit, unlimited, name, replaces)| RateLimitPolicy {
@@ -76,7 +80,10 @@ fn descriptors() -> impl Strategy<Value = RateLimitDescriptor> {
     let leaf = (
         text(),
         text(),
-        prop::option::of(policies()),
+        prop::option::of(policies(
+            prop_oneof![3 => 0..8i32, 1 => any::<i32>()],
+            text(),
+        )),
         any::<(bool, bool, bool)>(),
         prop::option::weighted(0.2, (0..24usize).prop_map(nested_struct)),
     )
@@ -242,7 +249,7 @@ const UNITS: [(i32, &str); 9] = [
     (99, "fortnight"),
 ];
 
-fn words() -> impl Strategy<Value = String> {
+fn words() -> impl Strategy<Value = String> + Clone {
     prop_oneof![
         3 => prop::sample::select(vec!["", "a", "b", "*", "a*", "*b", "x_y", "é"]).prop_map(str::to_owned),
         1 => "[ab*_ .]{0,4}",
@@ -250,25 +257,10 @@ fn words() -> impl Strategy<Value = String> {
 }
 
 fn same_rules() -> impl Strategy<Value = Vec<Rule>> {
-    let policy = (
+    let policy = policies(
         prop::sample::select(UNITS.map(|(n, _)| n).to_vec()),
-        prop_oneof![Just(0u32), Just(1), Just(u32::MAX), any::<u32>()],
-        prop::bool::weighted(0.2),
         words(),
-        prop::collection::vec(words(), 0..2),
-    )
-        .prop_map(
-            |(unit, requests_per_unit, unlimited, name, replaces)| RateLimitPolicy {
-                unit,
-                requests_per_unit,
-                unlimited,
-                name,
-                replaces: replaces
-                    .into_iter()
-                    .map(|name| RateLimitReplace { name })
-                    .collect(),
-            },
-        );
+    );
     let leaf = (
         words(),
         words(),
