@@ -3,7 +3,8 @@
 //! Every request is answered (OK or OVER_LIMIT with a status per descriptor, or an error naming
 //! what is wrong), the server lives on, and decisions are all-or-nothing: a request answered
 //! with an error or denied moves no counter, as the same descriptors asked with 0 hits before
-//! and after it show.
+//! and after it show. The same holds in process, for any descriptors the rules plan and the
+//! embedded store decides; and any `/json` body is explained or refused with a message.
 
 use std::time::Duration;
 
@@ -20,6 +21,8 @@ use tonic_prost::ProstCodec;
 use sluice::config;
 use sluice::limiter::Unit as Per;
 use sluice::rules::RuleSet;
+use sluice::service::explain;
+use sluice::service::rls::{Answering, Bounds};
 use sluice::store::{MemoryStore, Percent};
 
 use super::common::{HOUR, OK, OVER_LIMIT, Sluice, unix_ms};
@@ -322,6 +325,153 @@ fn planned_requests_on_the_embedded_store_are_all_or_nothing() {
         planned(),
         |(domain, descriptors)| {
             all_or_nothing(&rules, &store, &domain, &descriptors).map_err(TestCaseError::fail)
+        },
+    );
+}
+
+/// JSON as `/json` and `/explain` might get it: the request's fields (in both spellings), and
+/// others, holding values of any type.
+fn json_bodies() -> impl Strategy<Value = serde_json::Value> {
+    let names = "domain descriptors entries key value limit requests_per_unit requestsPerUnit unit \
+        hits_addend hitsAddend is_negative_hits at x";
+    let leaf = prop_oneof![
+        Just(serde_json::Value::Null),
+        any::<bool>().prop_map(serde_json::Value::from),
+        any::<i64>().prop_map(serde_json::Value::from),
+        any::<u64>().prop_map(serde_json::Value::from),
+        any::<f64>().prop_map(|f| serde_json::json!(f)),
+        prop::sample::select(vec![
+            "web",
+            "user",
+            "",
+            "SECOND",
+            "HOUR",
+            "YEAR",
+            "UNKNOWN",
+            "4294967296",
+            "18446744073709551616",
+            "-1",
+            "2026-11-22T11:11:11Z",
+            "9999-12-31T23:59:59Z",
+            "AAEC",
+        ])
+        .prop_map(serde_json::Value::from),
+        any::<String>().prop_map(serde_json::Value::from),
+    ];
+    leaf.prop_recursive(5, 48, 5, move |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::from),
+            prop::collection::vec(
+                (
+                    prop::sample::select(names.split_whitespace().collect::<Vec<_>>()),
+                    inner
+                ),
+                0..5
+            )
+            .prop_map(|fields| {
+                let object: serde_json::Map<_, _> =
+                    fields.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+                serde_json::Value::from(object)
+            }),
+        ]
+    })
+}
+
+/// Requests in protobuf JSON, their fields holding values of the right type or not.
+fn json_requests() -> impl Strategy<Value = serde_json::Value> {
+    use serde_json::Value;
+    let text = || {
+        prop_oneof![
+            12 => "[a-z/*_]{0,6}".prop_map(Value::from),
+            2 => any::<String>().prop_map(Value::from),
+            1 => json_bodies(),
+        ]
+    };
+    let number = || {
+        prop_oneof![
+            8 => any::<u32>().prop_map(Value::from),
+            2 => any::<u64>().prop_map(|n| Value::from(n.to_string())),
+            1 => json_bodies(),
+        ]
+    };
+    let unit = prop_oneof![
+        12 => prop::sample::select(vec!["SECOND", "MINUTE", "HOUR", "DAY", "MONTH", "YEAR", "WEEK", "UNKNOWN"])
+            .prop_map(Value::from),
+        1 => json_bodies(),
+    ];
+    let entry =
+        (text(), text()).prop_map(|(key, value)| serde_json::json!({"key": key, "value": value}));
+    let descriptor = (
+        prop::collection::vec(entry, 1..=MAX_ENTRIES),
+        prop::option::of((number(), unit)),
+        prop::option::of(number()),
+    )
+        .prop_map(|(entries, limit, hits)| {
+            let mut d = serde_json::json!({"entries": entries});
+            if let Some((requests, unit)) = limit {
+                d["limit"] = serde_json::json!({"requests_per_unit": requests, "unit": unit});
+            }
+            if let Some(hits) = hits {
+                d["hits_addend"] = hits;
+            }
+            d
+        });
+    let at = prop_oneof![
+        12 => prop::sample::select(vec!["2026-11-22T11:11:11Z", "1969-12-31T23:59:59Z", "9999-12-31T23:59:59Z", "now"])
+            .prop_map(Value::from),
+        1 => json_bodies(),
+    ];
+    (
+        prop_oneof![3 => Just(Value::from("web")), 1 => text()],
+        prop::collection::vec(descriptor, 1..=MAX_DESCRIPTORS),
+        prop::option::of(at),
+    )
+        .prop_map(|(domain, descriptors, at)| {
+            let mut request = serde_json::json!({"domain": domain, "descriptors": descriptors});
+            if let Some(at) = at {
+                request["at"] = at;
+            }
+            request
+        })
+}
+
+#[test]
+fn any_json_body_is_explained_or_refused_with_a_message() {
+    let (domain, _) =
+        config::parse(std::path::Path::new("rules.yaml"), RULES).expect("valid rules");
+    let rules = RuleSet::new(vec![domain]);
+    let bounds = Bounds {
+        max_descriptors: MAX_DESCRIPTORS,
+        max_entries: MAX_ENTRIES,
+        max_schedule_ahead: Duration::from_secs(31 * 86_400),
+    };
+    fuzz(
+        "requests::json",
+        2_000,
+        Duration::from_secs(5),
+        prop_oneof![
+            4 => json_requests().prop_map(|v| v.to_string().into_bytes()),
+            1 => json_bodies().prop_map(|v| v.to_string().into_bytes()),
+            1 => prop::collection::vec(any::<u8>(), 0..64),
+        ],
+        |body| {
+            let request = match explain::Request::from_json(&body) {
+                Ok(request) => request,
+                Err(message) => {
+                    prop_assert!(!message.trim().is_empty());
+                    return Ok(());
+                }
+            };
+            match explain::explain(&rules, &request, &bounds, &Answering::default(), Some("p:")) {
+                Ok(explanation) => {
+                    let json: Result<serde_json::Value, _> =
+                        serde_json::from_str(&explanation.to_json());
+                    prop_assert!(json.is_ok(), "{:?}", json);
+                    prop_assert!(!explanation.render().is_empty());
+                }
+                Err(message) => prop_assert!(!message.is_empty()),
+            }
+            Ok(())
         },
     );
 }

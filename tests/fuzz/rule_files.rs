@@ -404,7 +404,7 @@ fn large_files() -> impl Strategy<Value = String> {
 }
 
 /// Parses `text` as the rule file `fuzz.yaml`: every error (and warning) names it and a line of
-/// it, and rules that parse build a rule set.
+/// it, and rules that parse build a rule set, shown as JSON on `/config`.
 fn parses_or_names_its_line(text: &str) -> Result<(), TestCaseError> {
     let file = Path::new("fuzz.yaml");
     let last_line = text.lines().count() + 1;
@@ -431,7 +431,12 @@ fn parses_or_names_its_line(text: &str) -> Result<(), TestCaseError> {
             for w in &warnings {
                 named(w)?;
             }
-            RuleSet::new(vec![domain]);
+            // The rules in force as /config and /rlconfig show them.
+            let rules = RuleSet::new(vec![domain]);
+            let shown: Result<serde_json::Value, _> =
+                serde_json::from_slice(&rules.rendered_json());
+            prop_assert!(shown.is_ok(), "/config is not JSON: {:?}", shown);
+            rules.rendered_text();
         }
         Err(errors) => {
             prop_assert!(!errors.is_empty(), "refused without an error");
