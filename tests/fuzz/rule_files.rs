@@ -495,8 +495,9 @@ fn huge_scalars_and_many_rules_are_parsed_or_refused_at_a_line() {
     );
 }
 
-/// Any bytes as a rule file, read as `check-config` and `serve` read it: an error names the file
-/// and a line, line 0 for a file that cannot be read as text.
+/// Any bytes as a rule file, read as `check-config` and `serve` read it, under any
+/// `--max-config-bytes`: an error names the file and a line, line 0 only for a file that cannot
+/// be read as text or is past the bound.
 #[test]
 fn any_bytes_in_a_rule_file_load_or_are_refused_at_a_line_of_the_file() {
     let dir = tempfile::tempdir().unwrap();
@@ -505,29 +506,121 @@ fn any_bytes_in_a_rule_file_load_or_are_refused_at_a_line_of_the_file() {
         "rule_files::any_bytes",
         200,
         Duration::from_secs(5),
-        prop_oneof![
-            prop::collection::vec(any::<u8>(), 0..400),
-            rule_files().prop_map(String::into_bytes),
-        ],
-        |bytes| {
+        (
+            prop_oneof![
+                prop::collection::vec(any::<u8>(), 0..400),
+                rule_files().prop_map(String::into_bytes),
+            ],
+            prop_oneof![3 => Just(DEFAULT_MAX_CONFIG_BYTES), 1 => 0..600u64],
+        ),
+        |(bytes, max_bytes)| {
             std::fs::write(&path, &bytes).unwrap();
             let source = Source {
                 path: path.clone(),
                 merge_domains: false,
+                max_bytes,
+            };
+            let Err(errors) = config::load(&source) else {
+                prop_assert!(
+                    bytes.len() as u64 <= max_bytes,
+                    "{} bytes loaded",
+                    bytes.len()
+                );
+                return Ok(());
+            };
+            prop_assert!(!errors.is_empty());
+            let readable = std::str::from_utf8(&bytes).is_ok() && bytes.len() as u64 <= max_bytes;
+            for e in &errors {
+                prop_assert_eq!(&e.file, &path);
+                let shown = e.to_string();
+                let named = format!("{}:{}: ", path.display(), e.line);
+                prop_assert!(shown.starts_with(&named), "{}", shown);
+                prop_assert!(
+                    e.line >= 1 || !readable,
+                    "a readable file's error at line 0: {}",
+                    e
+                );
+            }
+            Ok(())
+        },
+    );
+}
+
+/// A rule file of a directory: its domain and its top-level rules' keys and values.
+type Part = (&'static str, Vec<(&'static str, Option<&'static str>)>);
+
+fn parts() -> impl Strategy<Value = Vec<Part>> {
+    let rule = (
+        prop::sample::select(vec!["k", "m"]),
+        prop::sample::select(vec![None, Some("v"), Some("w"), Some("")]),
+    );
+    let part = (
+        prop::sample::select(vec!["a", "b"]),
+        prop::collection::vec(rule, 0..3),
+    );
+    prop::collection::vec(part, 1..4)
+}
+
+/// Whether rule files of `parts` are valid together: no rule twice in a file, and a domain in
+/// one file only, or with `merge`, no top-level rule of a domain in two files. An empty value is
+/// no value, as envoyproxy/ratelimit reads it.
+fn valid_together(parts: &[Part], merge: bool) -> bool {
+    let mut seen = std::collections::HashSet::new();
+    let mut domains = std::collections::HashSet::new();
+    for (domain, rules) in parts {
+        let mut here = std::collections::HashSet::new();
+        for (key, value) in rules {
+            let rule = (*domain, *key, value.filter(|v| !v.is_empty()));
+            if !here.insert(rule) || (merge && !seen.insert(rule)) {
+                return false;
+            }
+        }
+        if !domains.insert(*domain) && !merge {
+            return false;
+        }
+    }
+    true
+}
+
+/// Rule files of a directory, loaded with and without `--merge-domains`: valid exactly when no
+/// domain or rule is declared twice where that is an error, every error at a line of its file.
+#[test]
+fn a_directory_of_rule_files_is_valid_exactly_when_nothing_is_declared_twice() {
+    fuzz(
+        "rule_files::directories",
+        1_000,
+        Duration::from_secs(5),
+        (parts(), any::<bool>()),
+        |(parts, merge)| {
+            let dir = tempfile::tempdir().unwrap();
+            for (i, (domain, rules)) in parts.iter().enumerate() {
+                let mut text = format!("domain: {domain}\ndescriptors:\n");
+                for (key, value) in rules {
+                    text.push_str(&format!("  - key: {key}\n"));
+                    if let Some(value) = value {
+                        text.push_str(&format!("    value: \"{value}\"\n"));
+                    }
+                    text.push_str("    rate_limit: {unit: hour, requests_per_unit: 1}\n");
+                }
+                std::fs::write(dir.path().join(format!("{i}.yaml")), text).unwrap();
+            }
+            let source = Source {
+                path: dir.path().to_path_buf(),
+                merge_domains: merge,
                 max_bytes: DEFAULT_MAX_CONFIG_BYTES,
             };
-            if let Err(errors) = config::load(&source) {
-                prop_assert!(!errors.is_empty());
-                for e in &errors {
-                    prop_assert_eq!(&e.file, &path);
-                    let shown = e.to_string();
-                    let named = format!("{}:{}: ", path.display(), e.line);
-                    prop_assert!(shown.starts_with(&named), "{}", shown);
-                    if std::str::from_utf8(&bytes).is_ok() {
-                        prop_assert!(e.line >= 1, "a readable file's error at line 0: {}", e);
-                    }
+            let loaded = config::load(&source);
+            if let Err(errors) = &loaded {
+                for e in errors {
+                    prop_assert!(e.file.starts_with(dir.path()) && e.line >= 1, "{}", e);
                 }
             }
+            prop_assert_eq!(
+                loaded.is_ok(),
+                valid_together(&parts, merge),
+                "{:?}",
+                loaded.err()
+            );
             Ok(())
         },
     );
