@@ -7,6 +7,7 @@
 mod common;
 
 mod erl_env;
+mod matching;
 mod planned;
 mod quota;
 mod requests;
