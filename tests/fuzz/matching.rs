@@ -2,7 +2,8 @@
 //! from its description: entry by entry down the tree, the rule with the exact (key, value)
 //! first, then the first rule whose `*` pattern matches the value, in file order, then the rule
 //! with the key alone; the limits are those of the rule the last entry matched, and an entry
-//! that matches nothing leaves the descriptor without a limit.
+//! that matches nothing leaves the descriptor without a limit. A limit named in the `replaces`
+//! of any rule a request matched is dropped from every descriptor of that request.
 
 use std::time::Duration;
 
@@ -12,30 +13,54 @@ use sluice::config;
 use sluice::limiter::Counting;
 use sluice::limiter::lease::Leasing;
 use sluice::rules::RuleSet;
-use sluice::rules::plan::{Asked, Global};
+use sluice::rules::plan::{Asked, Global, Plan};
 
 use super::fuzz;
 
-/// A rule: its key, its value (a pattern when it holds `*`), whether it has a limit, and the
+/// A rule: its key, its value (a pattern when it holds `*`), its limit if it has one, and the
 /// rules under it. Its limit's `requests_per_unit` is its number in file order, naming it.
 #[derive(Clone, Debug)]
 struct Rule {
     key: &'static str,
     value: Option<String>,
-    limited: bool,
+    limit: Option<Named>,
     nested: Vec<Rule>,
+}
+
+/// A limit's name, if any, and the names it replaces (never its own).
+#[derive(Clone, Debug)]
+struct Named {
+    name: Option<&'static str>,
+    replaces: Vec<&'static str>,
+}
+
+const NAMES: [&str; 3] = ["n1", "n2", "n3"];
+
+fn limits() -> impl Strategy<Value = Named> {
+    (
+        prop::option::of(prop::sample::select(NAMES.to_vec())),
+        prop::option::weighted(0.2, prop::sample::subsequence(NAMES.to_vec(), 1..=2)),
+    )
+        .prop_map(|(name, replaces)| Named {
+            name,
+            replaces: replaces
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|r| Some(*r) != name)
+                .collect(),
+        })
 }
 
 fn rules() -> impl Strategy<Value = Vec<Rule>> {
     let leaf = (
         prop::sample::select(vec!["x", "y"]),
         prop::option::of("[ab*]{1,3}"),
-        prop::bool::weighted(0.8),
+        prop::option::weighted(0.8, limits()),
     )
-        .prop_map(|(key, value, limited)| Rule {
+        .prop_map(|(key, value, limit)| Rule {
             key,
             value,
-            limited,
+            limit,
             nested: Vec::new(),
         });
     let tree = leaf.prop_recursive(3, 30, 5, |inner| {
@@ -68,10 +93,20 @@ fn text(rules: &[Rule], indent: usize, number: &mut u32, out: &mut String) {
             out.push_str(&format!("{pad}  value: \"{value}\"\n"));
         }
         *number += 1;
-        if rule.limited {
-            out.push_str(&format!(
-                "{pad}  rate_limit: {{unit: hour, requests_per_unit: {number}}}\n"
-            ));
+        if let Some(limit) = &rule.limit {
+            let mut fields = format!("unit: hour, requests_per_unit: {number}");
+            if let Some(name) = limit.name {
+                fields.push_str(&format!(", name: {name}"));
+            }
+            if !limit.replaces.is_empty() {
+                let replaces: Vec<String> = limit
+                    .replaces
+                    .iter()
+                    .map(|r| format!("{{name: {r}}}"))
+                    .collect();
+                fields.push_str(&format!(", replaces: [{}]", replaces.join(", ")));
+            }
+            out.push_str(&format!("{pad}  rate_limit: {{{fields}}}\n"));
         }
         if !rule.nested.is_empty() {
             out.push_str(&format!("{pad}  descriptors:\n"));
@@ -89,8 +124,8 @@ fn glob(pattern: &[u8], value: &[u8]) -> bool {
     }
 }
 
-/// The number of the rule whose limit applies to `entries`, in the model.
-fn model(rules: &[Rule], entries: &[(&str, String)]) -> Option<u32> {
+/// The rule `entries` match in the model, with its number.
+fn matched<'a>(rules: &'a [Rule], entries: &[(&str, String)]) -> Option<(&'a Rule, u32)> {
     // Each rule's number, in file order, as `text` gives them.
     fn numbered<'a>(rules: &'a [Rule], next: &mut u32, out: &mut Vec<(&'a Rule, u32)>) {
         for rule in rules {
@@ -119,7 +154,27 @@ fn model(rules: &[Rule], entries: &[(&str, String)]) -> Option<u32> {
         level = &rule.nested;
         first = number;
     }
-    matched.filter(|(rule, _)| rule.limited).map(|(_, n)| n)
+    matched
+}
+
+/// The number of the rule whose limit applies to each descriptor of a request, in the model.
+fn model(rules: &[Rule], descriptors: &[Vec<(&str, String)>]) -> Vec<Option<u32>> {
+    let matches: Vec<_> = descriptors.iter().map(|d| matched(rules, d)).collect();
+    let replaced: Vec<&str> = matches
+        .iter()
+        .flatten()
+        .filter_map(|(rule, _)| rule.limit.as_ref())
+        .flat_map(|limit| limit.replaces.iter().copied())
+        .collect();
+    matches
+        .iter()
+        .map(|m| {
+            let (rule, number) = (*m)?;
+            let limit = rule.limit.as_ref()?;
+            let dropped = limit.name.is_some_and(|n| replaced.contains(&n));
+            (!dropped).then_some(number)
+        })
+        .collect()
 }
 
 fn descriptors() -> impl Strategy<Value = Vec<Vec<(&'static str, String)>>> {
@@ -128,7 +183,7 @@ fn descriptors() -> impl Strategy<Value = Vec<Vec<(&'static str, String)>>> {
 }
 
 #[test]
-fn each_descriptor_gets_the_limit_of_the_rule_the_model_matches() {
+fn each_descriptor_gets_the_limit_of_the_rule_the_model_matches_unless_replaced() {
     let global = Global {
         quota_mode: false,
         counting: Counting::Admitted,
@@ -145,8 +200,9 @@ fn each_descriptor_gets_the_limit_of_the_rule_the_model_matches() {
             let (domain, _) = config::parse(std::path::Path::new("m.yaml"), &file)
                 .map_err(|e| TestCaseError::fail(format!("{file}\n{e:?}")))?;
             let rule_set = RuleSet::new(vec![domain]);
-            for entries in &descriptors {
-                let asked = [Asked {
+            let asked: Vec<Asked> = descriptors
+                .iter()
+                .map(|entries| Asked {
                     entries: entries
                         .iter()
                         .map(|(k, v)| (k.as_bytes(), v.as_bytes()))
@@ -154,11 +210,25 @@ fn each_descriptor_gets_the_limit_of_the_rule_the_model_matches() {
                     hits: 1,
                     refund: false,
                     limit: None,
-                }];
-                let (_, check) = rule_set.plan(b"web", &asked, global, false);
-                let got = check.items.first().map(|i| i.limit.requests_per_unit);
-                prop_assert_eq!(got, model(&rules, entries), "{}\n{:?}", file, entries);
-            }
+                })
+                .collect();
+            let (plans, check) = rule_set.plan(b"web", &asked, global, false);
+            let got: Vec<Option<u32>> = plans
+                .iter()
+                .map(|plan| match plan {
+                    Plan::Limited { items, .. } => {
+                        Some(check.items[items.start].limit.requests_per_unit)
+                    }
+                    _ => None,
+                })
+                .collect();
+            prop_assert_eq!(
+                got,
+                model(&rules, &descriptors),
+                "{}\n{:?}",
+                file,
+                descriptors
+            );
             Ok(())
         },
     );
