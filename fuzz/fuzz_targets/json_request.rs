@@ -1,29 +1,14 @@
 //! Any body of `/json` and `/explain`: decoded and explained, or refused with a message.
 #![no_main]
 
-use std::path::Path;
-use std::sync::LazyLock;
+mod rules;
+
 use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
-use sluice::config;
-use sluice::rules::RuleSet;
+use rules::RULE_SET;
 use sluice::service::explain::{Request, explain};
 use sluice::service::rls::{Answering, Bounds};
-
-const RULES: &str = "domain: web
-descriptors:
-  - key: user
-    rate_limit: {unit: hour, requests_per_unit: 100}
-  - key: path
-    value: /a*
-    rate_limit: {unit: day, requests_per_unit: 5, algorithm: sliding_log}
-";
-
-static RULE_SET: LazyLock<RuleSet> = LazyLock::new(|| {
-    let (domain, _) = config::parse(Path::new("rules.yaml"), RULES).expect("valid rules");
-    RuleSet::new(vec![domain])
-});
 
 fuzz_target!(|body: &[u8]| {
     let bounds = Bounds {

@@ -2,34 +2,18 @@
 //! store: decided all or nothing (`tests/fuzz/planned.rs`, shared with the stable suite).
 #![no_main]
 
+mod rules;
+
 #[path = "../../tests/fuzz/planned.rs"]
 mod planned;
 
-use std::path::Path;
 use std::sync::LazyLock;
 
 use libfuzzer_sys::fuzz_target;
-use sluice::config;
+use rules::RULE_SET;
 use sluice::limiter::Unit;
-use sluice::rules::RuleSet;
 use sluice::store::{MemoryStore, Percent};
 
-const RULES: &str = "domain: web
-descriptors:
-  - key: user
-    rate_limit: {unit: hour, requests_per_unit: 100}
-  - key: path
-    value: /a*
-    rate_limit: {unit: day, requests_per_unit: 5, algorithm: sliding_log}
-    descriptors:
-      - key: method
-        rate_limit: {unit: minute, requests_per_unit: 3, algorithm: token_bucket}
-";
-
-static RULE_SET: LazyLock<RuleSet> = LazyLock::new(|| {
-    let (domain, _) = config::parse(Path::new("rules.yaml"), RULES).expect("valid rules");
-    RuleSet::new(vec![domain])
-});
 static STORE: LazyLock<MemoryStore> = LazyLock::new(|| MemoryStore::new(10_000, Percent(50)));
 
 type Descriptor = (Vec<(Vec<u8>, Vec<u8>)>, u64, bool, Option<(u32, u8)>);
