@@ -258,19 +258,12 @@ fn any_report_on_any_stream_is_answered_within_its_rules() {
         |(at, report)| {
             let mut streams = streams.borrow_mut();
             let stream = &mut streams[at];
-            let mut waiting: HashSet<Vec<(String, String)>> = report
+            let mut waiting: HashSet<BTreeMap<String, String>> = report
                 .bucket_quota_usages
                 .iter()
                 .filter_map(|u| u.bucket_id.as_ref())
                 .filter(|id| !id.bucket.is_empty())
-                .map(|id| {
-                    id.bucket
-                        .clone()
-                        .into_iter()
-                        .collect::<BTreeMap<_, _>>()
-                        .into_iter()
-                        .collect()
-                })
+                .map(|id| id.bucket.clone().into_iter().collect())
                 .collect();
             runtime.block_on(async {
                 stream
@@ -287,8 +280,7 @@ fn any_report_on_any_stream_is_answered_within_its_rules() {
                         .map_err(|e| TestCaseError::fail(format!("the stream failed: {e}")))?
                         .ok_or_else(|| TestCaseError::fail("the stream ended"))?;
                     for id in well_formed(&answer)? {
-                        let id: BTreeMap<String, String> = id.bucket.into_iter().collect();
-                        waiting.remove(&id.into_iter().collect::<Vec<_>>());
+                        waiting.remove(&id.bucket.into_iter().collect());
                     }
                 }
                 Ok(())
