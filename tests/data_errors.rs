@@ -14,9 +14,8 @@ use std::time::{Duration, Instant};
 
 use common::metrics::scrape;
 use common::quota::{QuotaStream, bucket, tokens};
-use common::{OK, OVER_LIMIT, Sluice, Store, gather, http, request};
+use common::{OK, OVER_LIMIT, Sluice, Store, gather, http, redis_key, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use serde_json::Value;
 
 const DOMAIN: &str = "data";
 
@@ -40,22 +39,6 @@ const HEALTHY_CALLERS: usize = 6;
 const RUN: Duration = Duration::from_secs(3);
 /// The most requests one caller sends, whatever the machine's speed.
 const MOST_PER_CALLER: usize = 3_000;
-
-/// The Redis key sluice counts `entries` of `DOMAIN` in, as its `/explain` names it.
-fn redis_key(sluice: &Sluice, entries: &[(&str, &str)]) -> String {
-    let entries: Vec<Value> = entries
-        .iter()
-        .map(|(k, v)| serde_json::json!({"key": k, "value": v}))
-        .collect();
-    let body = serde_json::json!({"domain": DOMAIN, "descriptors": [{"entries": entries}]});
-    let (status, _, text) = http(sluice.http, "POST", "/explain", &body.to_string());
-    assert_eq!(status, 200, "{text}");
-    let x: Value = serde_json::from_str(&text).unwrap();
-    x["descriptors"][0]["counters"][0]["redis_key"]
-        .as_str()
-        .expect("a Redis key")
-        .to_owned()
-}
 
 /// Runs `redis-cli -c` (following a Cluster's redirections) against the node at `port`.
 fn cli(port: u16, args: &[&str]) -> String {
@@ -178,9 +161,9 @@ async fn bad_keys_fail_only_their_own_requests(store: Store, deny: bool) {
     )
     .await;
     let port = store.redis().unwrap().ports[0];
-    let string = redis_key(&sluice, &[("k", "bad-string")]);
-    let list = redis_key(&sluice, &[("log", "bad-list")]);
-    let hash = redis_key(&sluice, &[("bucket", "bad-hash")]);
+    let string = redis_key(&sluice, DOMAIN, &[("k", "bad-string")]);
+    let list = redis_key(&sluice, DOMAIN, &[("log", "bad-list")]);
+    let hash = redis_key(&sluice, DOMAIN, &[("bucket", "bad-hash")]);
     // The bucket's key as sluice writes it, then its level made unreadable.
     sluice
         .ask(request(DOMAIN, &[&[("bucket", "bad-hash")]]))
@@ -243,7 +226,7 @@ async fn bad_keys_fail_only_their_own_requests(store: Store, deny: bool) {
     );
 
     // A request naming a bad key and a healthy one: answered by the policy, neither moved.
-    let beside = redis_key(&sluice, &[("k", "beside")]);
+    let beside = redis_key(&sluice, DOMAIN, &[("k", "beside")]);
     for _ in 0..5 {
         let answer = sluice
             .client()

@@ -347,8 +347,9 @@ fn jittered(pause: Duration) -> Duration {
 /// resource a `RateLimitConfig`, validated as a rule file named `xds:<resource name>` is, each
 /// resource's bytes dropped once converted. The errors name the resource and the path of the
 /// offending field (`descriptors[0].rate_limit.unit`). No resource at all is a valid, empty
-/// configuration. `digests` are the SHA-256 of each resource's bytes.
-fn convert(
+/// configuration. `digests` are the SHA-256 of each resource's bytes. Public as the one entry
+/// from protobuf into rules, for the fuzz targets.
+pub fn convert(
     resources: Vec<Any>,
     digests: &[Digest],
     merge_domains: bool,
@@ -782,7 +783,7 @@ fn clip(error: &str) -> String {
 }
 
 /// The SHA-256 of bytes.
-type Digest = [u8; 32];
+pub type Digest = [u8; 32];
 
 /// What the subscription has seen, by the digest of a response's resources (`snapshot_digest`).
 #[derive(Default)]

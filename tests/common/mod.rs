@@ -562,6 +562,23 @@ pub fn request(domain: &str, descriptors: &[&[(&str, &str)]]) -> RateLimitReques
     }
 }
 
+/// The Redis key sluice counts a descriptor of `entries` of `domain` in, as its `/explain` names
+/// it.
+pub fn redis_key(sluice: &Sluice, domain: &str, entries: &[(&str, &str)]) -> String {
+    let entries: Vec<serde_json::Value> = entries
+        .iter()
+        .map(|(k, v)| serde_json::json!({"key": k, "value": v}))
+        .collect();
+    let body = serde_json::json!({"domain": domain, "descriptors": [{"entries": entries}]});
+    let (status, _, text) = http(sluice.http, "POST", "/explain", &body.to_string());
+    assert_eq!(status, 200, "{text}");
+    let explained: serde_json::Value = serde_json::from_str(&text).unwrap();
+    explained["descriptors"][0]["counters"][0]["redis_key"]
+        .as_str()
+        .expect("a Redis key")
+        .to_owned()
+}
+
 /// Sends a raw HTTP/1.1 request to `addr` and returns (status, headers, body).
 pub fn http(
     addr: SocketAddr,
