@@ -338,7 +338,7 @@ impl Measured {
     /// The measures, as the benchmarks report them.
     fn summary(&self) -> String {
         format!(
-            "{} admitted of {L}; answers within {:?}; decisions again {:?} after; {} of {} \
+            "{} admitted of {L}; answers within {:.2?}; decisions again {:.2?} after; {} of {} \
              answered by policy",
             self.admitted, self.slowest, self.resumed, self.undecided, self.replies
         )
