@@ -18,8 +18,8 @@
 --          only when the count is above the limit).
 -- Reply    the time of the call (Redis TIME, in ms), this node's replication ID if asked ('' if
 --          not: a refund names it, so that lua/undo.lua refunds only on the node that charged,
---          never on a replica promoted without the charge), then per request: admitted (1|0), then per
---          counter: over (1|0), remaining if admitted, remaining if not, ms until reset if
+--          never on a replica promoted without the charge), then per request: admitted (1|0),
+--          then per counter: over (1|0), remaining if admitted, remaining if not, ms until reset if
 --          admitted, ms until reset if not, what its write charges (hits, log entries or
 --          bucket units; 0 for none), and the window it counts in (instant / window; 0 for a
 --          log or a bucket). lua/undo.lua takes back what a request wrote, given this
@@ -41,8 +41,8 @@
 --          call.
 
 -- Locals: every global lookup in a Redis script goes through the protected globals table.
-local call, floor, max, min, tonumber, format, unpack = redis.call, math.floor, math.max,
-  math.min, tonumber, string.format, unpack
+local call, floor, max, min, tonumber, format, match, unpack = redis.call, math.floor, math.max,
+  math.min, tonumber, string.format, string.match, unpack
 
 -- The most a window counts and a bucket holds (limiter::algorithm::MOST_COUNT, gcra::MOST_LEVEL):
 -- past them a charge is clamped, so that every number stays exact in a double.
@@ -58,7 +58,7 @@ local disk = {}
 -- A replica takes its primary's replication ID, and a promoted one a new ID: the ID names the
 -- node that took these writes, among those that can take writes.
 local function replication_id()
-  return string.match(call('INFO', 'replication'), 'master_replid:(%w+)') or ''
+  return match(call('INFO', 'replication'), 'master_replid:(%w+)') or ''
 end
 local reply = { now, ARGV[1] == '1' and replication_id() or '' }
 

@@ -20,7 +20,8 @@
 --          does (another type, or fields that do not read as numbers) is skipped; the others
 --          are still refunded.
 
-local call, format, max, tonumber, unpack = redis.call, string.format, math.max, tonumber, unpack
+local call, format, match, max, tonumber, unpack = redis.call, string.format, string.match,
+  math.max, tonumber, unpack
 local pcall, error, type, tostring = pcall, error, type, tostring
 
 local function int(x)
@@ -68,7 +69,7 @@ local function undo(key, kind, a, b, c)
   return 0
 end
 
-if ARGV[1] ~= '' and string.match(call('INFO', 'replication'), 'master_replid:(%w+)') ~= ARGV[1] then
+if ARGV[1] ~= '' and match(call('INFO', 'replication'), 'master_replid:(%w+)') ~= ARGV[1] then
   return 0
 end
 local undone = 0

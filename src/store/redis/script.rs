@@ -138,7 +138,8 @@ impl Scripts {
         deadline: Instant,
     ) -> Result<Checked, StoreError> {
         let replicas = self.confirm_replicas;
-        // Refunds of what replicas may not have run only where it was charged.
+        // With confirmation the reply names the node, so that a refund lands only where the
+        // charge did.
         let mut args = Vec::with_capacity(1 + requests.len());
         args.push(flag(replicas > 0));
         args.extend(requests);
