@@ -368,7 +368,12 @@ fn serve(
         .arg("--http-addr")
         .arg(http.to_string())
         .args(flags)
-        .env("SLUICE_LOG", "warn")
+        // Warnings only, unless `TEST_SLUICE_LOG` asks for more (e.g. `warn,sluice=debug`) to
+        // follow a failing test.
+        .env(
+            "SLUICE_LOG",
+            std::env::var("TEST_SLUICE_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .stdin(Stdio::null())
         .stderr(log)
         .spawn()
