@@ -346,6 +346,33 @@ async fn the_quota_service_has_a_port_of_its_own_when_asked() {
     assert_eq!(refused.code(), tonic::Code::Unimplemented);
 }
 
+/// `--quota-max-reports` paces the bucket reports a replica takes: a second's worth at once, then
+/// the stream waits before it handles more of its report, and the rest is answered at that pace;
+/// none is lost. 4,000 buckets at 1,000 a second: at most 1,500 (and the 256 being handled)
+/// answered after half a second, all of them within 15 s.
+#[tokio::test(flavor = "multi_thread")]
+async fn bucket_reports_past_their_pace_wait_their_turn_and_none_is_lost() {
+    let sluice = Sluice::on(
+        Store::Memory,
+        &[("quota.yaml", RULES)],
+        &["--quota-max-reports", "1000"],
+    )
+    .await;
+    let once = Some(Duration::from_secs(3600));
+    let flood = Flood::start(sluice.grpc, DOMAIN, (1, 4_000, 0), once).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let early = flood.answered();
+    assert!(
+        early <= 1_500 + 256,
+        "{early} bucket reports answered within 0.5 s at 1,000 a second"
+    );
+    assert!(
+        flood.wait_answered(4_000, Duration::from_secs(15)).await,
+        "every bucket answered at that pace: {} of 4,000",
+        flood.answered()
+    );
+}
+
 /// `--quota-max-records` bounds the demand records a replica sends Redis: a second's worth at
 /// once, and past what it can record once per report, each tracked bucket is recorded less
 /// often, its record counted for three of those longer intervals (so it never lapses between
@@ -920,7 +947,8 @@ fn median(mut values: Vec<u64>) -> u64 {
 /// a release build, `cargo test --release --test rlqs -- --ignored --nocapture figures`
 /// (`FIGURES_STORE=memory` or `redis` for one store; `FIGURES_QUOTA=shared` floods the gRPC port
 /// that `ShouldRateLimit` is asked on, `own` the quota service's own `--quota-addr`,
-/// `elsewhere` another sluice on the same machine, and otherwise the first two).
+/// `elsewhere` another sluice on the same machine, and otherwise the first two; `FIGURES_FLAGS`
+/// adds `serve` flags, such as `--quota-max-reports 1000000` to take the flood at another pace).
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "a measurement, for a release build"]
 async fn figures_of_100_streams_reporting_10000_buckets_each() {
@@ -952,6 +980,7 @@ descriptors:
         Ok("redis") => vec![Store::Redis],
         _ => vec![Store::Memory, Store::Redis],
     };
+    let extra = std::env::var("FIGURES_FLAGS").unwrap_or_default();
     let targets = match std::env::var("FIGURES_QUOTA").as_deref() {
         Ok("shared") => vec![Flooded::GrpcPort],
         Ok("own") => vec![Flooded::QuotaPort],
@@ -965,6 +994,7 @@ descriptors:
         let quota_addr = format!("127.0.0.1:{}", common::free_port());
         // A report of 10,000 buckets is about 500 kB.
         let mut flags = vec!["--store-timeout", "10ms", "--max-request-bytes", "1048576"];
+        flags.extend(extra.split_whitespace());
         if target == Flooded::QuotaPort {
             flags.extend(["--quota-addr", quota_addr.as_str()]);
         }

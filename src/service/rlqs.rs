@@ -121,6 +121,8 @@ pub struct QuotaSettings {
     /// Demand records a second this replica sends the store, at most (for as many tracked
     /// buckets as fit in it; past that, each bucket is recorded less often).
     pub max_records: u32,
+    /// Bucket reports a second this replica takes from its streams, at most.
+    pub max_reports: u32,
 }
 
 /// A process-wide allowance of things tracked: streams or buckets, at most `most` at once.
@@ -188,6 +190,33 @@ impl RecordBudget {
     }
 }
 
+/// The bucket reports a replica's streams may take: `--quota-max-reports` a second over every
+/// stream, at most a second's worth ahead of that pace.
+struct ReportBudget {
+    per_report: Duration,
+    /// When the reports taken so far are paid for, at that pace.
+    paid_until: Mutex<Instant>,
+}
+
+impl ReportBudget {
+    fn new(per_second: u32) -> Self {
+        ReportBudget {
+            per_report: Duration::from_secs(1) / per_second.max(1),
+            paid_until: Mutex::new(Instant::now()),
+        }
+    }
+
+    /// Takes `n` bucket reports: when taking them puts the replica more than a second ahead of
+    /// its pace, the instant its stream waits for before handling them.
+    fn take(&self, n: usize) -> Option<Instant> {
+        let mut paid = self.paid_until.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        *paid = (*paid).max(now) + self.per_report * u32::try_from(n).unwrap_or(u32::MAX);
+        let ahead = paid.saturating_duration_since(now);
+        (ahead > Duration::from_secs(1)).then(|| *paid - Duration::from_secs(1))
+    }
+}
+
 /// The streams served by this replica: each bucket's local subscribers and what each was last
 /// sent, so that one stream's report can re-divide the others'; what is tracked; and the thread
 /// and store that serve them.
@@ -211,6 +240,8 @@ pub struct Quotas {
     records: Semaphore,
     /// Demand records a second (`--quota-max-records`).
     records_left: RecordBudget,
+    /// Bucket reports taken a second (`--quota-max-reports`).
+    reports_left: ReportBudget,
     /// The runtime of the thread every stream is served on.
     runtime: tokio::runtime::Handle,
     /// That thread's store: demand records never share an event loop's connections.
@@ -328,6 +359,7 @@ impl Quotas {
             tracked_streams: Allowance::new(settings.max_streams),
             records: Semaphore::new(RECORDS_IN_FLIGHT),
             records_left: RecordBudget::new(settings.max_records),
+            reports_left: ReportBudget::new(settings.max_reports),
             runtime,
             store,
         });
@@ -926,6 +958,22 @@ impl QuotaStream {
         let mut answered = true;
         while answered && usages.len() > 0 {
             let some: Vec<Bytes> = usages.by_ref().take(BUCKETS_AT_A_TIME).collect();
+            // Past `--quota-max-reports` the stream waits, reading no further report meanwhile:
+            // HTTP/2 flow control keeps its Envoy's next reports at the Envoy.
+            if let Some(at) = self.quotas.reports_left.take(some.len()) {
+                static PACED: Throttle = Throttle::new();
+                METRICS.quota_paced.inc_by(some.len() as u64);
+                if let Some(n) = PACED.hit() {
+                    tracing::warn!(
+                        "quota streams report more buckets than --quota-max-reports a second: \
+                         they wait their turn ({n} time(s) since the last report)"
+                    );
+                }
+                tokio::select! {
+                    () = tokio::time::sleep_until(at.into()) => {}
+                    () = self.outbox.closed() => return false,
+                }
+            }
             answered = self.answer(some, &rules, &mut tally).await;
             // The other streams have their turn.
             tokio::task::yield_now().await;

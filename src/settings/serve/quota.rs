@@ -37,6 +37,13 @@ pub struct QuotaFlags {
     /// (5 s) are recorded less often, each record counted longer, and keep their shares between.
     #[arg(long, env = "SLUICE_QUOTA_MAX_RECORDS", default_value_t = 2_000)]
     quota_max_records: u32,
+    /// Most bucket reports a second this replica takes from its quota streams, over every
+    /// stream (a report of 100 buckets is 100 of them), a second's worth at once: by default
+    /// every bucket --quota-max-buckets tracks, once per Envoy report (5 s). Past it, a stream
+    /// waits before it takes more, reading no further report meanwhile: HTTP/2 flow control
+    /// holds its Envoy's next reports at the Envoy, and the rate limit service keeps the CPU.
+    #[arg(long, env = "SLUICE_QUOTA_MAX_REPORTS", default_value_t = 20_000)]
+    quota_max_reports: u32,
 }
 
 impl QuotaFlags {
@@ -50,10 +57,17 @@ impl QuotaFlags {
         if self.quota_abandon_after == 0 {
             anyhow::bail!("--quota-abandon-after: must be at least 1");
         }
-        if self.quota_max_buckets == 0 || self.quota_max_streams == 0 || self.quota_max_records == 0
+        if [
+            self.quota_max_buckets,
+            self.quota_max_streams,
+            self.quota_max_records as usize,
+            self.quota_max_reports as usize,
+        ]
+        .contains(&0)
         {
             anyhow::bail!(
-                "--quota-max-buckets, --quota-max-streams, --quota-max-records: must be at least 1"
+                "--quota-max-buckets, --quota-max-streams, --quota-max-records, \
+                 --quota-max-reports: must be at least 1"
             );
         }
         Ok(())
@@ -67,6 +81,7 @@ impl QuotaFlags {
             max_buckets: self.quota_max_buckets,
             max_streams: self.quota_max_streams,
             max_records: self.quota_max_records,
+            max_reports: self.quota_max_reports,
         }
     }
 }

@@ -86,6 +86,8 @@ pub struct Metrics {
     quota_store_errors: Family<Labels, Counter>,
     memory_refused: Family<Labels, Counter>,
     quota_untracked: Family<Labels, Counter>,
+    /// Bucket reports that waited their turn past `--quota-max-reports`.
+    pub quota_paced: Counter,
     trace_spans: Family<Labels, Counter>,
 }
 
@@ -132,6 +134,7 @@ impl Metrics {
             quota_store_errors: Family::default(),
             memory_refused: Family::default(),
             quota_untracked: Family::default(),
+            quota_paced: Counter::default(),
             trace_spans: Family::default(),
         };
         let mut registry = Registry::default();
@@ -221,6 +224,11 @@ impl Metrics {
             "sluice_quota_untracked",
             "Bucket reports answered untracked, with the rule's whole limit, by the bound that was full: stream_buckets (the stream's), buckets or streams (the process's)",
             m.quota_untracked.clone(),
+        );
+        r.register(
+            "sluice_quota_paced_reports",
+            "Bucket reports a quota stream waited to take, past --quota-max-reports a second: its Envoy's next reports waited with it",
+            m.quota_paced.clone(),
         );
         // Every label a counter can take exists from the start, so the first event is an
         // increase a rate or an alert sees.
