@@ -568,6 +568,11 @@ const FIRST_REQUEST: Duration = Duration::from_secs(10);
 /// How long a gRPC connection may stay with no call in flight; Envoy opens a new one when it
 /// needs one.
 const IDLE: Duration = Duration::from_secs(300);
+/// What a gRPC stream may send ahead of what its handler has read (HTTP/2's default, where the
+/// server's default is 1 MiB): a rate limit request is far smaller, and a quota stream waiting
+/// its turn (`--quota-max-reports`) holds its Envoy's next report at the Envoy rather than in
+/// the event loop that carries its connection.
+const STREAM_WINDOW: u32 = 65_535;
 /// How long a peer told to go (GOAWAY) for idleness has to close before it is closed.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 /// How long a gRPC call may take to send its request message, on top of `--store-timeout` for
@@ -784,6 +789,7 @@ impl Grpc {
         let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
         http2
             .timer(TokioTimer::new())
+            .initial_stream_window_size(STREAM_WINDOW)
             .max_concurrent_streams(edges.max_concurrent_streams);
         let serving = Arc::new(Serving {
             routes: routes.routes().prepare(),
