@@ -163,9 +163,19 @@ impl XdsServer {
         limit: Duration,
         wanted: impl Fn(&Received) -> bool,
     ) -> Option<Received> {
+        self.wait_for_from(0, limit, wanted).await
+    }
+
+    /// As `wait_for`, among the requests received after the first `from`.
+    pub async fn wait_for_from(
+        &self,
+        from: usize,
+        limit: Duration,
+        wanted: impl Fn(&Received) -> bool,
+    ) -> Option<Received> {
         let end = Instant::now() + limit;
         while Instant::now() < end {
-            if let Some(r) = self.received().into_iter().find(|r| wanted(r)) {
+            if let Some(r) = self.received().into_iter().skip(from).find(|r| wanted(r)) {
                 return Some(r);
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
