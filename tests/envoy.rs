@@ -30,7 +30,7 @@ const FILTER: Filter = Filter {
     domain: "e2e",
     actions: &["generic_key: { descriptor_value: e2e }"],
     failure_mode_deny: true,
-    timeout: Duration::from_secs(1),
+    timeout: Duration::from_secs(5),
 };
 
 #[tokio::test(flavor = "multi_thread")]
@@ -135,7 +135,7 @@ const ANSWERS_FILTER: Filter = Filter {
     domain: "answers",
     actions: &["request_headers: { header_name: x-rule, descriptor_key: rule }"],
     failure_mode_deny: true,
-    timeout: Duration::from_secs(1),
+    timeout: Duration::from_secs(5),
 };
 
 /// A GET of `/` asking about `rule`.

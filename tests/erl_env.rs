@@ -831,7 +831,7 @@ async fn as_ratelimit_healthcheck_answers_at_once_while_redis_is_unreachable() {
     .await
     .unwrap();
     assert_eq!(status, 500, "Redis never reached: unhealthy");
-    assert!(took < Duration::from_millis(500), "answered in {took:?}");
+    assert!(took < Duration::from_millis(1500), "answered in {took:?}");
 }
 
 #[tokio::test]

@@ -7,6 +7,7 @@
 
 mod common;
 
+use std::ops::Range;
 use std::os::unix::fs::symlink;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -489,8 +490,9 @@ fn configmap_version(dir: &Path, version: &str, yaml: &str) {
     }
 }
 
-/// One caller's answers: when each call started, and the limit it reported or its error.
-type Answers = Vec<(Instant, Result<u32, String>)>;
+/// One caller's answers: when each call was sent and answered, and the limit it reported or its
+/// error.
+type Answers = Vec<(Range<Instant>, Result<u32, String>)>;
 
 /// Four callers ask without pause while `..data` is swapped to a version with twice the limit:
 /// no call fails, every answer to a call made before the swap has the old limit, every one made
@@ -519,7 +521,7 @@ async fn a_configmap_swap_under_load_changes_the_limit_within_2s_without_failing
                         .await
                         .map(|r| limit_of(&r.get_ref().statuses[0]))
                         .map_err(|e| e.to_string());
-                    answers.push((started, answer));
+                    answers.push((started..Instant::now(), answer));
                 }
                 answers
             }));
@@ -543,14 +545,15 @@ async fn a_configmap_swap_under_load_changes_the_limit_within_2s_without_failing
                 "caller {n}: {} failed: {failed:?}",
                 failed.len()
             );
+            // The limits of the calls sent and answered between `from` and `to`.
             let limits = |from: Instant, to: Instant| -> Vec<u32> {
                 answers
                     .iter()
-                    .filter(|(at, _)| *at >= from && *at < to)
+                    .filter(|(at, _)| at.start >= from && at.end < to)
                     .map(|(_, a)| *a.as_ref().unwrap())
                     .collect()
             };
-            let far_past = answers[0].0;
+            let far_past = answers[0].0.start;
             let before = limits(far_past, swapping);
             assert!(!before.is_empty(), "caller {n} asked before the swap");
             assert!(

@@ -195,38 +195,39 @@ async fn the_sliding_window_smooths_a_window_boundary(store: Store) {
     let sluice = Sluice::on(store, &rules(yaml), &[]).await;
     let mut client = sluice.client().await;
     for key in ["fixed", "sliding"] {
-        let boundary = (unix_ms() / 1000 + 2) * 1000;
-        let mut admitted = 0;
-        sleep_until_unix_ms(boundary - 600).await;
-        for _ in 0..L {
-            let r = client
-                .should_rate_limit(request("edge", &[&[(key, "x")]]))
-                .await
-                .unwrap();
-            admitted += u64::from(r.get_ref().overall_code == OK);
-        }
-        assert!(
-            unix_ms() < boundary,
-            "the first burst ended inside its window"
-        );
-        sleep_until_unix_ms(boundary + 20).await;
-        for _ in 0..L {
-            let r = client
-                .should_rate_limit(request("edge", &[&[(key, "x")]]))
-                .await
-                .unwrap();
-            admitted += u64::from(r.get_ref().overall_code == OK);
-        }
-        let covered = (unix_ms() - boundary) as f64 / 1000.0;
-        if key == "fixed" {
-            assert_eq!(admitted, 2 * L);
-        } else {
-            let bound = L + (L as f64 * covered).ceil() as u64 + 1;
-            assert!(
-                admitted <= bound,
-                "sliding admitted {admitted}, bound {bound}"
-            );
-            assert!(admitted >= L, "the first burst fits: {admitted}");
+        // A busy machine may stretch the first burst past its window: tried again at a later
+        // boundary, with a value of its own.
+        for attempt in 0.. {
+            let value = format!("x{attempt}");
+            let ask = || request("edge", &[&[(key, value.as_str())]]);
+            let boundary = (unix_ms() / 1000 + 2) * 1000;
+            let mut admitted = 0;
+            sleep_until_unix_ms(boundary - 600).await;
+            for _ in 0..L {
+                let r = client.should_rate_limit(ask()).await.unwrap();
+                admitted += u64::from(r.get_ref().overall_code == OK);
+            }
+            if unix_ms() >= boundary {
+                assert!(attempt < 2, "the first burst never ended inside its window");
+                continue;
+            }
+            sleep_until_unix_ms(boundary + 20).await;
+            for _ in 0..L {
+                let r = client.should_rate_limit(ask()).await.unwrap();
+                admitted += u64::from(r.get_ref().overall_code == OK);
+            }
+            let covered = (unix_ms() - boundary) as f64 / 1000.0;
+            if key == "fixed" {
+                assert_eq!(admitted, 2 * L);
+            } else {
+                let bound = L + (L as f64 * covered).ceil() as u64 + 1;
+                assert!(
+                    admitted <= bound,
+                    "sliding admitted {admitted}, bound {bound}"
+                );
+                assert!(admitted >= L, "the first burst fits: {admitted}");
+            }
+            break;
         }
     }
 }

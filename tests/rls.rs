@@ -523,12 +523,21 @@ async fn a_second_and_a_minute_limit_deny_by_the_one_that_is_full_and_denials_co
 ) {
     let sluice = Sluice::on(store, &[("rules.yaml", PER_SECOND_AND_MINUTE)], &[]).await;
     let ask = || request("api", &[&[("client", "c")]]);
+    // One connection, made before the second starts: every call of a second falls inside it.
+    let mut client = sluice.client().await;
+    let mut call = async |request| {
+        client
+            .should_rate_limit(request)
+            .await
+            .expect("ShouldRateLimit succeeds")
+            .into_inner()
+    };
     let shown = |r: &RateLimitResponse| r.statuses[0].current_limit.as_ref().unwrap().name.clone();
     at_the_start_of_a_second().await;
     for _ in 0..10 {
-        assert_eq!(sluice.ask(ask()).await.overall_code, OK);
+        assert_eq!(call(ask()).await.overall_code, OK);
     }
-    let r = sluice.ask(ask()).await;
+    let r = call(ask()).await;
     assert_eq!(
         (r.overall_code, shown(&r)),
         (OVER_LIMIT, "per_second".into())
@@ -536,9 +545,9 @@ async fn a_second_and_a_minute_limit_deny_by_the_one_that_is_full_and_denials_co
 
     at_the_start_of_a_second().await;
     for _ in 0..10 {
-        assert_eq!(sluice.ask(ask()).await.overall_code, OK);
+        assert_eq!(call(ask()).await.overall_code, OK);
     }
-    let r = sluice.ask(ask()).await;
+    let r = call(ask()).await;
     assert_eq!(
         (r.overall_code, shown(&r), remaining(&r, 0)),
         (OVER_LIMIT, "per_minute".into(), 0),
@@ -547,7 +556,7 @@ async fn a_second_and_a_minute_limit_deny_by_the_one_that_is_full_and_denials_co
 
     at_the_start_of_a_second().await;
     for _ in 0..12 {
-        let r = sluice.ask(ask()).await;
+        let r = call(ask()).await;
         assert_eq!(
             (r.overall_code, shown(&r)),
             (OVER_LIMIT, "per_minute".into())
@@ -555,8 +564,8 @@ async fn a_second_and_a_minute_limit_deny_by_the_one_that_is_full_and_denials_co
     }
     let mut refund = ask();
     refund.descriptors[0].is_negative_hits = true;
-    sluice.ask(refund).await;
-    let r = sluice.ask(ask()).await;
+    call(refund).await;
+    let r = call(ask()).await;
     assert_eq!(
         r.overall_code, OK,
         "the 12 denied requests took nothing from this second's 10"

@@ -55,14 +55,28 @@ impl Statsd {
             let Ok(received) = tokio::time::timeout(left, self.socket.recv(&mut buf)).await else {
                 return false;
             };
-            let n = received.expect("a datagram");
-            assert!(n <= 1432, "a datagram of {n} bytes, more than 1432");
-            let text = std::str::from_utf8(&buf[..n]).expect("UTF-8 lines");
-            for line in text.lines() {
-                self.take(line);
-            }
+            self.take_datagram(&buf[..received.expect("a datagram")]);
         }
         true
+    }
+
+    /// Receives everything sent for `span`.
+    async fn receive_for(&mut self, span: Duration) {
+        let deadline = Instant::now() + span;
+        let mut buf = vec![0u8; 65_536];
+        while let Ok(received) =
+            tokio::time::timeout_at(deadline.into(), self.socket.recv(&mut buf)).await
+        {
+            self.take_datagram(&buf[..received.expect("a datagram")]);
+        }
+    }
+
+    fn take_datagram(&mut self, datagram: &[u8]) {
+        let n = datagram.len();
+        assert!(n <= 1432, "a datagram of {n} bytes, more than 1432");
+        for line in std::str::from_utf8(datagram).expect("UTF-8 lines").lines() {
+            self.take(line);
+        }
     }
 
     /// `name:value|type[|@rate][|#tags]`: a counter adds its value under `name` (and `|#tags`),
@@ -145,8 +159,7 @@ async fn the_stats_of_three_requests(flags: &[&str], tags: &str) {
         .await;
     assert!(done, "not all received in 10 s: {:#?}", statsd.lines);
     // A few flushes more: nothing that did not move is sent again.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    statsd.until(|_| true).await;
+    statsd.receive_for(Duration::from_millis(500)).await;
     for (name, value) in &expected {
         assert_eq!(statsd.counter(name), *value, "{name}: {:#?}", statsd.lines);
     }

@@ -53,7 +53,7 @@ fn bootstrap(
       - header: x-tokens
         on_header_present: {{ metadata_namespace: sluice.test, key: tokens, type: NUMBER }}
 {}"#,
-        ratelimit_filter("llm", true, Duration::from_secs(1))
+        ratelimit_filter("llm", true, Duration::from_secs(5))
     );
     let front = Front {
         routes: r#"- match: { prefix: / }

@@ -42,9 +42,14 @@ async fn until_code(
     want: i32,
     limit: Duration,
 ) -> Option<Duration> {
+    let mut client = sluice.client().await;
     let started = Instant::now();
     while started.elapsed() < limit {
-        if code(sluice, domain, entries).await == want {
+        let answer = client
+            .should_rate_limit(request(domain, &[entries]))
+            .await
+            .expect("ShouldRateLimit succeeds");
+        if answer.get_ref().overall_code == want {
             return Some(started.elapsed());
         }
         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -21,7 +21,7 @@ use tonic::Streaming;
 use super::Sluice;
 
 /// How long an answer may take to come.
-pub const PATIENCE: Duration = Duration::from_secs(5);
+pub const PATIENCE: Duration = Duration::from_secs(15);
 
 /// One Envoy's stream, driven by hand.
 pub struct QuotaStream {
