@@ -37,8 +37,6 @@ pub const SHARE: u64 = 8;
 const AHEAD: Duration = Duration::from_millis(100);
 /// The replica's rate on a counter is measured over periods of this length.
 const PERIOD: Duration = Duration::from_millis(50);
-/// A block not drawn on for this long is given back, by default (`--lease-idle`).
-pub const IDLE: Duration = Duration::from_millis(500);
 /// A block is spent only until this long before its window ends, as this replica times it: a
 /// block given back must reach the store within its window.
 const MARGIN: Duration = Duration::from_millis(5);
@@ -456,6 +454,9 @@ impl Leases {
 mod tests {
     use super::*;
     use crate::limiter::{DescriptorKey, RuleId, Unit};
+
+    /// How long a block may go undrawn before it is given back, in these tests.
+    const IDLE: Duration = Duration::from_millis(500);
 
     fn item(limit: u32, hits: u64) -> Item {
         Item {

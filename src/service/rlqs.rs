@@ -157,63 +157,42 @@ impl Allowance {
     }
 }
 
-/// The demand records a replica may send: `--quota-max-records` a second, at most a second's
-/// worth at once.
-struct RecordBudget {
-    per_second: f64,
-    /// Records left, and when that was counted.
-    left: Mutex<(f64, Instant)>,
-}
-
-impl RecordBudget {
-    fn new(per_second: u32) -> Self {
-        let per_second = f64::from(per_second.max(1));
-        RecordBudget {
-            per_second,
-            left: Mutex::new((per_second, Instant::now())),
-        }
-    }
-
-    /// Takes a record, if one is left; with `must`, takes it anyway (a record that would
-    /// otherwise lapse), owing it to the next second.
-    fn take(&self, must: bool) -> bool {
-        let mut left = self.left.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
-        let refilled =
-            left.0 + now.saturating_duration_since(left.1).as_secs_f64() * self.per_second;
-        *left = (refilled.min(self.per_second), now);
-        let taken = must || left.0 >= 1.0;
-        if taken {
-            left.0 = (left.0 - 1.0).max(-self.per_second);
-        }
-        taken
-    }
-}
-
-/// The bucket reports a replica's streams may take: `--quota-max-reports` a second over every
-/// stream, at most a second's worth ahead of that pace.
-struct ReportBudget {
-    per_report: Duration,
-    /// When the reports taken so far are paid for, at that pace.
+/// A pace of so many a second, at most a second's worth at once: the demand records a replica
+/// may send (`--quota-max-records`), and the bucket reports its streams may take
+/// (`--quota-max-reports`). It keeps when what was taken so far is paid for at that pace.
+struct Pace {
+    each: Duration,
     paid_until: Mutex<Instant>,
 }
 
-impl ReportBudget {
+impl Pace {
     fn new(per_second: u32) -> Self {
-        ReportBudget {
-            per_report: Duration::from_secs(1) / per_second.max(1),
+        Pace {
+            each: Duration::from_secs(1) / per_second.max(1),
             paid_until: Mutex::new(Instant::now()),
         }
     }
 
-    /// Takes `n` bucket reports: when taking them puts the replica more than a second ahead of
-    /// its pace, the instant its stream waits for before handling them.
+    /// Takes `n`: when that puts the pace more than a second's worth ahead, the instant to wait
+    /// for before using them.
     fn take(&self, n: usize) -> Option<Instant> {
         let mut paid = self.paid_until.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
-        *paid = (*paid).max(now) + self.per_report * u32::try_from(n).unwrap_or(u32::MAX);
-        let ahead = paid.saturating_duration_since(now);
-        (ahead > Duration::from_secs(1)).then(|| *paid - Duration::from_secs(1))
+        *paid = (*paid).max(now) + self.each * u32::try_from(n).unwrap_or(u32::MAX);
+        (*paid > now + ONE_SECOND).then(|| *paid - ONE_SECOND)
+    }
+
+    /// Takes one, if it is within a second's worth ahead; with `must`, takes it anyway (a record
+    /// that would otherwise lapse), owing at most another second's worth.
+    fn try_take(&self, must: bool) -> bool {
+        let mut paid = self.paid_until.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let next = (*paid).max(now) + self.each;
+        let taken = must || next <= now + ONE_SECOND;
+        if taken {
+            *paid = next.min(now + 2 * ONE_SECOND);
+        }
+        taken
     }
 }
 
@@ -239,9 +218,9 @@ pub struct Quotas {
     /// Demand records in flight (`RECORDS_IN_FLIGHT`).
     records: Semaphore,
     /// Demand records a second (`--quota-max-records`).
-    records_left: RecordBudget,
+    records_left: Pace,
     /// Bucket reports taken a second (`--quota-max-reports`).
-    reports_left: ReportBudget,
+    reports_left: Pace,
     /// The runtime of the thread every stream is served on.
     runtime: tokio::runtime::Handle,
     /// That thread's store: demand records never share an event loop's connections.
@@ -358,8 +337,8 @@ impl Quotas {
             tracked_buckets: Allowance::new(settings.max_buckets),
             tracked_streams: Allowance::new(settings.max_streams),
             records: Semaphore::new(RECORDS_IN_FLIGHT),
-            records_left: RecordBudget::new(settings.max_records),
-            reports_left: ReportBudget::new(settings.max_reports),
+            records_left: Pace::new(settings.max_records),
+            reports_left: Pace::new(settings.max_reports),
             runtime,
             store,
         });
@@ -1217,7 +1196,7 @@ impl QuotaStream {
             || step.recorded.is_none_or(|(at, _)| {
                 now.saturating_duration_since(at) + REPORT_INTERVAL / 2 >= every
             });
-        let due = due && self.quotas.records_left.take(lapsing);
+        let due = due && self.quotas.records_left.try_take(lapsing);
         let stays = self.quotas.stays();
         let share = if due {
             self.enlist(&step, &rule, wanted, total * MILLI);
@@ -1515,5 +1494,34 @@ fn whole_seconds(seconds: u64) -> ProtoDuration {
     ProtoDuration {
         seconds: i64::try_from(seconds).unwrap_or(i64::MAX),
         nanos: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pace_gives_a_seconds_worth_at_once_and_must_owes_at_most_another() {
+        let pace = Pace::new(1);
+        assert!(pace.try_take(false), "a second's worth at once");
+        assert!(!pace.try_take(false), "then nothing until it is paid for");
+        assert!(pace.try_take(true), "a record that must go is taken");
+        assert!(pace.try_take(true), "and another");
+        let wait = pace.take(0).expect("two seconds ahead of its pace");
+        assert!(
+            wait <= Instant::now() + ONE_SECOND,
+            "owing a second at most"
+        );
+    }
+
+    #[test]
+    fn reports_past_a_seconds_worth_wait_for_their_turn() {
+        let start = Instant::now();
+        let pace = Pace::new(1000);
+        assert_eq!(pace.take(1000), None, "a second's worth at once");
+        let at = pace.take(500).expect("half a second past it");
+        let half = Duration::from_millis(500);
+        assert!(at >= start + half && at <= Instant::now() + half);
     }
 }

@@ -207,18 +207,15 @@ impl Lines {
     fn packets(&mut self, now: StatsdTotals) -> Vec<Vec<u8>> {
         let mut packets: Vec<Vec<u8>> = Vec::new();
         for line in self.lines(now) {
-            match packets.last_mut() {
-                Some(packet) if packet.len() + line.len() < PACKET => {
-                    packet.extend_from_slice(line.as_bytes());
-                    packet.push(b'\n');
-                }
-                _ => {
-                    let mut packet = Vec::with_capacity(PACKET);
-                    packet.extend_from_slice(line.as_bytes());
-                    packet.push(b'\n');
-                    packets.push(packet);
-                }
+            let fits = packets
+                .last()
+                .is_some_and(|packet| packet.len() + line.len() < PACKET);
+            if !fits {
+                packets.push(Vec::with_capacity(PACKET));
             }
+            let packet = packets.last_mut().expect("a packet to fill");
+            packet.extend_from_slice(line.as_bytes());
+            packet.push(b'\n');
         }
         packets
     }
