@@ -635,8 +635,9 @@ fn supervise(prelude: &str, servers: &[String]) {
     GUARDS.lock().unwrap().push(child);
 }
 
-/// `n` distinct free loopback ports below 55536, so that each cluster bus port (port + 10000)
-/// exists and is free too.
+/// `n` distinct free loopback ports, each with its cluster bus port (port + 10000) free too, all
+/// below 32768: outside the range the kernel picks outgoing connections' ports from (32768 and
+/// up by default), so a Redis killed and started again on its port finds it free.
 fn low_free_ports(n: usize) -> Vec<u16> {
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -646,7 +647,7 @@ fn low_free_ports(n: usize) -> Vec<u16> {
     let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
     let mut ports = Vec::with_capacity(n);
     for i in 0..5_000u64 {
-        let port = 20_000 + ((seed + i * 104_729) % 30_000) as u16;
+        let port = 12_000 + ((seed + i * 104_729) % 10_000) as u16;
         if !ports.contains(&port) && free(port) && free(port + 10_000) {
             ports.push(port);
             if ports.len() == n {
@@ -654,7 +655,7 @@ fn low_free_ports(n: usize) -> Vec<u16> {
             }
         }
     }
-    panic!("no {n} free loopback port pairs below 55536");
+    panic!("no {n} free loopback port pairs below 32768");
 }
 
 fn wait_for(ready: impl Fn() -> bool, what: &str) {
