@@ -249,12 +249,15 @@ async fn past_its_max_age_a_connection_is_told_to_go_and_a_tonic_client_carries_
     for n in 0..60 {
         let ask = request("listeners", &[&[("user", "b")]]);
         let mut answer = client.should_rate_limit(ask.clone()).await;
-        // A call the client sends as the GOAWAY reaches it is refused unprocessed, or fails
-        // with the closing connection (a race in the client, which does not retry it): asked
-        // again, up to twice, on the next connection.
+        // A call the client sends as the GOAWAY reaches it is refused unprocessed, or dropped
+        // unsent with the closing connection (a race in the client, which does not retry it):
+        // asked again, up to twice, on the next connection.
         for _ in 0..2 {
             let transport = |e: &tonic::Status| {
-                matches!(e.code(), tonic::Code::Unavailable | tonic::Code::Unknown)
+                matches!(
+                    e.code(),
+                    tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+                )
             };
             if !answer.as_ref().is_err_and(transport) {
                 break;
