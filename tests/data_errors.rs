@@ -242,13 +242,13 @@ async fn bad_keys_fail_only_their_own_requests(store: Store, deny: bool) {
         }
     }
     // The refunds are queued before the answers, and land a moment later.
-    let refunded = |counts: &str| counts.split_whitespace().all(|c| c == "0");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let mut counts = cli(port, &["HVALS", &beside]);
-    while !refunded(&counts) && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        counts = cli(port, &["HVALS", &beside]);
-    }
+    let refunded = |counts: &String| counts.split_whitespace().all(|c| c == "0");
+    let counts = common::settled(
+        Duration::from_secs(5),
+        || cli(port, &["HVALS", &beside]),
+        refunded,
+    )
+    .await;
     assert!(
         refunded(&counts),
         "the healthy counter of a request on a bad key holds {counts:?}"

@@ -696,14 +696,7 @@ async fn as_ratelimit_grpc_decides_on_redis_counting_as_envoyproxy_ratelimit() {
         let env = on_redis("counting");
         let (_ratelimit, channel) = Ratelimit::serving(RULES, &pairs(&env)).await;
         let mut client = RateLimitServiceClient::new(channel);
-        let mut ask = async |r| {
-            client
-                .should_rate_limit(r)
-                .await
-                .expect("ShouldRateLimit succeeds")
-                .into_inner()
-                .overall_code
-        };
+        let mut ask = async |r| common::decide(&mut client, r).await.overall_code;
         let alice = || request("erl", &[&[("user", "alice")]]);
         assert_eq!(ask(alice()).await, OK);
         assert_eq!(ask(alice()).await, OK);

@@ -169,14 +169,12 @@ fn decided_received_after(answers: &[Answer], after: Instant) -> usize {
 /// The count of the test's one counter (0 when it does not exist).
 /// The counter once it holds `expected`, or after 10 s: refunds reach Redis after their answers.
 async fn counter_settled(redis: &Controlled, expected: usize) -> usize {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let now = counter(redis);
-        if now == expected || Instant::now() > deadline {
-            return now;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    common::settled(
+        Duration::from_secs(10),
+        || counter(redis),
+        |n| *n == expected,
+    )
+    .await
 }
 
 fn counter(redis: &Controlled) -> usize {
@@ -523,10 +521,12 @@ async fn why_redis_cannot_be_reached_is_said_and_counted() {
             .get("sluice_store_unreachable_total", &[("kind", kind)])
             .unwrap_or(0.0);
         assert!(counted >= 1.0, "{url}: {kind} counted {counted} times");
-        let logged = Instant::now();
-        while !sluice.log_text().contains(said) && logged.elapsed() < Duration::from_secs(3) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        assert!(sluice.log_text().contains(said), "{url}: the log says why");
+        let log = common::settled(
+            Duration::from_secs(3),
+            || sluice.log_text(),
+            |log| log.contains(said),
+        )
+        .await;
+        assert!(log.contains(said), "{url}: the log says why");
     }
 }

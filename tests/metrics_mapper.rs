@@ -170,15 +170,9 @@ async fn the_response_time_is_in_seconds_by_default_and_in_milliseconds_under_en
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         let sluice = Sluice::on_own_redis(&own, &[("eg.yaml", &docs_example())], &flags).await;
         let mut client = sluice.client().await;
-        let mut ask = async || {
-            client
-                .should_rate_limit(docs_request(Some(0)))
-                .await
-                .expect("ShouldRateLimit succeeds")
-        };
-        ask().await;
+        common::decide(&mut client, docs_request(Some(0))).await;
         common::redis::cli(own.ports[0], &["CLIENT", "PAUSE", "500", "ALL"]);
-        ask().await;
+        common::decide(&mut client, docs_request(Some(0))).await;
 
         let m = scrape(sluice.http);
         let name = "ratelimit_service_response_time_seconds";

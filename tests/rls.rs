@@ -7,7 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    OK, OVER_LIMIT, Sluice, Store, descriptor, in_one_window, request, sleep_until_unix_ms, unix_ms,
+    OK, OVER_LIMIT, Sluice, Store, decide, descriptor, in_one_window, request, sleep_until_unix_ms,
+    unix_ms,
 };
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
@@ -525,13 +526,7 @@ async fn a_second_and_a_minute_limit_deny_by_the_one_that_is_full_and_denials_co
     let ask = || request("api", &[&[("client", "c")]]);
     // One connection, made before the second starts: every call of a second falls inside it.
     let mut client = sluice.client().await;
-    let mut call = async |request| {
-        client
-            .should_rate_limit(request)
-            .await
-            .expect("ShouldRateLimit succeeds")
-            .into_inner()
-    };
+    let mut call = async |request| decide(&mut client, request).await;
     let shown = |r: &RateLimitResponse| r.statuses[0].current_limit.as_ref().unwrap().name.clone();
     at_the_start_of_a_second().await;
     for _ in 0..10 {

@@ -45,11 +45,11 @@ async fn until_code(
     let mut client = sluice.client().await;
     let started = Instant::now();
     while started.elapsed() < limit {
-        let answer = client
-            .should_rate_limit(request(domain, &[entries]))
+        if common::decide(&mut client, request(domain, &[entries]))
             .await
-            .expect("ShouldRateLimit succeeds");
-        if answer.get_ref().overall_code == want {
+            .overall_code
+            == want
+        {
             return Some(started.elapsed());
         }
         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -305,14 +305,10 @@ impl Sluice {
         RateLimitServiceClient::new(self.channel().await)
     }
 
-    /// Sends one request and returns the response, panicking on a gRPC error.
+    /// Sends one request on a connection of its own and returns the response, panicking on a
+    /// gRPC error.
     pub async fn ask(&self, request: RateLimitRequest) -> RateLimitResponse {
-        self.client()
-            .await
-            .should_rate_limit(request)
-            .await
-            .expect("ShouldRateLimit succeeds")
-            .into_inner()
+        decide(&mut self.client().await, request).await
     }
 
     /// Whether the process is still running.
@@ -404,6 +400,36 @@ pub fn linked_from_outside(yaml: impl AsRef<str>) -> impl FnOnce(&Path) {
 /// The file `linked_from_outside` links the rules directory `rules` to.
 pub fn outside_file(rules: &Path) -> PathBuf {
     rules.parent().unwrap().join("outside").join("rules.yaml")
+}
+
+/// Sends one request over `client`'s connection and returns the response, panicking on a gRPC
+/// error.
+pub async fn decide(
+    client: &mut RateLimitServiceClient<Channel>,
+    request: RateLimitRequest,
+) -> RateLimitResponse {
+    client
+        .should_rate_limit(request)
+        .await
+        .expect("ShouldRateLimit succeeds")
+        .into_inner()
+}
+
+/// Reads `read` every 50 ms until what it reads is `done`, for at most `limit`; the last read,
+/// for the test to assert on.
+pub async fn settled<T>(
+    limit: Duration,
+    mut read: impl FnMut() -> T,
+    done: impl Fn(&T) -> bool,
+) -> T {
+    let deadline = Instant::now() + limit;
+    loop {
+        let now = read();
+        if done(&now) || Instant::now() >= deadline {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Polls `ready` every 50 ms until it holds, and fails the test if it does not within `limit`.
