@@ -14,7 +14,7 @@ use common::envoy::{ENVOY_SERVICE, Envoy, Filter, Upstream, envoy_binary, get_wi
 use common::metrics::scrape;
 use common::otlp::{Collector, Span};
 use common::ratelimit::Ratelimit;
-use common::{MINUTE, OK, OVER_LIMIT, Sluice, in_one_window, redis, request};
+use common::{MINUTE, OK, OVER_LIMIT, Sluice, in_one_window, memory_kb, redis, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use tonic::transport::Channel;
@@ -450,4 +450,106 @@ async fn a_dead_collector_changes_no_decision_and_its_spans_are_dropped_and_coun
             .unwrap_or(0.0),
         0.0
     );
+}
+
+/// Any value of `k`, a million an hour.
+const WIDE: &str = "
+domain: wide
+descriptors:
+  - key: k
+    rate_limit: {unit: hour, requests_per_unit: 1000000}
+";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_string_a_span_records_is_cut_to_256_bytes_and_marked() {
+    let collector = Collector::start().await;
+    let endpoint = format!("http://{}", collector.grpc);
+    let sluice = Sluice::start_with(
+        &[("rules.yaml", WIDE)],
+        &[
+            "--tracing",
+            "grpc",
+            "--tracing-endpoint",
+            &endpoint,
+            "--tracing-values",
+        ],
+    )
+    .await;
+    let mut client = sluice.client().await;
+    let domain = "d".repeat(1000);
+    let value = "v".repeat(100_000);
+    assert_eq!(
+        ask(&mut client, request(&domain, &[&[("k", "x")]]), None).await,
+        OK
+    );
+    assert_eq!(
+        ask(&mut client, request("wide", &[&[("k", &value)]]), None).await,
+        OK
+    );
+    let spans = collector
+        .until("both calls' spans", ARRIVAL, |spans| {
+            calls(spans).len() >= 2
+        })
+        .await;
+    let calls = calls(&spans);
+    let domains: Vec<&str> = calls
+        .iter()
+        .filter_map(|c| c.attribute("ratelimit.domain"))
+        .collect();
+    assert!(
+        domains.contains(&format!("{}…[cut: 1000 bytes]", &domain[..256]).as_str()),
+        "{domains:?}"
+    );
+    let descriptors: Vec<&str> = calls
+        .iter()
+        .filter_map(|c| c.attribute("ratelimit.descriptors"))
+        .collect();
+    let cut = format!("k={}…[cut: 100002 bytes]", &value[..254]);
+    assert!(descriptors.contains(&cut.as_str()), "{descriptors:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_collector_that_never_answers_leaves_memory_bounded_whatever_the_requests_hold() {
+    // A collector that takes connections (the kernel accepts them) and never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", silent.local_addr().unwrap());
+    let sluice = Sluice::start_with(
+        &[("rules.yaml", WIDE)],
+        &[
+            "--tracing",
+            "grpc",
+            "--tracing-endpoint",
+            &endpoint,
+            "--tracing-queue",
+            "512",
+            "--tracing-values",
+        ],
+    )
+    .await;
+    let pid = sluice.pid();
+    let before = memory_kb(pid, "VmRSS");
+    // 2,000 requests of 200 KB, each value unique, from four connections at once.
+    let mut senders = Vec::new();
+    for sender in 0..4 {
+        let mut client = sluice.client().await;
+        senders.push(tokio::spawn(async move {
+            let padding = "v".repeat(200_000);
+            for n in 0..500 {
+                let value = format!("{sender}-{n}-{padding}");
+                let asked = request("wide", &[&[("k", &value)]]);
+                assert_eq!(
+                    ask(&mut client, asked, Some(traceparent(n + 1, true))).await,
+                    OK
+                );
+            }
+        }));
+    }
+    for sender in senders {
+        sender.await.unwrap();
+    }
+    let after = memory_kb(pid, "VmRSS");
+    let grown_mb = after.saturating_sub(before) / 1024;
+    eprintln!("RSS {} MB before, {} MB after", before / 1024, after / 1024);
+    assert!(grown_mb < 48, "RSS grew by {grown_mb} MB");
+    drop(silent);
 }
