@@ -147,3 +147,39 @@ fn parse_json_addr(value: &str) -> Result<JsonAt, String> {
         .map(JsonAt::Addr)
         .map_err(|e| format!("{e}: an address such as 127.0.0.1:8082, or `off`"))
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::ListenerFlags;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        listen: ListenerFlags,
+    }
+
+    fn checked(args: &[&str]) -> anyhow::Result<()> {
+        let args = std::iter::once("serve").chain(args.iter().copied());
+        Flags::try_parse_from(args)
+            .expect("flags parse")
+            .listen
+            .check()
+    }
+
+    #[test]
+    fn the_header_list_bound_lies_from_envoys_default_limit_to_envoys_most() {
+        checked(&[]).expect("the default is within the bounds");
+        for within in ["65536", "8388608"] {
+            checked(&["--max-header-list-bytes", within]).expect(within);
+        }
+        for past in ["65535", "8388609"] {
+            let refused = checked(&["--max-header-list-bytes", past]).expect_err(past);
+            assert_eq!(
+                refused.to_string(),
+                "--max-header-list-bytes: must be from 65536 to 8388608"
+            );
+        }
+    }
+}
