@@ -43,7 +43,7 @@ const EVERY: Duration = Duration::from_secs(1);
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The most bytes of a string a span records (a domain, the rules matched, descriptor values, a
 /// store error); a longer one keeps this much, on a character boundary, and is marked as cut.
-pub const MAX_ATTRIBUTE_BYTES: usize = 256;
+const MAX_ATTRIBUTE_BYTES: usize = 256;
 /// The most of a caller's `tracestate` read: W3C requires keeping 32 members of at most 512
 /// characters in all; members past either are ignored, so a span holds at most this much of it.
 const TRACESTATE_MEMBERS: usize = 32;
