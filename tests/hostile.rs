@@ -1,6 +1,8 @@
 //! What a hostile client sends cannot make sluice fail open or fall over: header values of any
 //! bytes and length are counted like any other (behind a real Envoy that lets requests through on
-//! errors), oversized requests are refused cheaply, and running out of descriptors does not spin.
+//! errors), and so are requests carrying trace headers as large as Envoy passes on, on the
+//! connection they came on; oversized requests are refused cheaply, and running out of
+//! descriptors does not spin.
 
 mod common;
 
@@ -11,7 +13,8 @@ use std::time::{Duration, Instant};
 use common::envoy::{
     Envoy, Filter, UPSTREAM_BODY, Upstream, envoy_binary, get_with_headers, header,
 };
-use common::{HOUR, OK, OVER_LIMIT, Sluice, Wait, http, in_one_window, request};
+use common::otlp::Collector;
+use common::{HOUR, OK, OVER_LIMIT, Sluice, Wait, http, in_one_window, memory_kb, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tonic::Code;
@@ -55,13 +58,38 @@ impl Stack {
         }
     }
 
-    /// Sends `LIMIT + 2` requests as `user` and checks that exactly the first `LIMIT` reach the
+    /// `start`, with Envoy (its OpenTelemetry tracer) and sluice both tracing every request to
+    /// `collector`: Envoy continues its client's trace in the rate limit call's metadata.
+    async fn traced(collector: &Collector) -> Stack {
+        let sluice = traced_sluice(collector).await;
+        let upstream = Upstream::start();
+        let envoy = Envoy::start_traced(
+            &envoy_binary(),
+            upstream.addr,
+            sluice.grpc,
+            &FILTER,
+            collector.grpc,
+        );
+        Stack {
+            envoy,
+            upstream,
+            _sluice: sluice,
+        }
+    }
+
+    /// Sends `LIMIT + 3` requests as `user` and checks that exactly the first `LIMIT` reach the
     /// upstream and the rest get Envoy's rate limit 429.
     fn assert_limited(&self, user: &[u8]) {
+        self.assert_limited_with(user, &[]);
+    }
+
+    /// `assert_limited`, each request also carrying `extra` headers.
+    fn assert_limited_with(&self, user: &[u8], extra: &[(&str, &[u8])]) {
         let served_before = self.upstream.served();
-        for n in 0..LIMIT + 2 {
-            let (status, headers, body) =
-                get_with_headers(self.envoy.listener, "/", &[("x-user", user)]);
+        let mut headers = vec![("x-user", user)];
+        headers.extend_from_slice(extra);
+        for n in 0..LIMIT + 3 {
+            let (status, headers, body) = get_with_headers(self.envoy.listener, "/", &headers);
             if n < LIMIT {
                 assert_eq!(status, 200, "request {n}: {headers:?} {body}");
                 assert_eq!(body, UPSTREAM_BODY, "request {n}");
@@ -83,6 +111,124 @@ impl Stack {
         assert_eq!(get("ok"), ok, "{stats:?}");
         assert_eq!(get("over_limit"), over_limit, "{stats:?}");
     }
+
+    /// Checks that Envoy opened one connection to sluice: none was closed under it.
+    fn assert_one_connection(&self) {
+        let stats = self.envoy.stats("cluster.ratelimit.");
+        assert_eq!(stats.get("upstream_cx_total"), Some(&1), "{stats:?}");
+    }
+}
+
+/// sluice on `RULES`, tracing its calls to `collector`.
+async fn traced_sluice(collector: &Collector) -> Sluice {
+    let endpoint = format!("http://{}", collector.grpc);
+    Sluice::start_with(
+        &[("rules.yaml", RULES)],
+        &["--tracing", "grpc", "--tracing-endpoint", &endpoint],
+    )
+    .await
+}
+
+/// A sampled W3C `traceparent`.
+const TRACEPARENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+
+/// A valid W3C `tracestate` of about `bytes` bytes: members of 240 bytes, `m000=vvv…`, `m001=…`.
+fn tracestate(bytes: usize) -> String {
+    (0..bytes / 241)
+        .map(|i| format!("m{i:03}={}", "v".repeat(235)))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// A single `b3` header of about `bytes` bytes: a valid one padded past anything B3 allows.
+fn b3(bytes: usize) -> String {
+    format!(
+        "80f198ee56343ba864fe8b2a57d3eff7-e457b5a2e4d86bd1-1-{}",
+        "0".repeat(bytes)
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_24_kb_tracestate_or_b3_through_a_tracing_envoy_is_limited_on_one_connection() {
+    in_one_window(HOUR, async || {
+        let collector = Collector::start().await;
+        let stack = Stack::traced(&collector).await;
+        let parent = TRACEPARENT.as_bytes();
+        let state = tracestate(24 * 1024);
+        stack.assert_limited_with(
+            b"traced-state",
+            &[("traceparent", parent), ("tracestate", state.as_bytes())],
+        );
+        let b3 = b3(24 * 1024);
+        stack.assert_limited_with(
+            b"traced-b3",
+            &[("traceparent", parent), ("b3", b3.as_bytes())],
+        );
+        // Later requests are still decided, on the connection the large ones came on.
+        stack.assert_limited(b"after");
+        stack.assert_answered(9, 9);
+        stack.assert_one_connection();
+    })
+    .await;
+}
+
+/// Calls ShouldRateLimit for `user` on `client` with `metadata` added.
+async fn ask_with(
+    client: &mut RateLimitServiceClient<tonic::transport::Channel>,
+    user: &str,
+    metadata: &[(&'static str, &str)],
+) -> Result<i32, tonic::Status> {
+    let mut call = tonic::Request::new(request("hostile", &[&[("user", user)]]));
+    for (name, value) in metadata {
+        call.metadata_mut()
+            .insert(*name, value.parse().expect("an ASCII metadata value"));
+    }
+    Ok(client
+        .should_rate_limit(call)
+        .await?
+        .into_inner()
+        .overall_code)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn calls_with_50_kb_or_128_kb_trace_headers_are_decided_and_the_trace_state_kept_small() {
+    in_one_window(HOUR, async || {
+        let collector = Collector::start().await;
+        let sluice = traced_sluice(&collector).await;
+        let mut client = sluice.client().await;
+        let state = tracestate(50 * 1024);
+        let b3 = b3(128 * 1024);
+        let long_id = "a".repeat(50 * 1024);
+        let calls: [&[(&str, &str)]; 4] = [
+            &[("traceparent", TRACEPARENT), ("tracestate", &state)],
+            &[("b3", &b3)],
+            &[("x-b3-traceid", &long_id), ("x-b3-spanid", &long_id)],
+            &[],
+        ];
+        let mut codes = Vec::new();
+        for metadata in calls {
+            let code = ask_with(&mut client, "large-headers", metadata).await;
+            codes.push(code.expect("a call with large trace headers is decided"));
+        }
+        assert_eq!(codes, [OK, OK, OK, OVER_LIMIT]);
+
+        // Of the caller's tracestate, whole members within W3C's 512 characters are kept.
+        let spans = collector
+            .until("the call's span", Duration::from_secs(20), |spans| {
+                spans
+                    .iter()
+                    .any(|s| s.trace_id == "0af7651916cd43dd8448eb211c80319c")
+            })
+            .await;
+        let members: Vec<&str> = state.split(',').take(2).collect();
+        for span in spans
+            .iter()
+            .filter(|s| s.trace_id == "0af7651916cd43dd8448eb211c80319c")
+        {
+            assert_eq!(span.trace_state, members.join(","), "{}", span.name);
+        }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -90,7 +236,7 @@ async fn a_non_utf8_header_value_is_limited_like_any_other() {
     in_one_window(HOUR, async || {
         let stack = Stack::start().await;
         stack.assert_limited(b"mallory\xff");
-        stack.assert_answered(3, 2);
+        stack.assert_answered(3, 3);
     })
     .await;
 }
@@ -100,7 +246,7 @@ async fn an_8_kib_header_value_is_limited_like_any_other() {
     in_one_window(HOUR, async || {
         let stack = Stack::start().await;
         stack.assert_limited(&[b'm'; 8 * 1024]);
-        stack.assert_answered(3, 2);
+        stack.assert_answered(3, 3);
     })
     .await;
 }
@@ -110,7 +256,7 @@ async fn a_40_kib_header_value_is_limited_like_any_other() {
     in_one_window(HOUR, async || {
         let stack = Stack::start().await;
         stack.assert_limited(&[b'm'; 40 * 1024]);
-        stack.assert_answered(3, 2);
+        stack.assert_answered(3, 3);
     })
     .await;
 }
@@ -123,7 +269,7 @@ async fn two_40_kib_header_values_differing_only_in_their_last_byte_count_apart(
         stack.assert_limited(&value);
         *value.last_mut().unwrap() = b'n';
         stack.assert_limited(&value);
-        stack.assert_answered(6, 4);
+        stack.assert_answered(6, 6);
     })
     .await;
 }
@@ -200,16 +346,6 @@ async fn a_non_utf8_value_sent_over_grpc_is_counted_not_rejected() {
         assert_eq!(r.statuses[0].limit_remaining, LIMIT as u32 - 1);
     })
     .await;
-}
-
-/// A field of /proc/PID/status, in kB (`VmRSS`, `VmHWM`).
-fn memory_kb(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/PID/status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{field} in /proc/{pid}/status"))
 }
 
 #[tokio::test(flavor = "multi_thread")]

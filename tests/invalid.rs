@@ -90,6 +90,25 @@ async fn every_bad_request_is_invalid_argument_and_the_server_keeps_serving() {
 }
 
 #[tokio::test]
+async fn a_domain_past_1024_bytes_is_invalid_argument_naming_the_bound_and_one_at_it_is_decided() {
+    let at_bound = "d".repeat(1024);
+    let rules = format!(
+        "domain: {at_bound}\ndescriptors:\n  - key: user\n    rate_limit: {{unit: minute, requests_per_unit: 20}}\n"
+    );
+    let mut sluice = Sluice::start(&rules).await;
+    rejected(
+        &sluice,
+        request(&"d".repeat(1025), &[&[("user", "a")]]),
+        "rate limit domain of 1025 bytes is longer than the most a domain may be (1024 bytes)",
+    )
+    .await;
+    assert!(sluice.alive());
+    let r = sluice.ask(request(&at_bound, &[&[("user", "a")]])).await;
+    assert_eq!(r.overall_code, OK);
+    assert_eq!(r.statuses[0].limit_remaining, 19, "the rule matched");
+}
+
+#[tokio::test]
 async fn hits_beyond_any_limit_are_over_limit_not_an_error() {
     let sluice = Sluice::start(RULES).await;
     let mut huge = request("web", &[&[("user", "h")]]);

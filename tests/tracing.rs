@@ -1,8 +1,9 @@
 //! Traces (OpenTelemetry, OTLP) to a collector on loopback: a real Envoy's span and sluice's
 //! spans in one trace with the right parent; the sampling ratio where the caller did not decide,
 //! and the caller's decision where it did; the batched Redis call's span linked to every request
-//! it carried; envoyproxy/ratelimit's tracing environment; and a dead collector, which changes
-//! no decision and drops spans, counted. Needs the Envoy binary: `scripts/test` installs it, or
+//! it carried; envoyproxy/ratelimit's tracing environment; a dead collector, which changes no
+//! decision and drops spans, counted, nor grows the process whatever the requests hold; and
+//! strings cut to their bound in every span. Needs the Envoy binary: `scripts/test` installs it, or
 //! `SLUICE_ENVOY=/path/to/envoy`.
 
 mod common;
@@ -14,7 +15,7 @@ use common::envoy::{ENVOY_SERVICE, Envoy, Filter, Upstream, envoy_binary, get_wi
 use common::metrics::scrape;
 use common::otlp::{Collector, Span};
 use common::ratelimit::Ratelimit;
-use common::{MINUTE, OK, OVER_LIMIT, Sluice, in_one_window, redis, request};
+use common::{MINUTE, OK, OVER_LIMIT, Sluice, in_one_window, memory_kb, redis, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use tonic::transport::Channel;
@@ -47,6 +48,20 @@ fn calls(spans: &[Span]) -> Vec<&Span> {
     spans.iter().filter(|s| s.name == CALL).collect()
 }
 
+/// sluice on `rules`, exporting its spans over OTLP/gRPC to `endpoint`, with `flags` besides.
+async fn tracing_to(endpoint: &str, rules: &str, flags: &[&str]) -> Sluice {
+    let mut all = vec!["--tracing", "grpc", "--tracing-endpoint", endpoint];
+    all.extend_from_slice(flags);
+    Sluice::start_with(&[("rules.yaml", rules)], &all).await
+}
+
+/// A collector that takes connections (the kernel accepts them) and never answers, and its URL.
+fn silent_collector() -> (std::net::TcpListener, String) {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", silent.local_addr().unwrap());
+    (silent, endpoint)
+}
+
 fn by_id<'a>(spans: &'a [Span], id: &str) -> Option<&'a Span> {
     spans.iter().find(|s| s.span_id == id)
 }
@@ -55,11 +70,7 @@ fn by_id<'a>(spans: &'a [Span], id: &str) -> Option<&'a Span> {
 async fn envoys_span_and_sluices_spans_are_one_trace_with_the_right_parents() {
     let collector = Collector::start().await;
     let endpoint = format!("http://{}", collector.grpc);
-    let sluice = Sluice::start_with(
-        &[("rules.yaml", RULES)],
-        &["--tracing", "grpc", "--tracing-endpoint", &endpoint],
-    )
-    .await;
+    let sluice = tracing_to(&endpoint, RULES, &[]).await;
     let upstream = Upstream::start();
     let envoy = Envoy::start_traced(
         &envoy_binary(),
@@ -404,21 +415,8 @@ descriptors:
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dead_collector_changes_no_decision_and_its_spans_are_dropped_and_counted() {
-    // A collector that takes connections and never answers.
-    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let endpoint = format!("http://{}", silent.local_addr().unwrap());
-    let sluice = Sluice::start_with(
-        &[("rules.yaml", FIVE)],
-        &[
-            "--tracing",
-            "grpc",
-            "--tracing-endpoint",
-            &endpoint,
-            "--tracing-queue",
-            "16",
-        ],
-    )
-    .await;
+    let (_silent, endpoint) = silent_collector();
+    let sluice = tracing_to(&endpoint, FIVE, &["--tracing-queue", "16"]).await;
     let mut client = sluice.client().await;
     let mut attempt = 0;
     in_one_window(MINUTE, async || {
@@ -450,4 +448,80 @@ async fn a_dead_collector_changes_no_decision_and_its_spans_are_dropped_and_coun
             .unwrap_or(0.0),
         0.0
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_string_a_span_records_is_cut_to_256_bytes_and_marked() {
+    let collector = Collector::start().await;
+    let endpoint = format!("http://{}", collector.grpc);
+    let sluice = tracing_to(&endpoint, OPEN, &["--tracing-values"]).await;
+    let mut client = sluice.client().await;
+    let domain = "d".repeat(1000);
+    let value = "v".repeat(100_000);
+    assert_eq!(
+        ask(&mut client, request(&domain, &[&[("k", "x")]]), None).await,
+        OK
+    );
+    assert_eq!(
+        ask(&mut client, request("open", &[&[("k", &value)]]), None).await,
+        OK
+    );
+    let spans = collector
+        .until("both calls' spans", ARRIVAL, |spans| {
+            calls(spans).len() >= 2
+        })
+        .await;
+    let calls = calls(&spans);
+    let domains: Vec<&str> = calls
+        .iter()
+        .filter_map(|c| c.attribute("ratelimit.domain"))
+        .collect();
+    assert!(
+        domains.contains(&format!("{}…[cut: 1000 bytes]", &domain[..256]).as_str()),
+        "{domains:?}"
+    );
+    let descriptors: Vec<&str> = calls
+        .iter()
+        .filter_map(|c| c.attribute("ratelimit.descriptors"))
+        .collect();
+    let cut = format!("k={}…[cut: 100002 bytes]", &value[..254]);
+    assert!(descriptors.contains(&cut.as_str()), "{descriptors:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_collector_that_never_answers_leaves_memory_bounded_whatever_the_requests_hold() {
+    let (_silent, endpoint) = silent_collector();
+    let sluice = tracing_to(
+        &endpoint,
+        OPEN,
+        &["--tracing-queue", "512", "--tracing-values"],
+    )
+    .await;
+    let pid = sluice.pid();
+    let before = memory_kb(pid, "VmRSS");
+    // 2,000 requests of 200 KB, each value unique, from four connections at once.
+    let mut senders = Vec::new();
+    for sender in 0..4 {
+        let mut client = sluice.client().await;
+        senders.push(tokio::spawn(async move {
+            let padding = "v".repeat(200_000);
+            for n in 0..500 {
+                let value = format!("{sender}-{n}-{padding}");
+                let asked = request("open", &[&[("k", &value)]]);
+                assert_eq!(
+                    ask(&mut client, asked, Some(traceparent(n + 1, true))).await,
+                    OK
+                );
+            }
+        }));
+    }
+    for sender in senders {
+        sender.await.unwrap();
+    }
+    // Spans recorded whole, the queue and the batch waiting on the collector would hold about a
+    // thousand spans of 200 KB: 185 MB more, measured.
+    let after = memory_kb(pid, "VmRSS");
+    let grown_mb = after.saturating_sub(before) / 1024;
+    eprintln!("RSS {} MB before, {} MB after", before / 1024, after / 1024);
+    assert!(grown_mb < 48, "RSS grew by {grown_mb} MB");
 }

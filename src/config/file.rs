@@ -130,6 +130,8 @@ impl Parser<'_> {
         let domain = self.string(map, "domain").unwrap_or_default();
         if domain.is_empty() {
             self.error(line, "config file cannot have empty domain");
+        } else if domain.len() > super::MOST_DOMAIN_BYTES {
+            self.error(line, super::domain_too_long(domain.len()));
         }
         // Composite keys are named from the domain down, as envoyproxy/ratelimit names them.
         let descriptors = self.descriptors(map, &format!("{domain}."), 1);
@@ -824,6 +826,10 @@ mod tests {
         assert_eq!(
             errors("descriptors: []\n"),
             ["r.yaml:1: config file cannot have empty domain"]
+        );
+        assert_eq!(
+            errors(&format!("domain: {}\n", "d".repeat(1025))),
+            ["r.yaml:1: domain of 1025 bytes is longer than the most a domain may be (1024 bytes)"]
         );
         assert_eq!(
             errors("domain: d\ndescriptors:\n  - value: x\n"),

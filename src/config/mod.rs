@@ -25,6 +25,10 @@ pub const MOST_DESCRIPTOR_DEPTH: usize = 32;
 /// The deepest a rule's `metadata` may nest: its answer as dynamic metadata stays well within the
 /// 100 levels that protobuf decoders (Envoy's among them) accept.
 pub const MOST_METADATA_DEPTH: usize = 16;
+/// The longest a rate limit domain may be, in a rule file or a request: far above any domain
+/// Envoy's route configuration names, and what keeps the bytes a request's domain makes sluice
+/// log, trace and hash small.
+pub const MOST_DOMAIN_BYTES: usize = 1024;
 /// The most keys a quota bucket rule may match on.
 pub const MOST_BUCKET_KEYS: usize = 32;
 /// The deepest YAML collections may nest anywhere in a rule file: room for the deepest valid
@@ -37,6 +41,13 @@ pub const MOST_YAML_DEPTH: usize = 1 + 2 * MOST_DESCRIPTOR_DEPTH + MOST_METADATA
 /// 230 MB; about 100 for a file of tiny list items), and a Kubernetes ConfigMap holds 1 MiB at
 /// most.
 pub const DEFAULT_MAX_CONFIG_BYTES: u64 = 4 * 1024 * 1024;
+
+/// Why a domain of `bytes` bytes is refused, in a rule file or a request.
+pub fn domain_too_long(bytes: usize) -> String {
+    format!(
+        "domain of {bytes} bytes is longer than the most a domain may be ({MOST_DOMAIN_BYTES} bytes)"
+    )
+}
 
 /// One domain, as one rule file declares it.
 #[derive(Clone, Debug, PartialEq)]

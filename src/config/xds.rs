@@ -386,6 +386,11 @@ pub fn convert(
         let descriptors = resource.descriptors(config.descriptors, None);
         if config.domain.is_empty() {
             resource.error(|| "domain".into(), "config file cannot have empty domain");
+        } else if config.domain.len() > super::MOST_DOMAIN_BYTES {
+            resource.error(
+                || "domain".into(),
+                super::domain_too_long(config.domain.len()),
+            );
         }
         loaded.domains.push(DomainConfig {
             file,

@@ -119,6 +119,9 @@ pub struct Edges {
     pub max_request_bytes: usize,
     /// Requests in flight on one HTTP/2 connection.
     pub max_concurrent_streams: u32,
+    /// The largest header list of a gRPC call (HTTP/2 SETTINGS_MAX_HEADER_LIST_SIZE); a call
+    /// past it is refused (431), one past four times it ends its connection (hyper's h2).
+    pub max_header_list_bytes: u32,
     /// gRPC connections open at once (fewer if the file descriptor limit leaves fewer).
     pub max_connections: usize,
     /// When a gRPC connection is told to go (GOAWAY), and closed.
@@ -790,7 +793,8 @@ impl Grpc {
         http2
             .timer(TokioTimer::new())
             .initial_stream_window_size(STREAM_WINDOW)
-            .max_concurrent_streams(edges.max_concurrent_streams);
+            .max_concurrent_streams(edges.max_concurrent_streams)
+            .max_header_list_size(edges.max_header_list_bytes);
         let serving = Arc::new(Serving {
             routes: routes.routes().prepare(),
             http2,

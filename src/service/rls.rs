@@ -22,6 +22,7 @@ use super::pb::envoy::service::ratelimit::v3::rate_limit_response::{
 };
 use super::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use crate::config::{MOST_DOMAIN_BYTES, domain_too_long};
 use crate::limiter::lease::Leasing;
 use crate::limiter::{Check, Counting, Decision, Limit, Mode, Source, Unit, Usage, admits};
 use crate::rules::RuleSet;
@@ -34,7 +35,8 @@ use crate::telemetry::traces;
 
 /// Limits on the shape of a request, which Envoy's route configuration decides (not its
 /// clients), so that no caller can make a check unboundedly large. Keys and values may be any
-/// bytes of any length (the request's size bounds them).
+/// bytes of any length (the request's size bounds them); the domain, which Envoy's
+/// configuration names, is at most `MOST_DOMAIN_BYTES`.
 #[derive(Clone, Copy, Debug)]
 pub struct Bounds {
     pub max_descriptors: usize,
@@ -287,6 +289,12 @@ impl Bounds {
         if request.domain.is_empty() {
             return invalid("rate limit domain must not be empty".into());
         }
+        if request.domain.len() > MOST_DOMAIN_BYTES {
+            return invalid(format!(
+                "rate limit {}",
+                domain_too_long(request.domain.len())
+            ));
+        }
         if request.descriptors.is_empty() {
             return invalid("rate limit descriptor list must not be empty".into());
         }
@@ -426,29 +434,38 @@ fn traced(request: &RateLimitRequest, plans: &[Plan]) {
     let span = Span::current();
     span.record(
         "ratelimit.domain",
-        String::from_utf8_lossy(&request.domain).as_ref(),
+        traces::cut(String::from_utf8_lossy(&request.domain)).as_str(),
     );
     let rules: Vec<&str> = plans.iter().filter_map(Plan::rule).collect();
-    span.record("ratelimit.rules", rules.join(" ").as_str());
+    span.record("ratelimit.rules", traces::cut(rules.join(" ")).as_str());
     if traces::values() {
-        let descriptors: Vec<String> = request
-            .descriptors
-            .iter()
-            .map(|d| {
-                d.entries
-                    .iter()
-                    .map(|e| {
-                        format!(
-                            "{}={}",
-                            String::from_utf8_lossy(&e.key),
-                            String::from_utf8_lossy(&e.value)
-                        )
-                    })
-                    .collect::<Vec<_>>()
-                    .join(",")
-            })
-            .collect();
-        span.record("ratelimit.descriptors", descriptors.join(" ").as_str());
+        span.record(
+            "ratelimit.descriptors",
+            traces::cut(Entries(&request.descriptors)).as_str(),
+        );
+    }
+}
+
+/// A request's descriptors as a span names them: `key=value` entries joined by `,`, descriptors
+/// by a space; written piece by piece, so that `traces::cut` copies only what it keeps.
+struct Entries<'a>(&'a [RateLimitDescriptor]);
+
+impl std::fmt::Display for Entries<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, d) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(" ")?;
+            }
+            for (j, e) in d.entries.iter().enumerate() {
+                if j > 0 {
+                    f.write_str(",")?;
+                }
+                let key = String::from_utf8_lossy(&e.key);
+                let value = String::from_utf8_lossy(&e.value);
+                write!(f, "{key}={value}")?;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -5,17 +5,22 @@
 //!
 //! Spans are `tracing` spans of target `TARGET`, made OpenTelemetry spans by
 //! `tracing-opentelemetry`; none is opened unless tracing is on (`on`). A finished span goes into
-//! a bounded queue that a thread of its own empties, in batches, to the collector: a collector
-//! that is slow, unreachable or gone never holds a decision up. A span the queue has no room for
-//! is dropped and counted, as is a batch the collector refused (`sluice_trace_spans_total`).
+//! a queue, bounded in spans and in bytes, that a thread of its own empties, in batches, to the
+//! collector: a collector that is slow, unreachable or gone never holds a decision up, nor makes
+//! the process grow. A span the queue has no room for is dropped and counted, as is a batch the
+//! collector refused (`sluice_trace_spans_total`). What a span holds is bounded too: every
+//! string it records is cut (`cut`), and of a caller's `tracestate` only what W3C requires be
+//! kept is read.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use opentelemetry::propagation::{Extractor, TextMapPropagator};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
-use opentelemetry::{Context, KeyValue};
+use opentelemetry::{Context, KeyValue, Value};
 use opentelemetry_otlp::{SpanExporter, WithExportConfig};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
@@ -36,6 +41,16 @@ const BATCH: usize = 512;
 const EVERY: Duration = Duration::from_secs(1);
 /// How long one export may take before its spans are counted as failed.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The most bytes of a string a span records (a domain, the rules matched, descriptor values, a
+/// store error); a longer one keeps this much, on a character boundary, and is marked as cut.
+const MAX_ATTRIBUTE_BYTES: usize = 256;
+/// The most of a caller's `tracestate` read: W3C requires keeping 32 members of at most 512
+/// characters in all; members past either are ignored, so a span holds at most this much of it.
+const TRACESTATE_MEMBERS: usize = 32;
+const TRACESTATE_BYTES: usize = 512;
+/// What a span's size is estimated at besides its strings: its fixed fields, and its share of
+/// the allocations holding them.
+const SPAN_OVERHEAD: usize = 512;
 
 static ON: AtomicBool = AtomicBool::new(false);
 static VALUES: AtomicBool = AtomicBool::new(false);
@@ -74,6 +89,8 @@ pub struct TracingSettings {
     pub service_instance_id: Option<String>,
     /// Spans waiting for export at most.
     pub queue: usize,
+    /// Bytes of spans (as `estimate` counts them) waiting for export or being sent, at most.
+    pub queue_bytes: usize,
     /// Whether spans carry descriptor values.
     pub values: bool,
 }
@@ -87,6 +104,8 @@ impl Traces {
     /// Starts the export thread and the tracer that feeds it, and turns spans on.
     pub fn start(settings: &TracingSettings) -> anyhow::Result<(Traces, Tracer)> {
         let (spans, queue) = mpsc::channel(settings.queue.max(1));
+        let held = Arc::new(AtomicUsize::new(0));
+        let sent = held.clone();
         let resource = resource(settings);
         let (built, exporter) = std::sync::mpsc::channel();
         let protocol = settings.protocol;
@@ -111,7 +130,7 @@ impl Traces {
                             use opentelemetry_sdk::trace::SpanExporter as _;
                             exporter.set_resource(&exported);
                             let _ = built.send(Ok(()));
-                            export(exporter, queue).await;
+                            export(exporter, queue, &sent).await;
                         }
                         Err(e) => {
                             let _ = built.send(Err(e));
@@ -127,7 +146,11 @@ impl Traces {
                 settings.sampling_rate,
             ))))
             .with_resource(resource)
-            .with_span_processor(Queue { spans })
+            .with_span_processor(Queue {
+                spans,
+                held,
+                budget: settings.queue_bytes,
+            })
             .build();
         let tracer = provider.tracer("sluice");
         ON.store(true, Ordering::Relaxed);
@@ -211,16 +234,21 @@ fn traces_url(url: &str) -> String {
 
 /// What the processor hands the export thread.
 enum Message {
-    Span(Box<SpanData>),
+    /// A span and its estimated size.
+    Span(Box<SpanData>, usize),
     /// Send what is queued, then say so.
     Flush(std::sync::mpsc::Sender<()>),
 }
 
 /// The span processor: each sampled span that ends goes into the export thread's queue, or is
-/// dropped and counted when the queue is full.
+/// dropped and counted when the queue is full, in spans or in bytes.
 #[derive(Debug)]
 struct Queue {
     spans: mpsc::Sender<Message>,
+    /// The estimated bytes of the spans queued or being sent.
+    held: Arc<AtomicUsize>,
+    /// What `held` may reach.
+    budget: usize,
 }
 
 impl SpanProcessor for Queue {
@@ -230,7 +258,15 @@ impl SpanProcessor for Queue {
         if !span.span_context.is_sampled() {
             return;
         }
-        if self.spans.try_send(Message::Span(Box::new(span))).is_err() {
+        let size = estimate(&span);
+        let before = self.held.fetch_add(size, Ordering::Relaxed);
+        let queued = before + size <= self.budget
+            && self
+                .spans
+                .try_send(Message::Span(Box::new(span), size))
+                .is_ok();
+        if !queued {
+            self.held.fetch_sub(size, Ordering::Relaxed);
             METRICS.trace_spans("dropped", 1);
         }
     }
@@ -257,45 +293,94 @@ impl Queue {
     }
 }
 
+/// A span's size in memory, roughly: its strings (name, attributes, events, links) and
+/// `SPAN_OVERHEAD` for the rest, the caller's `tracestate` (at most `TRACESTATE_BYTES`)
+/// included.
+fn estimate(span: &SpanData) -> usize {
+    let attributes = |attributes: &[KeyValue]| -> usize {
+        attributes
+            .iter()
+            .map(|kv| {
+                let value = match &kv.value {
+                    Value::String(s) => s.as_str().len(),
+                    Value::Bool(_) | Value::I64(_) | Value::F64(_) => 8,
+                    other => other.as_str().len(),
+                };
+                std::mem::size_of::<KeyValue>() + kv.key.as_str().len() + value
+            })
+            .sum()
+    };
+    let events: usize = span
+        .events
+        .iter()
+        .map(|e| e.name.len() + attributes(&e.attributes) + SPAN_OVERHEAD / 4)
+        .sum();
+    let links: usize = span
+        .links
+        .iter()
+        .map(|l| attributes(&l.attributes) + TRACESTATE_BYTES + SPAN_OVERHEAD / 4)
+        .sum();
+    SPAN_OVERHEAD
+        + TRACESTATE_BYTES
+        + span.name.len()
+        + attributes(&span.attributes)
+        + events
+        + links
+}
+
+/// Spans taken from the queue, waiting to be sent, and their estimated bytes.
+struct Batch {
+    spans: Vec<SpanData>,
+    bytes: usize,
+}
+
 /// Sends the spans `queue` brings to `exporter`, in batches of at most `BATCH`, every `EVERY`
-/// and when a batch is full; one export at a time, the queue filling meanwhile.
-async fn export(exporter: SpanExporter, mut queue: mpsc::Receiver<Message>) {
-    let mut batch = Vec::with_capacity(BATCH);
+/// and when a batch is full; one export at a time, the queue filling meanwhile. The bytes of a
+/// batch leave `held` once it is sent (or failed): until then they are still in memory.
+async fn export(exporter: SpanExporter, mut queue: mpsc::Receiver<Message>, held: &AtomicUsize) {
+    let mut batch = Batch {
+        spans: Vec::with_capacity(BATCH),
+        bytes: 0,
+    };
     let mut tick = tokio::time::interval(EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             message = queue.recv() => match message {
-                Some(Message::Span(span)) => {
-                    batch.push(*span);
-                    if batch.len() >= BATCH {
-                        send(&exporter, &mut batch).await;
+                Some(Message::Span(span, size)) => {
+                    batch.spans.push(*span);
+                    batch.bytes += size;
+                    if batch.spans.len() >= BATCH {
+                        send(&exporter, &mut batch, held).await;
                     }
                 }
                 Some(Message::Flush(done)) => {
-                    send(&exporter, &mut batch).await;
+                    send(&exporter, &mut batch, held).await;
                     let _ = done.send(());
                 }
                 None => {
-                    send(&exporter, &mut batch).await;
+                    send(&exporter, &mut batch, held).await;
                     return;
                 }
             },
-            _ = tick.tick() => send(&exporter, &mut batch).await,
+            _ = tick.tick() => send(&exporter, &mut batch, held).await,
         }
     }
 }
 
-/// Exports `batch`, counting its spans as exported or failed.
-async fn send(exporter: &SpanExporter, batch: &mut Vec<SpanData>) {
+/// Exports `batch`, counting its spans as exported or failed, and takes its bytes off `held`.
+async fn send(exporter: &SpanExporter, batch: &mut Batch, held: &AtomicUsize) {
     use opentelemetry_sdk::trace::SpanExporter as _;
     static FAILED: Throttle = Throttle::new();
-    if batch.is_empty() {
+    if batch.spans.is_empty() {
         return;
     }
-    let spans = std::mem::replace(batch, Vec::with_capacity(BATCH));
+    let spans = std::mem::replace(&mut batch.spans, Vec::with_capacity(BATCH));
+    let bytes = std::mem::take(&mut batch.bytes);
     let n = spans.len() as u64;
-    let why = match tokio::time::timeout(EXPORT_TIMEOUT, exporter.export(spans)).await {
+    let exported = tokio::time::timeout(EXPORT_TIMEOUT, exporter.export(spans)).await;
+    held.fetch_sub(bytes, Ordering::Relaxed);
+    let why = match exported {
         Ok(Ok(())) => {
             METRICS.trace_spans("exported", n);
             return;
@@ -362,12 +447,17 @@ fn b3(metadata: &tonic::metadata::MetadataMap) -> Option<SpanContext> {
     caller.is_valid().then_some(caller)
 }
 
-/// Reads trace headers from gRPC metadata.
+/// Reads trace headers from gRPC metadata, `tracestate` cut to what W3C requires be kept.
 struct Metadata<'a>(&'a tonic::metadata::MetadataMap);
 
 impl Extractor for Metadata<'_> {
     fn get(&self, key: &str) -> Option<&str> {
-        self.0.get(key).and_then(|v| v.to_str().ok())
+        let value = self.0.get(key).and_then(|v| v.to_str().ok())?;
+        Some(if key == "tracestate" {
+            kept_tracestate(value)
+        } else {
+            value
+        })
     }
 
     fn keys(&self) -> Vec<&str> {
@@ -378,6 +468,66 @@ impl Extractor for Metadata<'_> {
                 tonic::metadata::KeyRef::Binary(_) => None,
             })
             .collect()
+    }
+}
+
+/// The members at the head of `tracestate` that fit both `TRACESTATE_MEMBERS` and
+/// `TRACESTATE_BYTES`, whole; the rest is ignored (W3C lets a vendor drop members past these).
+fn kept_tracestate(tracestate: &str) -> &str {
+    if tracestate.len() <= TRACESTATE_BYTES
+        && tracestate.bytes().filter(|&b| b == b',').count() < TRACESTATE_MEMBERS
+    {
+        return tracestate;
+    }
+    let mut end = 0;
+    for (members, (at, _)) in tracestate.match_indices(',').enumerate() {
+        if at > TRACESTATE_BYTES || members >= TRACESTATE_MEMBERS {
+            break;
+        }
+        end = at;
+    }
+    &tracestate[..end]
+}
+
+/// `text` as a span records it: at most `MAX_ATTRIBUTE_BYTES` of it, cut on a character boundary
+/// and then marked with its length, so that no client's bytes make a span large.
+pub fn cut(text: impl std::fmt::Display) -> String {
+    let mut kept = Kept::default();
+    let _ = write!(kept, "{text}");
+    if kept.cut {
+        let _ = write!(kept.text, "…[cut: {} bytes]", kept.total);
+    }
+    kept.text
+}
+
+/// What `cut` keeps of a text written piece by piece.
+#[derive(Default)]
+struct Kept {
+    text: String,
+    /// Bytes written, kept or not.
+    total: usize,
+    /// Something was left out: nothing written after it is kept.
+    cut: bool,
+}
+
+impl std::fmt::Write for Kept {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        self.total += s.len();
+        if self.cut {
+            return Ok(());
+        }
+        let room = MAX_ATTRIBUTE_BYTES - self.text.len();
+        if s.len() <= room {
+            self.text.push_str(s);
+        } else {
+            let mut end = room;
+            while !s.is_char_boundary(end) {
+                end -= 1;
+            }
+            self.text.push_str(&s[..end]);
+            self.cut = true;
+        }
+        Ok(())
     }
 }
 
@@ -463,7 +613,7 @@ pub fn division_span(rule: &str, streams: usize) -> tracing::Span {
         target: TARGET,
         parent: None,
         "quota division",
-        quota.rule = rule,
+        quota.rule = %cut(rule),
         quota.streams = streams,
         ratelimit.store_error = tracing::field::Empty,
         otel.status_code = tracing::field::Empty,
@@ -473,7 +623,7 @@ pub fn division_span(rule: &str, streams: usize) -> tracing::Span {
 /// Names `error` as the store error of `span`, which it failed with.
 pub fn store_failed(span: &tracing::Span, error: &dyn std::fmt::Display) {
     if !span.is_none() {
-        span.record("ratelimit.store_error", tracing::field::display(error));
+        span.record("ratelimit.store_error", cut(error).as_str());
         span.record("otel.status_code", "error");
     }
 }
@@ -512,6 +662,104 @@ mod tests {
         let groups: Vec<usize> = id.split('-').map(str::len).collect();
         assert_eq!(groups, [8, 4, 4, 4, 12]);
         assert_ne!(id, random_id());
+    }
+
+    #[test]
+    fn a_string_past_the_bound_is_cut_on_a_character_boundary_and_marked() {
+        assert_eq!(cut("short"), "short");
+        let exact = "x".repeat(MAX_ATTRIBUTE_BYTES);
+        assert_eq!(cut(&exact), exact);
+        let long = format!(
+            "{}é{}",
+            "x".repeat(MAX_ATTRIBUTE_BYTES - 1),
+            "y".repeat(1000)
+        );
+        assert_eq!(
+            cut(&long),
+            format!(
+                "{}…[cut: {} bytes]",
+                "x".repeat(MAX_ATTRIBUTE_BYTES - 1),
+                long.len()
+            )
+        );
+        // Written in pieces, nothing after the first piece cut is kept, even if it would fit.
+        let pieces = format_args!("{}{}{}", "x".repeat(MAX_ATTRIBUTE_BYTES - 1), "é", "z");
+        assert_eq!(
+            cut(pieces),
+            format!(
+                "{}…[cut: {} bytes]",
+                "x".repeat(MAX_ATTRIBUTE_BYTES - 1),
+                MAX_ATTRIBUTE_BYTES + 2
+            )
+        );
+    }
+
+    #[test]
+    fn of_a_tracestate_whole_members_within_32_and_512_characters_are_read() {
+        assert_eq!(kept_tracestate("a=1,b=2"), "a=1,b=2");
+        let member = format!("m={}", "v".repeat(198));
+        let three = [member.as_str(); 3].join(",");
+        assert_eq!(kept_tracestate(&three), [member.as_str(); 2].join(","));
+        let many: Vec<String> = (0..40).map(|i| format!("k{i}=v")).collect();
+        assert_eq!(kept_tracestate(&many.join(",")), many[..32].join(","));
+        assert_eq!(kept_tracestate(&"v".repeat(600)), "");
+    }
+
+    /// A sampled span with one attribute of `bytes` bytes.
+    fn span_of(bytes: usize) -> SpanData {
+        use opentelemetry::InstrumentationScope;
+        use opentelemetry::trace::{SpanKind, Status};
+        let context = SpanContext::new(
+            TraceId::from(1),
+            SpanId::from(1),
+            TraceFlags::SAMPLED,
+            false,
+            TraceState::default(),
+        );
+        SpanData {
+            span_context: context,
+            parent_span_id: SpanId::INVALID,
+            parent_span_is_remote: false,
+            span_kind: SpanKind::Server,
+            name: "call".into(),
+            start_time: std::time::SystemTime::UNIX_EPOCH,
+            end_time: std::time::SystemTime::UNIX_EPOCH,
+            attributes: vec![KeyValue::new("k", "v".repeat(bytes))],
+            dropped_attributes_count: 0,
+            events: Default::default(),
+            links: Default::default(),
+            status: Status::Unset,
+            instrumentation_scope: InstrumentationScope::builder("test").build(),
+        }
+    }
+
+    #[test]
+    fn spans_past_the_queues_bytes_are_dropped_and_sent_ones_give_their_bytes_back() {
+        let size = estimate(&span_of(1000));
+        assert!(size > 1000, "{size}");
+        let (spans, mut queue) = mpsc::channel(100);
+        let held = Arc::new(AtomicUsize::new(0));
+        let processor = Queue {
+            spans,
+            held: held.clone(),
+            budget: 3 * size,
+        };
+        for _ in 0..5 {
+            processor.on_end(span_of(1000));
+        }
+        let mut queued = 0;
+        while let Ok(Message::Span(_, bytes)) = queue.try_recv() {
+            assert_eq!(bytes, size);
+            queued += 1;
+        }
+        assert_eq!(queued, 3, "the budget holds three");
+        assert_eq!(held.load(Ordering::Relaxed), 3 * size);
+        // Until the export thread has sent them, they still count.
+        processor.on_end(span_of(1000));
+        assert!(queue.try_recv().is_err());
+        held.fetch_sub(3 * size, Ordering::Relaxed);
+        processor.on_end(span_of(1000));
+        assert!(matches!(queue.try_recv(), Ok(Message::Span(..))));
     }
 
     #[test]

@@ -444,6 +444,16 @@ pub async fn eventually(what: &str, limit: Duration, mut ready: impl AsyncFnMut(
     panic!("timed out after {limit:?} waiting until {what}");
 }
 
+/// A field of /proc/PID/status, in kB (`VmRSS`, `VmHWM`).
+pub fn memory_kb(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/PID/status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{field} in /proc/{pid}/status"))
+}
+
 /// Runs `openssl` with `args`, which must succeed.
 pub fn openssl(args: &[&str]) {
     let out = Command::new("openssl")

@@ -24,6 +24,8 @@ pub struct Span {
     pub span_id: String,
     /// Empty for a root span.
     pub parent: String,
+    /// The W3C `tracestate` it carries.
+    pub trace_state: String,
     pub name: String,
     pub attributes: HashMap<String, String>,
     /// The (trace, span) ids it links to.
@@ -159,6 +161,7 @@ fn keep(spans: &Spans, request: ExportTraceServiceRequest) {
                     trace_id: hex(&span.trace_id),
                     span_id: hex(&span.span_id),
                     parent: hex(&span.parent_span_id),
+                    trace_state: span.trace_state,
                     name: span.name,
                     attributes: attributes(&span.attributes),
                     links: span

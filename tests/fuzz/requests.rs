@@ -175,7 +175,8 @@ fn probe(request: &Request) -> Option<Request> {
             ..d.clone()
         })
         .collect();
-    (!request.domain.is_empty() && !descriptors.is_empty()).then(|| Request {
+    let domain = !request.domain.is_empty() && request.domain.len() <= config::MOST_DOMAIN_BYTES;
+    (domain && !descriptors.is_empty()).then(|| Request {
         domain: request.domain.clone(),
         descriptors,
         hits_addend: 0,

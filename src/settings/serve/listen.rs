@@ -10,6 +10,13 @@ use clap::Args;
 use super::at_least_one;
 use crate::service::{Addrs, Edges, JsonAt, MaxAge};
 
+/// A gRPC call's header list by default: far above the 60 KiB Envoy accepts from its clients by
+/// default, as gRPC servers commonly allow (grpc-go: 16 MiB).
+const MAX_HEADER_LIST_DEFAULT: u32 = 1024 * 1024;
+/// What `--max-header-list-bytes` may be: Envoy's default request header limit fits in the
+/// least; Envoy's largest configurable one (8192 KiB) is the most.
+const MAX_HEADER_LIST_RANGE: std::ops::RangeInclusive<u32> = 64 * 1024..=8 * 1024 * 1024;
+
 #[derive(Args)]
 #[command(next_help_heading = "Listeners")]
 pub struct ListenerFlags {
@@ -37,6 +44,11 @@ pub struct ListenerFlags {
     /// Largest gRPC request message or /json body, in bytes.
     #[arg(long, env = "SLUICE_MAX_REQUEST_BYTES", default_value_t = 256 * 1024)]
     max_request_bytes: usize,
+    /// Largest header list (HTTP/2 SETTINGS_MAX_HEADER_LIST_SIZE) of a gRPC call, in bytes,
+    /// from 64 KiB (Envoy's default request header limit, 60 KiB, must fit: Envoy forwards its
+    /// clients' trace headers in the call) to 8 MiB (Envoy's own most).
+    #[arg(long, env = "SLUICE_MAX_HEADER_LIST_BYTES", default_value_t = MAX_HEADER_LIST_DEFAULT)]
+    max_header_list_bytes: u32,
     /// Most requests in flight on one gRPC connection.
     #[arg(long, env = "SLUICE_MAX_CONCURRENT_STREAMS", default_value_t = 1024)]
     max_concurrent_streams: u32,
@@ -66,6 +78,13 @@ impl ListenerFlags {
             self.max_concurrent_streams as usize,
         )?;
         at_least_one("--max-connections", self.max_connections)?;
+        if !MAX_HEADER_LIST_RANGE.contains(&self.max_header_list_bytes) {
+            anyhow::bail!(
+                "--max-header-list-bytes: must be from {} to {}",
+                MAX_HEADER_LIST_RANGE.start(),
+                MAX_HEADER_LIST_RANGE.end()
+            );
+        }
         if self.threads == Some(0) {
             anyhow::bail!("--threads: must be at least 1");
         }
@@ -104,6 +123,7 @@ impl ListenerFlags {
         Edges {
             max_request_bytes: self.max_request_bytes,
             max_concurrent_streams: self.max_concurrent_streams,
+            max_header_list_bytes: self.max_header_list_bytes,
             max_connections: self.max_connections,
             max_connection_age: self.grpc_max_connection_age.map(|age| MaxAge {
                 age,
@@ -126,4 +146,40 @@ fn parse_json_addr(value: &str) -> Result<JsonAt, String> {
         .parse()
         .map(JsonAt::Addr)
         .map_err(|e| format!("{e}: an address such as 127.0.0.1:8082, or `off`"))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::ListenerFlags;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        listen: ListenerFlags,
+    }
+
+    fn checked(args: &[&str]) -> anyhow::Result<()> {
+        let args = std::iter::once("serve").chain(args.iter().copied());
+        Flags::try_parse_from(args)
+            .expect("flags parse")
+            .listen
+            .check()
+    }
+
+    #[test]
+    fn the_header_list_bound_lies_from_envoys_default_limit_to_envoys_most() {
+        checked(&[]).expect("the default is within the bounds");
+        for within in ["65536", "8388608"] {
+            checked(&["--max-header-list-bytes", within]).expect(within);
+        }
+        for past in ["65535", "8388609"] {
+            let refused = checked(&["--max-header-list-bytes", past]).expect_err(past);
+            assert_eq!(
+                refused.to_string(),
+                "--max-header-list-bytes: must be from 65536 to 8388608"
+            );
+        }
+    }
 }

@@ -65,6 +65,11 @@ pub struct TelemetryFlags {
     /// sluice_trace_spans_total{outcome="dropped"}, never holding a decision up.
     #[arg(long, env = "SLUICE_TRACING_QUEUE", default_value_t = 4096)]
     tracing_queue: usize,
+    /// Bytes of spans waiting for export, or being sent, at most (each span's size estimated;
+    /// a span records at most 256 bytes of any string); past it, spans are dropped and counted
+    /// as past --tracing-queue.
+    #[arg(long, env = "SLUICE_TRACING_QUEUE_BYTES", default_value_t = 16 * 1024 * 1024)]
+    tracing_queue_bytes: usize,
     /// Put descriptor values in spans (the entries of each descriptor, which can be personal
     /// data: client addresses, user ids). Without it, spans name the rules matched only.
     #[arg(long, env = "SLUICE_TRACING_VALUES")]
@@ -98,6 +103,9 @@ impl TelemetryFlags {
         if self.tracing_queue == 0 {
             anyhow::bail!("--tracing-queue: must be more than 0");
         }
+        if self.tracing_queue_bytes == 0 {
+            anyhow::bail!("--tracing-queue-bytes: must be more than 0");
+        }
         Ok(())
     }
 
@@ -111,6 +119,7 @@ impl TelemetryFlags {
             service_namespace: self.tracing_service_namespace.clone(),
             service_instance_id: self.tracing_service_instance_id.clone(),
             queue: self.tracing_queue,
+            queue_bytes: self.tracing_queue_bytes,
             values: self.tracing_values,
         })
     }
