@@ -119,7 +119,8 @@ impl Conn {
     }
 
     /// Every primary reached now, with its slots and the replicas its `INFO replication` counts
-    /// as attached; a primary that does not answer in `REFRESH` is left out (unknown).
+    /// as attached; unknown for a primary that does not answer in `REFRESH`. A node that answers
+    /// as a replica is left out.
     async fn primaries(&self) -> Vec<Primary> {
         let mut slots: BTreeMap<Server, Vec<(u16, u16)>> = BTreeMap::new();
         let routing = self.clustered().then(|| self.client.cached_cluster_state());
@@ -141,14 +142,26 @@ impl Conn {
                 timeout: Some(replicas::REFRESH),
                 ..Default::default()
             });
-            let info = node.info::<String>(Some(InfoKind::Replication)).await;
-            if let Some(attached) = info.ok().as_deref().and_then(replicas::attached) {
-                primaries.push(Primary {
-                    name: format!("{}:{}", server.host, server.port),
-                    slots,
-                    attached,
-                });
-            }
+            let attached = match node.info::<String>(Some(InfoKind::Replication)).await {
+                Ok(info) => match replicas::attached(&info) {
+                    Some(attached) => Some(attached),
+                    // A demoted node behind a fixed address or a Sentinel: the script calls,
+                    // on their lanes, meet its READONLY and reconnect; this connection, which
+                    // carries none, reconnects now to follow them.
+                    None => {
+                        if !self.clustered() {
+                            let _ = self.client.force_reconnection().await;
+                        }
+                        continue;
+                    }
+                },
+                Err(_) => None,
+            };
+            primaries.push(Primary {
+                name: format!("{}:{}", server.host, server.port),
+                slots,
+                attached,
+            });
         }
         primaries
     }

@@ -25,8 +25,15 @@ pub(super) struct Primary {
     pub(super) name: String,
     /// The Cluster slots it serves, first and last (all of them on one server).
     pub(super) slots: Vec<(u16, u16)>,
-    /// Replicas online whose acknowledgement is recent.
-    pub(super) attached: u32,
+    /// Replicas online whose acknowledgement is recent; `None` while unknown (its `INFO` did
+    /// not answer, and it never did).
+    pub(super) attached: Option<u32>,
+}
+
+impl Primary {
+    fn short(&self, asked: u32) -> bool {
+        self.attached.is_some_and(|a| a < asked)
+    }
 }
 
 /// The replicas of every primary of one deployment, shared by every store opened on it.
@@ -77,8 +84,8 @@ impl Replicas {
         primaries
             .iter()
             .find(|p| p.slots.iter().any(|&(a, b)| (a..=b).contains(&slot)))
-            .filter(|p| p.attached < self.inner.asked)
-            .map(|p| (p.name.clone(), p.attached))
+            .filter(|p| p.short(self.inner.asked))
+            .map(|p| (p.name.clone(), p.attached.unwrap_or(0)))
     }
 
     /// Why a decision cannot be confirmed now: the primaries with fewer replicas than asked.
@@ -86,8 +93,8 @@ impl Replicas {
         let primaries = self.inner.primaries.load();
         let short: Vec<String> = primaries
             .iter()
-            .filter(|p| p.attached < self.inner.asked)
-            .map(|p| format!("{} has {}", p.name, p.attached))
+            .filter(|p| p.short(self.inner.asked))
+            .map(|p| format!("{} has {}", p.name, p.attached.unwrap_or(0)))
             .collect();
         (!short.is_empty()).then(|| {
             format!(
@@ -106,23 +113,29 @@ impl Replicas {
             .primaries
             .load()
             .iter()
-            .filter(|p| p.attached < asked)
+            .filter(|p| p.short(asked))
             .count()
     }
 
     /// Records what was read, logging each primary that got too few replicas or enough again.
-    pub(super) fn read(&self, now: Vec<Primary>) {
+    /// A primary that did not answer keeps what it last said.
+    pub(super) fn read(&self, mut now: Vec<Primary>) {
         let asked = self.inner.asked;
         let before = self.inner.primaries.load_full();
+        let last = |name: &str| before.iter().find(|p| p.name == name);
+        for primary in &mut now {
+            if primary.attached.is_none() {
+                primary.attached = last(&primary.name).and_then(|p| p.attached);
+            }
+        }
         let was_short = |name: &str| {
-            before
-                .iter()
-                .find(|p| p.name == name)
-                .map(|p| p.attached < asked)
+            last(name)
+                .filter(|p| p.attached.is_some())
+                .map(|p| p.short(asked))
         };
         let mut changed = false;
-        for primary in &now {
-            let short = primary.attached < asked;
+        for primary in now.iter().filter(|p| p.attached.is_some()) {
+            let short = primary.short(asked);
             if was_short(&primary.name) == Some(short) {
                 continue;
             }
@@ -131,7 +144,7 @@ impl Replicas {
                     "Redis {}: {} replica(s) attached, too few for --redis-confirm-replicas \
                      {asked}: its requests get the --on-store-error answer until enough are",
                     primary.name,
-                    primary.attached
+                    primary.attached.unwrap_or(0)
                 );
                 changed = true;
             } else if was_short(&primary.name).is_some() {
@@ -139,14 +152,14 @@ impl Replicas {
                     "Redis {} has enough replicas again ({} of {asked}): deciding with \
                      confirmation",
                     primary.name,
-                    primary.attached
+                    primary.attached.unwrap_or(0)
                 );
                 changed = true;
             }
         }
-        changed |= before.iter().any(|p| {
-            p.attached < asked && !now.iter().any(|q| q.name == p.name && q.attached < asked)
-        });
+        changed |= before
+            .iter()
+            .any(|p| p.short(asked) && !now.iter().any(|q| q.name == p.name && q.short(asked)));
         self.inner.primaries.store(Arc::new(now));
         if changed {
             self.inner.changed.notify_one();
