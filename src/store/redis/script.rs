@@ -161,12 +161,13 @@ impl Scripts {
                 asked: replicas,
             });
         }
-        let lane = confirm
+        // Held until the call and its WAIT are answered: the lane carries nothing else meanwhile.
+        let taken = confirm
             .lanes
             .take(deadline)
             .await
             .ok_or(StoreError::Timeout)?;
-        let lane = lane.conn();
+        let lane = taken.conn();
         let confirmation = || async {
             let left = deadline.saturating_duration_since(Instant::now());
             let confirmed = lane
