@@ -12,6 +12,10 @@
 //!   it, the hits it lacks are admitted again, which the test measures. Every answer comes within
 //!   `ANSWERED`, and decisions resume within `RESUMED` of the promotion (of a replica attached
 //!   to the new primary, with confirmation: until then nothing can confirm).
+//! - A primary whose only replica is gone, with `--redis-confirm-replicas 1`: nothing can confirm,
+//!   so every request gets the policy answer within its deadline (never queued behind another
+//!   request's `WAIT`), `/readyz` says why, and confirmed decisions resume once a replica is
+//!   attached again.
 //! - A Cluster's manual `CLUSTER FAILOVER`, and a slot migrated by `redis-cli --cluster reshard`
 //!   (MOVED, then ASK while its keys move), lose nothing: at most `L` admitted.
 
@@ -23,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use common::proxy::Proxy;
 use common::redis::{Controlled, ReplicatedCluster, Sentinels};
-use common::{OK, OVER_LIMIT, Sluice, Store, gather, request};
+use common::{OK, OVER_LIMIT, Sluice, Store, gather, http, request};
 
 /// One test at a time: a promotion's timing must not depend on another test's load.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -176,6 +180,114 @@ async fn a_failover_behind_a_fixed_address_is_decided_again_within_seconds() {
         log.contains("READONLY") && log.contains("reconnecting"),
         "{log}"
     );
+}
+
+/// How long the callers go on once the replica is gone.
+const WITHOUT_REPLICA: Duration = Duration::from_secs(2);
+/// Every answer while no replica can confirm comes within this: the 10 ms store deadline, and
+/// slack for a debug build on a loaded 2-core machine (requests queued behind each other's
+/// `WAIT` took most of a second on a Cluster).
+const NO_REPLICA_ANSWERED: Duration = Duration::from_secs(1);
+
+/// `/readyz`: its status and body.
+fn readyz(sluice: &Sluice) -> (u16, String) {
+    let (status, _, body) = http(sluice.http, "GET", "/readyz", "");
+    (status, body)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_no_replica_left_to_confirm_every_request_gets_the_policy_answer_within_its_deadline()
+{
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let primary = Controlled::started();
+    let mut replica =
+        Controlled::started_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
+    wait_in_sync(&replica);
+    let sluice = Sluice::on(
+        Store::Memory,
+        &[("rules.yaml", RULES)],
+        &[
+            "--redis-url",
+            &primary.url,
+            "--redis-key-prefix",
+            "confirm:",
+            "--redis-confirm-replicas",
+            "1",
+            "--store-timeout",
+            "10ms",
+        ],
+    )
+    .await;
+
+    let callers = load(
+        &sluice,
+        Instant::now() + Duration::from_secs(1) + WITHOUT_REPLICA,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    replica.kill();
+    let gone = Instant::now();
+    let (status, body) = common::settled(
+        Duration::from_secs(10),
+        || readyz(&sluice),
+        |(_, body)| body.contains("replica"),
+    )
+    .await;
+    let told = Instant::now();
+    let answers = gather(callers).await;
+
+    assert!(
+        answers.iter().any(|a| a.sent < gone && a.decided),
+        "decided while the replica confirmed"
+    );
+    let without: Vec<&Answer> = answers.iter().filter(|a| a.sent >= gone).collect();
+    let slowest = without
+        .iter()
+        .map(|a| a.received - a.sent)
+        .max()
+        .expect("requests sent without a replica");
+    eprintln!(
+        "no replica: the slowest of {} answers took {slowest:?}",
+        without.len()
+    );
+    assert!(
+        slowest <= NO_REPLICA_ANSWERED,
+        "the slowest answer with no replica left took {slowest:?}"
+    );
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains("replica") && body.contains("--redis-confirm-replicas"),
+        "{body}"
+    );
+    assert!(
+        without
+            .iter()
+            .filter(|a| a.sent >= told)
+            .all(|a| !a.decided),
+        "nothing is decided while no replica can confirm"
+    );
+    let log = sluice.log_text();
+    assert_eq!(
+        log.matches("too few for --redis-confirm-replicas").count(),
+        1,
+        "said once: {log}"
+    );
+
+    replica.start();
+    wait_in_sync(&replica);
+    let callers = load(&sluice, Instant::now() + RESUME).await;
+    let answers = gather(callers).await;
+    assert!(
+        answers.iter().any(|a| a.decided),
+        "decisions resume once a replica is attached again"
+    );
+    let (status, body) = common::settled(
+        Duration::from_secs(10),
+        || readyz(&sluice),
+        |(status, _)| *status == 200,
+    )
+    .await;
+    assert_eq!(status, 200, "ready again: {body}");
 }
 
 /// The limit the callers race for.

@@ -45,6 +45,14 @@ impl Gauges {
                 ConstGauge::new(open as i64),
             );
         }
+        if let Some(short) = self.backend.unreplicated_primaries() {
+            r.register(
+                "sluice_store_unreplicated_primaries",
+                "Redis primaries with fewer replicas attached than --redis-confirm-replicas asks \
+                 for: their requests get --on-store-error at once",
+                ConstGauge::new(short as i64),
+            );
+        }
         if let Some(live) = self.backend.live_counters() {
             r.register(
                 "sluice_memory_counters",

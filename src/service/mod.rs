@@ -198,7 +198,8 @@ const ERL_HEALTH: &str = "ratelimit";
 const WATCHERS_SEE: Duration = Duration::from_millis(100);
 
 /// Whether sluice can answer from its rules and its store: rules are loaded, the store is
-/// reachable and it is not shutting down. Reported by `/readyz` and by gRPC health.
+/// reachable, the replicas `--redis-confirm-replicas` asks for are attached, and it is not
+/// shutting down. Reported by `/readyz` and by gRPC health.
 #[derive(Clone)]
 pub struct Readiness {
     rules: Rules,
@@ -210,7 +211,8 @@ pub struct Readiness {
 }
 
 impl Readiness {
-    /// `None` when ready, else why not (for an unreachable store, the cause last seen).
+    /// `None` when ready, else why not (for an unreachable store, the cause last seen; for
+    /// missing replicas, the primaries that lack them).
     pub fn problem(&self) -> Option<String> {
         if self.shutdown.fired() {
             Some("shutting down".into())
@@ -222,7 +224,7 @@ impl Readiness {
                 None => "the counter store is unreachable".into(),
             })
         } else {
-            None
+            self.backend.unconfirmable()
         }
     }
 

@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 pub use demand::{Change, Division, Listed, Settle};
 pub use guard::Deadline;
 pub use memory::{MemoryStore, Percent, Stored};
-pub use redis::{RedisStore, RedisTls, redis_key};
+pub use redis::{RedisStore, RedisTls, Replicas, redis_key};
 
 use crate::limiter::{Check, CounterKey, Decision};
 use guard::{Breakers, Guard};
@@ -33,8 +33,9 @@ pub enum Backend {
         url: String,
         key_prefix: String,
         tls: Option<RedisTls>,
-        /// Replicas that must acknowledge a decision's writes before it is answered; 0 for none.
-        confirm_replicas: u32,
+        /// The replicas that must acknowledge a decision's writes before it is answered, and
+        /// those each primary has.
+        replicas: Replicas,
         /// The breakers of every store opened on this deployment: it is reachable when all are
         /// closed.
         breakers: Breakers,
@@ -74,7 +75,7 @@ impl Backend {
             url,
             key_prefix,
             tls,
-            confirm_replicas,
+            replicas: Replicas::new(confirm_replicas),
             breakers: Breakers::default(),
         }
     }
@@ -91,17 +92,12 @@ impl Backend {
                 url,
                 key_prefix,
                 tls,
-                confirm_replicas,
+                replicas,
                 breakers,
             } => {
                 let breaker = breakers.breaker();
-                let store = RedisStore::connect(
-                    url,
-                    key_prefix,
-                    tls.as_ref(),
-                    *confirm_replicas,
-                    breaker.clone(),
-                )?;
+                let store =
+                    RedisStore::connect(url, key_prefix, tls.as_ref(), replicas, breaker.clone())?;
                 breakers.add(breaker.clone());
                 Ok(Store {
                     guard: Guard::new(Some(breaker)),
@@ -152,6 +148,26 @@ impl Backend {
         }
     }
 
+    /// Why decisions cannot be confirmed now (`--redis-confirm-replicas`): the primaries with
+    /// fewer replicas attached than asked; `None` when none is known to.
+    pub fn unconfirmable(&self) -> Option<String> {
+        match self {
+            Backend::Memory(_) => None,
+            Backend::Redis { replicas, .. } => replicas.problem(),
+        }
+    }
+
+    /// Primaries known to have fewer replicas than `--redis-confirm-replicas` asks for; `None`
+    /// without confirmation.
+    pub fn unreplicated_primaries(&self) -> Option<usize> {
+        match self {
+            Backend::Redis { replicas, .. } if replicas.asked() > 0 => {
+                Some(replicas.short_primaries())
+            }
+            _ => None,
+        }
+    }
+
     /// Redis breakers open now; `None` on the embedded store.
     pub fn open_breakers(&self) -> Option<usize> {
         match self {
@@ -168,11 +184,19 @@ impl Backend {
         }
     }
 
-    /// Woken whenever `reachable` may have changed; one waiter only (gRPC health's).
+    /// Woken whenever `reachable` or `unconfirmable` may have changed; one waiter only (gRPC
+    /// health's).
     pub async fn changed(&self) {
         match self {
             Backend::Memory(_) => std::future::pending().await,
-            Backend::Redis { breakers, .. } => breakers.changed().await,
+            Backend::Redis {
+                breakers, replicas, ..
+            } => {
+                tokio::select! {
+                    () = breakers.changed() => {}
+                    () = replicas.changed() => {}
+                }
+            }
         }
     }
 }
@@ -264,6 +288,17 @@ pub enum StoreError {
         /// Replicas asked for.
         asked: u32,
     },
+    /// The primary serving the request's counters has fewer replicas attached than
+    /// `--redis-confirm-replicas` asks for: nothing could confirm its writes, so it was not sent.
+    /// Redis answered, so it is not counted as down.
+    Unreplicated {
+        /// The primary, `host:port`.
+        node: String,
+        /// Replicas attached to it.
+        attached: u32,
+        /// Replicas asked for.
+        asked: u32,
+    },
     /// The Redis URL or options are wrong.
     Config(String),
 }
@@ -292,6 +327,15 @@ impl fmt::Display for StoreError {
                 "{confirmed} of the {asked} replica(s) --redis-confirm-replicas asks for \
                  acknowledged the writes in time"
             ),
+            StoreError::Unreplicated {
+                node,
+                attached,
+                asked,
+            } => write!(
+                f,
+                "Redis {node} has {attached} replica(s) attached, fewer than the {asked} \
+                 --redis-confirm-replicas asks for"
+            ),
             StoreError::Unavailable(why) | StoreError::Config(why) => f.write_str(why),
         }
     }
@@ -309,16 +353,20 @@ impl StoreError {
             StoreError::Unavailable(_) | StoreError::Config(_) => "unavailable",
             StoreError::Data { .. } => "data",
             StoreError::Redirected => "redirected",
-            StoreError::Unconfirmed { .. } => "unconfirmed",
+            StoreError::Unconfirmed { .. } | StoreError::Unreplicated { .. } => "unconfirmed",
         }
     }
 
     /// Redis answered, and the request failed by what it found: a key it cannot read, a slot
-    /// on the move, or replicas that did not confirm. It says nothing of whether Redis is up.
+    /// on the move, or replicas that did not confirm or are not there. It says nothing of
+    /// whether Redis is up.
     pub fn answered(&self) -> bool {
         matches!(
             self,
-            StoreError::Data { .. } | StoreError::Redirected | StoreError::Unconfirmed { .. }
+            StoreError::Data { .. }
+                | StoreError::Redirected
+                | StoreError::Unconfirmed { .. }
+                | StoreError::Unreplicated { .. }
         )
     }
 }

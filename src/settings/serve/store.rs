@@ -31,8 +31,9 @@ pub struct StoreFlags {
     redis_key: Option<PathBuf>,
     /// Answer a decision only once this many replicas acknowledge its writes (Redis WAIT, within
     /// the store deadline); a request whose writes are not acknowledged in time is refunded and
-    /// gets the --on-store-error answer. A failover to a replica that lagged then under-admits
-    /// rather than over-admits. 0: answer as soon as the primary has the writes.
+    /// gets the --on-store-error answer, as does at once every request on a primary with fewer
+    /// replicas attached (and /readyz is not ready meanwhile). A failover to a replica that lagged
+    /// then under-admits rather than over-admits. 0: answer as soon as the primary has the writes.
     #[arg(
         long,
         env = "SLUICE_REDIS_CONFIRM_REPLICAS",

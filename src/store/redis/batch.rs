@@ -20,7 +20,7 @@ use crate::telemetry::metrics::METRICS;
 use crate::telemetry::traces;
 
 /// Script calls in flight at once; requests arriving meanwhile wait for the next.
-const CALLS_IN_FLIGHT: usize = 2;
+pub(super) const CALLS_IN_FLIGHT: usize = 2;
 /// Counters one batched call may carry, so that one call keeps Redis busy for a bounded time.
 const COUNTERS_PER_CALL: usize = 256;
 

@@ -1,24 +1,28 @@
 //! Connections to Redis: the URL forms (standalone, TLS, Sentinel, Cluster), the reconnect policy,
 //! the replies that mean a connection reaches a node that is no longer a primary (`WRONG_NODE`),
-//! and the probe that loads the scripts and pings, closing and opening the store's breaker.
+//! the probe that loads the scripts and pings, closing and opening the store's breaker, the
+//! connections confirmed calls run on (`Lanes`), and the reading of the primaries' replicas.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
 use fred::bytes_utils::Str;
 use fred::clients::WithOptions;
-use fred::interfaces::ClientLike;
+use fred::interfaces::{ClientLike, ClusterInterface};
 use fred::prelude::*;
 use fred::socket2::TcpKeepalive;
 use fred::types::config::ReconnectError;
 use fred::types::scripts::Script;
-use fred::types::{ClusterHash, CustomCommand, FromValue};
+use fred::types::{ClusterHash, CustomCommand, FromValue, InfoKind};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, broadcast, mpsc};
+use tokio::time::Instant;
 
 use super::RedisTls;
+use super::replicas::{self, Primary, Replicas};
 use crate::store::guard::Breaker;
 use crate::store::{StoreError, Told};
 use crate::telemetry::Throttle;
@@ -81,7 +85,8 @@ impl Conn {
 
     /// Waits, at most `timeout`, for `replicas` replicas of the node that serves `slot` to
     /// acknowledge every write this connection sent it so far (`WAIT`): `Unconfirmed` when
-    /// fewer do in time.
+    /// fewer do in time. Redis holds every later command of the connection until it answers:
+    /// send it only on a lane (`Lanes`).
     pub(super) async fn confirm(
         &self,
         slot: ClusterHash,
@@ -111,6 +116,139 @@ impl Conn {
             script.load(&self.client).await?;
         }
         Ok(())
+    }
+
+    /// Every primary reached now, with its slots and the replicas its `INFO replication` counts
+    /// as attached; unknown for a primary that does not answer in `REFRESH`. A node that answers
+    /// as a replica is left out.
+    async fn primaries(&self) -> Vec<Primary> {
+        let mut slots: BTreeMap<Server, Vec<(u16, u16)>> = BTreeMap::new();
+        let routing = self.clustered().then(|| self.client.cached_cluster_state());
+        if let Some(routing) = routing.flatten() {
+            for range in routing.slots() {
+                slots
+                    .entry(range.primary.clone())
+                    .or_default()
+                    .push((range.start, range.end));
+            }
+        } else if let Some(server) = self.client.active_connections().into_iter().next() {
+            slots.insert(server, vec![(0, u16::MAX)]);
+        }
+        let mut primaries = Vec::with_capacity(slots.len());
+        for (server, slots) in slots {
+            let node = self.client.with_options(&Options {
+                cluster_node: self.clustered().then(|| server.clone()),
+                fail_fast: true,
+                timeout: Some(replicas::REFRESH),
+                ..Default::default()
+            });
+            let attached = match node.info::<String>(Some(InfoKind::Replication)).await {
+                Ok(info) => match replicas::attached(&info) {
+                    Some(attached) => Some(attached),
+                    // A demoted node behind a fixed address or a Sentinel: the script calls,
+                    // on their lanes, meet its READONLY and reconnect; this connection, which
+                    // carries none, reconnects now to follow them.
+                    None => {
+                        if !self.clustered() {
+                            let _ = self.client.force_reconnection().await;
+                        }
+                        continue;
+                    }
+                },
+                Err(_) => None,
+            };
+            primaries.push(Primary {
+                name: format!("{}:{}", server.host, server.port),
+                slots,
+                attached,
+            });
+        }
+        primaries
+    }
+}
+
+/// Reads the replicas of every primary `conn` reaches into `replicas`, every `REFRESH` and
+/// whenever a `WAIT` found fewer than asked, for as long as the process runs.
+pub(super) async fn watch_replicas(conn: Conn, replicas: Replicas) {
+    loop {
+        let primaries = conn.primaries().await;
+        if !primaries.is_empty() {
+            replicas.read(primaries);
+        }
+        replicas.next_read().await;
+    }
+}
+
+/// Connections of their own for the script calls whose writes replicas confirm: each carries
+/// one call and its `WAIT` at a time, so that no other command waits behind that `WAIT`.
+pub(super) struct Lanes {
+    all: Vec<Conn>,
+    free: Mutex<Vec<Conn>>,
+    permits: Arc<Semaphore>,
+}
+
+/// A lane taken for one call, given back when dropped.
+pub(super) struct Lane {
+    conn: Option<Conn>,
+    lanes: Arc<Lanes>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Lanes {
+    /// `n` connections to `url`, each a client of its own.
+    pub(super) fn connect(
+        url: &str,
+        tls: Option<&RedisTls>,
+        n: usize,
+    ) -> Result<Arc<Lanes>, StoreError> {
+        let all = (0..n)
+            .map(|_| Conn::connect(url, tls))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Arc::new(Lanes {
+            free: Mutex::new(all.clone()),
+            all,
+            permits: Arc::new(Semaphore::new(n)),
+        }))
+    }
+
+    /// A free lane, waiting for one until `deadline` at most.
+    pub(super) async fn take(self: &Arc<Self>, deadline: Instant) -> Option<Lane> {
+        let permit = self.permits.clone().acquire_owned();
+        let permit = tokio::time::timeout_at(deadline, permit).await.ok()?.ok()?;
+        let conn = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        Some(Lane {
+            conn,
+            lanes: self.clone(),
+            _permit: permit,
+        })
+    }
+
+    /// Whether every lane answers a `PING`, waiting for its connection.
+    async fn ping(&self) -> Result<(), Error> {
+        for lane in &self.all {
+            lane.client.ping::<()>(None).await?;
+        }
+        Ok(())
+    }
+}
+
+impl Lane {
+    pub(super) fn conn(&self) -> &Conn {
+        self.conn
+            .as_ref()
+            .expect("a lane holds its connection until dropped")
+    }
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            self.lanes
+                .free
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(conn);
+        }
     }
 }
 
@@ -233,11 +371,16 @@ pub(super) fn failed(e: Error) -> StoreError {
     StoreError::Unavailable(format!("redis: {e}"))
 }
 
-/// While the breaker is open, loads the `scripts` on every primary, every `PROBE_INTERVAL`; once
-/// that succeeds, closes it. A load waits while the client reconnects, and for a paused Redis to
+/// While the breaker is open, loads the `scripts` on every primary (and pings every lane, when
+/// there are lanes), every `PROBE_INTERVAL`; once that succeeds, closes it. A load waits while the client reconnects, and for a paused Redis to
 /// resume, so it succeeds as soon as Redis answers again. While the breaker is closed, pings
 /// Redis every `PING_INTERVAL` and opens it when no answer comes within that time.
-pub(super) async fn probe(conn: Conn, scripts: Vec<Script>, breaker: Arc<Breaker>) {
+pub(super) async fn probe(
+    conn: Conn,
+    lanes: Option<Arc<Lanes>>,
+    scripts: Vec<Script>,
+    breaker: Arc<Breaker>,
+) {
     let config = conn.client.client_config();
     let tls_to: Arc<[Server]> = if config.tls.is_some() {
         config.server.hosts().into()
@@ -257,7 +400,11 @@ pub(super) async fn probe(conn: Conn, scripts: Vec<Script>, breaker: Arc<Breaker
     loop {
         tick.tick().await;
         if breaker.is_open() {
-            match conn.load(&scripts).await {
+            let reached = match &lanes {
+                Some(lanes) => conn.load(&scripts).await.and(lanes.ping().await),
+                None => conn.load(&scripts).await,
+            };
+            match reached {
                 Ok(()) => breaker.close(),
                 Err(e) => {
                     let (kind, detail) = diagnosed(&e, &tls_to).await;

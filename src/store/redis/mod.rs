@@ -22,12 +22,15 @@
 //! With `--redis-confirm-replicas`, each check call is followed by a `WAIT` on its connection,
 //! bounded by the deadline: what the replicas did not acknowledge in time is refunded and its
 //! requests fail (`StoreError::Unconfirmed`), so that a replica promoted after losing the last
-//! writes finds every admitted request counted.
+//! writes finds every admitted request counted. Those calls run on lanes, connections of their
+//! own, so that no other command waits behind a `WAIT` (`conn::Lanes`); and a primary known to
+//! have fewer replicas than asked gets no call at all (`replicas`).
 
 mod batch;
 mod cluster;
 mod conn;
 mod records;
+mod replicas;
 mod script;
 mod tls;
 
@@ -43,10 +46,16 @@ use super::guard::{self, Breaker, Queue};
 use super::{Deadline, StoreError, Told};
 use crate::limiter::{Check, CounterKey, Decision};
 use batch::Pending;
-use conn::Conn;
+use conn::{Conn, Lanes};
 use records::Record;
-use script::Scripts;
+pub use replicas::Replicas;
+use script::{Confirm, Scripts};
 pub use tls::RedisTls;
+
+/// Lanes of a store on a Cluster, where every request calls on its own: confirmed calls beyond
+/// these wait for a free lane, until their deadline at most. On one server the batched calls in
+/// flight (`batch::CALLS_IN_FLIGHT`) have a lane each.
+const CLUSTER_LANES: usize = 8;
 
 pub struct RedisStore {
     scripts: Scripts,
@@ -62,18 +71,35 @@ impl RedisStore {
     /// connects in the background, retrying with backoff, and its `breaker` stays open until the
     /// probe has loaded the scripts on every primary. `tls`, given for a TLS URL, replaces the
     /// client's default (the system's CAs, no client certificate). A decision is answered once
-    /// `confirm_replicas` replicas acknowledge its writes (0: at once). Fails only on a
+    /// the replicas `replicas` asks for acknowledge its writes (none: at once). Fails only on a
     /// malformed URL.
     pub fn connect(
         url: &str,
         prefix: &str,
         tls: Option<&RedisTls>,
-        confirm_replicas: u32,
+        replicas: &Replicas,
         breaker: Arc<Breaker>,
     ) -> Result<Self, StoreError> {
         let conn = Conn::connect(url, tls)?;
-        let scripts = Scripts::new(conn.clone(), quota_channel(prefix), confirm_replicas);
-        tokio::spawn(conn::probe(conn.clone(), scripts.all(), breaker));
+        let confirm = if replicas.asked() > 0 {
+            let lanes = if conn.clustered() {
+                CLUSTER_LANES
+            } else {
+                batch::CALLS_IN_FLIGHT
+            };
+            Some(Confirm {
+                lanes: Lanes::connect(url, tls, lanes)?,
+                replicas: replicas.clone(),
+            })
+        } else {
+            None
+        };
+        if replicas.reader() {
+            tokio::spawn(conn::watch_replicas(conn.clone(), replicas.clone()));
+        }
+        let lanes = confirm.as_ref().map(|c| c.lanes.clone());
+        let scripts = Scripts::new(conn.clone(), quota_channel(prefix), confirm);
+        tokio::spawn(conn::probe(conn.clone(), lanes, scripts.all(), breaker));
         let queue = (!conn.clustered()).then(|| {
             let (queue, waiting) = guard::queue();
             tokio::spawn(batch::run(scripts.clone(), waiting));

@@ -2,13 +2,16 @@
 //! each sent by `EVALSHA` (its source by `EVAL` after a `NOSCRIPT`), their arguments encoded and
 //! their replies read back; and what a request charged, for the refund of a caller that gave up.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use fred::prelude::Value;
 use fred::types::scripts::Script;
 use fred::types::{ClusterHash, CustomCommand, FromValue};
 use tokio::time::Instant;
 
-use super::conn::{self, Conn};
+use super::conn::{self, Conn, Lanes};
+use super::replicas::Replicas;
 use crate::limiter::algorithm::Verdict;
 use crate::limiter::{Algorithm, Check, Counting, Item, Mode, Step};
 use crate::store::StoreError;
@@ -32,8 +35,16 @@ pub(super) struct Scripts {
     check: Lua,
     undo: Lua,
     demand: Lua,
-    /// Replicas that must acknowledge a check's writes (`--redis-confirm-replicas`); 0: none.
-    confirm_replicas: u32,
+    /// With `--redis-confirm-replicas`, how check calls are confirmed; `None` without.
+    confirm: Option<Confirm>,
+}
+
+/// How the replicas confirm a check's writes: on a lane of its own, and only when the primary has
+/// the replicas.
+#[derive(Clone)]
+pub(super) struct Confirm {
+    pub(super) lanes: Arc<Lanes>,
+    pub(super) replicas: Replicas,
 }
 
 /// A script: its source, for `EVAL` after a `NOSCRIPT`, and its SHA-1.
@@ -53,8 +64,8 @@ impl Lua {
 
     /// The slot that picks the node (the keys share one: one call per slot on a Cluster), and
     /// the `EVALSHA` arguments.
-    fn call(&self, keys: Vec<Bytes>, args: Vec<Value>) -> (ClusterHash, Vec<Value>) {
-        let slot = ClusterHash::Custom(keys.first().map_or(0, |k| fred::util::redis_keyslot(k)));
+    fn call(&self, keys: Vec<Bytes>, args: Vec<Value>) -> (u16, Vec<Value>) {
+        let slot = keys.first().map_or(0, |k| fred::util::redis_keyslot(k));
         let mut command = Vec::with_capacity(2 + keys.len() + args.len());
         command.push(Value::from(self.script.sha1().clone()));
         command.push(Value::from(keys.len() as i64));
@@ -80,14 +91,14 @@ pub(super) struct Ran {
 }
 
 impl Scripts {
-    pub(super) fn new(conn: Conn, channel: Bytes, confirm_replicas: u32) -> Self {
+    pub(super) fn new(conn: Conn, channel: Bytes, confirm: Option<Confirm>) -> Self {
         Scripts {
             conn,
             channel,
             check: Lua::new(include_str!("../../../lua/check.lua")),
             undo: Lua::new(include_str!("../../../lua/undo.lua")),
             demand: Lua::new(include_str!("../../../lua/demand.lua")),
-            confirm_replicas,
+            confirm,
         }
     }
 
@@ -108,73 +119,85 @@ impl Scripts {
         args: Vec<Value>,
     ) -> Result<R, StoreError> {
         let (slot, command) = lua.call(keys, args);
-        let evalsha = CustomCommand::new_static("EVALSHA", slot.clone(), false);
+        let evalsha = CustomCommand::new_static("EVALSHA", ClusterHash::Custom(slot), false);
         match self.conn.send(evalsha, command.clone()).await {
-            Err(e) if e.details().starts_with("NOSCRIPT") => self.resend(lua, slot, command).await,
+            Err(e) if e.details().starts_with("NOSCRIPT") => {
+                resend(&self.conn, lua, slot, command).await
+            }
             other => other.map_err(conn::failed),
         }
     }
 
-    /// `command` again, by `EVAL` with `lua`'s source, after a `NOSCRIPT`.
-    async fn resend<R: FromValue>(
-        &self,
-        lua: &Lua,
-        slot: ClusterHash,
-        mut command: Vec<Value>,
-    ) -> Result<R, StoreError> {
-        command[0] = Value::from_static_str(lua.source);
-        let eval = CustomCommand::new_static("EVAL", slot, false);
-        self.conn.send(eval, command).await.map_err(conn::failed)
-    }
-
     /// One call of the check script over requests whose counters are `keys`, with `args`
     /// encoded by `encode` one request after another; its reply, read by `split_head` and
-    /// `take_request`. With `--redis-confirm-replicas`, a `WAIT` follows it, bounded by what is
-    /// left until `deadline` less a fifth, kept for the answer to travel back.
+    /// `take_request`. With `--redis-confirm-replicas`, it is not sent at all to a primary known
+    /// to have fewer replicas than asked (`StoreError::Unreplicated`); else it runs on a lane
+    /// (waiting for a free one until `deadline`) with a `WAIT` behind it, bounded by what is left
+    /// until `deadline` less a fifth, kept for the answer to travel back.
     pub(super) async fn check(
         &self,
         keys: Vec<Bytes>,
         requests: Vec<Value>,
         deadline: Instant,
     ) -> Result<Checked, StoreError> {
-        let replicas = self.confirm_replicas;
         // With confirmation the reply names the node, so that a refund lands only where the
         // charge did.
         let mut args = Vec::with_capacity(1 + requests.len());
-        args.push(flag(replicas > 0));
+        args.push(flag(self.confirm.is_some()));
         args.extend(requests);
-        if replicas == 0 {
+        let Some(confirm) = &self.confirm else {
             let reply = self.eval(&self.check, keys, args).await?;
             return Ok(Checked {
                 reply,
                 confirmed: Ok(()),
             });
-        }
-        let confirm = |slot: ClusterHash| {
-            let left = deadline.saturating_duration_since(Instant::now());
-            self.conn.confirm(slot, replicas, left - left / 5)
         };
+        let replicas = confirm.replicas.asked();
         let (slot, command) = self.check.call(keys, args);
-        let evalsha = CustomCommand::new_static("EVALSHA", slot.clone(), false);
-        let sent = self.conn.send::<Vec<Value>>(evalsha, command.clone());
-        // On one server the WAIT rides right behind the script on its connection: one round
-        // trip. On a Cluster the script may be redirected (MOVED, ASK), so the WAIT follows its
-        // answer, to the node that serves the slot then.
-        let (ran, confirmed) = if self.conn.clustered() {
+        if let Some((node, attached)) = confirm.replicas.short(slot) {
+            return Err(StoreError::Unreplicated {
+                node,
+                attached,
+                asked: replicas,
+            });
+        }
+        // Held until the call and its WAIT are answered: the lane carries nothing else meanwhile.
+        let taken = confirm
+            .lanes
+            .take(deadline)
+            .await
+            .ok_or(StoreError::Timeout)?;
+        let lane = taken.conn();
+        let confirmation = || async {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let confirmed = lane
+                .confirm(ClusterHash::Custom(slot), replicas, left - left / 5)
+                .await;
+            if let Err(StoreError::Unconfirmed { .. }) = confirmed {
+                confirm.replicas.read_again();
+            }
+            confirmed
+        };
+        let evalsha = CustomCommand::new_static("EVALSHA", ClusterHash::Custom(slot), false);
+        let sent = lane.send::<Vec<Value>>(evalsha, command.clone());
+        // On one server the WAIT rides right behind the script on the lane: one round trip. On a
+        // Cluster the script may be redirected (MOVED, ASK), so the WAIT follows its answer, to
+        // the node that serves the slot then.
+        let (ran, confirmed) = if lane.clustered() {
             let ran = sent.await;
             let confirmed = match ran {
-                Ok(_) => confirm(slot.clone()).await,
+                Ok(_) => confirmation().await,
                 Err(_) => Ok(()),
             };
             (ran, confirmed)
         } else {
-            futures_util::join!(sent, confirm(slot.clone()))
+            futures_util::join!(sent, confirmation())
         };
         match ran {
             // The WAIT ran before the script's source did: it has to be asked again.
             Err(e) if e.details().starts_with("NOSCRIPT") => {
-                let reply = self.resend(&self.check, slot.clone(), command).await?;
-                let confirmed = confirm(slot).await;
+                let reply = resend(lane, &self.check, slot, command).await?;
+                let confirmed = confirmation().await;
                 Ok(Checked { reply, confirmed })
             }
             ran => Ok(Checked {
@@ -247,6 +270,18 @@ impl Scripts {
             .await?;
         read_demands(reply, &keys)
     }
+}
+
+/// `command` again on `conn`, by `EVAL` with `lua`'s source, after a `NOSCRIPT`.
+async fn resend<R: FromValue>(
+    conn: &Conn,
+    lua: &Lua,
+    slot: u16,
+    mut command: Vec<Value>,
+) -> Result<R, StoreError> {
+    command[0] = Value::from_static_str(lua.source);
+    let eval = CustomCommand::new_static("EVAL", ClusterHash::Custom(slot), false);
+    conn.send(eval, command).await.map_err(conn::failed)
 }
 
 /// What `lua/undo.lua` needs to take back what a request wrote on one of its counters, beside
