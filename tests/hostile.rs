@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use common::envoy::{
     Envoy, Filter, UPSTREAM_BODY, Upstream, envoy_binary, get_with_headers, header,
 };
-use common::{HOUR, OK, OVER_LIMIT, Sluice, Wait, http, in_one_window, request};
+use common::{HOUR, OK, OVER_LIMIT, Sluice, Wait, http, in_one_window, memory_kb, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use tonic::Code;
@@ -200,16 +200,6 @@ async fn a_non_utf8_value_sent_over_grpc_is_counted_not_rejected() {
         assert_eq!(r.statuses[0].limit_remaining, LIMIT as u32 - 1);
     })
     .await;
-}
-
-/// A field of /proc/PID/status, in kB (`VmRSS`, `VmHWM`).
-fn memory_kb(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/PID/status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{field} in /proc/{pid}/status"))
 }
 
 #[tokio::test(flavor = "multi_thread")]

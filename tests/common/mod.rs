@@ -649,3 +649,13 @@ pub fn exchange(addr: SocketAddr, request: &[u8]) -> (u16, Vec<(String, String)>
         .collect();
     (status, headers, body.to_owned())
 }
+
+/// A field of /proc/PID/status, in kB (`VmRSS`, `VmHWM`).
+pub fn memory_kb(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/PID/status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{field} in /proc/{pid}/status"))
+}
