@@ -66,7 +66,7 @@ impl RuleSet {
         let Some(top) = self.domains.get(domain) else {
             return Stop::UnknownDomain;
         };
-        let level = parent.map_or(top, |n| &n.children);
+        let level = parent.map_or(top, |n| n.children());
         if level.by_key.is_empty() {
             Stop::DeeperThanRules
         } else if !level.by_key.contains_key(key) {

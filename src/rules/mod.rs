@@ -20,7 +20,7 @@ pub use quota::QuotaRule;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::SystemTime;
 
 use memchr::memmem;
@@ -138,7 +138,16 @@ pub struct Node {
     pub metadata: Option<Box<serde_json::Map<String, serde_json::Value>>>,
     detailed_metric: bool,
     value_to_metric: bool,
-    children: Level,
+    /// `None` for a leaf, as most rules are: an empty table would cost each one 48 bytes.
+    children: Option<Box<Level>>,
+}
+
+impl Node {
+    /// The rules under this one.
+    fn children(&self) -> &Level {
+        static NONE: LazyLock<Level> = LazyLock::new(Level::default);
+        self.children.as_deref().unwrap_or(&NONE)
+    }
 }
 
 /// A value with `*` wildcards, each matching any run of bytes.
@@ -258,7 +267,7 @@ impl RuleSet {
                     .chain(any)
                 {
                     paths.insert((node.stats.domain(), node.path()));
-                    levels.push(&node.children);
+                    levels.push(node.children());
                 }
             }
         }
@@ -312,7 +321,7 @@ impl RuleSet {
             let branches = level.by_key.get(*key)?;
             let (next, how) = branches.find(value)?;
             visit(next, how, key, value);
-            level = &next.children;
+            level = next.children();
             node = Some(next);
         }
         node
@@ -405,7 +414,7 @@ impl Level {
                 },
                 detailed_metric: d.detailed_metric,
                 value_to_metric: d.value_to_metric,
-                children,
+                children: (!children.by_key.is_empty()).then(|| Box::new(children)),
             };
             let branches = self.by_key.entry(d.key.into_bytes()).or_default();
             match d.value {
@@ -480,7 +489,7 @@ descriptors:
         // A rule set of many rules is mostly nodes in hash tables: each byte here counts once
         // per rule, and more where the table is sparse. The rule's path lives in its stats.
         assert!(
-            std::mem::size_of::<Node>() <= 120,
+            std::mem::size_of::<Node>() <= 80,
             "{}",
             std::mem::size_of::<Node>()
         );
