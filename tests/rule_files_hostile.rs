@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use common::metrics::scrape;
 use common::redis::signal;
 use common::{
-    HOUR, OK, OVER_LIMIT, Sluice, eventually, http, in_one_window, linked_from_outside,
-    outside_file, request,
+    HOUR, OK, OVER_LIMIT, Sluice, Wait, eventually, http, in_one_window, linked_from_outside,
+    memory_kb, outside_file, request,
 };
 use envoy_types::pb::google::protobuf::{Struct, value::Kind};
 
@@ -438,6 +438,32 @@ async fn healthz_and_decisions_answer_while_a_large_rule_file_loads() {
             .map(|l| l.requests_per_unit),
         Some(5)
     );
+}
+
+/// Rules loaded to measure what each one holds.
+const MEASURED_RULES: usize = 20_000;
+/// The most resident memory one rule of `many_rules` may add, in bytes.
+const MOST_BYTES_PER_RULE: u64 = 450;
+
+/// 20,000 rules add under `MOST_BYTES_PER_RULE` each to the resident memory of a sluice started
+/// with them, against one started with one rule, the allocator told to return freed pages at
+/// once so that only what the rules hold counts.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rule_holds_under_450_bytes() {
+    let resident_kb = async |rules: usize| {
+        let wrapper = Some("export MIMALLOC_PURGE_DELAY=0;");
+        let files = [("big.yaml", many_rules("big", rules))];
+        let files: Vec<(&str, &str)> = files.iter().map(|(n, t)| (*n, t.as_str())).collect();
+        let sluice = Sluice::spawn(&files, &[], wrapper, Wait::Serving).await;
+        // The settled size: what the load's parsing freed is given back by then.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        memory_kb(sluice.pid(), "VmRSS")
+    };
+    let grown = resident_kb(MEASURED_RULES)
+        .await
+        .saturating_sub(resident_kb(1).await);
+    let per_rule = grown * 1024 / MEASURED_RULES as u64;
+    assert!(per_rule < MOST_BYTES_PER_RULE, "{per_rule} bytes a rule");
 }
 
 /// Past `--max-config-bytes` (across the directory), a reload is refused with an error naming

@@ -1,15 +1,17 @@
 //! Who is being limited right now: under a load where three clients exceed their limit among
 //! 10,000 others, `/top` and `sluice top --once` name those three first, with counts and rates
 //! within the error they state; `--top-values hash` and `hide` never show a value;
-//! `--top-capacity 0` switches the view off.
+//! `--top-capacity 0` switches the view off; forty clients reading it at once share its renders,
+//! leaving the probes quick and the memory bounded.
 
 mod common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
-use common::{HOUR, OVER_LIMIT, Sluice, http, in_one_window, request};
+use common::{HOUR, OVER_LIMIT, Sluice, http, in_one_window, memory_kb, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 
 const RULES: &str = "domain: edge\ndescriptors:\n  - key: remote_address\n    rate_limit: {unit: hour, requests_per_unit: 20}\n";
@@ -192,4 +194,79 @@ async fn a_capacity_of_zero_switches_the_view_off() {
     assert_eq!(http(sluice.http, "GET", "/top", "").0, 404);
     let (ok, out) = sluice_top(sluice.http, &[]);
     assert!(!ok && out.contains("404"), "{out}");
+}
+
+/// Rules of the populated view, each with a sketch of its own.
+const FULL_RULES: usize = 8;
+/// Clients reading `/top?n=1000` at once, and the reads of each.
+const READERS: usize = 40;
+const READS: usize = 2;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn forty_clients_reading_a_full_top_view_at_once_leave_probes_quick_and_memory_bounded() {
+    let rules: String = (0..FULL_RULES)
+        .map(|k| format!("  - key: k{k}\n    rate_limit: {{unit: hour, requests_per_unit: 0}}\n"))
+        .collect();
+    let rules = format!("domain: full\ndescriptors:\n{rules}");
+    let flags = [
+        "--top-capacity",
+        "1024",
+        "--top-rules",
+        &FULL_RULES.to_string(),
+    ];
+    let sluice = Sluice::start_with(&[("rules.yaml", &rules)], &flags).await;
+    // Every counter of every rule's sketches taken (denied and hit), by values of 250 bytes.
+    let requests = (0..1_500)
+        .map(|n| {
+            let value = format!("{n:0>250}");
+            let keys: Vec<String> = (0..FULL_RULES).map(|k| format!("k{k}")).collect();
+            let descriptors: Vec<[(&str, &str); 1]> = keys
+                .iter()
+                .map(|k| [(k.as_str(), value.as_str())])
+                .collect();
+            let descriptors: Vec<&[(&str, &str)]> = descriptors.iter().map(|d| &d[..]).collect();
+            request("full", &descriptors)
+        })
+        .collect();
+    assert_eq!(send(&sluice, requests).await, 1_500);
+    let minute = top(&sluice, "period=1m&n=1000");
+    assert_eq!(
+        minute["periods"][0]["denied"].as_array().unwrap().len(),
+        1_000
+    );
+
+    let pid = sluice.pid();
+    let before_kb = memory_kb(pid, "VmRSS");
+    // Resets VmHWM, the peak RSS, to the current RSS.
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").expect("clear_refs");
+    let admin = sluice.http;
+    let readers: Vec<_> = (0..READERS)
+        .map(|_| {
+            std::thread::spawn(move || {
+                for _ in 0..READS {
+                    let (status, _, body) = http(admin, "GET", "/top?n=1000", "");
+                    assert_eq!(status, 200, "{body}");
+                }
+            })
+        })
+        .collect();
+    let mut probes = Vec::new();
+    while readers.iter().any(|r| !r.is_finished()) {
+        let asked = Instant::now();
+        assert_eq!(http(admin, "GET", "/healthz", "").0, 200);
+        probes.push(asked.elapsed());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for reader in readers {
+        reader.join().expect("every read answered");
+    }
+    let grown_mb = memory_kb(pid, "VmHWM").saturating_sub(before_kb) / 1024;
+    let slowest = probes.iter().max().expect("probed");
+    // One render at a time: a few MB, where forty at once took hundreds.
+    assert!(grown_mb < 64, "the peak RSS grew by {grown_mb} MB");
+    // Generous for a busy machine: a probe waited seconds behind forty renders.
+    assert!(
+        slowest < &Duration::from_secs(2),
+        "/healthz took {slowest:?}: {probes:?}"
+    );
 }

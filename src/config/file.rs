@@ -370,7 +370,7 @@ impl Parser<'_> {
             line,
             key,
             value,
-            limits,
+            limits: limits.into(),
             mode,
             counting,
             lease,

@@ -11,6 +11,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
@@ -82,7 +83,8 @@ pub struct DescriptorConfig {
     pub key: String,
     /// The value to match: `None` matches any value; `*` in it matches any run of bytes.
     pub value: Option<String>,
-    pub limits: Vec<RuleLimit>,
+    /// Shared with the rule built from it, which the dumps read beside.
+    pub limits: Arc<[RuleLimit]>,
     pub mode: Mode,
     /// When hits are charged (`counting`), if the rule says; else the service's default.
     pub counting: Option<Counting>,

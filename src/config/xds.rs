@@ -546,7 +546,7 @@ impl Resource<'_> {
             if key.is_empty() {
                 self.error(|| at.path(), "descriptor has empty key");
             }
-            let limits = proto
+            let limits: Vec<RuleLimit> = proto
                 .rate_limit
                 .take()
                 .and_then(|policy| self.limit(policy, &at))
@@ -568,7 +568,7 @@ impl Resource<'_> {
                 line: 0,
                 key,
                 value,
-                limits,
+                limits: limits.into(),
                 mode: match (proto.shadow_mode, proto.quota_mode) {
                     (true, true) => Mode::ShadowQuota,
                     (true, false) => Mode::Shadow,

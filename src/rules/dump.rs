@@ -306,7 +306,7 @@ fn text_lines(parent: &str, d: &DescriptorConfig, out: &mut String) {
         Some(v) => format!("{parent}.{}_{v}", d.key),
         None => format!("{parent}.{}", d.key),
     };
-    for l in &d.limits {
+    for l in d.limits.iter() {
         let (unit, requests) = match &l.limit {
             Some(limit) => (
                 limit.unit.name().to_ascii_uppercase(),

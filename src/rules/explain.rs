@@ -66,7 +66,7 @@ impl RuleSet {
         let Some(top) = self.domains.get(domain) else {
             return Stop::UnknownDomain;
         };
-        let level = parent.map_or(top, |n| &n.children);
+        let level = parent.map_or(top, |n| n.children());
         if level.by_key.is_empty() {
             Stop::DeeperThanRules
         } else if !level.by_key.contains_key(key) {
@@ -78,6 +78,11 @@ impl RuleSet {
 }
 
 impl Node {
+    /// The rule's path, `key_value.key…`, as envoyproxy/ratelimit names the rule's stats.
+    pub fn path(&self) -> &str {
+        self.stats.rule_path()
+    }
+
     /// Where the rule is declared: `file:line` (`xds:<resource>` over xDS).
     pub fn source(&self) -> String {
         super::source(&self.file, self.line)
@@ -142,7 +147,7 @@ descriptors:
         assert!(matches!(w.steps[1].0, Matched::Exact));
         assert_eq!(w.steps[1].1.source(), "t.yaml:7");
         assert_eq!(w.stop, None);
-        assert_eq!(w.matched.expect("a match").node.path, "ip_10.*.path_/a");
+        assert_eq!(w.matched.expect("a match").node.path(), "ip_10.*.path_/a");
         let w = walk(&set, "d", &[("user", "ann")]);
         assert!(matches!(w.steps[0].0, Matched::Key));
     }

@@ -148,7 +148,7 @@ impl RuleSet {
                     descriptor_key.get_or_insert_with(|| DescriptorKey::new(domain, &counted));
                 // A limit override that no rule matched belongs to the descriptor's keys.
                 let rule = *rule.get_or_insert_with(|| match m {
-                    Some(m) => RuleId::of(domain, m.node.path.as_bytes()),
+                    Some(m) => RuleId::of(domain, m.node.path().as_bytes()),
                     None => RuleId::of(
                         domain,
                         &entries
@@ -229,7 +229,7 @@ impl RuleSet {
                         .map(|m| self.stats_of(domain, entries, m)),
                     metadata: match descriptor.limit {
                         Some(_) => None,
-                        None => m.as_ref().and_then(|m| m.node.metadata.as_ref()),
+                        None => m.as_ref().and_then(|m| m.node.metadata.as_deref()),
                     },
                 }
             } else {
@@ -256,7 +256,7 @@ impl RuleSet {
         }
         let name = self.metric_name(domain, entries, node);
         let domain = String::from_utf8_lossy(domain);
-        match METRICS.detailed(&domain, &name, &node.path) {
+        match METRICS.detailed(&domain, &name, node.path()) {
             Some(s) => Stats::Request(s),
             None => Stats::Rule(&node.stats),
         }

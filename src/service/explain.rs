@@ -248,7 +248,7 @@ fn explain_descriptor(
     let node = walk.matched.as_ref().map(|m| m.node);
     let rule = node.map(|node| Rule {
         source: node.source(),
-        path: node.path.clone(),
+        path: node.path().to_owned(),
         modes: node.modes(),
         share_threshold: node.share_threshold,
         limits: node.limits.iter().map(rule_limit_json).collect(),
@@ -353,7 +353,7 @@ fn stop_message(stop: Stop, walk: &Walk, descriptor: &RateLimitDescriptor, entry
     let key = text(&descriptor.entries[entry].key);
     let value = text(&descriptor.entries[entry].value);
     let under = match walk.steps.last() {
-        Some((_, node)) => format!("under rule `{}` ({})", node.path, node.source()),
+        Some((_, node)) => format!("under rule `{}` ({})", node.path(), node.source()),
         None => "at the top of the domain".to_owned(),
     };
     match stop {

@@ -10,6 +10,7 @@
 //! Apart, envoyproxy/ratelimit's debug port: `/rlconfig` and the list of its endpoints.
 
 use std::sync::{Arc, LazyLock};
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::Bytes;
@@ -22,6 +23,7 @@ use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor};
 use super::gauges::Gauges;
 use super::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use super::render::Renders;
 use super::rls::Rls;
 use super::{Readiness, Rules};
 use crate::rules::RuleSet;
@@ -42,7 +44,10 @@ pub fn admin(readiness: Readiness, rules: Rules, gauges: Gauges) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .merge(metrics_route("/metrics", gauges))
-        .route("/top", get(|uri: Uri| top_page(uri)))
+        .route("/top", {
+            let renders = Arc::new(Renders::new(TOP_FRESH));
+            get(move |uri: Uri| top_page(renders, uri))
+        })
         .route(
             "/config",
             get(move || render(config, RuleSet::rendered_json, "application/json")),
@@ -118,10 +123,13 @@ async fn render(rules: Rules, page: fn(&RuleSet) -> Bytes, content_type: &'stati
 
 /// Rows of each list of `/top` unless `?n=` says.
 const TOP_ROWS: usize = 10;
+/// How old a render of `/top` may be and still answer: the requests asking the same within it
+/// share one merge and one encoding.
+const TOP_FRESH: Duration = Duration::from_secs(1);
 
 /// `/top`: who is being limited, over `?period=` 1m or 10m (both unless it says), the first
 /// `?n=` rows of each list; 404 when the top view is off.
-async fn top_page(uri: Uri) -> Response {
+async fn top_page(renders: Arc<Renders<(Vec<Period>, usize), Bytes>>, uri: Uri) -> Response {
     let Some(view) = top::top() else {
         return (
             StatusCode::NOT_FOUND,
@@ -133,17 +141,20 @@ async fn top_page(uri: Uri) -> Response {
         Ok(asked) => asked,
         Err(message) => return (StatusCode::BAD_REQUEST, message).into_response(),
     };
-    // Small (--top-capacity and --top-rules bound it), but a merge of every slot of every rule:
-    // off the thread that answers probes.
-    let report = tokio::task::spawn_blocking(move || Report {
-        periods: periods.into_iter().map(|p| view.report(p, n)).collect(),
-    });
-    match report.await.map(|r| serde_json::to_string(&r)) {
-        Ok(Ok(mut json)) => {
-            json.push('\n');
-            ([(header::CONTENT_TYPE, "application/json")], json).into_response()
+    let render = {
+        let periods = periods.clone();
+        move || {
+            let report = Report {
+                periods: periods.into_iter().map(|p| view.report(p, n)).collect(),
+            };
+            let mut json = serde_json::to_vec(&report).unwrap_or_default();
+            json.push(b'\n');
+            Bytes::from(json)
         }
-        _ => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    };
+    match renders.page((periods, n), render).await {
+        Some(json) => ([(header::CONTENT_TYPE, "application/json")], json).into_response(),
+        None => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
     }
 }
 
@@ -168,25 +179,32 @@ fn top_query(query: &str) -> Result<(Vec<Period>, usize), String> {
 }
 
 /// Prometheus metrics on `path` (the admin `/metrics`, and `--metrics-path` on
-/// `--metrics-addr`).
+/// `--metrics-addr`), encoded on a blocking thread, one scrape's encoding shared by those that
+/// arrive while it runs: with a series per rule the text of a large rule set takes a while.
 pub fn metrics_route(path: &str, gauges: Gauges) -> Router {
+    let renders = Arc::new(Renders::new(Duration::ZERO));
     Router::new().route(
         path,
-        get(move || async move {
-            match gauges.encode() {
-                Ok(text) => (
-                    StatusCode::OK,
-                    [(
-                        header::CONTENT_TYPE,
-                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    )],
-                    text,
-                )
-                    .into_response(),
-                Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
-            }
-        }),
+        get(move || metrics_page(renders.clone(), gauges.clone())),
     )
+}
+
+async fn metrics_page(renders: Arc<Renders<(), Option<Bytes>>>, gauges: Gauges) -> Response {
+    let text = renders
+        .page((), move || gauges.encode().ok().map(Bytes::from))
+        .await;
+    match text.flatten() {
+        Some(text) => (
+            StatusCode::OK,
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        None => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
 }
 
 /// The `/json` route, bounded to `max_body` bytes.

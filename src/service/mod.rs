@@ -17,6 +17,7 @@ mod http;
 mod metadata;
 mod pb;
 pub mod reload;
+mod render;
 pub mod rlqs;
 pub mod rls;
 pub mod tls;

@@ -232,10 +232,12 @@ fn reload(rules: &Rules, source: &Source, allow_empty: bool, trigger: &str) {
 fn swap(rules: &Rules, loaded: RuleSet, trigger: &str) {
     let hash = loaded.origin().hash.clone();
     METRICS.rules_loaded(&hash, true);
-    METRICS.retain_rules(|domain, rule| loaded.has_rule(domain, rule));
+    let paths = loaded.rule_paths();
+    METRICS.retain_rules(|domain, rule| paths.contains(&(domain, rule)));
     if let Some(view) = top::top() {
-        view.retain(|domain, rule| loaded.has_rule(domain, rule));
+        view.retain(|domain, rule| paths.contains(&(domain, rule)));
     }
+    drop(paths);
     let domains = loaded.domains();
     rules.replace(loaded);
     tracing::info!(domains, %hash, "{trigger}: rules reloaded");

@@ -159,6 +159,10 @@ impl RuleStats {
         self.rule.as_deref().unwrap_or(&self.descriptor)
     }
 
+    pub fn domain(&self) -> &str {
+        &self.domain
+    }
+
     /// Counts, in the top view when it is on, `hits` of a descriptor of `entries` under its
     /// rule, `denied` or not.
     pub fn seen(&self, entries: &[(&[u8], &[u8])], hits: u64, denied: bool) {

@@ -230,22 +230,13 @@ impl Top {
             rules.values().cloned().collect()
         };
         rules.push(self.other.clone());
+        // Only the `n` leading values are kept as rules are read, and only those become rows:
+        // a render holds one rule's counters at a time, not every rule's.
         let (mut denied, mut hits, mut by_rule) = (Vec::new(), Vec::new(), Vec::new());
-        for rule in &rules {
+        for (i, rule) in rules.iter().enumerate() {
             let read = rule.read(p, now, n);
-            let row = |c: Counter| ValueRow {
-                value: match self.settings.values {
-                    Values::Show => String::from_utf8_lossy(&c.value).into_owned(),
-                    Values::Hash | Values::Hide => format!("{:016x}", c.id),
-                },
-                domain: rule.domain.clone(),
-                rule: rule.rule.clone(),
-                count: c.count,
-                error: c.error,
-                per_second: per_second(c.count),
-            };
-            denied.extend(read.denied.into_iter().map(row));
-            hits.extend(read.hits.into_iter().map(row));
+            leading(&mut denied, read.denied.into_iter().map(|c| (i, c)), n);
+            leading(&mut hits, read.hits.into_iter().map(|c| (i, c)), n);
             if read.hits_total > 0 || read.denied_total > 0 {
                 by_rule.push(RuleRow {
                     domain: rule.domain.clone(),
@@ -257,13 +248,23 @@ impl Top {
                 });
             }
         }
-        let by_count = |a: &ValueRow, b: &ValueRow| {
-            (b.count, a.error, &a.value).cmp(&(a.count, b.error, &b.value))
+        let rows = |counters: Vec<(usize, Counter)>| -> Vec<ValueRow> {
+            counters
+                .into_iter()
+                .map(|(i, c)| ValueRow {
+                    value: match self.settings.values {
+                        Values::Show => String::from_utf8_lossy(&c.value).into_owned(),
+                        Values::Hash | Values::Hide => format!("{:016x}", c.id),
+                    },
+                    domain: rules[i].domain.clone(),
+                    rule: rules[i].rule.clone(),
+                    count: c.count,
+                    error: c.error,
+                    per_second: per_second(c.count),
+                })
+                .collect()
         };
-        denied.sort_by(by_count);
-        hits.sort_by(by_count);
-        denied.truncate(n);
-        hits.truncate(n);
+        let (denied, hits) = (rows(denied), rows(hits));
         let mut rules_by_denied = by_rule.clone();
         rules_by_denied.retain(|r| r.denied > 0);
         rules_by_denied
@@ -292,6 +293,20 @@ impl Top {
             rules_by_hits,
         }
     }
+}
+
+/// Adds `more` to `kept`, keeping the `n` leading: the most counted first, then the least error,
+/// then by value and id; sorted once they are all in.
+fn leading(
+    kept: &mut Vec<(usize, Counter)>,
+    more: impl Iterator<Item = (usize, Counter)>,
+    n: usize,
+) {
+    kept.extend(more);
+    kept.sort_unstable_by(|(_, a), (_, b)| {
+        (b.count, a.error, &a.value, a.id).cmp(&(a.count, b.error, &b.value, b.id))
+    });
+    kept.truncate(n);
 }
 
 fn period_index(period: Period) -> usize {
