@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use common::metrics::scrape;
 use common::redis::signal;
 use common::{
-    HOUR, OK, OVER_LIMIT, Sluice, Wait, eventually, http, in_one_window, linked_from_outside,
-    memory_kb, outside_file, request,
+    FREED_PAGES_RETURNED, HOUR, OK, OVER_LIMIT, Sluice, Wait, bytes_per_rule, eventually, http,
+    in_one_window, linked_from_outside, outside_file, request, settled_resident_kb,
 };
 use envoy_types::pb::google::protobuf::{Struct, value::Kind};
 
@@ -451,19 +451,47 @@ const MOST_BYTES_PER_RULE: u64 = 450;
 #[tokio::test(flavor = "multi_thread")]
 async fn a_rule_holds_under_450_bytes() {
     let resident_kb = async |rules: usize| {
-        let wrapper = Some("export MIMALLOC_PURGE_DELAY=0;");
         let files = [("big.yaml", many_rules("big", rules))];
         let files: Vec<(&str, &str)> = files.iter().map(|(n, t)| (*n, t.as_str())).collect();
-        let sluice = Sluice::spawn(&files, &[], wrapper, Wait::Serving).await;
-        // The settled size: what the load's parsing freed is given back by then.
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        memory_kb(sluice.pid(), "VmRSS")
+        let sluice = Sluice::spawn(&files, &[], FREED_PAGES_RETURNED, Wait::Serving).await;
+        settled_resident_kb(sluice.pid()).await
     };
-    let grown = resident_kb(MEASURED_RULES)
-        .await
-        .saturating_sub(resident_kb(1).await);
-    let per_rule = grown * 1024 / MEASURED_RULES as u64;
+    let per_rule = bytes_per_rule(MEASURED_RULES, 1, resident_kb).await;
     assert!(per_rule < MOST_BYTES_PER_RULE, "{per_rule} bytes a rule");
+}
+
+/// The most resident memory one rule of `many_rules` may add when reloaded: the rule and what
+/// the allocator keeps of the reload's reading and building.
+const MOST_BYTES_PER_RELOADED_RULE: u64 = 1_100;
+
+/// The same 20,000 rules, reloaded in place of one, add under `MOST_BYTES_PER_RELOADED_RULE`
+/// each once in force and settled: the thread that read and built them has ended.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rule_reloaded_holds_under_1100_bytes() {
+    let resident_kb = async |rules: usize| {
+        let one = many_rules("big", 1);
+        let files = [("big.yaml", one.as_str())];
+        let sluice = Sluice::spawn(&files, &[], FREED_PAGES_RETURNED, Wait::Serving).await;
+        if rules > 1 {
+            replace(&sluice.rules, "big.yaml", &many_rules("big", rules));
+            let last = format!("v{:07}", rules - 1);
+            eventually(
+                "the new rules decide",
+                Duration::from_secs(20),
+                async || {
+                    let answer = sluice.ask(request("big", &[&[("k", &last)]])).await;
+                    answer.statuses[0].current_limit.is_some()
+                },
+            )
+            .await;
+        }
+        settled_resident_kb(sluice.pid()).await
+    };
+    let per_rule = bytes_per_rule(MEASURED_RULES, 1, resident_kb).await;
+    assert!(
+        per_rule < MOST_BYTES_PER_RELOADED_RULE,
+        "{per_rule} bytes a rule"
+    );
 }
 
 /// Past `--max-config-bytes` (across the directory), a reload is refused with an error naming

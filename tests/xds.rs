@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 use common::xds::{
     Certs, Received, ServerTlsFiles, XdsServer, certgen, domain, nest, resource, rule,
 };
-use common::{HOUR, OK, OVER_LIMIT, Sluice, Store, Wait, http, in_one_window, request};
+use common::{
+    FREED_PAGES_RETURNED, HOUR, OK, OVER_LIMIT, Sluice, Store, Wait, bytes_per_rule, http,
+    in_one_window, request, settled_resident_kb,
+};
 use envoy_types::pb::google::protobuf::Any;
 use envoy_types::pb::google::protobuf::value::Kind;
 use envoy_types::pb::ratelimit::config::ratelimit::v3::{RateLimitConfig, RateLimitUnit};
@@ -595,4 +598,34 @@ async fn many_bad_resources_sent_again_and_again_give_a_few_log_lines_and_a_shor
     let lines = sluice.log_text().lines().count() - lines_before;
     assert!(lines <= seconds + 2, "{lines} lines in {seconds} s");
     assert_eq!(code(&sluice, "d", &[("k", "x")]).await, OVER_LIMIT);
+}
+
+/// Rules in the snapshot whose memory is measured.
+const MEASURED_RULES: usize = 20_000;
+/// The most resident memory one rule of a snapshot may add, in bytes: the rule itself (about
+/// 300 bytes) and what the allocator keeps of the response's conversion.
+const MOST_BYTES_PER_RULE: u64 = 950;
+
+/// A snapshot of 20,000 rules adds under `MOST_BYTES_PER_RULE` each to the resident memory of
+/// sluice, against a snapshot of one rule, once in force and settled: the thread that converted
+/// it has ended, and nothing of the response is kept.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rule_served_over_xds_holds_under_950_bytes() {
+    let resident_kb = async |rules: usize| {
+        let server = XdsServer::start();
+        server.set("1", &[limit_d(5)]);
+        let target = server.target();
+        let flags = ["--xds-server", target.as_str()];
+        let sluice = Sluice::spawn(&[], &flags, FREED_PAGES_RETURNED, Wait::Serving).await;
+        if rules > 0 {
+            let many = (0..rules)
+                .map(|v| rule("k", &format!("v{v:07}"), RateLimitUnit::Second, 5))
+                .collect();
+            server.set("2", &[domain("big", many)]);
+            assert!(server.wait_for(WAIT * 4, acked("2")).await.is_some());
+        }
+        settled_resident_kb(sluice.pid()).await
+    };
+    let per_rule = bytes_per_rule(MEASURED_RULES, 0, resident_kb).await;
+    assert!(per_rule < MOST_BYTES_PER_RULE, "{per_rule} bytes a rule");
 }

@@ -354,3 +354,20 @@ fn rule_files(path: &Path) -> Result<Vec<Found>, String> {
     files.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(files)
 }
+
+/// Runs `work` (loading rules, building them, putting them in force) on a thread of its own that
+/// ends with it: the allocator keeps what a thread freed until that thread allocates again, so a
+/// pooled thread left idle after a reload would keep a third more than the rules hold.
+/// An error when the work panicked or no thread could be started.
+pub async fn on_own_thread<T: Send + 'static>(
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, String> {
+    let (done, result) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("sluice-rules".into())
+        .spawn(move || {
+            let _ = done.send(work());
+        })
+        .map_err(|e| format!("no thread to load rules on: {e}"))?;
+    result.await.map_err(|_| "it panicked".to_owned())
+}

@@ -1,6 +1,6 @@
 //! Rules over xDS: a State-of-the-World ADS client for envoyproxy/ratelimit's `RateLimitConfig`
 //! resources, as Envoy Gateway serves them. Each response is converted from protobuf straight
-//! into typed rules and validated as rule files are, on a blocking thread: a valid one is handed
+//! into typed rules and validated as rule files are, on a thread of its own: a valid one is handed
 //! on and ACKed, an invalid one is NACKed with a bounded summary of its errors and the rules in
 //! force stay. Resources already seen (in force, or rejected last) are recognised by their digest
 //! and not converted again. A lost stream is resubscribed, with backoff, from scratch.
@@ -188,7 +188,7 @@ impl Subscription {
     }
 
     /// Follows the server for ever: every response is judged and handed to `apply` on a
-    /// blocking thread (one at a time), then ACKed or NACKed. A lost stream is retried with
+    /// thread of its own (one at a time), then ACKed or NACKed. A lost stream is retried with
     /// backoff; `resubscribe` starts a new stream at once.
     pub async fn follow(
         self,
@@ -270,7 +270,7 @@ impl Subscription {
         result.unwrap_or_else(|error| Ended::Failed { answered, error })
     }
 
-    /// The ACK or NACK of `response`, once judged on a blocking thread, away from the runtime
+    /// The ACK or NACK of `response`, once judged on a thread of its own, away from the runtime
     /// that answers probes; `None` for a type not asked for.
     async fn answer(
         &self,
@@ -293,7 +293,7 @@ impl Subscription {
         } = response;
         let judged = {
             let (judge, version) = (judge.clone(), version.clone());
-            tokio::task::spawn_blocking(move || judge.judge(&version, resources))
+            super::on_own_thread(move || judge.judge(&version, resources))
         };
         let nack = judged
             .await
@@ -713,7 +713,7 @@ fn json(v: Value, depth: usize) -> Option<serde_json::Value> {
     })
 }
 
-/// What one xDS response turned out to be, as `apply` sees it (on a blocking thread).
+/// What one xDS response turned out to be, as `apply` sees it (on a thread of its own).
 pub enum Snapshot<'a> {
     /// Valid rules, to put in force (then ACKed).
     Valid { version: &'a str, rules: Loaded },
@@ -799,7 +799,7 @@ struct Seen {
     rejected: Option<(Digest, Rejection)>,
 }
 
-/// Turns responses into rules and hands them to `apply`, one at a time, on a blocking thread.
+/// Turns responses into rules and hands them to `apply`, one at a time, on a thread of its own.
 struct Judge {
     merge_domains: bool,
     seen: Mutex<Seen>,

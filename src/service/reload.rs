@@ -1,7 +1,7 @@
 //! Rule loading and hot reload. The rules under `--config` are reloaded on `SIGHUP` and on any
 //! change under that path (a file written in place, renamed, added or removed, a Kubernetes
 //! ConfigMap's `..data` symlink swapped), once the changes have settled for `SETTLE` (or
-//! `LONGEST_SETTLE` after the first, if they never do). Reloads run on a blocking thread, one at
+//! `LONGEST_SETTLE` after the first, if they never do). Reloads run on a thread of their own, one at
 //! a time and at most one per `PACE`: what comes meanwhile (any number of SIGHUPs, changes) makes
 //! one more. Every file is validated before anything changes; then the new rules replace the old
 //! ones at once. A bad file is logged with `file:line`, counted, and the rules in force stay.
@@ -143,7 +143,7 @@ async fn watch(rules: Rules, source: Source, allow_empty: bool, mut hangup: Sign
         // SIGHUPs meanwhile are coalesced into one by `hangup`, changes into one by `changed`.
         let (rules, source) = (rules.clone(), source.clone());
         let reloading =
-            tokio::task::spawn_blocking(move || reload(&rules, &source, allow_empty, trigger));
+            config::on_own_thread(move || reload(&rules, &source, allow_empty, trigger));
         if let Err(e) = reloading.await {
             METRICS.reload_failed();
             tracing::error!("{trigger}: the reload failed ({e}); the rules in force stay");
@@ -246,7 +246,7 @@ fn swap(rules: &Rules, loaded: RuleSet, trigger: &str) {
 /// Follows the xDS server of `subscription` until the process ends: the first valid snapshot
 /// is counted and logged as a load, the next ones as reloads (one that changes nothing is not
 /// swapped), an invalid one as a failed reload. Snapshots are converted, and the rules built and
-/// swapped, on a blocking thread; rejections are logged at most once a second. SIGHUP
+/// swapped, on a thread of their own; rejections are logged at most once a second. SIGHUP
 /// (`hangup`) starts a new stream at once.
 async fn follow_xds(rules: Rules, subscription: Subscription, mut hangup: Signal) {
     let resubscribe = Arc::new(Notify::new());
