@@ -355,6 +355,9 @@ fn rule_files(path: &Path) -> Result<Vec<Found>, String> {
     Ok(files)
 }
 
+/// Past mimalloc's delay (10 ms) before it returns freed pages to the system.
+const PURGE_DELAY: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// Runs `work` (loading rules, building them, putting them in force) on a thread of its own that
 /// ends with it: the allocator keeps what a thread freed until that thread allocates again, so a
 /// pooled thread left idle after a reload would keep a third more than the rules hold.
@@ -367,6 +370,9 @@ pub async fn on_own_thread<T: Send + 'static>(
         .name("sluice-rules".into())
         .spawn(move || {
             let _ = done.send(work());
+            // The allocator returns freed pages `PURGE_DELAY` after they were freed, when
+            // their thread next looks: ending sooner would leave them held.
+            std::thread::sleep(PURGE_DELAY);
         })
         .map_err(|e| format!("no thread to load rules on: {e}"))?;
     result.await.map_err(|_| "it panicked".to_owned())
