@@ -789,6 +789,34 @@ mod tests {
     }
 
     #[test]
+    fn a_new_counter_at_a_full_table_costs_no_walk_of_it() {
+        const MOST: usize = 200_000;
+        let leases = Leases::new(IDLE, MOST);
+        let now = Instant::now();
+        let value = |v: usize| {
+            let mut i = item(2000, 1);
+            i.key = DescriptorKey::new(b"d", &[(b"k", v.to_string().as_bytes())]).counter("l");
+            check(i)
+        };
+        let filling = std::time::Instant::now();
+        for v in 0..MOST {
+            leases.draw(&value(v), now);
+        }
+        let filled = filling.elapsed();
+        let asking = std::time::Instant::now();
+        for v in MOST..MOST + 1000 {
+            assert!(matches!(leases.draw(&value(v), now), Draw::Store));
+        }
+        let asked = asking.elapsed();
+        // 1,000 draws cost 1/200 of the 200,000 that filled it; a walk of the table on each
+        // would cost 1,000 times more than that.
+        assert!(
+            asked < filled / 10,
+            "1,000 new counters at a full table took {asked:?}; filling it took {filled:?}"
+        );
+    }
+
+    #[test]
     fn a_give_back_that_did_not_reach_the_store_stays_held_and_goes_again_until_its_window_ends() {
         let leases = Leases::new(IDLE, MOST_HELD);
         let now = Instant::now();
