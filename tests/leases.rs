@@ -545,10 +545,10 @@ async fn thousands_of_counters_idle_together_all_come_back() {
     .await;
 }
 
-/// Replica A takes a big block in a burst, then draws one request every 300 ms: never idle, it
-/// gives back what its block holds past what that rate draws, so replica B, which ran the store
-/// dry, is never denied longer than docs/leases.md states (one and a half times `--lease-idle`
-/// and a store call), and the two admit the whole limit between them.
+/// Replica A takes a big block (50 hits or more) after a burst, then draws one request every
+/// 300 ms: never idle, it gives back what its block holds past what that rate draws, so replica
+/// B, which ran the store dry, is never denied longer than docs/leases.md states (one and a half
+/// times `--lease-idle` and a store call), and the two admit the whole limit between them.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_block_drawn_slowly_gives_back_its_excess_to_another_replica() {
     const IDLE: Duration = Duration::from_secs(1);
@@ -564,12 +564,21 @@ async fn a_block_drawn_slowly_gives_back_its_excess_to_another_replica() {
         for c in callers {
             c.await.unwrap();
         }
+        // A holds a big block: its next requests take one as big as its burst's rate.
+        let mut client = a.client().await;
+        let mut on_a = on_a.load(Ordering::Relaxed);
+        for _ in 0..500 {
+            if held(&a) >= 50 {
+                break;
+            }
+            let r = client.should_rate_limit(run(&value)).await.unwrap();
+            on_a += u32::from(r.get_ref().overall_code == OK);
+        }
         let start = Instant::now();
         let bound = Duration::from_secs(15);
-        let total = Arc::new(AtomicU32::new(on_a.load(Ordering::Relaxed)));
+        let total = Arc::new(AtomicU32::new(on_a));
         let trickle = {
             let (total, value) = (total.clone(), value.clone());
-            let mut client = a.client().await;
             tokio::spawn(async move {
                 while total.load(Ordering::Relaxed) < LIMIT && start.elapsed() < bound {
                     let r = client.should_rate_limit(run(&value)).await.unwrap();
