@@ -950,11 +950,28 @@ fn generate(seed: u64, steps: usize) -> Vec<Event> {
                 let counters = some_counters(&mut rng);
                 let n = rng.range(1, REPLICAS as u64) as usize;
                 let first = rng.index(REPLICAS);
-                Event::Traffic(
-                    (0..n)
-                        .map(|k| flow(&mut rng, (first + k) % REPLICAS, counters.clone()))
-                        .collect(),
-                )
+                let mut flows: Vec<Flow> = (0..n)
+                    .map(|k| flow(&mut rng, (first + k) % REPLICAS, counters.clone()))
+                    .collect();
+                // Half the time the first replica goes on drawing slowly, faster than
+                // --lease-idle, while the others ask: a block sized for the burst must not
+                // keep them waiting.
+                if rng.chance(50) {
+                    flows.push(Flow {
+                        replica: first,
+                        counters: counters.clone(),
+                        pace: Pace::Every(Duration::from_millis(rng.range(60, 200))),
+                        requests: rng.range(10, 30) as usize,
+                    });
+                    let other = (first + 1) % REPLICAS;
+                    flows.push(Flow {
+                        replica: other,
+                        counters,
+                        pace: Pace::Every(Duration::from_millis(rng.range(50, 150))),
+                        requests: rng.range(15, 40) as usize,
+                    });
+                }
+                Event::Traffic(flows)
             }
             1 => {
                 let n = rng.range(1, 2) as usize;
