@@ -15,7 +15,9 @@
 //! CI runs the fixed `SEEDS` and the hand-picked cases, written as histories.
 //! `LEASE_HISTORY_SEED=<u64>` replays one seed (`LEASE_HISTORY_STEPS=<n>` steps, 14 unless set);
 //! `LEASE_HISTORY_MINUTES=<n>` runs fresh seeds for n minutes. A failure prints the seed, the
-//! step and the history so far: every event and answer, in ms since the history began.
+//! step and the history so far: every event and answer, in ms since the history began (with
+//! `--nocapture`, a history that passes prints its events, and its answers too with
+//! `LEASE_HISTORY_ANSWERS=1`).
 
 mod common;
 
@@ -68,12 +70,14 @@ fn rules() -> Vec<Rule> {
         rule("cold", "second", 10, 10_000, 20),
         rule("many", "hour", 1, 3_600_000, 100),
         rule("slow", "hour", 1, 3_600_000, 1000),
+        rule("drawn", "hour", 1, 3_600_000, 2000),
     ]
 }
 const HOT: usize = 0;
 const COLD: usize = 1;
 const MANY: usize = 2;
 const SLOW: usize = 3;
+const DRAWN: usize = 4;
 
 fn yaml(rules: &[Rule]) -> String {
     let mut out = format!("domain: {DOMAIN}\ndescriptors:\n");
@@ -1047,8 +1051,13 @@ async fn history(
     for event in events {
         world.run(event).await;
     }
-    // The events (not every answer), for `--nocapture`.
-    for line in world.history.iter().filter(|l| !l.starts_with(' ')) {
+    // The events, and with `LEASE_HISTORY_ANSWERS` set every answer, for `--nocapture`.
+    let answers = std::env::var_os("LEASE_HISTORY_ANSWERS").is_some();
+    for line in world
+        .history
+        .iter()
+        .filter(|l| answers || !l.starts_with(' '))
+    {
         println!("{line}");
     }
     println!("{}", world.summary(started.elapsed()));
@@ -1133,12 +1142,12 @@ async fn thousands_of_counters_idle_while_the_store_stalls_give_every_hit_back()
     .await;
 }
 
-/// Replica A takes a big block in a burst, then draws it one request every 150 ms (faster than
-/// `--lease-idle`, so it is never idle); replica B runs the store dry and keeps asking: it is
-/// admitted within the bound, not denied while A sits on unused hits.
+/// Replica A takes a big block in a burst, then draws it one request every 250 ms (more often
+/// than `--lease-idle`, so it is never idle); replica B runs the store dry and keeps asking: it
+/// is admitted within the bound, not denied while A sits on unused hits.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_block_drawn_slowly_denies_another_replica_only_within_the_bound() {
-    let counters = vec![(SLOW, "slowly".to_owned())];
+    let counters = vec![(DRAWN, "slowly".to_owned())];
     let events = [
         Event::BurstUntilHeld {
             replica: 0,
@@ -1149,28 +1158,29 @@ async fn a_block_drawn_slowly_denies_another_replica_only_within_the_bound() {
             Flow {
                 replica: 0,
                 counters: vec![0],
-                pace: Pace::Every(Duration::from_millis(150)),
-                requests: 30,
+                pace: Pace::Every(Duration::from_millis(250)),
+                requests: 40,
             },
             Flow {
                 replica: 1,
                 counters: vec![0],
-                pace: Pace::Burst(16),
-                requests: 1000,
+                pace: Pace::Burst(32),
+                requests: 2000,
             },
             Flow {
                 replica: 1,
                 counters: vec![0],
                 pace: Pace::Every(Duration::from_millis(100)),
-                requests: 45,
+                requests: 100,
             },
         ]),
         Event::Settle,
     ];
+    // A second's `--lease-idle`: the slow draw never pauses that long, even on a busy machine.
     history(
         "a block drawn slowly".into(),
         2,
-        IDLE,
+        Duration::from_secs(1),
         &[],
         counters,
         &events,
