@@ -322,8 +322,8 @@ async fn with_no_replica_left_to_confirm_every_request_gets_the_policy_answer_wi
 /// Callers on one counter of a Cluster whose primary loses its only replica.
 const CLUSTER_CALLERS: usize = 24;
 /// Every answer on that counter comes within this once its primary is killed: the 10 ms store
-/// deadline, and slack for a debug build on a loaded 2-core machine (the slowest is 55-60 ms
-/// there; requests queued behind each other's `WAIT` took 100-120 ms).
+/// deadline, and slack for a debug build on a loaded 2-core machine (the slowest, across the
+/// kill, is 55-120 ms there).
 const CLUSTER_NO_REPLICA_ANSWERED: Duration = Duration::from_millis(300);
 
 #[tokio::test(flavor = "multi_thread")]
