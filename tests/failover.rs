@@ -59,16 +59,33 @@ fn wait_in_sync(replica: &Controlled) {
     }
 }
 
-/// Callers asking every `PACE` until `stop`; an answer that is not decided must be the
-/// `--on-store-error error` answer, UNAVAILABLE.
+/// `CALLERS` callers asking every `PACE` until `stop`, each on a value of its own.
 async fn load(sluice: &Sluice, stop: Instant) -> Vec<tokio::task::JoinHandle<Vec<Answer>>> {
-    let mut callers = Vec::with_capacity(CALLERS);
-    for i in 0..CALLERS {
+    let stopped = Arc::new(AtomicBool::new(false));
+    let callers = load_on(sluice, CALLERS, |i| format!("v{i}"), stopped.clone()).await;
+    tokio::spawn(async move {
+        tokio::time::sleep_until(stop.into()).await;
+        stopped.store(true, Ordering::Relaxed);
+    });
+    callers
+}
+
+/// `count` callers asking every `PACE` until `stopped`, caller `i` on `value(i)`; an answer
+/// that is not decided must be the `--on-store-error error` answer, UNAVAILABLE.
+async fn load_on(
+    sluice: &Sluice,
+    count: usize,
+    value: impl Fn(usize) -> String,
+    stopped: Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<Vec<Answer>>> {
+    let mut callers = Vec::with_capacity(count);
+    for i in 0..count {
         let mut client = sluice.client().await;
-        let value = format!("v{i}");
+        let value = value(i);
+        let stopped = stopped.clone();
         callers.push(tokio::spawn(async move {
             let mut answers = Vec::new();
-            while Instant::now() < stop {
+            while !stopped.load(Ordering::Relaxed) {
                 let sent = Instant::now();
                 let ask = request("failover", &[&[("k", value.as_str())]]);
                 let answer =
@@ -195,20 +212,45 @@ fn readyz(sluice: &Sluice) -> (u16, String) {
     (status, body)
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn with_no_replica_left_to_confirm_every_request_gets_the_policy_answer_within_its_deadline()
-{
-    let _alone = ONE_AT_A_TIME.lock().await;
-    let primary = Controlled::started();
-    let mut replica =
-        Controlled::started_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
-    wait_in_sync(&replica);
-    let sluice = Sluice::on(
+/// The answers to requests sent with no replica left to confirm: each within `bound`, none
+/// decided from when `/readyz` said why (`readyz`, read then: 503, naming the replicas).
+fn without_replica(without: &[&Answer], told: Instant, readyz: (u16, &str), bound: Duration) {
+    let slowest = without
+        .iter()
+        .map(|a| a.received - a.sent)
+        .max()
+        .expect("requests sent without a replica");
+    eprintln!(
+        "no replica: the slowest of {} answers took {slowest:?}",
+        without.len()
+    );
+    assert!(
+        slowest <= bound,
+        "the slowest answer with no replica left took {slowest:?}"
+    );
+    let (status, body) = readyz;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains("replica") && body.contains("--redis-confirm-replicas"),
+        "{body}"
+    );
+    assert!(
+        without
+            .iter()
+            .filter(|a| a.sent >= told)
+            .all(|a| !a.decided),
+        "nothing is decided while no replica can confirm"
+    );
+}
+
+/// sluice on `url` with `--redis-confirm-replicas 1` and a 10 ms store deadline.
+async fn confirming_sluice(url: &str) -> Sluice {
+    Sluice::on(
         Store::Memory,
         &[("rules.yaml", RULES)],
         &[
             "--redis-url",
-            &primary.url,
+            url,
             "--redis-key-prefix",
             "confirm:",
             "--redis-confirm-replicas",
@@ -217,7 +259,18 @@ async fn with_no_replica_left_to_confirm_every_request_gets_the_policy_answer_wi
             "10ms",
         ],
     )
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_no_replica_left_to_confirm_every_request_gets_the_policy_answer_within_its_deadline()
+{
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let primary = Controlled::started();
+    let mut replica =
+        Controlled::started_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
+    wait_in_sync(&replica);
+    let sluice = confirming_sluice(&primary.url).await;
 
     let callers = load(
         &sluice,
@@ -241,31 +294,7 @@ async fn with_no_replica_left_to_confirm_every_request_gets_the_policy_answer_wi
         "decided while the replica confirmed"
     );
     let without: Vec<&Answer> = answers.iter().filter(|a| a.sent >= gone).collect();
-    let slowest = without
-        .iter()
-        .map(|a| a.received - a.sent)
-        .max()
-        .expect("requests sent without a replica");
-    eprintln!(
-        "no replica: the slowest of {} answers took {slowest:?}",
-        without.len()
-    );
-    assert!(
-        slowest <= NO_REPLICA_ANSWERED,
-        "the slowest answer with no replica left took {slowest:?}"
-    );
-    assert_eq!(status, 503, "{body}");
-    assert!(
-        body.contains("replica") && body.contains("--redis-confirm-replicas"),
-        "{body}"
-    );
-    assert!(
-        without
-            .iter()
-            .filter(|a| a.sent >= told)
-            .all(|a| !a.decided),
-        "nothing is decided while no replica can confirm"
-    );
+    without_replica(&without, told, (status, &body), NO_REPLICA_ANSWERED);
     let log = sluice.log_text();
     assert_eq!(
         log.matches("too few for --redis-confirm-replicas").count(),
@@ -288,6 +317,85 @@ async fn with_no_replica_left_to_confirm_every_request_gets_the_policy_answer_wi
     )
     .await;
     assert_eq!(status, 200, "ready again: {body}");
+}
+
+/// Callers on one counter of a Cluster whose primary loses its only replica.
+const CLUSTER_CALLERS: usize = 24;
+/// Every answer on that counter comes within this once its primary is killed: the 10 ms store
+/// deadline, and slack for a debug build on a loaded 2-core machine (the slowest, across the
+/// kill, is 55-120 ms there, 322 ms once, right after the promotion).
+const CLUSTER_NO_REPLICA_ANSWERED: Duration = Duration::from_secs(1);
+
+#[tokio::test(flavor = "multi_thread")]
+async fn on_a_cluster_with_no_replica_left_to_confirm_every_request_gets_the_policy_answer_within_its_deadline()
+ {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let mut cluster = ReplicatedCluster::start();
+    let sluice = confirming_sluice(&cluster.url).await;
+
+    let stopped = Arc::new(AtomicBool::new(false));
+    let callers = load_on(
+        &sluice,
+        CLUSTER_CALLERS,
+        |_| "hot".to_owned(),
+        stopped.clone(),
+    )
+    .await;
+    let key = common::settled(
+        Duration::from_secs(10),
+        || cluster.keys("confirm:").pop(),
+        Option::is_some,
+    )
+    .await
+    .expect("the counter's key");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let primary = cluster.holder_of(&key);
+    let replica = cluster.replica_of(primary);
+    cluster.nodes[primary].kill();
+    let killed = Instant::now();
+    when("the replica is promoted", || {
+        cluster.nodes[replica].is_primary()
+    })
+    .await;
+    let (status, body) = common::settled(
+        Duration::from_secs(10),
+        || readyz(&sluice),
+        |(_, body)| body.contains("replica"),
+    )
+    .await;
+    let told = Instant::now();
+    tokio::time::sleep(WITHOUT_REPLICA).await;
+    // The old primary comes back with its cluster state, as a replica of the new one.
+    cluster.nodes[primary].start();
+    let attached = when("the old primary replicates the new one", || {
+        cluster.nodes[primary].in_sync()
+    })
+    .await;
+    let (ready, ready_body) = common::settled(
+        Duration::from_secs(10),
+        || readyz(&sluice),
+        |(status, _)| *status == 200,
+    )
+    .await;
+    let resumed = Instant::now();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stopped.store(true, Ordering::Relaxed);
+    let answers = gather(callers).await;
+
+    assert!(
+        answers.iter().any(|a| a.sent < killed && a.decided),
+        "decided while the replica confirmed"
+    );
+    let without: Vec<&Answer> = answers
+        .iter()
+        .filter(|a| a.sent >= killed && a.sent < attached)
+        .collect();
+    without_replica(&without, told, (status, &body), CLUSTER_NO_REPLICA_ANSWERED);
+    assert_eq!(ready, 200, "ready again: {ready_body}");
+    assert!(
+        answers.iter().any(|a| a.sent >= resumed && a.decided),
+        "decisions resume once a replica is attached again"
+    );
 }
 
 /// The limit the callers race for.

@@ -12,9 +12,13 @@
 //!   the store's clock; what is left then was counted there and lapses with it.
 //! - One block at a time is taken per counter: a request that finds its counter short while a
 //!   block is on its way waits for it.
-//! - A block unused for `--lease-idle` is given back (`Step::Return`, in its window only), as is every
-//!   block at shutdown; `MOST_HELD` counters at most are held at once, past which a counter is
-//!   decided by the store as any other.
+//! - What a block holds past what its counter's recent rate draws in `AHEAD` is given back
+//!   (`Step::Return`, in its window only) at the next periodic pass, as is the whole block of a
+//!   counter unused for `--lease-idle`, and every block at shutdown. A give-back that did not
+//!   reach the store stays held and is sent again until its window ends.
+//! - `--lease-max-counters` counters at most are held at once, past which a new counter is
+//!   decided by the store as any other; counters unused for `--lease-idle` leave the table on
+//!   the periodic pass, never on a request's path.
 //!
 //! Only the window algorithms can be leased: a bucket's tokens taken now and spent later would
 //! let a burst pass that the bucket refused, and a sliding log cannot count hits it has not seen
@@ -40,8 +44,13 @@ const PERIOD: Duration = Duration::from_millis(50);
 /// A block is spent only until this long before its window ends, as this replica times it: a
 /// block given back must reach the store within its window.
 const MARGIN: Duration = Duration::from_millis(5);
-/// Counters held at once; past it, a new counter is decided by the store.
+/// Counters held at once by default (`--lease-max-counters`); past it, a new counter is decided
+/// by the store.
 pub const MOST_HELD: usize = 100_000;
+/// A give-back that did not reach the store is sent again after this long, doubling with each
+/// failure up to `RETRY_MOST`, until its window ends.
+const RETRY_FIRST: Duration = Duration::from_millis(100);
+const RETRY_MOST: Duration = Duration::from_secs(5);
 
 /// Whether a rule's counters are leased (`lease`, or `--lease` for rules that do not say).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, clap::ValueEnum)]
@@ -176,10 +185,78 @@ impl Held {
     /// The block to ask for: what the recent rate admits in `AHEAD`, at least `least`.
     fn block(&self, least: u64) -> u64 {
         let (count, _, previous) = self.period;
-        let per_period = count.max(previous);
-        let ahead = (AHEAD.as_millis() / PERIOD.as_millis()) as u64;
-        per_period.saturating_mul(ahead).max(least)
+        ahead(count.max(previous)).max(least)
     }
+
+    /// What the rate measured until `now` draws in `AHEAD`: hits held past it are not drawn as
+    /// fast as the block was sized for.
+    fn kept(&self, now: Instant) -> u64 {
+        let (count, began, previous) = self.period;
+        let since = now.duration_since(began);
+        let per_period = if since >= 2 * PERIOD {
+            0
+        } else if since >= PERIOD {
+            count
+        } else {
+            count.max(previous)
+        };
+        ahead(per_period)
+    }
+
+    /// Gives back `hits` of its block: the item that does it, and until when it may land.
+    fn back(&mut self, hits: u64, now: Instant) -> Option<Returning> {
+        let (key, rule, limit) = self.counter.as_ref()?;
+        self.left -= hits;
+        Some(Returning {
+            item: Item {
+                key: key.clone(),
+                rule: *rule,
+                limit: limit.clone(),
+                mode: Mode::Enforce,
+                hits,
+                refund: true,
+                counting: Counting::Admitted,
+                leased: true,
+                step: Step::Return {
+                    window: self.window,
+                },
+            },
+            until: self.until,
+            failed: 0,
+            due: now,
+        })
+    }
+}
+
+/// What `per_period` hits in each `PERIOD` come to in `AHEAD`.
+fn ahead(per_period: u64) -> u64 {
+    let periods = (AHEAD.as_millis() / PERIOD.as_millis()) as u64;
+    per_period.saturating_mul(periods)
+}
+
+/// Which give-backs `Leases::give_back` makes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    /// The periodic pass: blocks unused, or drawn slower than they were sized for, and the
+    /// failed give-backs due again.
+    Periodic,
+    /// Only the failed give-backs due again.
+    Retry,
+    /// Every block, and every failed give-back: the process ends.
+    Exit,
+}
+
+/// Hits of one counter on their way back to the store.
+#[derive(Clone)]
+pub struct Returning {
+    /// The `Step::Return` item that gives them back.
+    pub item: Item,
+    /// The end of their window, less `MARGIN`: past it they lapsed with it, nothing to give back.
+    until: Instant,
+    /// Attempts that failed so far.
+    failed: u32,
+    /// When to send it again, after a failure.
+    due: Instant,
 }
 
 /// What a check finds in the blocks held.
@@ -203,28 +280,37 @@ pub struct Totals {
     pub blocks: u64,
     /// Hits admitted from blocks.
     pub admitted: u64,
-    /// Hits given back.
+    /// Hits given back: their give-back reached the store.
     pub returned: u64,
+    /// Hits whose give-back failed in a way that may have reached the store or not: they stay
+    /// counted there until their window ends.
+    pub unreturned: u64,
 }
 
 /// The blocks this replica holds, shared by every event loop.
 pub struct Leases {
     /// A block not drawn on for this long is given back.
     idle: Duration,
+    /// Counters held at once, at most.
+    most: usize,
     ids: CounterIds,
     held: Mutex<Table>,
+    /// Give-backs that failed before reaching the store, waiting to be sent again.
+    returning: Mutex<Vec<Returning>>,
     /// Wakes the requests waiting for a block.
     taken: tokio::sync::Notify,
     totals: Mutex<Totals>,
 }
 
 impl Leases {
-    /// Leases whose blocks go back once unused for `idle`.
-    pub fn new(idle: Duration) -> Self {
+    /// Leases whose blocks go back once unused for `idle`, of `most` counters at most.
+    pub fn new(idle: Duration, most: usize) -> Self {
         Leases {
             idle,
+            most,
             ids: CounterIds::new(),
             held: Mutex::default(),
+            returning: Mutex::default(),
             taken: tokio::sync::Notify::new(),
             totals: Mutex::default(),
         }
@@ -252,13 +338,25 @@ impl Leases {
         *self.totals_mut()
     }
 
-    /// Hits held now, over every counter.
+    fn returning(&self) -> std::sync::MutexGuard<'_, Vec<Returning>> {
+        self.returning.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Hits held now, over every counter, those of give-backs waiting to be sent again included.
     pub fn left(&self, now: Instant) -> u64 {
-        self.held()
+        let held: u64 = self
+            .held()
             .values()
             .filter(|h| h.live(now))
             .map(|h| h.left)
-            .sum()
+            .sum();
+        let returning: u64 = self
+            .returning()
+            .iter()
+            .filter(|r| r.until > now)
+            .map(|r| r.item.hits)
+            .sum();
+        held + returning
     }
 
     /// Whether `check` is decided from leases: every counter's rule leases it, with an algorithm
@@ -317,12 +415,9 @@ impl Leases {
             .map(|&(i, _)| i)
             .filter(|&i| !held.contains_key(&ids[i]))
             .collect();
+        // A full table is made room in by the periodic pass only, never here.
         if !unseen.is_empty() {
-            if held.len() + unseen.len() > MOST_HELD {
-                let idle = self.idle;
-                held.retain(|_, h| h.live(now) || h.taking || now.duration_since(h.drawn) < idle);
-            }
-            if held.len() + unseen.len() <= MOST_HELD {
+            if held.len() + unseen.len() <= self.most {
                 for i in unseen {
                     let item = &check.items[i];
                     held.insert(ids[i], Held::seen(item, now));
@@ -418,35 +513,72 @@ impl Leases {
         self.idle
     }
 
-    /// Forgets the blocks of counters unused since `now - idle` (every block, with `all`) and
-    /// those whose window is over, and returns a check that gives back what the live ones hold.
-    pub fn give_back(&self, now: Instant, all: bool) -> Check {
-        let mut back = Check::default();
-        self.held().retain(|_, h| {
-            if h.taking || (!all && now.duration_since(h.drawn) < self.idle) {
-                return true;
+    /// What goes back to the store at `now`, in `pass`. The periodic pass forgets the counters
+    /// unused since `now - idle` and those whose window is over, and gives back the whole of the
+    /// blocks forgotten and what every other block holds past what its recent rate draws in
+    /// `AHEAD`; with it (and alone, on `Pass::Retry`) go the failed give-backs due to be sent
+    /// again. At exit, everything goes back.
+    pub fn give_back(&self, now: Instant, pass: Pass) -> Vec<Returning> {
+        let mut back = Vec::new();
+        let all = pass == Pass::Exit;
+        if pass != Pass::Retry {
+            self.held().retain(|_, h| {
+                if h.taking {
+                    return true;
+                }
+                let idle = all || now.duration_since(h.drawn) >= self.idle;
+                let live = h.live(now);
+                let give = if idle || !live {
+                    h.left
+                } else {
+                    h.left.saturating_sub(h.kept(now))
+                };
+                if live && give > 0 {
+                    back.extend(h.back(give, now));
+                }
+                !idle
+            });
+        }
+        self.returning().retain(|r| {
+            if r.until <= now {
+                return false;
             }
-            if let (true, Some((key, rule, limit))) = (h.live(now) && h.left > 0, &h.counter) {
-                back.items.push(Item {
-                    key: key.clone(),
-                    rule: *rule,
-                    limit: limit.clone(),
-                    mode: Mode::Enforce,
-                    hits: h.left,
-                    refund: true,
-                    counting: Counting::Admitted,
-                    leased: true,
-                    step: Step::Return { window: h.window },
-                });
+            if all || r.due <= now {
+                back.push(r.clone());
+                return false;
             }
-            false
+            true
         });
         back
     }
 
-    /// Counts hits given back.
-    pub fn returned(&self, hits: u64) {
+    /// When the next give-back that failed is due to be sent again.
+    pub fn next_due(&self) -> Option<Instant> {
+        self.returning().iter().map(|r| r.due).min()
+    }
+
+    /// Counts the hits of give-backs that reached the store.
+    pub fn returned(&self, back: &[Returning]) {
+        let hits: u64 = back.iter().map(|r| r.item.hits).sum();
         self.totals_mut().returned += hits;
+    }
+
+    /// Give-backs that failed at `now`: sent again later when the store surely did not apply
+    /// them (`again`), else counted as unreturned (they may have landed: sent twice, they would
+    /// free hits the replicas admitted).
+    pub fn failed(&self, back: Vec<Returning>, again: bool, now: Instant) {
+        if !again {
+            let hits: u64 = back.iter().map(|r| r.item.hits).sum();
+            self.totals_mut().unreturned += hits;
+            return;
+        }
+        let mut returning = self.returning();
+        for mut r in back {
+            let wait = RETRY_FIRST.saturating_mul(1 << r.failed.min(16));
+            r.failed += 1;
+            r.due = now + wait.min(RETRY_MOST);
+            returning.push(r);
+        }
     }
 }
 
@@ -522,7 +654,7 @@ mod tests {
 
     #[test]
     fn requests_are_admitted_from_a_block_until_it_is_spent() {
-        let leases = Leases::new(IDLE);
+        let leases = Leases::new(IDLE, MOST_HELD);
         let now = Instant::now();
         let one = check(item(2000, 1));
         assert!(
@@ -547,7 +679,7 @@ mod tests {
 
     #[test]
     fn a_block_grows_with_the_rate_and_is_not_spent_past_its_window() {
-        let leases = Leases::new(IDLE);
+        let leases = Leases::new(IDLE, MOST_HELD);
         let now = Instant::now();
         let one = check(item(2000, 1));
         take(&leases, &one, now, 40);
@@ -566,9 +698,14 @@ mod tests {
         );
     }
 
+    /// The hits `back` gives back, in all.
+    fn hits(back: &[Returning]) -> u64 {
+        back.iter().map(|r| r.item.hits).sum()
+    }
+
     #[test]
     fn an_idle_block_goes_back_to_its_window_and_a_changed_limit_takes_its_own() {
-        let leases = Leases::new(IDLE);
+        let leases = Leases::new(IDLE, MOST_HELD);
         let now = Instant::now();
         let old = check(item(2000, 1));
         take(&leases, &old, now, 10);
@@ -578,19 +715,131 @@ mod tests {
             matches!(leases.draw(&changed, now), Draw::Store),
             "a new limit is a counter of its own, not seen yet"
         );
-        assert!(
-            leases.give_back(now, false).items.is_empty(),
-            "not idle yet"
-        );
-        let back = leases.give_back(now + IDLE, false);
+        let early = leases.give_back(now, Pass::Periodic);
         assert_eq!(
-            back.items.len(),
+            hits(&early),
+            2,
+            "3 hits in a period draw 6 in 100 ms: 2 of the 8 left are more than that"
+        );
+        let back = leases.give_back(now + IDLE, Pass::Periodic);
+        assert_eq!(
+            back.len(),
             1,
             "the old limit's block; the new one holds nothing"
         );
-        assert_eq!(back.items[0].hits, 8);
-        assert!(back.items[0].refund);
-        assert_eq!(back.items[0].step, Step::Return { window: 7 });
-        assert!(leases.give_back(now + IDLE, true).items.is_empty());
+        assert_eq!(back[0].item.hits, 6);
+        assert!(back[0].item.refund);
+        assert_eq!(back[0].item.step, Step::Return { window: 7 });
+        assert!(leases.give_back(now + IDLE, Pass::Exit).is_empty());
+    }
+
+    #[test]
+    fn a_block_drawn_slower_than_it_was_sized_for_gives_back_the_excess() {
+        let leases = Leases::new(IDLE, MOST_HELD);
+        let now = Instant::now();
+        let one = check(item(2000, 1));
+        take(&leases, &one, now, 100);
+        for _ in 0..40 {
+            assert!(matches!(leases.draw(&one, now), Draw::Admitted(_)));
+        }
+        assert!(
+            leases.give_back(now, Pass::Periodic).is_empty(),
+            "42 hits in a period draw 84 in 100 ms, more than the 59 left"
+        );
+        // One request every 300 ms from then on: a period of 1 hit, none before it.
+        let mut at = now;
+        for _ in 0..3 {
+            at += Duration::from_millis(300);
+            assert!(matches!(leases.draw(&one, at), Draw::Admitted(_)));
+        }
+        let back = leases.give_back(at, Pass::Periodic);
+        assert_eq!(
+            hits(&back),
+            56 - 2,
+            "all but what 1 hit a period draws in 100 ms"
+        );
+        assert_eq!(leases.left(at), 2);
+    }
+
+    #[test]
+    fn a_full_table_sends_new_counters_to_the_store_until_the_periodic_pass_makes_room() {
+        let leases = Leases::new(IDLE, 2);
+        let now = Instant::now();
+        let value = |v: &str| {
+            let mut i = item(2000, 1);
+            i.key = DescriptorKey::new(b"d", &[(b"k", v.as_bytes())]).counter("l");
+            check(i)
+        };
+        for v in ["a", "b"] {
+            assert!(matches!(leases.draw(&value(v), now), Draw::Store));
+        }
+        for _ in 0..2 {
+            assert!(
+                matches!(leases.draw(&value("c"), now), Draw::Store),
+                "the table is full: not held"
+            );
+        }
+        assert!(leases.give_back(now + IDLE, Pass::Periodic).is_empty());
+        let later = now + IDLE;
+        assert!(matches!(leases.draw(&value("c"), later), Draw::Store));
+        assert!(
+            matches!(leases.draw(&value("c"), later), Draw::Take(..)),
+            "the idle counters left the table: the new one is held"
+        );
+    }
+
+    #[test]
+    fn a_new_counter_at_a_full_table_costs_no_walk_of_it() {
+        const MOST: usize = 200_000;
+        let leases = Leases::new(IDLE, MOST);
+        let now = Instant::now();
+        let value = |v: usize| {
+            let mut i = item(2000, 1);
+            i.key = DescriptorKey::new(b"d", &[(b"k", v.to_string().as_bytes())]).counter("l");
+            check(i)
+        };
+        let filling = std::time::Instant::now();
+        for v in 0..MOST {
+            leases.draw(&value(v), now);
+        }
+        let filled = filling.elapsed();
+        let asking = std::time::Instant::now();
+        for v in MOST..MOST + 1000 {
+            assert!(matches!(leases.draw(&value(v), now), Draw::Store));
+        }
+        let asked = asking.elapsed();
+        // 1,000 draws cost 1/200 of the 200,000 that filled it; a walk of the table on each
+        // would cost 1,000 times more than that.
+        assert!(
+            asked < filled / 10,
+            "1,000 new counters at a full table took {asked:?}; filling it took {filled:?}"
+        );
+    }
+
+    #[test]
+    fn a_give_back_that_did_not_reach_the_store_stays_held_and_goes_again_until_its_window_ends() {
+        let leases = Leases::new(IDLE, MOST_HELD);
+        let now = Instant::now();
+        take(&leases, &check(item(2000, 1)), now, 10);
+        let back = leases.give_back(now + IDLE, Pass::Periodic);
+        assert_eq!(hits(&back), 9);
+        leases.failed(back, true, now + IDLE);
+        assert_eq!(leases.left(now + IDLE), 9, "still held");
+        assert_eq!(leases.next_due(), Some(now + IDLE + RETRY_FIRST));
+        assert!(leases.give_back(now + IDLE, Pass::Retry).is_empty());
+        let again = leases.give_back(now + IDLE + RETRY_FIRST, Pass::Retry);
+        assert_eq!(hits(&again), 9);
+        leases.failed(again, true, now + IDLE + RETRY_FIRST);
+        assert_eq!(leases.next_due(), Some(now + IDLE + 3 * RETRY_FIRST));
+        let over = now + Duration::from_secs(30);
+        assert!(
+            leases.give_back(over, Pass::Retry).is_empty(),
+            "its window is over: nothing to give back"
+        );
+        assert_eq!(leases.left(over), 0);
+        take(&leases, &check(item(2000, 1)), over, 10);
+        let exit = leases.give_back(over, Pass::Exit);
+        leases.failed(exit, false, over);
+        assert_eq!(leases.totals().unreturned, 9);
     }
 }

@@ -8,9 +8,10 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::limiter::lease::{Draw, Leases};
+use crate::limiter::lease::{Draw, Leases, Pass, Returning};
 use crate::limiter::{Check, Decision, OverLimitCache};
 use crate::store::{Deadline, Store, StoreError};
+use crate::telemetry::Throttle;
 use crate::telemetry::metrics::METRICS;
 use crate::telemetry::top;
 use crate::telemetry::traces;
@@ -18,6 +19,13 @@ use crate::telemetry::traces;
 /// Draws a leased check from its blocks at most this many times (each after a block was taken,
 /// awaited, or listened for) before the store decides it as any other.
 const DRAWS: usize = 6;
+/// Counters one give-back call carries at most, as a batched script call does.
+pub const GIVE_BACK_COUNTERS: usize = 256;
+/// How long one give-back call may take: its own deadline, not a request's, since nobody waits
+/// for it and one that does not land leaves its hits unusable until their window ends.
+const GIVE_BACK_TIMEOUT: Duration = Duration::from_secs(1);
+/// Failed give-backs, logged at most once a second.
+static GIVE_BACK_FAILED: Throttle = Throttle::new();
 
 /// Decides checks against a store, from leased blocks or the local over-limit cache when it can.
 pub struct Decider {
@@ -134,17 +142,56 @@ impl Decider {
         call(&self.store, check, deadline, asked).await
     }
 
-    /// Gives back the blocks unused for `--lease-idle` (all of them, with `all`); what the store
-    /// could not take back stays counted until its window ends.
-    pub async fn give_back(&self, deadline: Deadline, all: bool) {
-        let back = self.leases.give_back(Instant::now(), all);
-        if back.items.is_empty() {
-            return;
+    /// Gives back what `pass` finds the blocks hold unused, in calls of `GIVE_BACK_COUNTERS`
+    /// counters at most, one at a time, each with `GIVE_BACK_TIMEOUT`.
+    pub async fn give_back(&self, pass: Pass) {
+        let all = pass == Pass::Exit;
+        let mut back = self.leases.give_back(Instant::now(), pass);
+        while !back.is_empty() {
+            let rest = back.split_off(back.len().min(GIVE_BACK_COUNTERS));
+            let calls = std::mem::replace(&mut back, rest);
+            let check = Check {
+                items: calls.iter().map(|r| r.item.clone()).collect(),
+                ..Check::default()
+            };
+            match self
+                .store
+                .apply(&check, Deadline::new(GIVE_BACK_TIMEOUT, None))
+                .await
+            {
+                // Unconfirmed, it landed on the node that answered all the same: a refund is
+                // never undone.
+                Ok(_) | Err(StoreError::Unconfirmed { .. }) => self.leases.returned(&calls),
+                Err(e) => self.failed(calls, &e, all),
+            }
         }
-        let hits = back.items.iter().map(|i| i.hits).sum();
-        if self.store.apply(&back, deadline).await.is_ok() {
-            self.leases.returned(hits);
+    }
+
+    /// Counts and logs a give-back that failed with `e`, to be sent again if the store surely
+    /// did not apply it and the process goes on (not `at_exit`).
+    fn failed(&self, calls: Vec<Returning>, e: &StoreError, at_exit: bool) {
+        let unsent = matches!(
+            e,
+            StoreError::Shed | StoreError::Down | StoreError::Redirected | StoreError::Full { .. }
+        );
+        let hits: u64 = calls.iter().map(|r| r.item.hits).sum();
+        if let Some(n) = GIVE_BACK_FAILED.hit() {
+            let then = if unsent && !at_exit {
+                "sent again until their window ends"
+            } else {
+                "counted until their window ends"
+            };
+            tracing::warn!(
+                "{n} give-back(s) of leased hits failed since the last report, the last of {hits} hits: {e}; {then}"
+            );
         }
+        self.leases
+            .failed(calls, unsent && !at_exit, Instant::now());
+    }
+
+    /// When the next give-back that failed is due to be sent again.
+    pub fn next_due(&self) -> Option<Instant> {
+        self.leases.next_due()
     }
 }
 

@@ -84,8 +84,13 @@ impl Gauges {
             ConstCounter::new(leased.returned),
         );
         r.register(
+            "sluice_lease_unreturned_hits",
+            "Hits of leased blocks whose give-back failed and may not have reached the store: counted there until their window ends",
+            ConstCounter::new(leased.unreturned),
+        );
+        r.register(
             "sluice_lease_held_hits",
-            "Hits this replica holds now in leased blocks",
+            "Hits this replica holds now in leased blocks, those of give-backs to be sent again included",
             ConstGauge::new(self.leases.left(tokio::time::Instant::now()) as i64),
         );
         let streams = Family::<_, Gauge>::default();

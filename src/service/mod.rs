@@ -49,9 +49,8 @@ use conns::{Budget, Connections, Slot, Timers, Tracked};
 use decide::Decider;
 
 use crate::limiter::OverLimitCache;
-use crate::limiter::lease::Leases;
+use crate::limiter::lease::{Leases, Pass};
 use crate::rules::RuleSet;
-use crate::store::Deadline;
 use crate::store::{Backend, StoreError};
 use crate::telemetry::Throttle;
 
@@ -370,17 +369,25 @@ pub async fn run(
         setup.leases.clone(),
         store_timeout,
     );
+    // Every half of `--lease-idle`, or sooner when a failed give-back is due to be sent again.
     let give_back = async {
         let stop = shutdown.clone().wait();
         tokio::pin!(stop);
+        let mut periodic = tokio::time::Instant::now() + setup.leases.idle() / 2;
         loop {
+            let wake = giver.next_due().map_or(periodic, |due| due.min(periodic));
             tokio::select! {
-                () = tokio::time::sleep(setup.leases.idle() / 2) => {}
+                () = tokio::time::sleep_until(wake) => {}
                 () = &mut stop => return,
             }
-            giver
-                .give_back(Deadline::new(store_timeout, None), false)
-                .await;
+            let now = tokio::time::Instant::now();
+            let pass = if now >= periodic {
+                periodic = now + setup.leases.idle() / 2;
+                Pass::Periodic
+            } else {
+                Pass::Retry
+            };
+            giver.give_back(pass).await;
         }
     };
     let mut connections = Vec::with_capacity(loops);
@@ -513,9 +520,7 @@ pub async fn run(
             .context("the quota service's gRPC server")?;
     }
     // Every call answered: what the blocks still hold goes back before the process ends.
-    giver
-        .give_back(Deadline::new(GIVE_BACK_AT_EXIT, None), true)
-        .await;
+    let _ = tokio::time::timeout(GIVE_BACK_AT_EXIT, giver.give_back(Pass::Exit)).await;
     Ok(())
 }
 

@@ -203,6 +203,15 @@ impl Controlled {
         signal(self.pid(), "CONT");
     }
 
+    /// `SHUTDOWN SAVE`: the server writes its counters to its directory and exits; `start`
+    /// loads them again, as a restart that keeps its data does.
+    pub fn shut_down_saving(&mut self) {
+        self.cli(&["SHUTDOWN", "SAVE"]);
+        if let Some(mut child) = self.child.take() {
+            let _ = child.wait();
+        }
+    }
+
     /// SIGKILL: connections reset, counters lost.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {

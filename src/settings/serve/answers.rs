@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Args;
 
 use crate::limiter::Counting;
-use crate::limiter::lease::{Leases, Leasing};
+use crate::limiter::lease::{Leases, Leasing, MOST_HELD};
 use crate::service::rls::{Answering, LimitHeaders};
 
 #[derive(Args)]
@@ -35,6 +35,11 @@ pub struct AnswerFlags {
     /// half times this (docs/leases.md).
     #[arg(long, env = "SLUICE_LEASE_IDLE", default_value = "500ms", value_parser = humantime::parse_duration)]
     lease_idle: Duration,
+    /// How many leased counters this replica holds at once: past it, a new counter is decided
+    /// by the store on every request until the periodic give-back drops counters unused for
+    /// --lease-idle (docs/leases.md).
+    #[arg(long, env = "SLUICE_LEASE_MAX_COUNTERS", default_value_t = MOST_HELD as u64, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    lease_max_counters: u64,
     /// Send the limit closest to denying (the one that denied, else the one with the least
     /// left) on every answer that has one, as the RateLimit-Limit, RateLimit-Remaining and
     /// RateLimit-Reset headers for Envoy to add to its response.
@@ -74,7 +79,7 @@ impl AnswerFlags {
 
     /// The blocks of leased counters this replica will hold.
     pub fn leases(&self) -> Leases {
-        Leases::new(self.lease_idle)
+        Leases::new(self.lease_idle, self.lease_max_counters as usize)
     }
 
     pub fn answering(&self) -> Answering {
