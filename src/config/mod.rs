@@ -13,6 +13,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use envoy_types::pb::google::protobuf::Any;
 use sha2::{Digest, Sha256};
 
 pub use file::parse;
@@ -83,7 +84,7 @@ pub struct DescriptorConfig {
     pub key: String,
     /// The value to match: `None` matches any value; `*` in it matches any run of bytes.
     pub value: Option<String>,
-    /// Shared with the rule built from it, which the dumps read beside.
+    /// Shared with the rule built from it, and with every rule of the set that has the same.
     pub limits: Arc<[RuleLimit]>,
     pub mode: Mode,
     /// When hits are charged (`counting`), if the rule says; else the service's default.
@@ -98,7 +99,7 @@ pub struct DescriptorConfig {
 }
 
 /// A limit as a rule declares it.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct RuleLimit {
     pub name: String,
     pub replaces: Vec<String>,
@@ -140,6 +141,51 @@ pub struct Loaded {
     pub warnings: Vec<ConfigError>,
     /// Every file read, with the SHA-256 of its bytes (hex).
     pub files: Vec<(PathBuf, String)>,
+    /// The bytes the domains were made from.
+    pub sources: Sources,
+}
+
+/// What rules were made from, kept with them so that they can be shown as declared (`/config`,
+/// `/rlconfig`) without being kept twice: the bytes read, parsed again when shown (a rule file's
+/// text or an xDS resource is a fraction of the rules it makes), or the domains themselves when
+/// there are no bytes.
+#[derive(Debug)]
+pub enum Sources {
+    /// Each rule file's text.
+    Files(Vec<(PathBuf, Box<str>)>),
+    /// The resources of an xDS response.
+    Xds(Vec<Any>),
+    /// Domains made without reading anything.
+    Domains(Vec<DomainConfig>),
+}
+
+impl Default for Sources {
+    fn default() -> Self {
+        Sources::Domains(Vec::new())
+    }
+}
+
+impl Sources {
+    /// The domains, as they were when the rules were made: the bytes made valid rules then, so
+    /// they do again.
+    pub fn domains(&self) -> Vec<DomainConfig> {
+        match self {
+            Sources::Files(files) => files
+                .iter()
+                .filter_map(|(file, text)| parse(file, text).ok())
+                .map(|(domain, _)| domain)
+                .collect(),
+            Sources::Xds(resources) => {
+                // Digests name files in `Loaded`, which is not kept; domains may merge here as
+                // they did when the resources were accepted.
+                let digests = vec![xds::Digest::default(); resources.len()];
+                xds::convert(resources.clone(), &digests, true)
+                    .map(|loaded| loaded.domains)
+                    .unwrap_or_default()
+            }
+            Sources::Domains(domains) => domains.clone(),
+        }
+    }
 }
 
 impl Loaded {
@@ -190,6 +236,7 @@ pub fn load(source: &Source) -> Result<Loaded, Vec<ConfigError>> {
         }]
     })?;
     let mut loaded = Loaded::default();
+    let mut texts = Vec::new();
     let mut errors = Vec::new();
     let mut total = 0u64;
     for (file, size) in files {
@@ -231,6 +278,7 @@ pub fn load(source: &Source) -> Result<Loaded, Vec<ConfigError>> {
                 Ok((domain, warnings)) => {
                     loaded.warnings.extend(warnings);
                     loaded.domains.push(domain);
+                    texts.push((file, text.into_boxed_str()));
                 }
                 Err(mut e) => errors.append(&mut e),
             },
@@ -242,6 +290,7 @@ pub fn load(source: &Source) -> Result<Loaded, Vec<ConfigError>> {
         }
     }
     errors.extend(domain_collisions(&loaded.domains, source.merge_domains));
+    loaded.sources = Sources::Files(texts);
     if errors.is_empty() {
         Ok(loaded)
     } else {

@@ -31,7 +31,7 @@ use tonic::transport::{Channel, ClientTlsConfig, Endpoint, Identity};
 use super::file::composite;
 use super::{
     DescriptorConfig, DomainConfig, Loaded, MOST_DESCRIPTOR_DEPTH, MOST_METADATA_DEPTH, RuleLimit,
-    domain_collisions, hex,
+    Sources, domain_collisions, hex,
 };
 use crate::certs::{self, PemFile};
 use crate::limiter::{Algorithm, Limit, Mode, Unit};
@@ -344,8 +344,8 @@ fn jittered(pause: Duration) -> Duration {
 }
 
 /// The rules of one xDS response, converted from protobuf straight into the typed rules: every
-/// resource a `RateLimitConfig`, validated as a rule file named `xds:<resource name>` is, each
-/// resource's bytes dropped once converted. The errors name the resource and the path of the
+/// resource a `RateLimitConfig`, validated as a rule file named `xds:<resource name>` is; the
+/// resources are kept as the rules' sources (`Sources::Xds`). The errors name the resource and the path of the
 /// offending field (`descriptors[0].rate_limit.unit`). No resource at all is a valid, empty
 /// configuration. `digests` are the SHA-256 of each resource's bytes. Public as the one entry
 /// from protobuf into rules, for the fuzz targets.
@@ -356,6 +356,7 @@ pub fn convert(
 ) -> Result<Loaded, Rejection> {
     let mut errors = Rejection::default();
     let mut loaded = Loaded::default();
+    let mut kept = Vec::with_capacity(resources.len());
     for (i, (any, digest)) in resources.into_iter().zip(digests).enumerate() {
         if any.type_url != TYPE_URL {
             errors.add(|| format!("resource {i}: a {}, not a RateLimitConfig", any.type_url));
@@ -372,7 +373,7 @@ pub fn convert(
                 continue;
             }
         };
-        drop(any);
+        kept.push(any);
         let file = PathBuf::from(format!(
             "xds:{}",
             resource_name(&config.name, &config.domain, i)
@@ -416,6 +417,7 @@ pub fn convert(
     if errors.total > 0 {
         return Err(errors);
     }
+    loaded.sources = Sources::Xds(kept);
     Ok(loaded)
 }
 

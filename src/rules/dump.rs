@@ -54,7 +54,7 @@ impl RuleSet {
             .loaded_at
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
-        let mut domains: Vec<_> = self.configs.iter().collect();
+        let mut domains = self.sources.domains();
         domains.sort_by(|a, b| a.domain.cmp(&b.domain));
         json!({
             "hash": origin.hash,
@@ -64,7 +64,7 @@ impl RuleSet {
                 "path": path.display().to_string(),
                 "sha256": sha256,
             })).collect::<Vec<_>>(),
-            "domains": domains.iter().map(|d| domain_json(d)).collect::<Vec<_>>(),
+            "domains": domains.iter().map(domain_json).collect::<Vec<_>>(),
         })
     }
 
@@ -72,10 +72,10 @@ impl RuleSet {
     /// `domain.path: unit=MINUTE requests_per_unit=10, shadow_mode: false, quota_mode: false`,
     /// followed by what that format cannot say (`name`, `unit_multiplier`, `algorithm`) when set.
     pub fn dump_text(&self) -> String {
-        let mut domains: Vec<_> = self.configs.iter().collect();
+        let mut domains = self.sources.domains();
         domains.sort_by(|a, b| a.domain.cmp(&b.domain));
         let mut out = String::new();
-        for d in domains {
+        for d in &domains {
             for descriptor in &d.descriptors {
                 text_lines(&d.domain, descriptor, &mut out);
             }

@@ -25,7 +25,7 @@ use std::time::SystemTime;
 
 use memchr::memmem;
 
-use crate::config::{DescriptorConfig, DomainConfig, Loaded, RuleLimit};
+use crate::config::{DescriptorConfig, DomainConfig, Loaded, RuleLimit, Sources};
 use crate::limiter::lease::Leasing;
 use crate::limiter::{Counting, LONGEST_LITERAL, Mode};
 use crate::telemetry::metrics::{METRICS, RuleStats};
@@ -36,8 +36,8 @@ pub struct RuleSet {
     domains: HashMap<Vec<u8>, Level>,
     /// Each domain's quota bucket rules.
     quota: HashMap<Vec<u8>, quota::QuotaLevel>,
-    /// The domains as the files declare them, for the dumps.
-    configs: Vec<DomainConfig>,
+    /// What the domains were made from, for the dumps.
+    sources: Sources,
     origin: Origin,
     /// No configuration has come yet (rules over xDS, before the first snapshot).
     awaiting: bool,
@@ -87,7 +87,9 @@ struct Level {
 /// The rules of one key at one level: by exact value, by pattern (in file order), and for the
 /// key alone.
 struct Branches<T> {
-    exact: HashMap<Vec<u8>, T>,
+    /// Each rule boxed: a table keeps room for up to twice its entries, and a rule is larger
+    /// than a box.
+    exact: HashMap<Box<[u8]>, Box<T>>,
     patterns: Vec<(Pattern, T)>,
     any: Option<Box<T>>,
 }
@@ -107,7 +109,7 @@ impl<T> Branches<T> {
     /// matches it, else the key alone.
     fn find(&self, value: &[u8]) -> Option<(&T, Matched<'_>)> {
         if let Some(n) = self.exact.get(value) {
-            Some((n, Matched::Exact))
+            Some((&**n, Matched::Exact))
         } else if let Some((p, n)) = self.patterns.iter().find(|(p, _)| p.matches(value)) {
             Some((n, Matched::Pattern(p.text.as_slice())))
         } else {
@@ -194,8 +196,14 @@ pub struct Match<'a> {
 
 impl RuleSet {
     pub fn new(domains: Vec<DomainConfig>) -> Self {
-        let configs = domains.clone();
+        let sources = Sources::Domains(domains.clone());
+        RuleSet::made_from(domains, sources)
+    }
+
+    /// The rules of `domains`, made from `sources`.
+    fn made_from(domains: Vec<DomainConfig>, sources: Sources) -> Self {
         let mut levels: HashMap<Vec<u8>, Level> = HashMap::new();
+        let mut limits = HashSet::new();
         let mut quota: HashMap<Vec<u8>, quota::QuotaLevel> = HashMap::new();
         // A domain in several files (`--merge-domains`) is one tree: validation has made sure
         // that no two files define the same top-level rule.
@@ -208,12 +216,12 @@ impl RuleSet {
             levels
                 .entry(d.domain.clone().into_bytes())
                 .or_default()
-                .add(&d.domain, &file, "", false, d.descriptors);
+                .add(&d.domain, &file, "", false, d.descriptors, &mut limits);
         }
         RuleSet {
             domains: levels,
             quota,
-            configs,
+            sources,
             origin: Origin::default(),
             awaiting: false,
             rendered: dump::Rendered::default(),
@@ -245,7 +253,7 @@ impl RuleSet {
         };
         RuleSet {
             origin,
-            ..RuleSet::new(loaded.domains)
+            ..RuleSet::made_from(loaded.domains, loaded.sources)
         }
     }
 
@@ -261,7 +269,7 @@ impl RuleSet {
         while let Some(level) = levels.pop() {
             for branches in level.by_key.values() {
                 let any = branches.any.as_deref();
-                let nodes = branches.exact.values();
+                let nodes = branches.exact.values().map(|n| &**n);
                 for node in nodes
                     .chain(branches.patterns.iter().map(|(_, n)| n))
                     .chain(any)
@@ -384,6 +392,7 @@ impl Level {
         parent: &str,
         value_to_metric_above: bool,
         descriptors: Vec<DescriptorConfig>,
+        limits: &mut HashSet<Arc<[RuleLimit]>>,
     ) {
         for d in descriptors {
             let step = match &d.value {
@@ -397,9 +406,17 @@ impl Level {
             };
             let value_to_metric = value_to_metric_above || d.value_to_metric;
             let mut children = Level::default();
-            children.add(domain, file, &path, value_to_metric, d.descriptors);
+            children.add(domain, file, &path, value_to_metric, d.descriptors, limits);
+            // Rules with the same limits share them: most rule sets hold a few distinct ones.
+            let shared = match limits.get(&*d.limits) {
+                Some(shared) => shared.clone(),
+                None => {
+                    limits.insert(d.limits.clone());
+                    d.limits
+                }
+            };
             let node = Node {
-                limits: d.limits,
+                limits: shared,
                 mode: d.mode,
                 counting: d.counting,
                 lease: d.lease,
@@ -421,7 +438,7 @@ impl Level {
                 None => branches.any = Some(Box::new(node)),
                 Some(v) if v.contains('*') => branches.patterns.push((Pattern::new(&v), node)),
                 Some(v) => {
-                    branches.exact.insert(v.into_bytes(), node);
+                    branches.exact.insert(v.into_bytes().into(), Box::new(node));
                 }
             }
         }

@@ -57,7 +57,7 @@ impl QuotaLevel {
                         });
                     &mut branches.patterns[at].1
                 }
-                Some(v) => branches.exact.entry(v.clone().into_bytes()).or_default(),
+                Some(v) => branches.exact.entry(v.as_bytes().into()).or_default(),
             };
             if at + 1 == config.bucket.len() {
                 node.rule.get_or_insert_with(|| {

@@ -7,10 +7,12 @@
 //! most often over a limit, in a bounded top-k of its own rather than in more series under the
 //! cap).
 
-use std::collections::HashMap;
+use std::collections::HashSet;
+use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use hashbrown::HashTable;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
@@ -22,10 +24,15 @@ use crate::telemetry::top::{self, RuleTop};
 /// hits count under their rule's own series.
 const DETAILED_SERIES: usize = 10_000;
 
-/// The per-rule counters.
+/// The per-rule counters, found by domain and name. The table holds the counters alone (each
+/// holds its names): a rule costs its counters, its name and a slot of 8 bytes, which matters
+/// at hundreds of thousands of rules.
 #[derive(Default)]
 pub(super) struct RuleSeries {
-    by_name: HashMap<(String, String), Arc<RuleStats>>,
+    by_name: HashTable<Arc<RuleStats>>,
+    hasher: RandomState,
+    /// Each domain's name, shared by its series.
+    domains: HashSet<Arc<str>>,
     /// How many of them are named from request values.
     detailed: usize,
 }
@@ -44,17 +51,22 @@ impl RuleSeries {
         name: &str,
         rule: &str,
     ) -> Option<Arc<RuleStats>> {
-        if self.detailed >= DETAILED_SERIES && !self.has(domain, name) {
+        if self.detailed >= DETAILED_SERIES && self.find(domain, name).is_none() {
             return None;
         }
         Some(self.get(domain, name, Some(rule)))
     }
 
-    /// Forgets the series of rules that `keep` (domain, rule path) no longer has.
+    /// Forgets the series of rules that `keep` (domain, rule path) no longer has, and the names
+    /// of domains left without series.
     pub(super) fn retain(&mut self, keep: impl Fn(&str, &str) -> bool) {
+        self.by_name.retain(|s| keep(&s.domain, s.rule_path()));
+        let hasher = &self.hasher;
         self.by_name
-            .retain(|_, s| keep(&s.domain, s.rule.as_deref().unwrap_or(&s.descriptor)));
-        self.detailed = self.by_name.values().filter(|s| s.rule.is_some()).count();
+            .shrink_to_fit(|s| hasher.hash_one((&*s.domain, &*s.descriptor)));
+        self.detailed = self.by_name.iter().filter(|s| s.rule.is_some()).count();
+        // A domain's name is held by the set and by each of its series.
+        self.domains.retain(|d| Arc::strong_count(d) > 1);
     }
 
     /// Every series' values, ordered by domain and descriptor, with what `name` (the statsd
@@ -65,13 +77,13 @@ impl RuleSeries {
     ) -> RuleSnapshot {
         let mut rules: Vec<RuleValues> = self
             .by_name
-            .values()
+            .iter()
             .map(|s| RuleValues {
                 domain: s.domain.clone(),
                 descriptor: s.descriptor.clone(),
                 mapped: s
                     .mapped
-                    .get_or_init(|| name(&s.domain, &s.descriptor))
+                    .get_or_init(|| name(&s.domain, &s.descriptor).into())
                     .to_vec(),
                 values: s.values(),
             })
@@ -80,31 +92,43 @@ impl RuleSeries {
         RuleSnapshot(rules)
     }
 
-    fn has(&self, domain: &str, name: &str) -> bool {
+    fn find(&self, domain: &str, name: &str) -> Option<&Arc<RuleStats>> {
+        let hash = self.hasher.hash_one((domain, name));
         self.by_name
-            .contains_key(&(domain.to_owned(), name.to_owned()))
+            .find(hash, |s| &*s.domain == domain && &*s.descriptor == name)
     }
 
     fn get(&mut self, domain: &str, name: &str, rule: Option<&str>) -> Arc<RuleStats> {
-        let key = (domain.to_owned(), name.to_owned());
-        if let Some(s) = self.by_name.get(&key) {
+        if let Some(s) = self.find(domain, name) {
             return s.clone();
         }
         if rule.is_some() {
             self.detailed += 1;
         }
+        let domain = match self.domains.get(domain) {
+            Some(shared) => shared.clone(),
+            None => {
+                let shared: Arc<str> = domain.into();
+                self.domains.insert(shared.clone());
+                shared
+            }
+        };
         let s = Arc::new(RuleStats::new(domain, name, rule));
-        self.by_name.insert(key, s.clone());
+        let hasher = &self.hasher;
+        let hash = hasher.hash_one((&*s.domain, &*s.descriptor));
+        self.by_name.insert_unique(hash, s.clone(), |s| {
+            hasher.hash_one((&*s.domain, &*s.descriptor))
+        });
         s
     }
 }
 
 /// What envoyproxy/ratelimit counts per rule, in hits (a request's `hits_addend`), not requests.
 pub struct RuleStats {
-    domain: String,
-    descriptor: String,
+    domain: Arc<str>,
+    descriptor: Arc<str>,
     /// For a series named from request values, the path of the rule it belongs to.
-    rule: Option<String>,
+    rule: Option<Box<str>>,
     total_hits: AtomicU64,
     over_limit: AtomicU64,
     near_limit: AtomicU64,
@@ -113,7 +137,7 @@ pub struct RuleStats {
     over_limit_with_local_cache: AtomicU64,
     /// What its stats are named through the mapping (`None`: dropped), worked out at the first
     /// scrape.
-    mapped: OnceLock<Vec<Option<Series>>>,
+    mapped: OnceLock<Box<[Option<Series>]>>,
     /// The top view's sketches of its rule, found at its first decision.
     top: OnceLock<Arc<RuleTop>>,
 }
@@ -137,11 +161,11 @@ pub enum Outcome {
 }
 
 impl RuleStats {
-    fn new(domain: &str, descriptor: &str, rule: Option<&str>) -> Self {
+    fn new(domain: Arc<str>, descriptor: &str, rule: Option<&str>) -> Self {
         RuleStats {
-            domain: domain.to_owned(),
-            descriptor: descriptor.to_owned(),
-            rule: rule.map(str::to_owned),
+            domain,
+            descriptor: descriptor.into(),
+            rule: rule.map(Box::from),
             total_hits: AtomicU64::new(0),
             over_limit: AtomicU64::new(0),
             near_limit: AtomicU64::new(0),
@@ -244,8 +268,8 @@ pub(super) struct RuleSnapshot(Vec<RuleValues>);
 
 #[derive(Debug)]
 struct RuleValues {
-    domain: String,
-    descriptor: String,
+    domain: Arc<str>,
+    descriptor: Arc<str>,
     mapped: Vec<Option<Series>>,
     values: [u64; 6],
 }
@@ -289,7 +313,7 @@ impl RuleSnapshot {
     pub(super) fn values(&self) -> impl Iterator<Item = (&str, &str, [u64; 6])> {
         self.0
             .iter()
-            .map(|rule| (rule.domain.as_str(), rule.descriptor.as_str(), rule.values))
+            .map(|rule| (&*rule.domain, &*rule.descriptor, rule.values))
     }
 
     /// Each stat the mapping names, with its value, rule by rule.
@@ -308,10 +332,7 @@ impl Collector for RuleSnapshot {
         for (i, (_, name, help)) in RULE_STATS.iter().enumerate() {
             let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
             for rule in &self.0 {
-                let labels = [
-                    ("domain", rule.domain.as_str()),
-                    ("descriptor", rule.descriptor.as_str()),
-                ];
+                let labels = [("domain", &*rule.domain), ("descriptor", &*rule.descriptor)];
                 family
                     .encode_family(&labels)?
                     .encode_counter::<NoLabelSet, _, u64>(&rule.values[i], None)?;
@@ -327,7 +348,7 @@ mod tests {
 
     #[test]
     fn hits_are_counted_as_envoy_ratelimit_counts_them() {
-        let s = RuleStats::new("d", "k", None);
+        let s = RuleStats::new("d".into(), "k", None);
         s.count(3, Outcome::Within { limit: 10, used: 9 }, 0.8);
         let refused = Outcome::Over {
             limit: 10,
@@ -350,7 +371,7 @@ mod tests {
 
     #[test]
     fn a_charge_over_the_limit_splits_as_check_over_limit_threshold() {
-        let s = RuleStats::new("d", "k", None);
+        let s = RuleStats::new("d".into(), "k", None);
         let charged = |before| Outcome::Over {
             limit: 10,
             charged_from: Some(before),
