@@ -52,6 +52,8 @@ struct Assigned {
 struct Envoys {
     streams: Vec<Option<QuotaStream>>,
     live: Vec<Option<Assigned>>,
+    /// Every assignment each stream got, in order.
+    given: Vec<Vec<Assigned>>,
     answers: usize,
 }
 
@@ -60,6 +62,7 @@ impl Envoys {
         Envoys {
             streams: Vec::new(),
             live: Vec::new(),
+            given: Vec::new(),
             answers: 0,
         }
     }
@@ -69,6 +72,7 @@ impl Envoys {
         self.streams
             .push(Some(QuotaStream::open(sluice, DOMAIN).await));
         self.live.push(None);
+        self.given.push(Vec::new());
         self.streams.len() - 1
     }
 
@@ -184,15 +188,21 @@ impl Envoys {
         }
     }
 
-    /// Takes an answer on stream `i`: its assignment is live from now.
+    /// Takes an answer on stream `i`: its assignment is live from now; told to abandon the
+    /// bucket, its Envoy enforces none (it falls back to its no-assignment behaviour).
     fn take(&mut self, i: usize, answer: Result<Option<RateLimitQuotaResponse>, tonic::Status>) {
         let answer = answer
             .expect("the stream stays open")
             .expect("the stream stays open");
         for action in answer.bucket_action {
             assert_eq!(action.bucket_id, Some(shared()));
-            let Some(Action::QuotaAssignmentAction(assigned)) = action.bucket_action else {
-                panic!("expected an assignment, got {action:?}");
+            let assigned = match action.bucket_action {
+                Some(Action::QuotaAssignmentAction(assigned)) => assigned,
+                Some(Action::AbandonAction(_)) => {
+                    self.live[i] = None;
+                    continue;
+                }
+                None => panic!("expected an assignment, got {action:?}"),
             };
             let strategy = assigned
                 .rate_limit_strategy
@@ -202,10 +212,12 @@ impl Envoys {
                 Strategy::BlanketRule(r) if r == BlanketRule::DenyAll as i32 => 0.0,
                 other => share(&other, 1),
             };
-            self.live[i] = Some(Assigned {
+            let assigned = Assigned {
                 rate,
                 at: Instant::now(),
-            });
+            };
+            self.live[i] = Some(assigned);
+            self.given[i].push(assigned);
             self.answers += 1;
         }
     }
@@ -223,8 +235,13 @@ fn replica(redis: &Controlled, prefix: &str) -> [String; 6] {
 }
 
 async fn start(redis: &Controlled, prefix: &str) -> Sluice {
+    start_with(redis, prefix, &[]).await
+}
+
+async fn start_with(redis: &Controlled, prefix: &str, extra: &[&str]) -> Sluice {
     let flags = replica(redis, prefix);
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let mut flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    flags.extend(extra);
     Sluice::on(Store::Memory, &[("quota.yaml", RULES)], &flags).await
 }
 
@@ -350,6 +367,58 @@ async fn the_assignments_of_a_bucket_never_add_up_to_more_than_its_limit() {
         "a replica killed: its streams' shares taken by the others {grown:?} after; {} answers checked",
         envoys.answers
     );
+}
+
+/// The sequence that once let a bucket's assignments add up past its limit: A and C on the
+/// first replica, B on the second, each reporting every second; A and B busy (30/s), C at 2/s,
+/// then idle, so that it is told to abandon the bucket (after 3 idle reports here), while B's
+/// stream is cancelled on the other replica. C reports its idle bucket still, as a client that
+/// ignores the abandon would. At every answer the live assignments add up to at most the limit,
+/// and once C reported no request, it is never granted more than the minimum, one a second.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_idle_stream_abandoned_while_a_busy_one_ends_on_the_other_replica_gets_no_more_than_the_minimum()
+ {
+    let redis = Controlled::started();
+    let prefix = format!("abandon-{}:", std::process::id());
+    let one = start_with(&redis, &prefix, &["--quota-abandon-after", "3"]).await;
+    let two = start(&redis, &prefix).await;
+    let mut envoys = Envoys::new();
+    let a = envoys.open(&one).await;
+    let c = envoys.open(&one).await;
+    let b = envoys.open(&two).await;
+    for _ in 0..4 {
+        envoys.report(a, 30, 0).await;
+        envoys.report(b, 30, 0).await;
+        envoys.report(c, 2, 0).await;
+        envoys.settle(Duration::from_secs(1)).await;
+    }
+    let idle_from = envoys.given[c].len();
+    for second in 0..8 {
+        envoys.report(a, 30, 0).await;
+        envoys.report(c, 0, 0).await;
+        if second == 4 {
+            envoys.end(b);
+        } else if second < 4 {
+            envoys.report(b, 30, 0).await;
+        }
+        envoys.settle(Duration::from_secs(1)).await;
+    }
+    // The first answer to its idle report may still carry its share of before.
+    let idle: Vec<f64> = envoys.given[c][idle_from..]
+        .iter()
+        .skip(1)
+        .map(|g| g.rate)
+        .collect();
+    assert!(
+        idle.iter().all(|&rate| rate <= 1.0 + 1e-9),
+        "C, idle, was granted {idle:?}"
+    );
+    envoys
+        .settle_to(SETTLED, |e| {
+            near(e.rate(a), LIMIT - 1.0) || e.rate(a) == LIMIT
+        })
+        .await;
+    println!("{} answers checked", envoys.answers);
 }
 
 /// A replica dies while its stream holds the whole limit, and a new subscriber on the other

@@ -968,6 +968,7 @@ impl QuotaStream {
         let now = Instant::now();
         let mut actions = Vec::with_capacity(usages.len());
         let mut shared = Vec::new();
+        let mut abandoned = Vec::new();
         for usage in usages {
             // One that does not decode is skipped, as one without a bucket id is.
             let Ok(usage) = BucketQuotaUsage::decode(usage) else {
@@ -1025,7 +1026,7 @@ impl QuotaStream {
             };
             let id = self.quotas.ids.id(&key, 0);
             if tracked && idle >= self.quotas.settings.abandon_after {
-                self.abandon(&key, id).await;
+                abandoned.push((key, id));
                 tally.action(&labels, "abandon");
                 actions.push(encode(BucketAction {
                     bucket_id: Some(bucket_id),
@@ -1119,7 +1120,7 @@ impl QuotaStream {
                 Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => None,
             }
         };
-        match late {
+        let answered = match late {
             Some(response) => {
                 let waited = self.outbox.send(response);
                 tokio::time::timeout(self.quotas.settings.ttl, waited)
@@ -1127,7 +1128,13 @@ impl QuotaStream {
                     .is_ok()
             }
             None => true,
+        };
+        // An abandoned bucket's grant is freed once the abandon is on its way, not before: until
+        // its Envoy has it, that Envoy enforces the grant.
+        for (key, id) in abandoned {
+            self.abandon(&key, id).await;
         }
+        answered
     }
 
     /// Whether a bucket new to the stream, with `size` bytes of id, can be tracked: the stream is
@@ -1179,10 +1186,13 @@ impl QuotaStream {
         let limit = rule.limit.as_ref().expect("a shared bucket has a limit");
         let total = u64::from(limit.requests_per_unit);
         let window = Duration::from_millis(limit.window_ms());
-        // A new subscriber, whose demand is not known yet, counts as wanting all of it.
-        let wanted = step.elapsed.map_or(total * MILLI, |elapsed| {
-            demand(requests, elapsed, window, total)
-        });
+        // A new subscriber, whose demand is not known yet, counts as wanting all of it, unless
+        // its first report says it had no request: it is idle, and wants nothing.
+        let wanted = match step.elapsed {
+            Some(elapsed) => demand(requests, elapsed, window, total),
+            None if requests == 0 => 0,
+            None => total * MILLI,
+        };
         let now = Instant::now();
         let every = self.quotas.record_every();
         // Due once `every` has passed (give or take half a report), if the budget has a record
