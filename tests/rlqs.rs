@@ -214,6 +214,24 @@ async fn unmatched_buckets_can_be_denied() {
     );
 }
 
+/// A report naming a domain over 1024 bytes, the bound of a rate limit request's domain, ends its
+/// stream with `INVALID_ARGUMENT` naming the bound; a stream with an ordinary domain is answered.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_report_with_a_domain_over_1024_bytes_ends_its_stream_with_invalid_argument() {
+    let sluice = Sluice::start_with(&[("quota.yaml", RULES)], &[]).await;
+    let mut hostile = QuotaStream::open(&sluice, &"d".repeat(1025)).await;
+    hostile.report(&[(&tenant("acme"), 1, 0)]).await;
+    let refused = hostile
+        .answers
+        .message()
+        .await
+        .expect_err("the stream ends with an error");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(refused.message().contains("1024"), "{}", refused.message());
+    let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
+    assert_eq!(tokens(&envoy.ask(&tenant("acme"), 1, 0).await, 1), 20);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_bucket_reported_idle_n_times_in_a_row_is_abandoned() {
     let sluice =

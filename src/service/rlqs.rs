@@ -46,6 +46,7 @@ use super::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_repo
 use super::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
+use crate::config::{MOST_DOMAIN_BYTES, domain_too_long};
 use crate::limiter::share::settled;
 use crate::limiter::{CounterIds, CounterKey, DescriptorKey, IdHasher, Limit};
 use crate::quota::{Assignment, MILLI, demand};
@@ -918,6 +919,11 @@ impl QuotaStream {
 
     /// Answers a report; false when its Envoy takes no answers (see `answer`).
     async fn on_report(&mut self, report: RateLimitQuotaUsageReports) -> bool {
+        if report.domain.len() > MOST_DOMAIN_BYTES {
+            let refused = Status::invalid_argument(domain_too_long(report.domain.len()));
+            let _ = self.outbox.try_send(Err(refused));
+            return false;
+        }
         if !report.domain.is_empty() {
             self.domain = report.domain;
         }
