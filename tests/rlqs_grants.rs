@@ -421,6 +421,62 @@ async fn an_idle_stream_abandoned_while_a_busy_one_ends_on_the_other_replica_get
     println!("{} answers checked", envoys.answers);
 }
 
+/// A reload lowering the bucket's limit from 20/s to 6/s while three busy streams on two
+/// replicas hold 6.67/s each: every stream is sent 2/s without reporting again (an Envoy reports
+/// every 5 s, and one that stopped would keep its share until its assignment expired), and the
+/// time it took is printed; then one changing its unit (6 a minute): 2 a minute each.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_lowering_the_limit_shrinks_every_share_without_waiting_for_a_report() {
+    let redis = Controlled::started();
+    let prefix = format!("reload-{}:", std::process::id());
+    let one = start(&redis, &prefix).await;
+    let two = start(&redis, &prefix).await;
+    let mut envoys = Envoys::new();
+    let a = envoys.open(&one).await;
+    let b = envoys.open(&one).await;
+    let c = envoys.open(&two).await;
+    let all = [a, b, c];
+    for _ in 0..3 {
+        for i in all {
+            envoys.report(i, 30, 0).await;
+        }
+        envoys.settle(Duration::from_secs(1)).await;
+    }
+    envoys
+        .settle_to(SETTLED, |e| {
+            all.iter().all(|&i| near(e.rate(i), LIMIT / 3.0))
+        })
+        .await;
+    let lowered = RULES.replace("requests_per_unit: 20", "requests_per_unit: 6");
+    for sluice in [&one, &two] {
+        std::fs::write(sluice.rules.join("quota.yaml"), &lowered).expect("rules written");
+    }
+    let reloaded = Instant::now();
+    let reached = envoys
+        .settle_to(SETTLED, |e| all.iter().all(|&i| near(e.rate(i), 2.0)))
+        .await;
+    for i in all {
+        assert!(near(envoys.rate(i), 2.0), "{:?}", envoys.live);
+    }
+    println!(
+        "a lowered limit: every stream had its new share {:?} after the reload, unasked",
+        reached - reloaded
+    );
+    // The unit changed: 6 a minute, 2 a minute each.
+    let per_minute = lowered.replace("unit: second", "unit: minute");
+    for sluice in [&one, &two] {
+        std::fs::write(sluice.rules.join("quota.yaml"), &per_minute).expect("rules written");
+    }
+    envoys
+        .settle_to(SETTLED, |e| {
+            all.iter().all(|&i| near(e.rate(i), 2.0 / 60.0))
+        })
+        .await;
+    for i in all {
+        assert!(near(envoys.rate(i), 2.0 / 60.0), "{:?}", envoys.live);
+    }
+}
+
 /// A replica dies while its stream holds the whole limit, and a new subscriber on the other
 /// replica waits for that grant: it is told nothing, not "deny all" (its Envoy keeps what it has,
 /// as one reconnecting from the dead replica keeps the assignment the dead grant stands for), and

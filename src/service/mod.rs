@@ -361,6 +361,10 @@ pub async fn run(
         reached: Arc::default(),
     };
     let rls = setup.rls()?;
+    // A reload that changes a quota rule reaches the streams of the buckets it divides at once.
+    setup
+        .quotas
+        .spawn(setup.quotas.clone().follow(setup.rules.current.clone()));
     // Gives back the blocks that went unused, on this thread's own store connections.
     let store_timeout = setup.fallback.store_timeout;
     let giver = Decider::new(

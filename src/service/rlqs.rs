@@ -91,6 +91,8 @@ const TAKEN_WITHIN: Duration = Duration::from_millis(100);
 /// store has lost what every replica's streams hold, and every replica lists its own again (at
 /// once, on its reconnection) before any grows.
 const FROZEN_AFTER_RECONNECTION: Duration = Duration::from_secs(2);
+/// How often the rules in force are read for a reload that changed a divided bucket's rule.
+const RULES_READ: Duration = Duration::from_millis(100);
 /// The shortest life of an assignment (Envoy reads whole seconds).
 const ONE_SECOND: Duration = Duration::from_secs(1);
 /// How long after a stream of another replica lapses its bucket is settled again.
@@ -231,6 +233,8 @@ pub struct Quotas {
 /// A bucket's streams on this replica.
 struct Local {
     key: CounterKey,
+    /// The domain its streams report it for, to find its rule again after a reload.
+    domain: Box<str>,
     subscribers: Vec<Subscriber>,
     /// It is to be settled again when what a stream of another replica holds lapses, for one of
     /// its streams here waits for it.
@@ -440,6 +444,86 @@ impl Quotas {
                 Some((id, local.key.clone(), rule))
             })
             .collect()
+    }
+
+    /// Re-divides, for as long as the process runs, every bucket whose rule a reload changed
+    /// (`rules` is read every `RULES_READ`), without waiting for reports.
+    pub async fn follow(self: Arc<Self>, rules: Arc<ArcSwap<RuleSet>>) {
+        let mut divided_by = rules.load_full();
+        loop {
+            tokio::time::sleep(RULES_READ).await;
+            let now = rules.load_full();
+            if !Arc::ptr_eq(&now, &divided_by) {
+                self.redivide(&now).await;
+                divided_by = now;
+            }
+        }
+    }
+
+    /// Settles again, by its new rule, every bucket divided here whose rule `rules` changes and
+    /// still divides (a new limit, unit or window): a shrink reaches the streams at once, and so
+    /// does a new unit. A bucket whose rule no longer divides it (removed, unlimited, a limit of
+    /// 0, shadow mode) takes its fixed answer at each stream's next report.
+    async fn redivide(self: &Arc<Self>, rules: &RuleSet) {
+        /// A bucket divided here, copied out to be matched outside the lock the streams take.
+        struct Divided {
+            id: u128,
+            domain: Box<str>,
+            bucket_id: Box<[u8]>,
+            rule: Arc<QuotaRule>,
+        }
+        let divided: Vec<Divided> = self
+            .buckets()
+            .iter()
+            .filter_map(|(&id, local)| {
+                let subscriber = local.subscribers.iter().find(|s| s.divided.is_some())?;
+                Some(Divided {
+                    id,
+                    domain: local.domain.clone(),
+                    bucket_id: subscriber.bucket_id.clone(),
+                    rule: subscriber.divided.clone()?,
+                })
+            })
+            .collect();
+        let mut changed = Vec::new();
+        for Divided {
+            id,
+            domain,
+            bucket_id,
+            rule: old,
+        } in divided
+        {
+            let Ok(bucket_id) = BucketId::decode(&*bucket_id) else {
+                continue;
+            };
+            let entries = sorted_entries(&bucket_id);
+            let Some(new) = rules.quota_rule(domain.as_bytes(), &entries) else {
+                continue;
+            };
+            let divides =
+                !new.shadow && new.limit.as_ref().is_some_and(|l| l.requests_per_unit > 0);
+            if divides && (new.limit != old.limit || new.path != old.path) {
+                changed.push((id, new.clone()));
+            }
+        }
+        let mut settling = Vec::with_capacity(changed.len());
+        {
+            let mut buckets = self.buckets();
+            for (id, rule) in changed {
+                let Some(local) = buckets.get_mut(&id) else {
+                    continue;
+                };
+                for subscriber in local.subscribers.iter_mut().filter(|s| s.divided.is_some()) {
+                    subscriber.divided = Some(rule.clone());
+                }
+                settling.push((id, local.key.clone(), rule));
+            }
+        }
+        futures_util::stream::iter(settling)
+            .for_each_concurrent(RECORDS_IN_FLIGHT, |(id, key, rule)| {
+                self.settle_in_background(id, key, rule)
+            })
+            .await;
     }
 
     /// Settles bucket `id` with no report (another replica moved, or the store came back).
@@ -983,12 +1067,7 @@ impl QuotaStream {
             let Some(bucket_id) = usage.bucket_id.filter(|b| !b.bucket.is_empty()) else {
                 continue;
             };
-            let mut entries: Vec<(&str, &[u8])> = bucket_id
-                .bucket
-                .iter()
-                .map(|(k, v)| (k.as_str(), v.as_slice()))
-                .collect();
-            entries.sort_unstable();
+            let entries = sorted_entries(&bucket_id);
             let rule = rules.quota_rule(self.domain.as_bytes(), &entries).cloned();
             let as_bytes: Vec<(&[u8], &[u8])> =
                 entries.iter().map(|(k, v)| (k.as_bytes(), *v)).collect();
@@ -1316,6 +1395,7 @@ impl QuotaStream {
     ) -> (&'a mut Subscriber, bool) {
         let local = buckets.entry(step.id).or_insert_with(|| Local {
             key: step.key.clone(),
+            domain: self.domain.as_str().into(),
             subscribers: Vec::with_capacity(1),
             waking: false,
         });
@@ -1470,6 +1550,17 @@ fn failed_settle(e: &StoreError) {
             "{n} quota demand record(s) since the last report failed, the buckets keep their last assignments: {e}"
         );
     }
+}
+
+/// A bucket id's entries sorted by key, as the rules match them.
+fn sorted_entries(bucket_id: &BucketId) -> Vec<(&str, &[u8])> {
+    let mut entries: Vec<(&str, &[u8])> = bucket_id
+        .bucket
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_slice()))
+        .collect();
+    entries.sort_unstable();
+    entries
 }
 
 /// A bucket action assigning `assignment` for `ttl`, encoded.
