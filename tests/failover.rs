@@ -212,6 +212,16 @@ fn readyz(sluice: &Sluice) -> (u16, String) {
     (status, body)
 }
 
+/// `/readyz` once it names the replicas (for at most 10 s): its status and body.
+async fn readyz_naming_replicas(sluice: &Sluice) -> (u16, String) {
+    common::settled(
+        Duration::from_secs(10),
+        || readyz(sluice),
+        |(_, body)| body.contains("replica"),
+    )
+    .await
+}
+
 /// The answers to requests sent with no replica left to confirm: each within `bound`, none
 /// decided from when `/readyz` said why (`readyz`, read then: 503, naming the replicas).
 fn without_replica(without: &[&Answer], told: Instant, readyz: (u16, &str), bound: Duration) {
@@ -280,12 +290,7 @@ async fn with_no_replica_left_to_confirm_every_request_gets_the_policy_answer_wi
     tokio::time::sleep(Duration::from_secs(1)).await;
     replica.kill();
     let gone = Instant::now();
-    let (status, body) = common::settled(
-        Duration::from_secs(10),
-        || readyz(&sluice),
-        |(_, body)| body.contains("replica"),
-    )
-    .await;
+    let (status, body) = readyz_naming_replicas(&sluice).await;
     let told = Instant::now();
     let answers = gather(callers).await;
 
@@ -357,12 +362,7 @@ async fn on_a_cluster_with_no_replica_left_to_confirm_every_request_gets_the_pol
         cluster.nodes[replica].is_primary()
     })
     .await;
-    let (status, body) = common::settled(
-        Duration::from_secs(10),
-        || readyz(&sluice),
-        |(_, body)| body.contains("replica"),
-    )
-    .await;
+    let (status, body) = readyz_naming_replicas(&sluice).await;
     let told = Instant::now();
     tokio::time::sleep(WITHOUT_REPLICA).await;
     // The old primary comes back with its cluster state, as a replica of the new one.

@@ -362,25 +362,9 @@ const MANY: &str = "domain: many\ndescriptors:\n  - key: many\n    lease: auto\n
 
 /// `sluice load --json --quiet` on `sluice`'s domain `many` with `args`: its report.
 async fn load(sluice: &Sluice, args: &[&str]) -> serde_json::Value {
-    let target = sluice.grpc.to_string();
-    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
-            .args([
-                "load", "--json", "--quiet", "--target", &target, "--domain", "many",
-            ])
-            .args(&args)
-            .output()
-            .expect("sluice load runs")
-    })
-    .await
-    .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("a JSON report")
+    let mut all = vec!["--domain", "many"];
+    all.extend(args);
+    common::load_report(sluice, &all).await
 }
 
 /// Asserts that every one of `report`'s requests was admitted, with no error.

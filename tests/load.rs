@@ -15,31 +15,20 @@ async fn load_counts_ok_and_over_limit_answers() {
     in_one_window(HOUR, async || {
         let rules = "domain: bench\ndescriptors:\n  - key: key\n    rate_limit: {unit: hour, requests_per_unit: 50}\n";
         let sluice = Sluice::start(rules).await;
-        let target = sluice.grpc.to_string();
-        let out = tokio::task::spawn_blocking(move || {
-            std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
-                .args([
-                    "load", "--json", "--quiet", "--target", &target, "--domain", "bench",
-                ])
-                .args([
-                    "--descriptor",
-                    "key=v",
-                    "--requests",
-                    "200",
-                    "--concurrency",
-                    "8",
-                ])
-                .output()
-                .expect("sluice load runs")
-        })
-        .await
-        .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("a JSON report");
+        let report = common::load_report(
+            &sluice,
+            &[
+                "--domain",
+                "bench",
+                "--descriptor",
+                "key=v",
+                "--requests",
+                "200",
+                "--concurrency",
+                "8",
+            ],
+        )
+        .await;
         assert_eq!(report["requests"], 200);
         assert_eq!(report["ok"], 50, "the limit admits 50");
         assert_eq!(report["over_limit"], 150);

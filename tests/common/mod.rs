@@ -415,6 +415,28 @@ pub async fn decide(
         .into_inner()
 }
 
+/// `sluice load --json --quiet` against `sluice` with `args` (its domain among them), which must
+/// succeed: its report.
+pub async fn load_report(sluice: &Sluice, args: &[&str]) -> serde_json::Value {
+    let target = sluice.grpc.to_string();
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["load", "--json", "--quiet", "--target", &target])
+            .args(&args)
+            .output()
+            .expect("sluice load runs")
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("a JSON report")
+}
+
 /// Reads `read` every 50 ms until what it reads is `done`, for at most `limit`; the last read,
 /// for the test to assert on.
 pub async fn settled<T>(
