@@ -65,11 +65,24 @@ local function divide(limit, wants)
     given[i] = math.min(w[i], floor(left / (n - k + 1)))
     left = left - given[i]
   end
-  local each, rest = floor(left / n), left % n
+  -- What nobody asked for, in equal parts among the streams that ask for some.
+  local asking = 0
   for i = 1, n do
-    given[i] = given[i] + each
-    if i <= rest then
-      given[i] = given[i] + 1
+    if wants[i] > 0 then
+      asking = asking + 1
+    end
+  end
+  if asking == 0 then
+    return given
+  end
+  local each, rest, k = floor(left / asking), left % asking, 0
+  for i = 1, n do
+    if wants[i] > 0 then
+      k = k + 1
+      given[i] = given[i] + each
+      if k <= rest then
+        given[i] = given[i] + 1
+      end
     end
   end
   return given

@@ -9,7 +9,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::BlanketRule;
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
@@ -240,6 +240,8 @@ async fn a_bucket_reported_idle_n_times_in_a_row_is_abandoned() {
     let acme = tenant("acme");
     envoy.ask(&acme, 1, 0).await;
     envoy.ask(&acme, 0, 0).await;
+    // Idle, its share shrinks to the least: pushed, then answered.
+    while !envoy.quiet_for(Duration::from_millis(300)).await {}
     envoy.report(&[(&acme, 0, 0)]).await;
     let answer = envoy.answer().await;
     assert!(
@@ -399,9 +401,11 @@ async fn bucket_reports_past_their_pace_wait_their_turn_and_none_is_lost() {
 /// once, and past what it can record once per report, each tracked bucket is recorded less
 /// often, its record counted for three of those longer intervals (so it never lapses between
 /// two), its share kept in between. Ten new buckets within one record a second: one recorded,
-/// counted 30 s (ten buckets at one a second), and a report at once after records nothing, with
-/// the same shares. With the default budget, all ten, 30 s (no less than an assignment lives:
-/// the Envoys of a replica that died enforce theirs that long), and a record per report.
+/// counted 30 s (ten buckets at one a second), and answered; the nine others are not answered
+/// (granted nothing the store has not counted: their Envoy applies `no_assignment_behavior`)
+/// until a record is left for them; and a report at once after records nothing, with the same
+/// share. With the default budget, all ten, 30 s (no less than an assignment lives: the Envoys
+/// of a replica that died enforce theirs that long), and a record per report.
 #[tokio::test(flavor = "multi_thread")]
 async fn demand_records_stay_within_their_budget_and_never_lapse_between_two() {
     let port = Store::Redis.redis().unwrap().ports[0];
@@ -448,7 +452,8 @@ async fn demand_records_stay_within_their_budget_and_never_lapse_between_two() {
         tokio::time::sleep(Duration::from_millis(20)).await;
         envoy.report(&reports).await;
         let again = envoy.answer().await;
-        assert_eq!(again.bucket_action.len(), 10, "every bucket answered");
+        assert_eq!(first.bucket_action.len(), recorded, "the recorded answered");
+        assert_eq!(again.bucket_action.len(), recorded, "the recorded answered");
         // Each bucket's strategy, and the assignments' lives in seconds.
         let actions = |answer: &RateLimitQuotaResponse| {
             let mut shown = Vec::new();
@@ -509,10 +514,11 @@ async fn while_redis_is_down_buckets_keep_their_last_assignment() {
         "the last assignment, not allow-all"
     );
     let new = tenant("new");
-    assert_eq!(
-        tokens(&first.ask(&new, 1, 0).await, 1),
-        20,
-        "a bucket new while Redis is down: the limit divided among this replica's streams of it"
+    first.report(&[(&new, 1, 0)]).await;
+    assert!(
+        first.quiet_for(Duration::from_secs(1)).await,
+        "a bucket new while Redis is down is granted nothing the store has not counted: its \
+         Envoy applies no_assignment_behavior"
     );
     let errors: f64 = scrape(sluice.http)
         .samples_of("sluice_quota_store_errors_total")
@@ -521,6 +527,22 @@ async fn while_redis_is_down_buckets_keep_their_last_assignment() {
         .sum();
     assert!(errors >= 2.0, "{errors}");
     assert!(sluice.log_text().contains("keep their last assignments"));
+
+    redis.start();
+    let start = Instant::now();
+    let granted = loop {
+        first.report(&[(&new, 1, 0)]).await;
+        if let Ok(Ok(Some(answer))) =
+            tokio::time::timeout(Duration::from_millis(500), first.answers.message()).await
+        {
+            break tokens(&only(&answer, &new), 1);
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "the new bucket is answered once Redis is back"
+        );
+    };
+    assert_eq!(granted, 20, "alone in its bucket: the whole limit");
 }
 
 /// The quota service's messages with a bucket id's values as bytes, as Envoy may send them: it
@@ -731,8 +753,19 @@ async fn gauge_reaches(sluice: &Sluice, name: &str, value: f64) {
     assert_eq!(gauge(sluice, name), value, "{name}");
 }
 
+/// Every action of `answer` denies all (a blanket rule).
+fn all_denied(answer: &RateLimitQuotaResponse) -> bool {
+    answer.bucket_action.iter().all(|action| {
+        let single = RateLimitQuotaResponse {
+            bucket_action: vec![action.clone()],
+        };
+        let id = action.bucket_id.as_ref().expect("a bucket id");
+        matches!(only(&single, id), Strategy::BlanketRule(rule) if rule == BlanketRule::DenyAll as i32)
+    })
+}
+
 #[tokio::test(flavor = "multi_thread")]
-async fn buckets_past_the_process_wide_bound_get_the_whole_limit_untracked() {
+async fn buckets_past_the_process_wide_bound_are_denied_never_given_a_limit_others_share() {
     let mut sluice =
         Sluice::start_with(&[("quota.yaml", RULES)], &["--quota-max-buckets", "100"]).await;
     let ids: Vec<BucketId> = (0..100).map(|n| tenant(&format!("t{n}"))).collect();
@@ -745,13 +778,13 @@ async fn buckets_past_the_process_wide_bound_get_the_whole_limit_untracked() {
 
     let mut second = QuotaStream::open(&sluice, DOMAIN).await;
     assert_eq!(
-        tokens(&second.ask(&ids[0], 1, 0).await, 1),
-        20,
-        "past the bound, a bucket the first stream holds: the whole limit, as if alone"
+        blanket(&second.ask(&ids[0], 1, 0).await),
+        BlanketRule::DenyAll,
+        "past the bound, a bucket the first stream holds: denied, not the whole limit again"
     );
     assert!(
         first.quiet_for(Duration::from_millis(300)).await,
-        "and the first stream's share is not divided"
+        "and the first stream keeps its share"
     );
     let more: Vec<BucketId> = (0..50).map(|n| tenant(&format!("u{n}"))).collect();
     second
@@ -760,13 +793,7 @@ async fn buckets_past_the_process_wide_bound_get_the_whole_limit_untracked() {
     let mut answered = 0;
     while answered < more.len() {
         let answer = second.answer().await;
-        for action in &answer.bucket_action {
-            let single = RateLimitQuotaResponse {
-                bucket_action: vec![action.clone()],
-            };
-            let id = action.bucket_id.as_ref().expect("a bucket id");
-            assert_eq!(tokens(&only(&single, id), 1), 20);
-        }
+        assert!(all_denied(&answer), "{answer:?}");
         answered += answer.bucket_action.len();
     }
     let metrics = scrape(sluice.http);
@@ -778,19 +805,23 @@ async fn buckets_past_the_process_wide_bound_get_the_whole_limit_untracked() {
 
     drop(first);
     gauge_reaches(&sluice, "sluice_quota_tracked_buckets", 0.0).await;
-    assert_eq!(tokens(&second.ask(&ids[0], 1, 0).await, 1), 20);
+    assert_eq!(
+        tokens(&second.ask(&ids[0], 1, 0).await, 1),
+        20,
+        "once the first stream has left, the bucket is tracked: alone, the whole limit"
+    );
     let mut third = QuotaStream::open(&sluice, DOMAIN).await;
     assert_eq!(
         tokens(&third.ask(&ids[0], 1, 0).await, 1),
         10,
-        "once the first stream has left, the bucket is tracked and divided again"
+        "and divided"
     );
     assert_eq!(tokens(&only(&second.answer().await, &ids[0]), 1), 10);
     assert!(sluice.alive());
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn streams_past_the_process_wide_bound_get_the_whole_limit_untracked() {
+async fn streams_past_the_process_wide_bound_are_denied_and_the_others_keep_their_shares() {
     let mut sluice =
         Sluice::start_with(&[("quota.yaml", RULES)], &["--quota-max-streams", "2"]).await;
     let acme = tenant("acme");
@@ -802,14 +833,14 @@ async fn streams_past_the_process_wide_bound_get_the_whole_limit_untracked() {
 
     let mut third = QuotaStream::open(&sluice, DOMAIN).await;
     assert_eq!(
-        tokens(&third.ask(&acme, 1, 0).await, 1),
-        20,
-        "a stream past the bound: the whole limit of each bucket, as if alone"
+        blanket(&third.ask(&acme, 1, 0).await),
+        BlanketRule::DenyAll,
+        "a stream past the bound: denied (it was given the whole limit, 40 in all)"
     );
     assert!(first.quiet_for(Duration::from_millis(300)).await);
     assert!(
         second.quiet_for(Duration::from_millis(300)).await,
-        "the others' shares are not divided"
+        "the others keep their shares"
     );
     let metrics = scrape(sluice.http);
     assert_eq!(metrics.value("sluice_quota_tracked_streams", &[]), 2.0);
@@ -824,6 +855,101 @@ async fn streams_past_the_process_wide_bound_get_the_whole_limit_untracked() {
         tokens(&third.ask(&acme, 1, 0).await, 1),
         10,
         "counted once another stream has left: divided"
+    );
+    assert!(sluice.alive());
+}
+
+/// A stream opened from the loopback address `from`, as a client of its own.
+async fn stream_from(sluice: &Sluice, from: &str) -> QuotaStream {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", sluice.grpc))
+        .expect("an endpoint")
+        .local_address(Some(from.parse().expect("an address")))
+        .connect()
+        .await
+        .expect("a connection from another loopback address");
+    QuotaStream::open_on(channel, DOMAIN).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_makes_up_buckets_uses_its_own_budget_up_not_the_others() {
+    let mut sluice = Sluice::start_with(
+        &[("quota.yaml", RULES)],
+        &[
+            "--quota-max-buckets",
+            "150",
+            "--quota-max-buckets-per-client",
+            "100",
+            "--quota-max-streams",
+            "10",
+            "--quota-max-streams-per-client",
+            "3",
+        ],
+    )
+    .await;
+    let made_up: Vec<BucketId> = (0..200).map(|n| tenant(&format!("m{n}"))).collect();
+    let mut hostile = stream_from(&sluice, "127.0.0.2").await;
+    hostile
+        .report(&made_up.iter().map(|id| (id, 1, 0)).collect::<Vec<_>>())
+        .await;
+    let mut denied = 0;
+    let mut answered = 0;
+    while answered < made_up.len() {
+        let answer = hostile.answer().await;
+        for action in &answer.bucket_action {
+            let single = RateLimitQuotaResponse {
+                bucket_action: vec![action.clone()],
+            };
+            let id = action.bucket_id.as_ref().expect("a bucket id");
+            if all_denied(&single) {
+                denied += 1;
+            } else {
+                assert_eq!(tokens(&only(&single, id), 1), 20);
+            }
+        }
+        answered += answer.bucket_action.len();
+    }
+    assert_eq!(denied, 100, "past its budget of 100 buckets, denied");
+    let mut more = Vec::new();
+    for _ in 0..3 {
+        more.push(stream_from(&sluice, "127.0.0.2").await);
+    }
+    for stream in &mut more[..2] {
+        assert_eq!(
+            blanket(&stream.ask(&tenant("x"), 1, 0).await),
+            BlanketRule::DenyAll,
+            "its second and third streams are counted, and its bucket budget is used up"
+        );
+    }
+    assert_eq!(
+        blanket(&more[2].ask(&tenant("x"), 1, 0).await),
+        BlanketRule::DenyAll,
+        "its fourth stream, past its 3"
+    );
+
+    let acme = tenant("acme");
+    let mut envoy = stream_from(&sluice, "127.0.0.3").await;
+    assert_eq!(
+        tokens(&envoy.ask(&acme, 1, 0).await, 1),
+        20,
+        "another client is tracked"
+    );
+    let mut other = stream_from(&sluice, "127.0.0.4").await;
+    assert_eq!(tokens(&other.ask(&acme, 1, 0).await, 1), 10, "and divided");
+    assert_eq!(tokens(&only(&envoy.answer().await, &acme), 1), 10);
+    let metrics = scrape(sluice.http);
+    assert_eq!(
+        metrics.value(
+            "sluice_quota_untracked_total",
+            &[("bound", "client_buckets")]
+        ),
+        102.0
+    );
+    assert_eq!(
+        metrics.value(
+            "sluice_quota_untracked_total",
+            &[("bound", "client_streams")]
+        ),
+        1.0
     );
     assert!(sluice.alive());
 }

@@ -477,6 +477,73 @@ async fn a_reload_lowering_the_limit_shrinks_every_share_without_waiting_for_a_r
     }
 }
 
+/// A reload that stops a rule dividing its bucket (here, `unlimited`) sends every stream its
+/// fixed answer without waiting for a report, and takes them out of the division in the store:
+/// once the limit is back, the first stream to report is alone in it and gets the whole limit,
+/// the other's old demand no longer counted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_that_stops_a_rule_dividing_sends_its_fixed_answer_at_once_and_frees_the_grants() {
+    let redis = Controlled::started();
+    let prefix = format!("reload-off-{}:", std::process::id());
+    let one = start(&redis, &prefix).await;
+    let two = start(&redis, &prefix).await;
+    let mut a = QuotaStream::open(&one, DOMAIN).await;
+    let mut b = QuotaStream::open(&two, DOMAIN).await;
+    a.ask(&shared(), 30, 0).await;
+    b.ask(&shared(), 30, 0).await;
+    // Both busy: 10 a second each, once every push has come.
+    for stream in [&mut a, &mut b] {
+        eventually("10 a second each", SETTLED, async || {
+            stream.report(&[(&shared(), 30, 0)]).await;
+            share(&stream.ask(&shared(), 30, 0).await, 1) == 10.0
+        })
+        .await;
+        while !stream.quiet_for(QUIET).await {}
+    }
+    let unlimited = RULES.replace(
+        "rate_limit: {unit: second, requests_per_unit: 20}",
+        "rate_limit: {unlimited: true}",
+    );
+    for sluice in [&one, &two] {
+        std::fs::write(sluice.rules.join("quota.yaml"), &unlimited).expect("rules written");
+    }
+    let reloaded = Instant::now();
+    // A replica that reloads first frees its stream's grant, which the other's may be sent
+    // before that one reloads too.
+    for stream in [&mut a, &mut b] {
+        let allowed = async {
+            loop {
+                let pushed = stream.answer().await;
+                let strategy = common::quota::only(&pushed, &shared());
+                if strategy == Strategy::BlanketRule(BlanketRule::AllowAll as i32) {
+                    break;
+                }
+            }
+        };
+        tokio::time::timeout(SETTLED, allowed)
+            .await
+            .expect("unlimited: allow all, pushed unasked");
+    }
+    println!(
+        "a rule made unlimited: both streams told {:?} after the reload, unasked",
+        reloaded.elapsed()
+    );
+    for sluice in [&one, &two] {
+        std::fs::write(sluice.rules.join("quota.yaml"), RULES).expect("rules written");
+    }
+    eventually("the limit back", SETTLED, async || {
+        let answer = a.ask(&shared(), 30, 0).await;
+        !matches!(answer, Strategy::BlanketRule(_))
+    })
+    .await;
+    while !a.quiet_for(QUIET).await {}
+    assert_eq!(
+        share(&a.ask(&shared(), 30, 0).await, 1),
+        LIMIT,
+        "alone in the division: the other stream left it at the reload"
+    );
+}
+
 /// A replica dies while its stream holds the whole limit, and a new subscriber on the other
 /// replica waits for that grant: it is told nothing, not "deny all" (its Envoy keeps what it has,
 /// as one reconnecting from the dead replica keeps the assignment the dead grant stands for), and

@@ -1,7 +1,9 @@
 //! Max-min fair division of a quota bucket's limit among the streams that report it, as Doorman's
 //! FAIR_SHARE divides capacity among clients: no stream gets more than it asks while another that
-//! asks more gets less than an equal part. What nobody asks for is spread evenly on top, so that a
-//! stream whose demand grows is not held at its last demand until its next report.
+//! asks more gets less than an equal part. What nobody asks for is spread evenly on top among the
+//! streams that ask for some, so that a stream whose demand grows is not held at its last demand
+//! until its next report; an idle stream keeps the least share, and what no stream asks for at
+//! all is granted to none (a newcomer has it at once).
 
 /// Demands and shares are counted in thousandths of a request per window.
 pub const MILLI: u64 = 1000;
@@ -18,8 +20,9 @@ pub fn settled(grant: u64, share: u64) -> bool {
 }
 
 /// Divides `limit` requests per window among streams asking `demands`, both in thousandths of a
-/// request per window, in stream order. The shares add up to `limit` exactly; when there is one
-/// request per window for every stream, every stream gets one at least, so that none is shut out
+/// request per window, in stream order. The shares add up to `limit` exactly when a stream asks
+/// for something, and to the least shares when none does; when there is one request per window
+/// for every stream, every stream gets one at least (the least share), so that none is shut out
 /// before its demand is known. Deterministic: every replica divides the same demands the same way.
 pub fn divide(limit: u64, demands: &[u64]) -> Vec<u64> {
     let n = demands.len() as u64;
@@ -39,11 +42,16 @@ pub fn divide(limit: u64, demands: &[u64]) -> Vec<u64> {
         given[i] = wants[i].min(level);
         left -= given[i];
     }
-    // What nobody asked for, in equal parts; the indivisible rest, a thousandth each to the
-    // first streams.
-    let (each, rest) = (left / n, left % n);
-    for (i, g) in given.iter_mut().enumerate() {
-        *g += each + u64::from((i as u64) < rest);
+    // What nobody asked for, in equal parts among the streams that ask for some; the indivisible
+    // rest, a thousandth each to the first of them.
+    let asking = demands.iter().filter(|&&d| d > 0).count() as u64;
+    if asking == 0 {
+        return given;
+    }
+    let (each, rest) = (left / asking, left % asking);
+    let asked = given.iter_mut().zip(demands).filter(|(_, d)| **d > 0);
+    for (k, (g, _)) in asked.enumerate() {
+        *g += each + u64::from((k as u64) < rest);
     }
     given
 }
@@ -100,9 +108,24 @@ mod tests {
     fn what_nobody_asks_for_is_spread_evenly() {
         assert_eq!(divide(20 * MILLI, &requests(&[2, 4])), requests(&[9, 11]));
         assert_eq!(
-            divide(10 * MILLI, &requests(&[0, 0, 0])),
-            [3334, 3333, 3333]
+            divide(20 * MILLI, &requests(&[0, 2, 4])),
+            [1000, 8500, 10500],
+            "not to the idle stream"
         );
+        assert_eq!(
+            divide(20 * MILLI, &[0, 2000, 4001]),
+            [1000, 8500, 10500],
+            "the indivisible rest to the first that asks"
+        );
+    }
+
+    #[test]
+    fn idle_streams_alone_keep_the_least_share_and_the_rest_is_free() {
+        assert_eq!(
+            divide(10 * MILLI, &requests(&[0, 0, 0])),
+            requests(&[1, 1, 1])
+        );
+        assert_eq!(divide(2 * MILLI, &requests(&[0, 0, 0])), [0, 0, 0]);
     }
 
     #[test]
@@ -111,7 +134,7 @@ mod tests {
     }
 
     #[test]
-    fn shares_always_add_up_to_the_limit() {
+    fn shares_add_up_to_the_limit_when_a_stream_asks_and_an_idle_one_gets_the_least() {
         let mut seed = 7u64;
         let mut next = || {
             seed ^= seed << 13;
@@ -122,14 +145,28 @@ mod tests {
         for _ in 0..2000 {
             let limit = next() % 10_000 * MILLI;
             let n = (next() % 12 + 1) as usize;
-            let demands: Vec<u64> = (0..n).map(|_| next() % (limit + 2)).collect();
+            // A quarter of the streams idle.
+            let demands: Vec<u64> = (0..n)
+                .map(|_| next() % (limit + 2) * u64::from(next() % 4 != 0))
+                .collect();
             let shares = divide(limit, &demands);
-            assert_eq!(shares.iter().sum::<u64>(), limit, "{limit} {demands:?}");
+            let sum = shares.iter().sum::<u64>();
+            if demands.iter().any(|&d| d > 0) {
+                assert_eq!(sum, limit, "{limit} {demands:?}");
+            } else {
+                assert!(sum <= limit, "{limit} {demands:?}");
+            }
             if limit >= n as u64 * MILLI {
                 assert!(
                     shares.iter().all(|&s| s >= MILLI),
                     "{limit} {demands:?} {shares:?}"
                 );
+            }
+            let least = if limit >= n as u64 * MILLI { MILLI } else { 0 };
+            for (i, &s) in shares.iter().enumerate() {
+                if demands[i] == 0 {
+                    assert_eq!(s, least, "{limit} {demands:?} {shares:?}");
+                }
             }
             // Max-min: a stream below its demand has at least as much as any other stream
             // (give or take the thousandth of the rest).

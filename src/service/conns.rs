@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::hash::{BuildHasher, RandomState};
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -350,7 +351,13 @@ pub(super) struct Tracked<S, B> {
     conn: Arc<Conn>,
     answer_within: Duration,
     late: fn() -> Response<B>,
+    peer: Option<Peer>,
 }
+
+/// The address of the client a request came from, as a request extension: the quota service
+/// keeps a budget per client.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Peer(pub IpAddr);
 
 impl<S: Clone, B> Clone for Tracked<S, B> {
     fn clone(&self) -> Self {
@@ -359,6 +366,7 @@ impl<S: Clone, B> Clone for Tracked<S, B> {
             conn: self.conn.clone(),
             answer_within: self.answer_within,
             late: self.late,
+            peer: self.peer,
         }
     }
 }
@@ -375,6 +383,15 @@ impl<S, B> Tracked<S, B> {
             conn: slot.conn.clone(),
             answer_within,
             late,
+            peer: None,
+        }
+    }
+
+    /// Each request it serves names `peer` as its client.
+    pub(super) fn with_peer(self, peer: Option<IpAddr>) -> Self {
+        Tracked {
+            peer: peer.map(Peer),
+            ..self
         }
     }
 }
@@ -394,7 +411,10 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: Request<R>) -> Self::Future {
+    fn call(&mut self, mut request: Request<R>) -> Self::Future {
+        if let Some(peer) = self.peer {
+            request.extensions_mut().insert(peer);
+        }
         let (call, answer) = InFlight::start(&self.conn);
         let answering = self.inner.call(request);
         let (within, late) = (self.answer_within, self.late);

@@ -867,12 +867,10 @@ impl Serving {
             ))
             .into_http()
         };
-        let service = TowerToHyperService::new(Tracked::new(
-            self.routes.clone(),
-            &slot,
-            self.answer_within,
-            late,
-        ));
+        let peer = stream.peer_addr().ok().map(|a| a.ip());
+        let service = TowerToHyperService::new(
+            Tracked::new(self.routes.clone(), &slot, self.answer_within, late).with_peer(peer),
+        );
         match &self.tls {
             None => {
                 let connection = self.http2.serve_connection(TokioIo::new(stream), service);

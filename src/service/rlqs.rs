@@ -17,10 +17,12 @@
 //!
 //! Every stream is served on a thread of its own (`Quotas::start`), with a store of its own: a
 //! flood of reports is decoded, matched and recorded there, never on the event loops that answer
-//! `ShouldRateLimit`. What the service tracks is bounded for the whole process as well as per
-//! stream; past a bound, a bucket is answered untracked, with its rule's whole limit.
+//! `ShouldRateLimit`. What the service tracks is bounded for the whole process, per client and
+//! per stream; past a bound, a bucket is answered untracked: denied, for it cannot take part in
+//! the division, and its limit may be shared by others.
 
 use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -37,6 +39,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
 use super::Shutdown;
+use super::conns::Peer;
 use super::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
 use super::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
     AbandonAction, BucketAction as Action, QuotaAssignmentAction,
@@ -68,10 +71,10 @@ const DEMAND_STAYS: Duration = Duration::from_secs(3 * REPORT_INTERVAL.as_secs()
 /// last assignment meanwhile.
 const STORE_DEADLINE: Duration = Duration::from_secs(1);
 /// Buckets one stream may hold, and the bytes of their ids; a bucket reported past either is
-/// answered without being tracked or divided: with its rule's whole limit, as if its Envoy were
-/// alone (a client that makes up bucket values gets no more than a limit per value, as it would
-/// from buckets that are tracked). `--quota-max-buckets` and `--quota-max-streams` bound the same
-/// for the whole process.
+/// answered without being tracked or divided: denied (its limit may be divided among others
+/// already, on any replica). `--quota-max-buckets` and `--quota-max-streams` bound the same for
+/// the whole process, `--quota-max-buckets-per-client` and `--quota-max-streams-per-client` for
+/// each client, so that one client's made-up bucket values do not use the process's bounds up.
 const MOST_BUCKETS_PER_STREAM: usize = 10_000;
 const MOST_BUCKET_BYTES_PER_STREAM: usize = 16 << 20;
 /// Demand records (store calls) in flight at once on this replica, over every stream: a flood
@@ -109,6 +112,15 @@ pub enum Unmatched {
     Deny,
 }
 
+impl Unmatched {
+    fn assignment(self) -> Assignment {
+        match self {
+            Unmatched::Allow => Assignment::AllowAll,
+            Unmatched::Deny => Assignment::DenyAll,
+        }
+    }
+}
+
 /// How the quota service answers.
 #[derive(Clone, Copy, Debug)]
 pub struct QuotaSettings {
@@ -121,6 +133,10 @@ pub struct QuotaSettings {
     pub max_buckets: usize,
     /// Most streams tracked at once.
     pub max_streams: usize,
+    /// Most buckets and streams tracked at once for one client (an address; an IPv6 one by its
+    /// /64).
+    pub max_buckets_per_client: usize,
+    pub max_streams_per_client: usize,
     /// Demand records a second this replica sends the store, at most (for as many tracked
     /// buckets as fit in it; past that, each bucket is recorded less often).
     pub max_records: u32,
@@ -157,6 +173,74 @@ impl Allowance {
 
     fn taken(&self) -> usize {
         self.taken.load(Ordering::Acquire)
+    }
+}
+
+/// What each client has tracked, within its budgets (`--quota-max-buckets-per-client`,
+/// `--quota-max-streams-per-client`). A client is known while it has a stream counted: at most
+/// `--quota-max-streams` of them.
+struct Clients {
+    most_buckets: usize,
+    most_streams: usize,
+    by_address: Mutex<HashMap<IpAddr, Tracking>>,
+}
+
+/// What one client has tracked.
+#[derive(Default)]
+struct Tracking {
+    streams: usize,
+    buckets: usize,
+}
+
+impl Clients {
+    fn by_address(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, Tracking>> {
+        self.by_address.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes a stream of `client`, if its budget has one left.
+    fn take_stream(&self, client: IpAddr) -> bool {
+        let mut by_address = self.by_address();
+        let tracking = by_address.entry(client).or_default();
+        let taken = tracking.streams < self.most_streams;
+        tracking.streams += usize::from(taken);
+        if tracking.streams == 0 && tracking.buckets == 0 {
+            by_address.remove(&client);
+        }
+        taken
+    }
+
+    /// Takes a bucket of `client` (which has a stream counted), if its budget has one left.
+    fn take_bucket(&self, client: IpAddr) -> bool {
+        let mut by_address = self.by_address();
+        let tracking = by_address.entry(client).or_default();
+        let taken = tracking.buckets < self.most_buckets;
+        tracking.buckets += usize::from(taken);
+        taken
+    }
+
+    /// Gives back `streams` streams and `buckets` buckets of `client`.
+    fn give_back(&self, client: IpAddr, streams: usize, buckets: usize) {
+        let mut by_address = self.by_address();
+        if let Some(tracking) = by_address.get_mut(&client) {
+            tracking.streams = tracking.streams.saturating_sub(streams);
+            tracking.buckets = tracking.buckets.saturating_sub(buckets);
+            if tracking.streams == 0 && tracking.buckets == 0 {
+                by_address.remove(&client);
+            }
+        }
+    }
+}
+
+/// The client a stream's budget is kept under: its address, an IPv4 one mapped into IPv6 as
+/// itself, and an IPv6 one by its /64 (what one host is usually given).
+fn client_of(peer: Option<IpAddr>) -> IpAddr {
+    match peer {
+        Some(IpAddr::V6(v6)) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & (u128::MAX << 64))),
+        },
+        Some(v4) => v4,
+        None => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
     }
 }
 
@@ -218,6 +302,8 @@ pub struct Quotas {
     /// (stream, bucket) pairs tracked (`--quota-max-buckets`), and streams (`--quota-max-streams`).
     tracked_buckets: Allowance,
     tracked_streams: Allowance,
+    /// The same per client.
+    clients: Clients,
     /// Demand records in flight (`RECORDS_IN_FLIGHT`).
     records: Semaphore,
     /// Demand records a second (`--quota-max-records`).
@@ -341,6 +427,11 @@ impl Quotas {
             turns: (0..TURNS).map(|_| tokio::sync::Mutex::new(())).collect(),
             tracked_buckets: Allowance::new(settings.max_buckets),
             tracked_streams: Allowance::new(settings.max_streams),
+            clients: Clients {
+                most_buckets: settings.max_buckets_per_client,
+                most_streams: settings.max_streams_per_client,
+                by_address: Mutex::default(),
+            },
             records: Semaphore::new(RECORDS_IN_FLIGHT),
             records_left: Pace::new(settings.max_records),
             reports_left: Pace::new(settings.max_reports),
@@ -460,10 +551,11 @@ impl Quotas {
         }
     }
 
-    /// Settles again, by its new rule, every bucket divided here whose rule `rules` changes and
-    /// still divides (a new limit, unit or window): a shrink reaches the streams at once, and so
-    /// does a new unit. A bucket whose rule no longer divides it (removed, unlimited, a limit of
-    /// 0, shadow mode) takes its fixed answer at each stream's next report.
+    /// Moves every bucket divided here whose rule `rules` changes, without waiting for reports.
+    /// A rule that still divides it (a new limit, unit, window or shadow mode) settles it again
+    /// by the new rule: a shrink reaches the streams at once, and so does a new unit. A rule that
+    /// no longer divides it (removed, unlimited, a limit of 0) sends its streams their fixed
+    /// answer at once and takes them out of the division, which frees their grants.
     async fn redivide(self: &Arc<Self>, rules: &RuleSet) {
         /// A bucket divided here, copied out to be matched outside the lock the streams take.
         struct Divided {
@@ -471,6 +563,11 @@ impl Quotas {
             domain: Box<str>,
             bucket_id: Box<[u8]>,
             rule: Arc<QuotaRule>,
+        }
+        /// What a reload does to a bucket.
+        enum Moved {
+            Settle(Arc<QuotaRule>),
+            Fixed(Assignment),
         }
         let divided: Vec<Divided> = self
             .buckets()
@@ -485,7 +582,7 @@ impl Quotas {
                 })
             })
             .collect();
-        let mut changed = Vec::new();
+        let mut moved = Vec::new();
         for Divided {
             id,
             domain,
@@ -497,31 +594,78 @@ impl Quotas {
                 continue;
             };
             let entries = sorted_entries(&bucket_id);
-            let Some(new) = rules.quota_rule(domain.as_bytes(), &entries) else {
-                continue;
+            let now = match rules.quota_rule(domain.as_bytes(), &entries) {
+                None => Moved::Fixed(self.settings.unmatched.assignment()),
+                Some(new) => match &new.limit {
+                    None => Moved::Fixed(Assignment::AllowAll),
+                    Some(limit) if limit.requests_per_unit == 0 => {
+                        Moved::Fixed(Assignment::DenyAll)
+                    }
+                    Some(_)
+                        if new.limit != old.limit
+                            || new.path != old.path
+                            || new.shadow != old.shadow =>
+                    {
+                        Moved::Settle(new.clone())
+                    }
+                    Some(_) => continue,
+                },
             };
-            let divides =
-                !new.shadow && new.limit.as_ref().is_some_and(|l| l.requests_per_unit > 0);
-            if divides && (new.limit != old.limit || new.path != old.path) {
-                changed.push((id, new.clone()));
-            }
+            moved.push((id, old, now));
         }
-        let mut settling = Vec::with_capacity(changed.len());
+        let mut settling = Vec::new();
+        let mut leaving = Vec::new();
         {
             let mut buckets = self.buckets();
-            for (id, rule) in changed {
+            for (id, old, now) in moved {
                 let Some(local) = buckets.get_mut(&id) else {
                     continue;
                 };
-                for subscriber in local.subscribers.iter_mut().filter(|s| s.divided.is_some()) {
-                    subscriber.divided = Some(rule.clone());
+                let divided = local.subscribers.iter_mut().filter(|s| s.divided.is_some());
+                match now {
+                    Moved::Settle(rule) => {
+                        for subscriber in divided {
+                            if rule.shadow && !subscriber.shadow {
+                                push(subscriber, Assignment::AllowAll, self.settings.ttl);
+                            } else if !rule.shadow && subscriber.shadow {
+                                // Its Envoy allows all: its grant is sent once settled.
+                                subscriber.sent = Assignment::AllowAll;
+                            }
+                            subscriber.shadow = rule.shadow;
+                            subscriber.divided = Some(rule.clone());
+                        }
+                        settling.push((id, local.key.clone(), rule));
+                    }
+                    Moved::Fixed(assignment) => {
+                        for subscriber in divided {
+                            push(subscriber, assignment, self.settings.ttl);
+                            subscriber.sent = assignment;
+                            subscriber.share = None;
+                            subscriber.shadow = false;
+                            subscriber.divided = None;
+                            subscriber.known = false;
+                            subscriber.held = 0;
+                            leaving.push((id, local.key.clone(), old.clone(), subscriber.stream));
+                        }
+                    }
                 }
-                settling.push((id, local.key.clone(), rule));
             }
         }
         futures_util::stream::iter(settling)
             .for_each_concurrent(RECORDS_IN_FLIGHT, |(id, key, rule)| {
                 self.settle_in_background(id, key, rule)
+            })
+            .await;
+        futures_util::stream::iter(leaving)
+            .for_each_concurrent(RECORDS_IN_FLIGHT, |(id, key, rule, stream)| async move {
+                let leaving = Move {
+                    stream,
+                    change: Change::Leave,
+                    demand: 0,
+                };
+                if let Err(e) = self.settle(id, &key, &rule, Some(leaving), None).await {
+                    failed_settle(&e);
+                }
             })
             .await;
     }
@@ -749,6 +893,19 @@ impl Quotas {
             .collect()
     }
 
+    /// Counts a stream of `client` among the tracked streams, if its client's budget and the
+    /// process's allowance have one left; else the bound that was full.
+    fn count_stream(&self, client: IpAddr) -> Result<(), Bound> {
+        if !self.clients.take_stream(client) {
+            return Err(Bound::ClientStreams);
+        }
+        if !self.tracked_streams.take() {
+            self.clients.give_back(client, 1, 0);
+            return Err(Bound::Streams);
+        }
+        Ok(())
+    }
+
     /// (stream, bucket) pairs tracked on this replica, and streams tracked.
     pub fn tracked(&self) -> (usize, usize) {
         (self.tracked_buckets.taken(), self.tracked_streams.taken())
@@ -786,14 +943,16 @@ impl RateLimitQuotaService for Rlqs {
     ) -> Result<Response<Answers>, Status> {
         let (outbox, answers) = mpsc::channel(OUTBOX);
         let number = self.quotas.next_stream.fetch_add(1, Ordering::Relaxed);
+        let peer = request.extensions().get::<Peer>().map(|p| p.0);
         let stream = QuotaStream {
             id: self.quotas.stream_id(number),
             number,
+            client: client_of(peer),
             quotas: self.quotas.clone(),
             rules: self.rules.clone(),
             outbox,
             domain: String::new(),
-            counted: false,
+            counted: Err(Bound::Streams),
             buckets: HashMap::new(),
             held_bytes: 0,
         };
@@ -816,9 +975,12 @@ struct QuotaStream {
     /// The domain the stream reports for: Envoy names it in every report, gRPC's clients only in
     /// the first.
     domain: String,
-    /// It is counted among the process's tracked streams; until it is, every bucket it reports
-    /// is answered untracked.
-    counted: bool,
+    /// The client it comes from, whose budgets it counts in.
+    client: IpAddr,
+    /// Counted among the tracked streams of its client and of the process, or the bound that
+    /// kept it out (tried again at each report); until it is counted, every bucket it reports is
+    /// answered untracked.
+    counted: Result<(), Bound>,
     buckets: HashMap<CounterKey, Held>,
     /// The bytes of the ids of `buckets`.
     held_bytes: usize,
@@ -862,6 +1024,10 @@ struct Step {
 enum Bound {
     /// The stream's own (`MOST_BUCKETS_PER_STREAM`, `MOST_BUCKET_BYTES_PER_STREAM`).
     StreamBuckets,
+    /// `--quota-max-buckets-per-client`.
+    ClientBuckets,
+    /// `--quota-max-streams-per-client`.
+    ClientStreams,
     /// `--quota-max-buckets`.
     Buckets,
     /// `--quota-max-streams`.
@@ -869,11 +1035,19 @@ enum Bound {
 }
 
 impl Bound {
-    const ALL: [Bound; 3] = [Bound::StreamBuckets, Bound::Buckets, Bound::Streams];
+    const ALL: [Bound; 5] = [
+        Bound::StreamBuckets,
+        Bound::ClientBuckets,
+        Bound::ClientStreams,
+        Bound::Buckets,
+        Bound::Streams,
+    ];
 
     fn name(self) -> &'static str {
         match self {
             Bound::StreamBuckets => "stream_buckets",
+            Bound::ClientBuckets => "client_buckets",
+            Bound::ClientStreams => "client_streams",
             Bound::Buckets => "buckets",
             Bound::Streams => "streams",
         }
@@ -883,6 +1057,8 @@ impl Bound {
     fn described(self) -> &'static str {
         match self {
             Bound::StreamBuckets => "the stream's bound (10,000 buckets, 16 MiB of bucket ids)",
+            Bound::ClientBuckets => "--quota-max-buckets-per-client",
+            Bound::ClientStreams => "--quota-max-streams-per-client",
             Bound::Buckets => "--quota-max-buckets",
             Bound::Streams => "--quota-max-streams",
         }
@@ -898,7 +1074,7 @@ struct Tally {
     labels: HashMap<String, Arc<QuotaLabels>>,
     counts: HashMap<Arc<QuotaLabels>, RuleCounts>,
     /// By `Bound`.
-    untracked: [u64; 3],
+    untracked: [u64; 5],
 }
 
 /// What a report adds to one rule's series.
@@ -916,7 +1092,7 @@ impl Tally {
             domain,
             labels: HashMap::new(),
             counts: HashMap::new(),
-            untracked: [0; 3],
+            untracked: [0; 5],
         }
     }
 
@@ -971,7 +1147,7 @@ impl Tally {
             static FULL: Throttle = Throttle::new();
             if let Some(answers) = FULL.hit() {
                 tracing::warn!(
-                    "quota buckets answered untracked, with their rules' whole limits, because a bound was full: {n} past {} in the latest answer, {answers} answer(s) with some since the last warning; see sluice_quota_untracked_total",
+                    "quota buckets answered untracked, denied, because a bound was full: {n} past {} in the latest answer, {answers} answer(s) with some since the last warning; see sluice_quota_untracked_total",
                     bound.described()
                 );
             }
@@ -1011,9 +1187,9 @@ impl QuotaStream {
         if !report.domain.is_empty() {
             self.domain = report.domain;
         }
-        // A stream past the bound on streams is counted once another has left.
-        if !self.counted {
-            self.counted = self.quotas.tracked_streams.take();
+        // A stream past a bound on streams is counted once another has left.
+        if self.counted.is_err() {
+            self.counted = self.quotas.count_stream(self.client);
         }
         let rules = self.rules.load_full();
         // Series are named by the rule files only: a domain without rules is not named.
@@ -1223,18 +1399,22 @@ impl QuotaStream {
     }
 
     /// Whether a bucket new to the stream, with `size` bytes of id, can be tracked: the stream is
-    /// counted among the process's streams, within its own bounds, and a bucket is left in the
-    /// process's allowance (taken here). Else the tally counts the bound that was full.
+    /// counted among the tracked streams, within its own bounds, and a bucket is left in its
+    /// client's budget and in the process's allowance (taken here). Else the tally counts the
+    /// bound that was full.
     fn room_for(&self, size: usize, tally: &mut Tally) -> bool {
-        let full = if !self.counted {
-            Bound::Streams
+        let full = if let Err(bound) = self.counted {
+            bound
         } else if self.buckets.len() >= MOST_BUCKETS_PER_STREAM
             || self.held_bytes + size > MOST_BUCKET_BYTES_PER_STREAM
         {
             Bound::StreamBuckets
+        } else if !self.quotas.clients.take_bucket(self.client) {
+            Bound::ClientBuckets
         } else if self.quotas.tracked_buckets.take() {
             return true;
         } else {
+            self.quotas.clients.give_back(self.client, 0, 1);
             Bound::Buckets
         };
         tally.untracked(full);
@@ -1242,22 +1422,17 @@ impl QuotaStream {
     }
 
     /// The assignment of a bucket whose answer needs no division: unmatched, unlimited, a limit
-    /// of 0, or untracked (the whole limit).
+    /// of 0, or untracked (denied: its limit may be divided among other streams, on any replica,
+    /// which this one cannot take part in; allowed in shadow mode, which denies nothing).
     fn fixed(&self, step: &Step) -> Option<Assignment> {
         let Some(rule) = &step.rule else {
-            return Some(match self.quotas.settings.unmatched {
-                Unmatched::Allow => Assignment::AllowAll,
-                Unmatched::Deny => Assignment::DenyAll,
-            });
+            return Some(self.quotas.settings.unmatched.assignment());
         };
         match &rule.limit {
             None => Some(Assignment::AllowAll),
             Some(limit) if limit.requests_per_unit == 0 => Some(Assignment::DenyAll),
             Some(_) if !step.tracked && rule.shadow => Some(Assignment::AllowAll),
-            Some(limit) if !step.tracked => Some(Assignment::share(
-                u64::from(limit.requests_per_unit) * MILLI,
-                limit,
-            )),
+            Some(_) if !step.tracked => Some(Assignment::DenyAll),
             Some(_) => None,
         }
     }
@@ -1283,7 +1458,7 @@ impl QuotaStream {
         // Due once `every` has passed (give or take half a report), if the budget has a record
         // left; and always before the last record stops being counted (with two reports to
         // spare). A bucket not recorded yet waits for the budget as the others do: meanwhile it
-        // is divided among this replica's streams of it, as while the store is down.
+        // is not answered, as while the store is down.
         let lapsing = step
             .recorded
             .is_some_and(|(_, until)| now + 2 * REPORT_INTERVAL >= until);
@@ -1317,7 +1492,7 @@ impl QuotaStream {
                 }
                 Err(e) => {
                     failed_settle(&e);
-                    self.kept(step.id, limit)
+                    self.kept(step.id)
                 }
             }
         } else {
@@ -1326,7 +1501,7 @@ impl QuotaStream {
             step.lives = step
                 .recorded
                 .map(|(_, until)| until.saturating_duration_since(now).max(ONE_SECOND));
-            self.kept(step.id, limit)
+            self.kept(step.id)
         };
         let Some((share, milli)) = share else {
             return (step, None, rule.shadow);
@@ -1344,19 +1519,17 @@ impl QuotaStream {
     }
 
     /// What a bucket gets while the store cannot answer, or before its first record is due:
-    /// what this stream was last sent; nothing while the store counts it waiting for its share;
-    /// or for a bucket new to it the limit divided among this replica's streams of it.
-    fn kept(&self, id: u128, limit: &Limit) -> Option<(Assignment, Option<u64>)> {
+    /// what this stream was last sent, or nothing when it was sent no share yet. A bucket new to
+    /// the stream is granted nothing the store has not counted: its Envoy applies the filter's
+    /// `no_assignment_behavior` meanwhile, as it does before any first answer.
+    fn kept(&self, id: u128) -> Option<(Assignment, Option<u64>)> {
         let buckets = self.quotas.buckets();
-        let local = buckets.get(&id).map_or(&[][..], |l| &l.subscribers[..]);
-        match local.iter().find(|s| s.stream == self.number) {
-            Some(s) if s.share.is_some() => return Some((s.sent, s.share)),
-            Some(s) if s.known => return None,
-            _ => {}
-        }
-        let others = local.iter().filter(|s| s.stream != self.number).count() as u64;
-        let milli = u64::from(limit.requests_per_unit) * MILLI / (others + 1);
-        Some((Assignment::share(milli, limit), Some(milli)))
+        let subscriber = buckets
+            .get(&id)?
+            .subscribers
+            .iter()
+            .find(|s| s.stream == self.number)?;
+        subscriber.share.map(|share| (subscriber.sent, Some(share)))
     }
 
     /// Makes the stream take part in the division of a bucket of `total` thousandths with its
@@ -1443,6 +1616,7 @@ impl QuotaStream {
         if let Some(held) = self.buckets.remove(key) {
             self.held_bytes -= held.size;
             self.quotas.tracked_buckets.give_back(1);
+            self.quotas.clients.give_back(self.client, 0, 1);
         }
         let divided = self.unsubscribe(id).and_then(|s| s.divided);
         if let Some(rule) = divided {
@@ -1505,8 +1679,11 @@ impl QuotaStream {
             })
             .await;
         self.quotas.tracked_buckets.give_back(self.buckets.len());
-        if self.counted {
+        if self.counted.is_ok() {
             self.quotas.tracked_streams.give_back(1);
+            self.quotas
+                .clients
+                .give_back(self.client, 1, self.buckets.len());
         }
     }
 }

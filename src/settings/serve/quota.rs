@@ -25,13 +25,30 @@ pub struct QuotaFlags {
     #[arg(long, env = "SLUICE_QUOTA_ABANDON_AFTER", default_value_t = 6)]
     quota_abandon_after: u32,
     /// Most quota buckets tracked at once, over every stream (a bucket two Envoys report counts
-    /// twice); a bucket reported past it gets its rule's whole limit, undivided.
+    /// twice); a bucket reported past it is denied (it cannot take part in the division).
     #[arg(long, env = "SLUICE_QUOTA_MAX_BUCKETS", default_value_t = 100_000)]
     quota_max_buckets: usize,
     /// Most quota streams (one per Envoy and domain) tracked at once; the buckets of a stream
-    /// past it get their rules' whole limits, undivided, until another stream ends.
+    /// past it are denied until another stream ends.
     #[arg(long, env = "SLUICE_QUOTA_MAX_STREAMS", default_value_t = 1_000)]
     quota_max_streams: usize,
+    /// Most quota buckets tracked at once over the streams of one client (an address; an IPv6
+    /// one by its /64): past it, the client's further buckets are denied, and the others' are
+    /// tracked still.
+    #[arg(
+        long,
+        env = "SLUICE_QUOTA_MAX_BUCKETS_PER_CLIENT",
+        default_value_t = 20_000
+    )]
+    quota_max_buckets_per_client: usize,
+    /// Most quota streams tracked at once from one client: past it, the buckets of the client's
+    /// further streams are denied until one of its streams ends.
+    #[arg(
+        long,
+        env = "SLUICE_QUOTA_MAX_STREAMS_PER_CLIENT",
+        default_value_t = 100
+    )]
+    quota_max_streams_per_client: usize,
     /// Most quota demand records a second this replica sends the store (on Redis, script work
     /// shared with the rate limit checks). Tracked buckets past what it records once per report
     /// (5 s) are recorded less often, each record counted longer, and keep their shares between.
@@ -60,14 +77,17 @@ impl QuotaFlags {
         if [
             self.quota_max_buckets,
             self.quota_max_streams,
+            self.quota_max_buckets_per_client,
+            self.quota_max_streams_per_client,
             self.quota_max_records as usize,
             self.quota_max_reports as usize,
         ]
         .contains(&0)
         {
             anyhow::bail!(
-                "--quota-max-buckets, --quota-max-streams, --quota-max-records, \
-                 --quota-max-reports: must be at least 1"
+                "--quota-max-buckets, --quota-max-streams, --quota-max-buckets-per-client, \
+                 --quota-max-streams-per-client, --quota-max-records, --quota-max-reports: must \
+                 be at least 1"
             );
         }
         Ok(())
@@ -80,6 +100,8 @@ impl QuotaFlags {
             abandon_after: self.quota_abandon_after,
             max_buckets: self.quota_max_buckets,
             max_streams: self.quota_max_streams,
+            max_buckets_per_client: self.quota_max_buckets_per_client,
+            max_streams_per_client: self.quota_max_streams_per_client,
             max_records: self.quota_max_records,
             max_reports: self.quota_max_reports,
         }
