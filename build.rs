@@ -61,7 +61,7 @@ fn main() {
         .bytes(".envoy.service.rate_limit_quota.v3.RateLimitQuotaResponse.bucket_action")
         .extern_path(".google.protobuf", "::envoy_types::pb::google::protobuf")
         .extern_path(".envoy.config", "::envoy_types::pb::envoy::config")
-        .extern_path(".envoy.type", "crate::service::pb::envoy_type")
+        .extern_path(".envoy.type", "crate::pb::envoy_type")
         .extern_path(".validate", "::envoy_types::pb::validate")
         .extern_path(".udpa", "::envoy_types::pb::udpa")
         .extern_path(".xds", "::envoy_types::pb::xds")

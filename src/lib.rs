@@ -12,16 +12,17 @@
 //!   over-limit cache, else the store), turns one decision into one status per descriptor, and
 //!   answers by `--on-store-error` when the store cannot decide; it loads and hot-reloads the
 //!   rules and serves metrics, the rules in force and explanations of how they match a request
-//!   (`service::explain`) on the admin HTTP server. `service::rlqs` serves the quota service's
-//!   streams, on a thread of their own: each report of a bucket is answered with that Envoy's
-//!   share of its limit, within bounds on what is tracked for the whole process.
+//!   (`service::explain`) on the admin HTTP server. `service::rlqs` is the quota service's gRPC
+//!   face: it hands each stream to `quota`.
 //! - [`rules`] — the matcher built from rule files: (domain, descriptor entries) → the limits that
 //!   apply, with envoyproxy/ratelimit's exact / wildcard / key-only precedence, and the explain
 //!   walk that tells how each entry matched; quota bucket ids are matched the same way. Its
 //!   `plan` turns a request's descriptors into one `Check` (limit overrides and `replaces`
 //!   applied, hits and modes set) and names the metric series each descriptor is counted in.
-//! - [`quota`] — how a quota bucket's limit is shared out: demand per window from each report,
-//!   max-min fair division, and the assignment (token bucket or blanket rule) each Envoy gets.
+//! - [`quota`] — the quota service's protocol, on a thread of its own: each report of a bucket
+//!   is answered with that Envoy's share of its limit, as a grant kept in the store that shrinks
+//!   at once and grows only by what no stream on any replica holds, within bounds on what is
+//!   tracked per stream, per client and for the whole process.
 //! - [`limiter`] — what a limit is (`Limit`, `Algorithm`, `Mode`), each algorithm's math shared by
 //!   every store, counter identities (`CounterKey`), the all-or-nothing `Check` → `Decision`, and
 //!   the rules of the local over-limit cache that denies without a store call. Pure: no store,
@@ -34,7 +35,8 @@
 //!   guard (`store::guard`): a deadline, a circuit breaker, and where requests queue, a bound
 //!   past which they are shed.
 //!
-//! Beside the path: [`config`] reads and validates rule files (or follows an xDS server's
+//! Beside the path: [`pb`] holds the protobuf types and gRPC servers generated from `proto/`,
+//! [`config`] reads and validates rule files (or follows an xDS server's
 //! `RateLimitConfig` resources, `config::xds`) into typed structs at the edge,
 //! [`telemetry`] sets up logging (and keeps events every request can hit from flooding it) and
 //! holds the Prometheus metrics every layer counts into (`telemetry::metrics`: the registry,
@@ -58,6 +60,7 @@ pub mod certs;
 pub mod config;
 pub mod limiter;
 pub mod load;
+pub mod pb;
 pub mod quota;
 pub mod rules;
 pub mod service;

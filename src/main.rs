@@ -11,8 +11,8 @@ use std::time::Duration;
 use anyhow::Context;
 
 use sluice::config;
+use sluice::quota::Quotas;
 use sluice::rules::RuleSet;
-use sluice::service::rlqs::Quotas;
 use sluice::service::{self, Setup, Shutdown, reload};
 use sluice::settings::{self, Command, ExplainArgs, HealthArgs, ServeArgs, erl};
 use sluice::telemetry::traces::Traces;

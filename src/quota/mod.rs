@@ -1,151 +1,133 @@
-//! The Rate Limit Quota Service's decisions, below its network surface (`service::rlqs`): how
-//! much of a bucket's global limit each Envoy gets. Each stream (one Envoy) reports what it let
-//! through and denied; its demand is that per window, on sluice's clock. The limit is divided
-//! among every stream counted in the bucket (on any replica, through the store) by max-min
-//! fairness (`limiter::share`), and each stream gets its share as a token bucket Envoy enforces on
-//! its own.
+//! The Rate Limit Quota Service's protocol: how much of a bucket's global limit each Envoy may
+//! enforce. Each stream (one Envoy) reports every few seconds what each of its buckets let through
+//! and denied; its demand is that per window, on sluice's clock. The limit is divided among every
+//! stream counted in the bucket, on any replica, through the store, by max-min fairness
+//! (`limiter::share`), and each stream gets its share as a token bucket its Envoy enforces alone.
+//!
+//! One (stream, bucket) pair is a small state machine, and the store (`store::demand`,
+//! `lua/demand.lua`) keeps its grant beside its demand:
+//!
+//! - **untracked**: a bound was full (`bounds`): denied, never counted, never given a share;
+//! - **fixed**: its rule does not divide (no rule, unlimited, a limit of 0): a blanket answer;
+//! - **waiting**: counted, with a share the others still hold: not answered until it has some;
+//! - **granted**: its Envoy enforces its grant, at most its share;
+//! - **shrinking**: a smaller grant is on its way to its Envoy; the store counts the larger one
+//!   (`held`) until the replica settles again once the shrink is taken;
+//! - **gone**: out of the division: left (its stream ended, it was abandoned, its rule stopped
+//!   dividing), at once; or lapsed (its replica died), once its record is no longer counted.
+//!
+//! What moves it: its report (`stream`, `subscription`), a division another stream moved
+//! (`grants`: pushed on this replica, told through the store to the others), a reload
+//! (`reload`), the store reconnecting (`replica`: no grant grows until every replica has listed
+//! its own again), and time (a record lapsing). The invariant every move keeps: the grants of a
+//! bucket, each counted at what its Envoy may still be enforcing, add up to at most the limit; a
+//! grant shrinks at once and grows only by what no stream on any replica holds; and a stream
+//! that asks for nothing gets the least share and nothing on top. `tests/rlqs_histories.rs`
+//! checks it at every answer of generated histories.
+//!
+//! - `replica`: this replica's streams of each bucket, its store, thread and allowances;
+//! - `stream`: one Envoy's stream, its reports and answers;
+//! - `subscription`: a stream's buckets, from subscription to departure;
+//! - `grants`: settling a bucket in the store and sending the grants that moved;
+//! - `reload`: a changed rule re-divides, or ends the division of, its buckets at once;
+//! - `bounds`: what is tracked, per stream, per client and per process, and the paces;
+//! - `assignment`: what an Envoy is told, and how it goes on the wire;
+//! - `tally`: what a report adds to the metrics.
+
+mod assignment;
+mod bounds;
+mod grants;
+mod reload;
+mod replica;
+mod stream;
+mod subscription;
+mod tally;
 
 use std::time::Duration;
 
-use crate::limiter::Limit;
-
 pub use crate::limiter::share::MILLI;
+pub use assignment::{Assignment, demand};
+pub use replica::Quotas;
+pub use stream::QuotaStream;
 
-/// What one stream is told to do with one bucket.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Assignment {
-    /// A token bucket holding at most `max_tokens`, refilled continuously at `tokens_per_fill`
-    /// every `fill_seconds`.
-    TokenBucket {
-        max_tokens: u32,
-        tokens_per_fill: u32,
-        fill_seconds: u64,
-    },
-    AllowAll,
-    DenyAll,
+/// How often Envoy reports (fixed at 5 s in Envoy 1.40, whatever the bucket says).
+const REPORT_INTERVAL: Duration = Duration::from_secs(5);
+/// How long a stream's demand stays counted without a new report: three report intervals, so
+/// that one late or lost report does not take its share away.
+const DEMAND_STAYS: Duration = Duration::from_secs(3 * REPORT_INTERVAL.as_secs());
+/// The most a demand record may take. No request waits for it: the Envoy keeps enforcing its
+/// last assignment meanwhile.
+const STORE_DEADLINE: Duration = Duration::from_secs(1);
+/// Buckets one stream may hold, and the bytes of their ids; a bucket reported past either is
+/// answered without being tracked or divided: denied (its limit may be divided among others
+/// already, on any replica). `--quota-max-buckets` and `--quota-max-streams` bound the same for
+/// the whole process, `--quota-max-buckets-per-client` and `--quota-max-streams-per-client` for
+/// each client, so that one client's made-up bucket values do not use the process's bounds up.
+const MOST_BUCKETS_PER_STREAM: usize = 10_000;
+const MOST_BUCKET_BYTES_PER_STREAM: usize = 16 << 20;
+/// Demand records (store calls) in flight at once on this replica, over every stream: a flood
+/// of reports waits its turn here, not in Redis ahead of the rate limit checks.
+const RECORDS_IN_FLIGHT: usize = 64;
+/// Buckets of a report handled at a time, and answered in one message: between two such turns
+/// the other streams have theirs, and no answer takes its connection's event loop long to encode.
+const BUCKETS_AT_A_TIME: usize = 256;
+/// Buckets that may be divided at once on one replica (their ids hashed to as many turns).
+const TURNS: usize = 256;
+/// Settle calls one division may take: its own, then one after each round of shrinks sent.
+const SETTLE_ROUNDS: usize = 3;
+/// How long a settle call waits for the shrinks it sent to be taken by their connections before
+/// it settles again, which frees them for the others.
+const TAKEN_WITHIN: Duration = Duration::from_millis(100);
+/// How long no grant grows on this replica once its store connection is made again: a restarted
+/// store has lost what every replica's streams hold, and every replica lists its own again (at
+/// once, on its reconnection) before any grows.
+const FROZEN_AFTER_RECONNECTION: Duration = Duration::from_secs(2);
+/// How often the rules in force are read for a reload that changed a divided bucket's rule.
+const RULES_READ: Duration = Duration::from_millis(100);
+/// The shortest life of an assignment (Envoy reads whole seconds).
+const ONE_SECOND: Duration = Duration::from_secs(1);
+/// How long after a stream of another replica lapses its bucket is settled again.
+const WAKE_SLACK: Duration = Duration::from_millis(20);
+/// Answers waiting to be written to one stream (each of at most `BUCKETS_AT_A_TIME` buckets); a
+/// push that finds it full is dropped (the stream's next report is answered anyway), and an answer
+/// to a report waits, holding back the rest of the report.
+const OUTBOX: usize = 8;
+
+/// What a bucket no rule matches gets (`--quota-unmatched`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Unmatched {
+    Allow,
+    Deny,
 }
 
-impl Assignment {
-    /// A share of `milli` thousandths of a request per window of `limit`: a token bucket that
-    /// refills at exactly that rate and holds one second of it (rounded up; at most one window's
-    /// share). Envoy refills at `tokens_per_fill / fill_interval`, both whole numbers, so the share
-    /// is written in thousandths over a thousand windows (6.667 a second is 6667 every 1000 s);
-    /// for limits too large for that, in whole requests per window. Either way every share of one
-    /// limit has the same fill interval: Envoy 1.40 compares buckets without the fill interval's
-    /// seconds. No share at all denies everything (Envoy reads a bucket that never refills as
-    /// denying).
-    pub fn share(milli: u64, limit: &Limit) -> Assignment {
-        if milli == 0 {
-            return Assignment::DenyAll;
-        }
-        let window_seconds = (limit.window_ms() / 1000).max(1);
-        let in_thousandths = u64::from(limit.requests_per_unit) * MILLI <= u64::from(u32::MAX);
-        let (tokens_per_fill, windows) = if in_thousandths {
-            (milli, MILLI)
-        } else {
-            ((milli / MILLI).max(1), 1)
-        };
-        let per_second = milli.div_ceil(MILLI * window_seconds);
-        let saturate = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
-        Assignment::TokenBucket {
-            max_tokens: saturate(per_second.clamp(1, milli.div_ceil(MILLI))),
-            tokens_per_fill: saturate(tokens_per_fill),
-            fill_seconds: window_seconds * windows,
-        }
-    }
-
-    /// Requests per second it lets through; `None` when unbounded.
-    pub fn rate(&self) -> Option<f64> {
+impl Unmatched {
+    fn assignment(self) -> Assignment {
         match self {
-            Assignment::TokenBucket {
-                tokens_per_fill,
-                fill_seconds,
-                ..
-            } => Some(f64::from(*tokens_per_fill) / *fill_seconds as f64),
-            Assignment::AllowAll => None,
-            Assignment::DenyAll => Some(0.0),
-        }
-    }
-
-    /// Its name in metrics.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Assignment::TokenBucket { .. } => "token_bucket",
-            Assignment::AllowAll => "allow_all",
-            Assignment::DenyAll => "deny_all",
+            Unmatched::Allow => Assignment::AllowAll,
+            Unmatched::Deny => Assignment::DenyAll,
         }
     }
 }
 
-/// A stream's demand from one report: `requests` (allowed and denied) over `elapsed`, per
-/// `window`, in thousandths, at most the whole `limit` (no stream can use more than all of it).
-pub fn demand(requests: u64, elapsed: Duration, window: Duration, limit: u64) -> u64 {
-    let most = limit.saturating_mul(MILLI);
-    if elapsed.is_zero() {
-        return most;
-    }
-    let per_window = requests as f64 * window.as_secs_f64() / elapsed.as_secs_f64();
-    ((per_window * MILLI as f64).ceil() as u64).min(most)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::limiter::{Algorithm, Unit};
-
-    const S: Duration = Duration::from_secs(1);
-
-    #[test]
-    fn demand_is_requests_per_window_in_thousandths_capped_at_the_limit() {
-        assert_eq!(demand(50, 5 * S, S, 20), 10_000);
-        assert_eq!(demand(50, 5 * S, 60 * S, 1000), 600_000);
-        assert_eq!(demand(500, 5 * S, S, 20), 20_000);
-        assert_eq!(demand(1, 3 * S, S, 20), 334);
-        assert_eq!(demand(0, 5 * S, S, 20), 0);
-        assert_eq!(demand(7, Duration::ZERO, S, 20), 20_000);
-    }
-
-    fn limit(unit: Unit, requests_per_unit: u32) -> Limit {
-        Limit {
-            name: String::new(),
-            requests_per_unit,
-            unit,
-            unit_multiplier: 1,
-            algorithm: Algorithm::FixedWindow,
-            burst: requests_per_unit,
-        }
-    }
-
-    fn bucket(max_tokens: u32, tokens_per_fill: u32, fill_seconds: u64) -> Assignment {
-        Assignment::TokenBucket {
-            max_tokens,
-            tokens_per_fill,
-            fill_seconds,
-        }
-    }
-
-    #[test]
-    fn a_share_is_an_exact_rate_in_whole_numbers_with_a_second_of_burst() {
-        let per_second = limit(Unit::Second, 20);
-        assert_eq!(Assignment::share(0, &per_second), Assignment::DenyAll);
-        assert_eq!(
-            Assignment::share(20_000, &per_second),
-            bucket(20, 20_000, 1000)
-        );
-        assert_eq!(Assignment::share(6667, &per_second), bucket(7, 6667, 1000));
-        assert_eq!(Assignment::share(6667, &per_second).rate(), Some(6.667));
-        let per_minute = limit(Unit::Minute, 600);
-        assert_eq!(
-            Assignment::share(300_000, &per_minute),
-            bucket(5, 300_000, 60_000),
-            "300 a minute: 5 a second, a burst of 5"
-        );
-        assert_eq!(Assignment::share(1, &per_minute), bucket(1, 1, 60_000));
-        let huge = limit(Unit::Second, u32::MAX);
-        assert_eq!(
-            Assignment::share(u64::from(u32::MAX) * 1000, &huge),
-            bucket(u32::MAX, u32::MAX, 1)
-        );
-        assert_eq!(Assignment::share(1500, &huge), bucket(2, 1, 1));
-    }
+/// How the quota service answers.
+#[derive(Clone, Copy, Debug)]
+pub struct QuotaSettings {
+    pub unmatched: Unmatched,
+    /// Each assignment's time to live, in whole seconds (Envoy reads no fraction).
+    pub ttl: Duration,
+    /// Reports of nothing in a row after which a stream is told to abandon a bucket.
+    pub abandon_after: u32,
+    /// Most buckets tracked at once over every stream (a bucket two streams report counts twice).
+    pub max_buckets: usize,
+    /// Most streams tracked at once.
+    pub max_streams: usize,
+    /// Most buckets and streams tracked at once for one client (an address; an IPv6 one by its
+    /// /64).
+    pub max_buckets_per_client: usize,
+    pub max_streams_per_client: usize,
+    /// Demand records a second this replica sends the store, at most (for as many tracked
+    /// buckets as fit in it; past that, each bucket is recorded less often).
+    pub max_records: u32,
+    /// Bucket reports a second this replica takes from its streams, at most.
+    pub max_reports: u32,
 }

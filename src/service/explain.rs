@@ -18,12 +18,12 @@ use serde_json::{Map, Value, json};
 
 use super::Rules;
 use super::http::decode;
-use super::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use super::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-use super::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use super::rls::{Answering, Bounds, descriptors};
 use crate::limiter::lease::Leases;
 use crate::limiter::{Item, Mode};
+use crate::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use crate::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use crate::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use crate::rules::plan::{Asked, Plan};
 use crate::rules::{Matched, RuleSet, Stop, Walk, limit_json, rule_limit_json};
 use crate::store::redis_key;

@@ -10,9 +10,9 @@ use prometheus_client::registry::Registry;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 
-use super::rlqs::Quotas;
 use crate::limiter::OverLimitCache;
 use crate::limiter::lease::Leases;
+use crate::quota::Quotas;
 use crate::store::Backend;
 use crate::telemetry::metrics::METRICS;
 

@@ -21,11 +21,11 @@ use axum::routing::{any, get, post};
 use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor};
 
 use super::gauges::Gauges;
-use super::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
-use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use super::render::Renders;
 use super::rls::Rls;
 use super::{Readiness, Rules};
+use crate::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use crate::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::rules::RuleSet;
 use crate::telemetry::top::{self, Period, Report};
 

@@ -6,9 +6,9 @@ use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use serde_json::Map;
 
-use super::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use super::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use crate::config::MOST_METADATA_DEPTH;
+use crate::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use crate::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 
 /// The metadata of `request`, with `passed`: the rule metadata of the descriptors that were not
 /// over their limit, in request order. Keys and values that are not UTF-8 are rendered lossily
@@ -154,7 +154,7 @@ mod tests {
 
     #[test]
     fn bytes_that_are_not_utf8_are_rendered_lossily() {
-        use crate::service::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+        use crate::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
         let request = RateLimitRequest {
             domain: b"d\xff".to_vec(),
             descriptors: vec![RateLimitDescriptor {

@@ -15,7 +15,7 @@ pub mod explain;
 mod gauges;
 mod http;
 mod metadata;
-mod pb;
+
 pub mod reload;
 mod render;
 pub mod rlqs;
@@ -38,9 +38,10 @@ use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 
-use pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
-use pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
-use rlqs::{Quotas, Rlqs};
+use crate::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
+use crate::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+use crate::quota::Quotas;
+use rlqs::Rlqs;
 use rls::{Answering, Bounds, Fallback, Rls};
 use tls::ServerTls;
 

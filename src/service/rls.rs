@@ -16,15 +16,15 @@ use tracing::{Instrument, Span};
 
 use super::decide::Decider;
 use super::metadata;
-use super::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use super::pb::envoy::service::ratelimit::v3::rate_limit_response::{
-    Code, DescriptorStatus, RateLimit, rate_limit,
-};
-use super::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
-use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::config::{MOST_DOMAIN_BYTES, domain_too_long};
 use crate::limiter::lease::Leasing;
 use crate::limiter::{Check, Counting, Decision, Limit, Mode, Source, Unit, Usage, admits};
+use crate::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use crate::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit, rate_limit,
+};
+use crate::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use crate::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::rules::RuleSet;
 use crate::rules::plan::{Asked, Global, Override, Plan};
 use crate::store::{Deadline, StoreError};

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::service::rlqs::{QuotaSettings, Unmatched};
+use crate::quota::{QuotaSettings, Unmatched};
 
 #[derive(Args)]
 #[command(next_help_heading = "Quota service (RLQS)")]

@@ -1,0 +1,152 @@
+//! Reloads: every bucket divided here whose rule a reload changed is settled again by the new
+//! rule, or, when the rule no longer divides it, sent its fixed answer and taken out of the
+//! division, without waiting for reports.
+
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use futures_util::StreamExt;
+use prost::Message;
+
+use super::assignment::sorted_entries;
+use super::grants::{failed_settle, push};
+use super::replica::Move;
+use super::{Assignment, Quotas, RECORDS_IN_FLIGHT, RULES_READ};
+use crate::pb::envoy::service::rate_limit_quota::v3::BucketId;
+use crate::rules::{QuotaRule, RuleSet};
+use crate::store::Change;
+
+impl Quotas {
+    /// Re-divides, for as long as the process runs, every bucket whose rule a reload changed
+    /// (`rules` is read every `RULES_READ`), without waiting for reports.
+    pub async fn follow(self: Arc<Self>, rules: Arc<ArcSwap<RuleSet>>) {
+        let mut divided_by = rules.load_full();
+        loop {
+            tokio::time::sleep(RULES_READ).await;
+            let now = rules.load_full();
+            if !Arc::ptr_eq(&now, &divided_by) {
+                self.redivide(&now).await;
+                divided_by = now;
+            }
+        }
+    }
+
+    /// Moves every bucket divided here whose rule `rules` changes, without waiting for reports.
+    /// A rule that still divides it (a new limit, unit, window or shadow mode) settles it again
+    /// by the new rule: a shrink reaches the streams at once, and so does a new unit. A rule that
+    /// no longer divides it (removed, unlimited, a limit of 0) sends its streams their fixed
+    /// answer at once and takes them out of the division, which frees their grants.
+    async fn redivide(self: &Arc<Self>, rules: &RuleSet) {
+        /// A bucket divided here, copied out to be matched outside the lock the streams take.
+        struct Divided {
+            id: u128,
+            domain: Box<str>,
+            bucket_id: Box<[u8]>,
+            rule: Arc<QuotaRule>,
+        }
+        /// What a reload does to a bucket.
+        enum Moved {
+            Settle(Arc<QuotaRule>),
+            Fixed(Assignment),
+        }
+        let divided: Vec<Divided> = self
+            .buckets()
+            .iter()
+            .filter_map(|(&id, local)| {
+                let subscriber = local.subscribers.iter().find(|s| s.divided.is_some())?;
+                Some(Divided {
+                    id,
+                    domain: local.domain.clone(),
+                    bucket_id: subscriber.bucket_id.clone(),
+                    rule: subscriber.divided.clone()?,
+                })
+            })
+            .collect();
+        let mut moved = Vec::new();
+        for Divided {
+            id,
+            domain,
+            bucket_id,
+            rule: old,
+        } in divided
+        {
+            let Ok(bucket_id) = BucketId::decode(&*bucket_id) else {
+                continue;
+            };
+            let entries = sorted_entries(&bucket_id);
+            let now = match rules.quota_rule(domain.as_bytes(), &entries) {
+                None => Moved::Fixed(self.settings.unmatched.assignment()),
+                Some(new) => match &new.limit {
+                    None => Moved::Fixed(Assignment::AllowAll),
+                    Some(limit) if limit.requests_per_unit == 0 => {
+                        Moved::Fixed(Assignment::DenyAll)
+                    }
+                    Some(_)
+                        if new.limit != old.limit
+                            || new.path != old.path
+                            || new.shadow != old.shadow =>
+                    {
+                        Moved::Settle(new.clone())
+                    }
+                    Some(_) => continue,
+                },
+            };
+            moved.push((id, old, now));
+        }
+        let mut settling = Vec::new();
+        let mut leaving = Vec::new();
+        {
+            let mut buckets = self.buckets();
+            for (id, old, now) in moved {
+                let Some(local) = buckets.get_mut(&id) else {
+                    continue;
+                };
+                let divided = local.subscribers.iter_mut().filter(|s| s.divided.is_some());
+                match now {
+                    Moved::Settle(rule) => {
+                        for subscriber in divided {
+                            if rule.shadow && !subscriber.shadow {
+                                push(subscriber, Assignment::AllowAll, self.settings.ttl);
+                            } else if !rule.shadow && subscriber.shadow {
+                                // Its Envoy allows all: its grant is sent once settled.
+                                subscriber.sent = Assignment::AllowAll;
+                            }
+                            subscriber.shadow = rule.shadow;
+                            subscriber.divided = Some(rule.clone());
+                        }
+                        settling.push((id, local.key.clone(), rule));
+                    }
+                    Moved::Fixed(assignment) => {
+                        for subscriber in divided {
+                            push(subscriber, assignment, self.settings.ttl);
+                            subscriber.sent = assignment;
+                            subscriber.share = None;
+                            subscriber.shadow = false;
+                            subscriber.divided = None;
+                            subscriber.known = false;
+                            subscriber.held = 0;
+                            leaving.push((id, local.key.clone(), old.clone(), subscriber.stream));
+                        }
+                    }
+                }
+            }
+        }
+        futures_util::stream::iter(settling)
+            .for_each_concurrent(RECORDS_IN_FLIGHT, |(id, key, rule)| {
+                self.settle_in_background(id, key, rule)
+            })
+            .await;
+        futures_util::stream::iter(leaving)
+            .for_each_concurrent(RECORDS_IN_FLIGHT, |(id, key, rule, stream)| async move {
+                let leaving = Move {
+                    stream,
+                    change: Change::Leave,
+                    demand: 0,
+                };
+                if let Err(e) = self.settle(id, &key, &rule, Some(leaving), None).await {
+                    failed_settle(&e);
+                }
+            })
+            .await;
+    }
+}

@@ -1,0 +1,327 @@
+//! This replica's side of the quota service: each bucket's subscribers here and what each was
+//! last sent, the thread and store that serve every stream, the allowances of what is tracked,
+//! and what the other replicas name through the store.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures_util::StreamExt;
+use tokio::sync::{Semaphore, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::bounds::{Allowance, Bound, Clients, Pace};
+use super::stream::Outbox;
+use super::{
+    Assignment, FROZEN_AFTER_RECONNECTION, QuotaSettings, RECORDS_IN_FLIGHT, STORE_DEADLINE, TURNS,
+};
+use crate::limiter::{CounterIds, CounterKey, IdHasher};
+use crate::rules::QuotaRule;
+use crate::store::{Backend, Change, Deadline, Division, Settle, Store, StoreError, Told};
+use crate::telemetry::metrics::QuotaLabels;
+
+/// The streams served by this replica: each bucket's local subscribers and what each was last
+/// sent, so that one stream's report can re-divide the others'; what is tracked; and the thread
+/// and store that serve them.
+pub struct Quotas {
+    pub(super) settings: QuotaSettings,
+    /// This replica's name among the replicas sharing a store.
+    pub(super) replica: String,
+    pub(super) next_stream: AtomicU64,
+    /// Per bucket, by the keyed 128-bit hash of its key (as the embedded store indexes
+    /// counters), the streams subscribed to it on this replica.
+    pub(super) buckets: Mutex<HashMap<u128, Local, IdHasher>>,
+    /// Until when no grant grows (`FROZEN_AFTER_RECONNECTION`).
+    frozen_until: Mutex<Instant>,
+    pub(super) ids: CounterIds,
+    /// Turns to divide a bucket, one bucket at a time: a bucket takes the turn its id hashes to.
+    pub(super) turns: Box<[tokio::sync::Mutex<()>]>,
+    /// (stream, bucket) pairs tracked (`--quota-max-buckets`), and streams (`--quota-max-streams`).
+    pub(super) tracked_buckets: Allowance,
+    pub(super) tracked_streams: Allowance,
+    /// The same per client.
+    pub(super) clients: Clients,
+    /// Demand records in flight (`RECORDS_IN_FLIGHT`).
+    pub(super) records: Semaphore,
+    /// Demand records a second (`--quota-max-records`).
+    pub(super) records_left: Pace,
+    /// Bucket reports taken a second (`--quota-max-reports`).
+    pub(super) reports_left: Pace,
+    /// The runtime of the thread every stream is served on.
+    runtime: tokio::runtime::Handle,
+    /// That thread's store: demand records never share an event loop's connections.
+    pub(super) store: Store,
+}
+
+/// A bucket's streams on this replica.
+pub(super) struct Local {
+    pub(super) key: CounterKey,
+    /// The domain its streams report it for, to find its rule again after a reload.
+    pub(super) domain: Box<str>,
+    pub(super) subscribers: Vec<Subscriber>,
+    /// It is to be settled again when what a stream of another replica holds lapses, for one of
+    /// its streams here waits for it.
+    pub(super) waking: bool,
+}
+
+/// One stream subscribed to one bucket.
+pub(super) struct Subscriber {
+    /// The stream's number on this replica.
+    pub(super) stream: u64,
+    pub(super) outbox: Outbox,
+    /// The bucket id as the stream reported it, encoded (a few dozen bytes, where the decoded
+    /// map takes hundreds), for pushes.
+    pub(super) bucket_id: Box<[u8]>,
+    pub(super) labels: Arc<QuotaLabels>,
+    /// What it was last sent.
+    pub(super) sent: Assignment,
+    /// The share that was, in thousandths of a request per window, when it was one.
+    pub(super) share: Option<u64>,
+    /// The bucket's rule is in shadow mode: it is sent "allow all" whatever its share.
+    pub(super) shadow: bool,
+    /// The rule dividing the bucket, while the stream takes part in the division.
+    pub(super) divided: Option<Arc<QuotaRule>>,
+    /// Its last demand, in thousandths of a request per window.
+    pub(super) demand: u64,
+    /// The most its Envoy may be enforcing, in thousandths of a request per window: its grant,
+    /// or more while a smaller one has not been sent to it.
+    pub(super) held: u64,
+    /// A settle call has counted it in the store.
+    pub(super) known: bool,
+}
+
+/// What one stream's report or departure changes in a bucket.
+#[derive(Clone, Copy)]
+pub(super) struct Move {
+    pub(super) stream: u64,
+    pub(super) change: Change,
+    pub(super) demand: u64,
+}
+
+impl Quotas {
+    /// Starts the thread that serves every quota stream, with a store of its own on `backend`.
+    pub fn start(settings: QuotaSettings, backend: &Backend) -> anyhow::Result<Arc<Quotas>> {
+        let (opened, store) = std::sync::mpsc::channel();
+        let backend = backend.clone();
+        std::thread::Builder::new()
+            .name("sluice-quota".into())
+            .spawn(move || {
+                // Below the event loops: an event loop that wakes with a rate limit request to
+                // answer takes the CPU from this thread at once, and the quota work waits, which
+                // it can for seconds without harm (Envoy reports every 5 s, and an assignment
+                // lives 30 s).
+                let idle = thread_priority::set_thread_priority_and_policy(
+                    thread_priority::thread_native_id(),
+                    thread_priority::ThreadPriority::Min,
+                    thread_priority::ThreadSchedulePolicy::Normal(
+                        thread_priority::NormalThreadSchedulePolicy::Idle,
+                    ),
+                );
+                if let Err(e) = idle {
+                    tracing::warn!("the quota service's thread keeps its CPU priority: {e:?}");
+                }
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build();
+                let runtime = match runtime {
+                    Ok(runtime) => runtime,
+                    Err(e) => {
+                        let _ = opened.send(Err(anyhow::Error::from(e)));
+                        return;
+                    }
+                };
+                runtime.block_on(async move {
+                    match backend
+                        .open()
+                        .and_then(|store| Ok((store, backend.listen()?)))
+                    {
+                        Ok((store, told)) => {
+                            let handle = tokio::runtime::Handle::current();
+                            let _ = opened.send(Ok((handle, store, told)));
+                            // Serves the streams spawned on it for the life of the process.
+                            std::future::pending::<()>().await;
+                        }
+                        Err(e) => {
+                            let _ = opened.send(Err(e.into()));
+                        }
+                    }
+                });
+            })
+            .context("starting the quota service's thread")?;
+        let (runtime, store, told) = store
+            .recv()
+            .context("the quota service's thread stopped")??;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let quotas = Arc::new(Quotas {
+            settings,
+            replica: format!("{:x}-{:x}", std::process::id(), now.as_nanos()),
+            next_stream: AtomicU64::new(1),
+            buckets: Mutex::default(),
+            frozen_until: Mutex::new(Instant::now()),
+            ids: CounterIds::new(),
+            turns: (0..TURNS).map(|_| tokio::sync::Mutex::new(())).collect(),
+            tracked_buckets: Allowance::new(settings.max_buckets),
+            tracked_streams: Allowance::new(settings.max_streams),
+            clients: Clients {
+                most_buckets: settings.max_buckets_per_client,
+                most_streams: settings.max_streams_per_client,
+                by_address: Mutex::default(),
+            },
+            records: Semaphore::new(RECORDS_IN_FLIGHT),
+            records_left: Pace::new(settings.max_records),
+            reports_left: Pace::new(settings.max_reports),
+            runtime,
+            store,
+        });
+        if let Some(told) = told {
+            quotas.runtime.spawn(quotas.clone().hear(told));
+        }
+        Ok(quotas)
+    }
+
+    /// The runtime of the quota service's thread.
+    pub fn runtime(&self) -> tokio::runtime::Handle {
+        self.runtime.clone()
+    }
+
+    /// Runs `work` on the quota service's thread.
+    pub fn spawn<F>(&self, work: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.runtime.spawn(work)
+    }
+
+    /// The name in the store of this replica's stream `number`, unique across replicas.
+    pub(super) fn stream_id(&self, number: u64) -> String {
+        format!("{}:{number}", self.replica)
+    }
+
+    pub(super) fn turn(&self, id: u128) -> &tokio::sync::Mutex<()> {
+        &self.turns[(id % self.turns.len() as u128) as usize]
+    }
+
+    /// How often each tracked bucket's demand can be recorded within `--quota-max-records`: at
+    /// most once per report while the tracked buckets fit in it, less often past that.
+    pub(super) fn record_every(&self) -> Duration {
+        let tracked = self.tracked_buckets.taken() as f64;
+        Duration::from_secs_f64(tracked / f64::from(self.settings.max_records.max(1)))
+    }
+
+    pub(super) fn buckets(&self) -> std::sync::MutexGuard<'_, HashMap<u128, Local, IdHasher>> {
+        self.buckets.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether grants may grow now (not for `FROZEN_AFTER_RECONNECTION` after the store's
+    /// connection was made again).
+    pub(super) fn growing(&self) -> bool {
+        Instant::now() >= *self.frozen_until.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Settles what other replicas name, and lists every bucket again when the store's
+    /// connection is made again, a few buckets at a time.
+    async fn hear(self: Arc<Self>, told: mpsc::Receiver<Told>) {
+        ReceiverStream::new(told)
+            .for_each_concurrent(RECORDS_IN_FLIGHT, |heard| {
+                let quotas = self.clone();
+                async move {
+                    match heard {
+                        Told::Bucket(counter) => {
+                            let id = quotas.ids.id_of_bytes(&counter);
+                            if let Some((key, rule)) = quotas.divided(id) {
+                                quotas.settle_in_background(id, key, rule).await;
+                            }
+                        }
+                        Told::Reconnected => {
+                            *quotas
+                                .frozen_until
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner()) =
+                                Instant::now() + FROZEN_AFTER_RECONNECTION;
+                            let all = quotas.all_divided();
+                            futures_util::stream::iter(all)
+                                .for_each_concurrent(RECORDS_IN_FLIGHT, |(id, key, rule)| {
+                                    quotas.settle_in_background(id, key, rule)
+                                })
+                                .await;
+                        }
+                    }
+                }
+            })
+            .await;
+    }
+
+    /// The key and rule of bucket `id`, if a stream of this replica takes part in its division.
+    pub(super) fn divided(&self, id: u128) -> Option<(CounterKey, Arc<QuotaRule>)> {
+        let buckets = self.buckets();
+        let local = buckets.get(&id)?;
+        let rule = local.subscribers.iter().find_map(|s| s.divided.clone())?;
+        Some((local.key.clone(), rule))
+    }
+
+    /// Every bucket a stream of this replica takes part in the division of.
+    fn all_divided(&self) -> Vec<(u128, CounterKey, Arc<QuotaRule>)> {
+        let buckets = self.buckets();
+        buckets
+            .iter()
+            .filter_map(|(&id, local)| {
+                let rule = local.subscribers.iter().find_map(|s| s.divided.clone())?;
+                Some((id, local.key.clone(), rule))
+            })
+            .collect()
+    }
+
+    /// One settle call, once one of the replica's `RECORDS_IN_FLIGHT` is free.
+    pub(super) async fn record(
+        &self,
+        bucket: &CounterKey,
+        call: &Settle<'_>,
+    ) -> Result<Division, StoreError> {
+        let _in_flight = self
+            .records
+            .acquire()
+            .await
+            .expect("the semaphore is never closed");
+        let deadline = Deadline::new(STORE_DEADLINE, None);
+        self.store.settle(bucket, call, deadline).await
+    }
+
+    /// Per quota bucket rule: (stream, bucket) subscriptions on this replica, and the requests
+    /// per second assigned to them (blanket "allow all" assignments count no rate; a shadow-mode
+    /// bucket counts the share it would be sent).
+    pub fn by_rule(&self) -> Vec<(QuotaLabels, usize, f64)> {
+        let mut out: HashMap<Arc<QuotaLabels>, (usize, f64)> = HashMap::new();
+        for subscriber in self.buckets().values().flat_map(|l| &l.subscribers) {
+            let entry = out.entry(subscriber.labels.clone()).or_default();
+            entry.0 += 1;
+            entry.1 += subscriber.sent.rate().unwrap_or(0.0);
+        }
+        out.into_iter()
+            .map(|(l, (n, rate))| ((*l).clone(), n, rate))
+            .collect()
+    }
+
+    /// Counts a stream of `client` among the tracked streams, if its client's budget and the
+    /// process's allowance have one left; else the bound that was full.
+    pub(super) fn count_stream(&self, client: IpAddr) -> Result<(), Bound> {
+        if !self.clients.take_stream(client) {
+            return Err(Bound::ClientStreams);
+        }
+        if !self.tracked_streams.take() {
+            self.clients.give_back(client, 1, 0);
+            return Err(Bound::Streams);
+        }
+        Ok(())
+    }
+
+    /// (stream, bucket) pairs tracked on this replica, and streams tracked.
+    pub fn tracked(&self) -> (usize, usize) {
+        (self.tracked_buckets.taken(), self.tracked_streams.taken())
+    }
+}
