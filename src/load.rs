@@ -216,6 +216,8 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
     let done = Arc::new(AtomicU64::new(0));
     let options = Arc::new(options);
 
+    // On a terminal, one line rewritten each second; into a pipe or a file, a line each second.
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let progress = (!options.quiet).then(|| {
         let done = done.clone();
         tokio::spawn(async move {
@@ -225,11 +227,16 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
             loop {
                 tick.tick().await;
                 let now = done.load(Ordering::Relaxed);
-                eprint!(
-                    "\r{:>7.1} s  {now:>10} requests  {:>9} /s",
+                let line = format!(
+                    "{:>7.1} s  {now:>10} requests  {:>9} /s",
                     start.elapsed().as_secs_f64(),
                     now - last
                 );
+                if terminal {
+                    eprint!("\r{line}");
+                } else {
+                    eprintln!("{line}");
+                }
                 last = now;
             }
         })
@@ -261,7 +268,9 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
     let seconds = start.elapsed().as_secs_f64();
     if let Some(p) = progress {
         p.abort();
-        eprintln!();
+        if terminal {
+            eprintln!();
+        }
     }
     let requests = total.latency.len();
     let h = &total.latency;

@@ -89,6 +89,13 @@ fn check_config(source: &config::Source) -> ExitCode {
             }
             let domains: std::collections::HashSet<_> =
                 loaded.domains.iter().map(|d| &d.domain).collect();
+            if domains.is_empty() {
+                println!(
+                    "{}: no .yaml or .yml file with a domain (serve refuses to start on it without --allow-empty-config)",
+                    source.path.display()
+                );
+                return ExitCode::FAILURE;
+            }
             let quota_buckets: usize = loaded.domains.iter().map(|d| d.quota_buckets.len()).sum();
             let quota = match quota_buckets {
                 0 => String::new(),
@@ -205,7 +212,10 @@ async fn health(args: &HealthArgs) -> ExitCode {
             }
         }
         Ok(Err(e)) => {
-            println!("UNREACHABLE: {e:#}");
+            // Each cause once: the transport's chain repeats some.
+            let mut causes: Vec<String> = e.chain().map(ToString::to_string).collect();
+            causes.dedup();
+            println!("UNREACHABLE: {}", causes.join(": "));
             ExitCode::FAILURE
         }
         Err(_) => {

@@ -215,3 +215,27 @@ fn an_unknown_counting_is_an_error_at_its_line() {
         "r.yaml:4: invalid counting 'sometimes': admitted or always"
     );
 }
+
+#[test]
+fn a_files_errors_are_listed_in_line_order_whichever_check_found_them() {
+    let (status, out) = check(&[(
+        "a.yaml",
+        "domain: a\ndescriptors:\n  - key: x\n    bogus: 2\n  - key: x\n    rate_limit: {unit: parsec, requests_per_unit: 1}\n",
+    )]);
+    assert!(!status.success());
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        [
+            "a.yaml:4: config error, unknown key 'bogus'",
+            "a.yaml:5: duplicate descriptor composite key 'a.x'",
+            "a.yaml:6: invalid rate limit unit 'parsec'",
+        ]
+    );
+}
+
+#[test]
+fn a_directory_without_a_domain_is_refused_as_serve_refuses_it() {
+    let (status, out) = check(&[("notes.txt", "not rules")]);
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("no .yaml or .yml file with a domain"), "{out}");
+}

@@ -175,7 +175,12 @@ async fn the_health_command_reports_serving_and_fails_when_nothing_answers() {
     assert_eq!(String::from_utf8_lossy(&up.stdout).trim(), "SERVING");
     let down = probe(format!("127.0.0.1:{}", common::free_port()));
     assert!(!down.status.success());
-    assert!(String::from_utf8_lossy(&down.stdout).starts_with("UNREACHABLE"));
+    let said = String::from_utf8_lossy(&down.stdout);
+    assert!(said.starts_with("UNREACHABLE"), "{said}");
+    assert!(
+        !said.contains("tcp connect error: tcp connect error"),
+        "each cause once: {said}"
+    );
 }
 
 /// An image's health check runs `sluice health` with the server's own environment: without a

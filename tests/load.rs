@@ -130,3 +130,34 @@ async fn load_over_http_counts_answers_by_status_over_kept_alive_connections() {
         "{opened} connections"
     );
 }
+
+/// Into a pipe, the progress is a line a second, not one line rewritten with carriage returns.
+#[tokio::test]
+async fn load_writes_its_progress_as_lines_into_a_pipe() {
+    let rules = "domain: bench\ndescriptors:\n  - key: key\n    rate_limit: {unit: hour, requests_per_unit: 50}\n";
+    let sluice = Sluice::start(rules).await;
+    let target = sluice.grpc.to_string();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["load", "--target", &target, "--domain", "bench"])
+            .args([
+                "--descriptor",
+                "key=v",
+                "--duration",
+                "2500ms",
+                "--rate",
+                "100",
+            ])
+            .output()
+            .expect("sluice load runs")
+    })
+    .await
+    .unwrap();
+    let progress = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{progress}");
+    assert!(!progress.contains('\r'), "{progress:?}");
+    assert!(
+        progress.lines().filter(|l| l.contains("requests")).count() >= 2,
+        "a line a second: {progress:?}"
+    );
+}

@@ -976,6 +976,35 @@ async fn with_json_addr_off_json_is_not_served_and_metrics_still_are() {
     assert_eq!(http(sluice.http, "GET", "/healthz", "").0, 200);
 }
 
+/// `/` on the admin port lists its endpoints, each of which answers (the listing stays true);
+/// `/json` only where it is served.
+#[tokio::test]
+async fn the_admin_root_lists_every_endpoint_it_serves() {
+    for (flags, json_listed) in [(&[][..], true), (&["--json-addr", "off"][..], false)] {
+        let sluice = Sluice::start_with(&[("rules.yaml", LOGGED)], flags).await;
+        let listing = get_text(&sluice, "/");
+        let listed: Vec<(&str, &str)> = listing
+            .lines()
+            .map(|line| {
+                let (endpoint, _) = line.split_once(": ").expect("endpoint: help");
+                endpoint.split_once(' ').expect("method and path")
+            })
+            .collect();
+        assert!(listed.len() >= 8, "{listing}");
+        assert_eq!(
+            listed.iter().any(|(_, path)| *path == "/json"),
+            json_listed,
+            "{listing}"
+        );
+        for (method, path) in listed {
+            let body = if method == "POST" { JSON_BODY } else { "" };
+            let (status, _, answer) = http(sluice.http, method, path, body);
+            assert_ne!(status, 404, "{method} {path}: {answer}");
+            assert_ne!(status, 405, "{method} {path}: {answer}");
+        }
+    }
+}
+
 /// `--json-addr ADDR`: `/json` is served there, and only there; the admin endpoints are not.
 #[tokio::test]
 async fn with_json_addr_json_is_served_on_that_address_only() {

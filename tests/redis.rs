@@ -282,3 +282,43 @@ on_every_store!(
     awkward_bytes_never_share_a_counter,
     the_sliding_window_smooths_a_window_boundary
 );
+
+/// A `--redis-url` without a scheme (`localhost:6379`) is refused at start with a hint of the
+/// URL forms, not only the client's "invalid or missing host".
+#[test]
+fn a_redis_url_without_a_scheme_is_refused_with_the_forms_it_takes() {
+    let rules = tempfile::tempdir().expect("a temporary directory");
+    std::fs::write(
+        rules.path().join("rules.yaml"),
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
+    )
+    .expect("rules written");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .arg("serve")
+        .arg("--config")
+        .arg(rules.path())
+        .args(["--redis-url", "localhost:6379"])
+        .args(["--grpc-addr", &format!("127.0.0.1:{}", common::free_port())])
+        .args(["--http-addr", &format!("127.0.0.1:{}", common::free_port())])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("sluice runs");
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("a status") {
+            break status;
+        }
+        if start.elapsed() > std::time::Duration::from_secs(15) {
+            let _ = child.kill();
+            panic!("sluice did not stop on a bad --redis-url");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut log = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut log)
+        .expect("the log");
+    assert!(!status.success());
+    assert!(log.contains("--redis-url"), "{log}");
+    assert!(log.contains("redis://host:6379"), "{log}");
+}

@@ -290,6 +290,13 @@ pub fn load(source: &Source) -> Result<Loaded, Vec<ConfigError>> {
         }
     }
     errors.extend(domain_collisions(&loaded.domains, source.merge_domains));
+    // Each file's errors in line order, whichever check found them; the files in the order read.
+    let mut order: HashMap<PathBuf, usize> = HashMap::new();
+    for e in &errors {
+        let next = order.len();
+        order.entry(e.file.clone()).or_insert(next);
+    }
+    errors.sort_by_key(|e| (order[&e.file], e.line));
     loaded.sources = Sources::Files(texts);
     if errors.is_empty() {
         Ok(loaded)

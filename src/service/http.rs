@@ -83,6 +83,45 @@ pub fn admin(readiness: Readiness, rules: Rules, gauges: Gauges) -> Router {
         )
 }
 
+/// The admin port's endpoints, each with its help line, as `/` lists them; `/json` last, listed
+/// only where it is served.
+const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
+    ("GET /healthz", "liveness: ok while the process serves"),
+    (
+        "GET /readyz",
+        "readiness: 200 once the rules are loaded and the store reached, else 503 and why",
+    ),
+    ("GET /healthcheck", "envoyproxy/ratelimit's health check"),
+    ("GET /metrics", "Prometheus metrics"),
+    (
+        "GET /config",
+        "the rules in force as JSON, with their files and hash",
+    ),
+    (
+        "GET /rlconfig",
+        "the rules in force as envoyproxy/ratelimit prints them",
+    ),
+    ("GET /top", "who is being limited right now (?n=, ?period=)"),
+    (
+        "POST /explain",
+        "how the rules match a request, counting nothing",
+    ),
+    (
+        "POST /json",
+        "envoyproxy/ratelimit's JSON API: decides and counts a request",
+    ),
+];
+
+/// `/` on the admin port: the list of its endpoints (`/json` when `json_here`).
+pub fn index(json_here: bool) -> Router {
+    let listed = ADMIN_ENDPOINTS
+        .iter()
+        .filter(|(endpoint, _)| json_here || !endpoint.ends_with("/json"))
+        .map(|(endpoint, help)| format!("{endpoint}: {help}\n"))
+        .collect::<String>();
+    Router::new().route("/", get(move || async move { listed }))
+}
+
 /// What envoyproxy/ratelimit's debug port serves that sluice has, each with its help line as
 /// `/` lists them there.
 const DEBUG_ENDPOINTS: &[(&str, &str)] = &[(

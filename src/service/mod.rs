@@ -488,6 +488,7 @@ pub async fn run(
     if addrs.json == JsonAt::Http {
         admin = admin.merge(json.clone());
     }
+    admin = admin.merge(http::index(addrs.json == JsonAt::Http));
     let admin_http = |name| Connections::new(name, budget.admin);
     let http = serve_http(
         http_listener,

@@ -254,7 +254,14 @@ impl Drop for Lane {
 
 /// The client settings of `url`, as `Conn::connect` says.
 fn builder(url: &str, tls: Option<&RedisTls>) -> Result<Builder, StoreError> {
-    let mut config = Config::from_url(url).map_err(config_error)?;
+    let mut config = Config::from_url(url).map_err(|e| {
+        let hint = if url.contains("://") {
+            ""
+        } else {
+            " (a URL is expected, with its scheme: redis://host:6379, rediss://, redis-cluster://, redis-sentinel://; see docs/redis.md)"
+        };
+        StoreError::Config(format!("--redis-url: {e}{hint}"))
+    })?;
     if let Some(tls) = tls {
         config.tls = Some(tls.connector());
     }
