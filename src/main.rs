@@ -242,15 +242,16 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(mapper) = args.erl.mapper()? {
         metrics::use_mapper(mapper);
     }
-    if let Some(settings) = args.top.settings() {
-        tracing::info!(
+    let top_view = args.top.settings().map(|settings| {
+        let told = format!(
             "top view: {} counters per rule and slot, {} rules apart, at most {} MiB",
             settings.capacity,
             settings.rules,
             settings.most_bytes().div_ceil(1 << 20)
         );
         top::start(settings);
-    }
+        told
+    });
     let backend = args.store.backend()?;
     let quotas = Quotas::start(args.quota.settings(), &backend)?;
     let setup = Setup {
@@ -266,6 +267,10 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         healthcheck: args.erl.healthcheck(),
         quotas,
     };
+    // Once the start has gone well so far: a failed one logs its error alone.
+    if let Some(told) = top_view {
+        tracing::info!("{told}");
+    }
     let shutdown = on_signal(args.listen.shutdown_grace());
     let statsd = args
         .telemetry

@@ -450,3 +450,36 @@ async fn explaining_leaves_the_embedded_counts_unchanged() {
     })
     .await;
 }
+
+/// The block between the ```` ```lang ```` line after `after` and its closing fence, in `page`.
+fn block_after<'a>(page: &'a str, after: &str, lang: &str) -> &'a str {
+    let from = page.find(after).expect("the sample's text") + after.len();
+    let open = format!("```{lang}\n");
+    let start = from + page[from..].find(&open).expect("its block") + open.len();
+    let end = start + page[start..].find("```").expect("the block's end");
+    &page[start..end]
+}
+
+/// docs/rules.md's sample of `sluice explain` is what the command prints for its rules.
+#[test]
+fn the_manuals_explain_sample_is_what_explain_prints() {
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/rules.md"))
+        .expect("docs/rules.md");
+    let command = block_after(&page, "## Explaining a match", "sh").replace("\\\n", " ");
+    let rules = block_after(&page, "With these rules in `web.yaml`", "yaml");
+    let printed = block_after(&page, "it prints", "");
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    std::fs::write(dir.path().join("web.yaml"), rules).expect("web.yaml");
+    let args: Vec<&str> = command.split_whitespace().skip(1).collect();
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(&args)
+        .current_dir(dir.path())
+        .output()
+        .expect("sluice explain runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), printed);
+}

@@ -67,10 +67,9 @@ impl Budget {
             );
         }
         tracing::info!(
-            limit,
-            grpc = budget.grpc,
-            admin = budget.admin,
-            "file descriptors shared out: connections at most, per listener"
+            "file descriptors: {limit} at most; connections: {} gRPC at most, {} per admin listener",
+            budget.grpc,
+            budget.admin
         );
         budget
     }

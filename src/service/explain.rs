@@ -494,6 +494,7 @@ fn modes_text(modes: &Map<String, Value>) -> String {
         .filter_map(|(name, value)| match value {
             Value::Bool(true) => Some(name.clone()),
             Value::Bool(false) | Value::Null => None,
+            Value::String(s) => Some(format!("{name}={s}")),
             other => Some(format!("{name}={other}")),
         })
         .collect();

@@ -340,7 +340,26 @@ pub async fn run(
     let metrics_addr = addrs.metrics.as_ref().map(|(addr, _)| *addr);
     let metrics_listener = bind_some(metrics_addr, "metrics").await?;
     let debug_listener = bind_some(addrs.debug, "debug HTTP").await?;
-    tracing::info!(grpc = %grpc_listener.local_addr()?, quota = ?addrs.quota, http = %http_listener.local_addr()?, json = ?addrs.json, metrics = ?addrs.metrics, debug = ?addrs.debug, loops, "serving");
+    let mut serving = format!(
+        "serving: gRPC on {} ({loops} event loops), admin HTTP on {}",
+        grpc_listener.local_addr()?,
+        http_listener.local_addr()?
+    );
+    if let Some(listener) = &quota_listener {
+        serving += &format!(", the quota service alone on {}", listener.local_addr()?);
+    }
+    match &json_listener {
+        Some(listener) => serving += &format!(", /json on {}", listener.local_addr()?),
+        None if addrs.json == JsonAt::Off => serving += ", /json off",
+        None => {}
+    }
+    if let (Some(listener), Some((_, path))) = (&metrics_listener, &addrs.metrics) {
+        serving += &format!(", metrics also on {}{path}", listener.local_addr()?);
+    }
+    if let Some(listener) = &debug_listener {
+        serving += &format!(", the debug port on {}", listener.local_addr()?);
+    }
+    tracing::info!("{serving}");
 
     let admin_listeners = 1 + [
         json_listener.is_some(),

@@ -16,8 +16,9 @@ pub struct AnswerFlags {
     /// Count and report, but never deny: every answer is OK.
     #[arg(long, env = "SLUICE_SHADOW_MODE")]
     shadow_mode: bool,
-    /// Treat every limit as a quota limit (envoyproxy/ratelimit's global quota mode): a request
-    /// is denied only when every descriptor it has is over its limit.
+    /// Treat every limit as a quota limit (envoyproxy/ratelimit's global quota mode).
+    ///
+    /// A request is denied only when every descriptor it has is over its limit.
     #[arg(long, env = "SLUICE_QUOTA_MODE")]
     quota_mode: bool,
     /// When hits are charged, for rules without `counting`: admitted (only when the whole
@@ -30,14 +31,16 @@ pub struct AnswerFlags {
     /// docs/leases.md) or ask the store on every request (off).
     #[arg(long, env = "SLUICE_LEASE", value_enum, default_value_t = Leasing::Off)]
     lease: Leasing,
-    /// How long a leased block may go unused before this replica gives it back: the longest
-    /// another replica's request is denied while capacity sits unused here is about one and a
-    /// half times this (docs/leases.md).
+    /// How long a leased block may go unused before this replica gives it back.
+    ///
+    /// The longest another replica's request is denied while capacity sits unused here is about one
+    /// and a half times this (docs/leases.md).
     #[arg(long, env = "SLUICE_LEASE_IDLE", default_value = "500ms", value_parser = humantime::parse_duration)]
     lease_idle: Duration,
-    /// How many leased counters this replica holds at once: past it, a new counter is decided
-    /// by the store on every request until the periodic give-back drops counters unused for
-    /// --lease-idle (docs/leases.md).
+    /// How many leased counters this replica holds at once.
+    ///
+    /// Past it, a new counter is decided by the store on every request until the periodic give-back
+    /// drops counters unused for --lease-idle (docs/leases.md).
     #[arg(long, env = "SLUICE_LEASE_MAX_COUNTERS", default_value_t = MOST_HELD as u64, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
     lease_max_counters: u64,
     /// Send the limit closest to denying (the one that denied, else the one with the least

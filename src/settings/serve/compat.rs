@@ -27,8 +27,9 @@ pub struct ErlFlags {
     #[arg(long, env = "SLUICE_DEBUG_ADDR")]
     debug_addr: Option<SocketAddr>,
     /// A statsd_exporter mapping file naming the series envoyproxy/ratelimit exports
-    /// (envoyproxy/ratelimit's PROMETHEUS_MAPPER_YAML). Without it, that project's built-in
-    /// mapping. A file that does not parse stops the start.
+    /// (envoyproxy/ratelimit's PROMETHEUS_MAPPER_YAML).
+    ///
+    /// Without it, that project's built-in mapping. A file that does not parse stops the start.
     #[arg(long, env = "SLUICE_PROMETHEUS_MAPPER")]
     prometheus_mapper: Option<PathBuf>,
 }

@@ -24,9 +24,12 @@ pub struct ListenerFlags {
     #[arg(long, env = "SLUICE_GRPC_ADDR", default_value = "0.0.0.0:8081")]
     grpc_addr: SocketAddr,
     /// Address of a gRPC server of the quota service (RLQS) alone (with health and reflection),
-    /// served on the quota service's thread: its streams' bytes are then read and written away
-    /// from the event loops that answer ShouldRateLimit. The quota service stays on --grpc-addr
-    /// too.
+    /// served on the quota service's thread.
+    ///
+    /// Its streams' bytes are then read and written away from the event loops that answer
+    /// ShouldRateLimit.
+    ///
+    /// The quota service stays on --grpc-addr too.
     #[arg(long, env = "SLUICE_QUOTA_ADDR")]
     quota_addr: Option<SocketAddr>,
     /// Address of the admin HTTP server (/healthz, /readyz, /metrics, /config, /rlconfig,
@@ -52,17 +55,21 @@ pub struct ListenerFlags {
     /// Most requests in flight on one gRPC connection.
     #[arg(long, env = "SLUICE_MAX_CONCURRENT_STREAMS", default_value_t = 1024)]
     max_concurrent_streams: u32,
-    /// Most gRPC connections open at once, fewer if the file descriptor limit leaves fewer; past
-    /// it, a new connection closes the one that has waited longest for a call.
+    /// Most gRPC connections open at once, fewer if the file descriptor limit leaves fewer.
+    ///
+    /// Past it, a new connection closes the one that has waited longest for a call.
     #[arg(long, env = "SLUICE_MAX_CONNECTIONS", default_value_t = 10_000)]
     max_connections: usize,
     /// Tell a gRPC connection to go (GOAWAY) once it is this old, give or take 10 %, so that
     /// clients spread over new replicas (envoyproxy/ratelimit's GRPC_MAX_CONNECTION_AGE).
+    ///
     /// Without it, connections have no maximum age.
     #[arg(long, env = "SLUICE_GRPC_MAX_CONNECTION_AGE", value_parser = humantime::parse_duration)]
     grpc_max_connection_age: Option<Duration>,
     /// How long a gRPC connection told to go for its age has to finish its calls before it is
-    /// closed (GRPC_MAX_CONNECTION_AGE_GRACE). Without it, until they end.
+    /// closed (GRPC_MAX_CONNECTION_AGE_GRACE).
+    ///
+    /// Without it, until they end.
     #[arg(long, env = "SLUICE_GRPC_MAX_CONNECTION_AGE_GRACE", value_parser = humantime::parse_duration, requires = "grpc_max_connection_age")]
     grpc_max_connection_age_grace: Option<Duration>,
     /// How long SIGTERM waits for in-flight calls before exiting anyway.

@@ -20,8 +20,10 @@ pub struct PolicyFlags {
     /// shorter grpc-timeout shortens it.
     #[arg(long, env = "SLUICE_STORE_TIMEOUT", default_value = "10ms", value_parser = humantime::parse_duration)]
     store_timeout: Duration,
-    /// What a request gets when the store cannot decide in time, is marked down, sheds load or
-    /// is full: error (gRPC UNAVAILABLE, so Envoy's failure_mode_deny decides), allow or deny.
+    /// What a request gets when the store cannot decide in time, is marked down, sheds load or is
+    /// full.
+    ///
+    /// Error (gRPC UNAVAILABLE, so Envoy's failure_mode_deny decides), allow or deny.
     #[arg(long, env = "SLUICE_ON_STORE_ERROR", value_enum, default_value_t = OnStoreError::Error)]
     on_store_error: OnStoreError,
     /// Most descriptors in one request.
@@ -30,8 +32,10 @@ pub struct PolicyFlags {
     /// Most entries in one descriptor.
     #[arg(long, env = "SLUICE_MAX_ENTRIES", default_value_t = 32)]
     max_entries: usize,
-    /// How far ahead of now a /json request's "at" may lie (e.g. 31d, 1y): every counter it
-    /// writes lives at most that and its window. An instant further ahead is refused (400).
+    /// How far ahead of now a /json request's "at" may lie (e.g. 31d, 1y).
+    ///
+    /// Every counter it writes lives at most that and its window. An instant further ahead is
+    /// refused (400).
     #[arg(long, env = "SLUICE_MAX_SCHEDULE_AHEAD", default_value = "31d", value_parser = humantime::parse_duration)]
     max_schedule_ahead: Duration,
 }

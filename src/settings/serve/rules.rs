@@ -26,12 +26,15 @@ pub struct RuleFlags {
     #[arg(long, env = "SLUICE_ALLOW_EMPTY_CONFIG")]
     allow_empty_config: bool,
     /// One domain may span several files, their rules joined into one tree (envoyproxy/ratelimit's
-    /// MERGE_DOMAIN_CONFIG); else a domain in two files is an error.
+    /// MERGE_DOMAIN_CONFIG).
+    ///
+    /// Else a domain in two files is an error.
     #[arg(long, env = "SLUICE_MERGE_DOMAINS")]
     merge_domains: bool,
-    /// The most bytes the rule files under --config may hold together: past it, a load is
-    /// refused (at start, the start fails; on a reload, the rules in force stay) before the
-    /// files are read.
+    /// The most bytes the rule files under --config may hold together.
+    ///
+    /// Past it, a load is refused (at start, the start fails; on a reload, the rules in force stay)
+    /// before the files are read.
     #[arg(long, env = "SLUICE_MAX_CONFIG_BYTES", default_value_t = config::DEFAULT_MAX_CONFIG_BYTES)]
     max_config_bytes: u64,
     #[command(flatten)]

@@ -13,8 +13,10 @@ use crate::store::{Backend, Percent, RedisTls};
 #[derive(Args)]
 #[command(next_help_heading = "Counter store and Redis")]
 pub struct StoreFlags {
-    /// Keep counters in Redis: redis://, rediss:// (TLS), redis-cluster://, redis-sentinel://
-    /// (user and password in the URL). Without it, counters live in the embedded store.
+    /// Keep counters in Redis: redis://, rediss:// (TLS), redis-cluster://, redis-sentinel:// (user
+    /// and password in the URL).
+    ///
+    /// Without it, counters live in the embedded store.
     #[arg(long, env = "SLUICE_REDIS_URL")]
     redis_url: Option<String>,
     /// Prefix of every Redis key sluice writes.
@@ -30,10 +32,14 @@ pub struct StoreFlags {
     #[arg(long, env = "SLUICE_REDIS_KEY", requires = "redis_cert")]
     redis_key: Option<PathBuf>,
     /// Answer a decision only once this many replicas acknowledge its writes (Redis WAIT, within
-    /// the store deadline); a request whose writes are not acknowledged in time is refunded and
-    /// gets the --on-store-error answer, as does at once every request on a primary with fewer
-    /// replicas attached (and /readyz is not ready meanwhile). A failover to a replica that lagged
-    /// then under-admits rather than over-admits. 0: answer as soon as the primary has the writes.
+    /// the store deadline).
+    ///
+    /// A request whose writes are not acknowledged in time is refunded and gets the
+    /// --on-store-error answer, as does at once every request on a primary with fewer replicas
+    /// attached (and /readyz is not ready meanwhile).
+    ///
+    /// A failover to a replica that lagged then under-admits rather than over-admits. 0: answer as
+    /// soon as the primary has the writes.
     #[arg(
         long,
         env = "SLUICE_REDIS_CONFIRM_REPLICAS",
@@ -45,13 +51,16 @@ pub struct StoreFlags {
     /// the --on-store-error answer.
     #[arg(long, env = "SLUICE_MAX_KEYS", default_value_t = 1_000_000)]
     max_keys: usize,
-    /// The share of --max-keys that the counters of one rule may hold (e.g. 50%), so that a rule
-    /// keyed on values clients choose cannot take the whole embedded store; a request needing a
-    /// new counter past it is over the limit. 100% lets a rule fill the store.
+    /// The share of --max-keys that the counters of one rule may hold (e.g. 50%).
+    ///
+    /// A rule keyed on values clients choose then cannot take the whole embedded store; a request
+    /// needing a new counter past it is over the limit. 100% lets a rule fill the store.
     #[arg(long, env = "SLUICE_MAX_KEYS_PER_RULE", default_value = "50%", value_parser = parse_percent)]
     max_keys_per_rule: Percent,
-    /// Most counters the local over-limit cache holds (denying requests that counters known to
-    /// be full would deny, without a store call, until they free up); 0 switches it off.
+    /// Most counters the local over-limit cache holds (denying requests that counters known to be
+    /// full would deny, without a store call, until they free up).
+    ///
+    /// 0 switches it off.
     #[arg(long, env = "SLUICE_LOCAL_CACHE_SIZE", default_value_t = 65_536)]
     local_cache_size: usize,
 }

@@ -13,16 +13,19 @@ use crate::telemetry::traces::{Protocol, TracingSettings};
 #[derive(Args)]
 #[command(next_help_heading = "Metrics and logs")]
 pub struct TelemetryFlags {
-    /// Serve Prometheus metrics also on this address (envoyproxy/ratelimit's PROMETHEUS_ADDR;
-    /// Envoy Gateway scrapes :19001), at --metrics-path; they stay on --http-addr's /metrics.
+    /// Serve Prometheus metrics also on this address (envoyproxy/ratelimit's PROMETHEUS_ADDR; Envoy
+    /// Gateway scrapes :19001), at --metrics-path.
+    ///
+    /// They stay on --http-addr's /metrics.
     #[arg(long, env = "SLUICE_METRICS_ADDR")]
     metrics_addr: Option<SocketAddr>,
     /// The path of the metrics on --metrics-addr.
     #[arg(long, env = "SLUICE_METRICS_PATH", default_value = "/metrics", value_parser = parse_metrics_path)]
     metrics_path: String,
     /// Send envoyproxy/ratelimit's statsd stats to this statsd, HOST:PORT, over UDP (its
-    /// USE_STATSD, STATSD_HOST, STATSD_PORT). The host is resolved at each flush until it
-    /// resolves.
+    /// USE_STATSD, STATSD_HOST, STATSD_PORT).
+    ///
+    /// The host is resolved at each flush until it resolves.
     #[arg(long, env = "SLUICE_STATSD_ADDR")]
     statsd_addr: Option<String>,
     /// How often the statsd stats are sent (STATS_FLUSH_INTERVAL).
@@ -35,20 +38,25 @@ pub struct TelemetryFlags {
     /// Tag statsd stats DogStatsD's way, `|#key:value` (USE_DOG_STATSD).
     #[arg(long, env = "SLUICE_STATSD_DOGSTATSD")]
     statsd_dogstatsd: bool,
-    /// Export traces (OpenTelemetry, OTLP) over this protocol: http (protobuf over HTTP, port
-    /// 4318) or grpc (port 4317). Each ShouldRateLimit call is a span continuing the trace
-    /// Envoy sends (W3C traceparent or B3), with its store call and Redis script call as child
-    /// spans (envoyproxy/ratelimit's TRACING_ENABLED and TRACING_EXPORTER_PROTOCOL).
+    /// Export traces (OpenTelemetry, OTLP) over this protocol: http (protobuf over HTTP, port 4318)
+    /// or grpc (port 4317).
+    ///
+    /// Each ShouldRateLimit call is a span continuing the trace Envoy sends (W3C traceparent or
+    /// B3), with its store call and Redis script call as child spans (envoyproxy/ratelimit's
+    /// TRACING_ENABLED and TRACING_EXPORTER_PROTOCOL).
     #[arg(long, env = "SLUICE_TRACING", value_enum)]
     tracing: Option<Protocol>,
-    /// The collector traces go to, such as http://collector:4318 (OTLP/HTTP's /v1/traces is
-    /// added to an address without a path). Without it, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
-    /// then OTEL_EXPORTER_OTLP_ENDPOINT, else localhost on the protocol's port. Other
-    /// OTEL_EXPORTER_OTLP_* variables (headers, timeout, compression) apply too.
+    /// The collector traces go to, such as http://collector:4318 (OTLP/HTTP's /v1/traces is added
+    /// to an address without a path).
+    ///
+    /// Without it, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, then OTEL_EXPORTER_OTLP_ENDPOINT, else
+    /// localhost on the protocol's port. Other OTEL_EXPORTER_OTLP_* variables (headers, timeout,
+    /// compression) apply too.
     #[arg(long, env = "SLUICE_TRACING_ENDPOINT")]
     tracing_endpoint: Option<String>,
-    /// The share of traces sampled, 0 to 1, where the caller did not decide: a call whose
-    /// caller sampled its trace (or did not) follows that (TRACING_SAMPLING_RATE).
+    /// The share of traces sampled, 0 to 1, where the caller did not decide.
+    ///
+    /// A call whose caller sampled its trace (or did not) follows that (TRACING_SAMPLING_RATE).
     #[arg(long, env = "SLUICE_TRACING_SAMPLING_RATE", default_value_t = 1.0)]
     tracing_sampling_rate: f64,
     /// The service name spans are exported under (TRACING_SERVICE_NAME).
@@ -65,21 +73,25 @@ pub struct TelemetryFlags {
     /// sluice_trace_spans_total{outcome="dropped"}, never holding a decision up.
     #[arg(long, env = "SLUICE_TRACING_QUEUE", default_value_t = 4096)]
     tracing_queue: usize,
-    /// Bytes of spans waiting for export, or being sent, at most (each span's size estimated;
-    /// a span records at most 256 bytes of any string); past it, spans are dropped and counted
-    /// as past --tracing-queue.
+    /// Bytes of spans waiting for export, or being sent, at most (each span's size estimated; a
+    /// span records at most 256 bytes of any string).
+    ///
+    /// Past it, spans are dropped and counted as past --tracing-queue.
     #[arg(long, env = "SLUICE_TRACING_QUEUE_BYTES", default_value_t = 16 * 1024 * 1024)]
     tracing_queue_bytes: usize,
-    /// Put descriptor values in spans (the entries of each descriptor, which can be personal
-    /// data: client addresses, user ids). Without it, spans name the rules matched only.
+    /// Put descriptor values in spans (the entries of each descriptor, which can be personal data:
+    /// client addresses, user ids).
+    ///
+    /// Without it, spans name the rules matched only.
     #[arg(long, env = "SLUICE_TRACING_VALUES")]
     tracing_values: bool,
     /// How log lines are written: text, or json (one object per line).
     #[arg(long, env = "SLUICE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
-    /// A level (error, warn, info, debug, trace: sluice's own events; its libraries' stay at
-    /// info) or a full filter such as `info,sluice::store=debug`. Without it, SLUICE_LOG or
-    /// RUST_LOG, else info.
+    /// A level (error, warn, info, debug, trace: sluice's own events; its libraries' stay at info)
+    /// or a full filter such as `info,sluice::store=debug`.
+    ///
+    /// Without it, SLUICE_LOG or RUST_LOG, else info.
     #[arg(long, env = "SLUICE_LOG_LEVEL")]
     log_level: Option<String>,
 }

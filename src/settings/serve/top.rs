@@ -12,8 +12,9 @@ const MOST: usize = 1024;
 #[command(next_help_heading = "Who is being limited (/top)")]
 pub struct TopFlags {
     /// Counters for the values most denied and most hit, per rule and per 10 s or 1 min slot
-    /// (space-saving's K: a value's count is at most the slot's hits over K above its true
-    /// count); 0 switches the top view off, /top included.
+    /// (space-saving's K: a value's count is at most the slot's hits over K above its true count).
+    ///
+    /// 0 switches the top view off, /top included.
     #[arg(long, env = "SLUICE_TOP_CAPACITY", default_value_t = 64)]
     top_capacity: usize,
     /// Rules whose values are counted apart; the values of rules past it are counted together,
