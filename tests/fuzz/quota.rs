@@ -1,7 +1,8 @@
 //! The quota service: its division of a limit (any limit, any demands) and its streams (reports
 //! of any bucket ids, counts up to `u64::MAX`, many buckets at once, over several streams). The
-//! shares of a limit add up to it exactly, and every assignment sent is one Envoy enforces and
-//! never more than the bucket's rule allows.
+//! shares of a limit add up to it exactly while a stream asks for some, a stream that asks for
+//! nothing gets the least share, and every assignment sent is one Envoy enforces and never more
+//! than the bucket's rule allows.
 
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
@@ -24,7 +25,7 @@ use super::common::quota::QuotaStream;
 use super::fuzz;
 
 #[test]
-fn shares_add_up_to_the_limit_and_none_is_shut_out_when_there_is_enough() {
+fn shares_add_up_to_the_limit_an_idle_stream_gets_the_least_and_none_is_shut_out() {
     fuzz(
         "quota::divide",
         800,
@@ -39,11 +40,19 @@ fn shares_add_up_to_the_limit_and_none_is_shut_out_when_there_is_enough() {
         |(limit, demands)| {
             let shares = divide(limit, &demands);
             prop_assert_eq!(shares.len(), demands.len());
-            if !demands.is_empty() {
+            let least = if limit >= demands.len() as u64 * MILLI {
+                MILLI
+            } else {
+                0
+            };
+            if demands.iter().any(|&d| d > 0) {
                 prop_assert_eq!(shares.iter().sum::<u64>(), limit);
             }
-            if limit >= demands.len() as u64 * MILLI {
-                prop_assert!(shares.iter().all(|&s| s >= MILLI), "{shares:?}");
+            for (share, demand) in shares.iter().zip(&demands) {
+                prop_assert!(*share >= least, "{shares:?}");
+                if *demand == 0 {
+                    prop_assert_eq!(*share, least, "{:?}", shares);
+                }
             }
             Ok(())
         },
