@@ -157,10 +157,17 @@ for k = 1, #KEYS do
       wants[i] = streams[id].d
     end
     local shares = divide(limit, wants)
+    -- A grant within 2 % of its share stays, unless the grants add up to more than the limit (a
+    -- lowered limit): then every grant above its share shrinks.
+    local held_all = 0
+    for _, id in ipairs(ids) do
+      held_all = held_all + streams[id].h
+    end
+    local over = held_all > limit
     local taken = 0
     for i, id in ipairs(ids) do
       local stream = streams[id]
-      if mine[id] and stream.g > shares[i] and not settled(stream.g, shares[i]) then
+      if mine[id] and stream.g > shares[i] and (over or not settled(stream.g, shares[i])) then
         -- Sent now: it lives as long as a grant sent with a report.
         stream.g, stream.e, changed = shares[i], math.max(stream.e, now + stays), true
       end
@@ -179,7 +186,7 @@ for k = 1, #KEYS do
         if stream.h > stream.g then
           again = 1
         end
-      elseif not settled(stream.g, shares[i]) then
+      elseif not settled(stream.g, shares[i]) or (over and stream.g > shares[i]) then
         others = true
       end
     end

@@ -195,8 +195,11 @@ impl DemandBoard {
         let is_mine = |s: &Standing| mine.contains(&&*s.stream);
         let wants: Vec<u64> = streams.iter().map(|s| s.demand).collect();
         let shares = divide(call.limit, &wants);
+        // A grant within 2 % of its share stays, unless the grants add up to more than the limit
+        // (a lowered limit): then every grant above its share shrinks.
+        let over = streams.iter().map(|s| s.held).sum::<u64>() > call.limit;
         for (s, &share) in streams.iter_mut().zip(&shares) {
-            if is_mine(s) && s.grant > share && !settled(s.grant, share) {
+            if is_mine(s) && s.grant > share && (over || !settled(s.grant, share)) {
                 s.grant = share;
                 s.until_ms = s.until_ms.max(now_ms + call.stays_ms);
             }
@@ -335,6 +338,42 @@ mod tests {
         assert!(!d.again);
         let d = settle(&board, &[("b", Change::Keep, LIMIT, 0)], 50);
         assert_eq!(grants(&d), [("a", 10_000), ("b", 10_000)]);
+    }
+
+    #[test]
+    fn a_limit_lowered_by_2_percent_shrinks_grants_the_keep_rule_would_keep() {
+        let board = DemandBoard::new(10);
+        settle(&board, &[("a", Change::Report, LIMIT, 0)], 0);
+        settle(&board, &[("b", Change::Report, LIMIT, 0)], 10);
+        settle(&board, &[("a", Change::Keep, LIMIT, LIMIT)], 20);
+        settle(&board, &[("a", Change::Keep, LIMIT, 10_000)], 30);
+        let d = settle(&board, &[("b", Change::Keep, LIMIT, 0)], 40);
+        assert_eq!(grants(&d), [("a", 10_000), ("b", 10_000)]);
+        // 2 % less: each share is 9,800, within 2 % of each grant, which would stay.
+        let call = Settle {
+            limit: 19_600,
+            grow: true,
+            stays_ms: 15_000,
+            freeze_ms: 2_000,
+            streams: vec![
+                Listed {
+                    stream: "a",
+                    change: Change::Keep,
+                    demand: LIMIT,
+                    grant: 10_000,
+                    known: true,
+                },
+                Listed {
+                    stream: "b",
+                    change: Change::Keep,
+                    demand: LIMIT,
+                    grant: 10_000,
+                    known: true,
+                },
+            ],
+        };
+        let d = board.settle(&bucket("b"), &call, 50).unwrap();
+        assert_eq!(grants(&d), [("a", 9_800), ("b", 9_800)]);
     }
 
     #[test]
