@@ -14,14 +14,16 @@
 --          the limit; whether the replica's streams may grow ('1' or '0'); how long (ms) a stream
 --          stays counted after its report, or after its grant moved (an assignment lives at most
 --          that long); how long (ms) no grant grows once a record is
---          found lost; the number of the replica's streams listed; and per stream five: its id;
+--          found lost; the Redis time (ms) past which the call changes nothing, for its caller has
+--          given up (0: none); the number of the replica's streams listed; and per stream five: its id;
 --          'r' (a report: its demand is new), 'k' (kept: as the store has it, or as listed if the
 --          store lost it) or 'l' (it leaves the bucket); its demand; the most its Envoy may be
 --          enforcing (what it was last sent, or more while a smaller grant sent to it may not have
 --          reached it); '1' when the replica had it counted here before (so that its absence
 --          means the record was lost), else '0'. Demands, grants and the limit are whole
 --          numbers, thousandths of a request per window.
--- Reply    the Redis clock (ms), then per key: 1 when a shrink of the replica's streams is yet
+-- Reply    the Redis clock (ms), then per key: -2 when the call came past its time (nothing
+--          changed); else 1 when a shrink of the replica's streams is yet
 --          to reach their Envoys (the replica calls again once it has), else 0; when (ms) the
 --          first stream the replica did not list and that holds something stops being counted
 --          (0: none), as what it holds is then free; the number of streams counted and, per
@@ -96,12 +98,15 @@ end
 local at = 2
 for k = 1, #KEYS do
   local key = KEYS[k]
-  local limit, grow, stays, freeze, listed = tonumber(ARGV[at]), ARGV[at + 1] == '1',
-    tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3]), tonumber(ARGV[at + 4])
-  local first = at + 5
+  local limit, grow, stays, freeze, not_after, listed = tonumber(ARGV[at]), ARGV[at + 1] == '1',
+    tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3]), tonumber(ARGV[at + 4]), tonumber(ARGV[at + 5])
+  local first = at + 6
   at = first + 5 * listed
   local held = call('TYPE', key).ok
-  if held ~= 'hash' and held ~= 'none' then
+  if not_after > 0 and now > not_after then
+    -- Its caller has given up (a call held up by a reconnection): what it lists may be stale.
+    out[#out + 1] = -2
+  elseif held ~= 'hash' and held ~= 'none' then
     out[#out + 1] = -1
     out[#out + 1] = held
   else

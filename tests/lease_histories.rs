@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::redis::Controlled;
+use common::rng::Rng;
 use common::{OK, Sluice, Store};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use tonic::transport::Channel;
@@ -88,44 +89,6 @@ fn yaml(rules: &[Rule]) -> String {
         );
     }
     out
-}
-
-/// splitmix64: a seed replays the same events.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// From `lo` to `hi`, both included.
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
-    }
-
-    fn index(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
-    }
-
-    /// An index into `weights`, each as likely as its weight.
-    fn weighted(&mut self, weights: &[u64]) -> usize {
-        let mut n = self.next() % weights.iter().sum::<u64>();
-        for (i, &w) in weights.iter().enumerate() {
-            if n < w {
-                return i;
-            }
-            n -= w;
-        }
-        unreachable!("n is below the sum of the weights")
-    }
 }
 
 /// How a flow sends its requests.

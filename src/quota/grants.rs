@@ -63,6 +63,7 @@ impl Quotas {
                 grow: self.growing(),
                 stays_ms: stays.as_millis() as u64,
                 freeze_ms: FROZEN_AFTER_RECONNECTION.as_millis() as u64,
+                not_after_ms: 0,
                 streams: listed
                     .iter()
                     .map(|(stream, change, demand, held, known)| Listed {
@@ -75,7 +76,7 @@ impl Quotas {
                     .collect(),
             };
             let span = traces::division_span(&rule.path, call.streams.len());
-            let division = match self.record(key, &call).instrument(span.clone()).await {
+            let division = match self.record(key, call).instrument(span.clone()).await {
                 Ok(division) => division,
                 Err(e) => {
                     traces::store_failed(&span, &e);

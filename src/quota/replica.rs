@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -36,6 +36,15 @@ pub struct Quotas {
     pub(super) buckets: Mutex<HashMap<u128, Local, IdHasher>>,
     /// Until when no grant grows (`FROZEN_AFTER_RECONNECTION`).
     frozen_until: Mutex<Instant>,
+    /// A settle call failed for want of the store, and none has succeeded since: no grant grows
+    /// (the store may come back empty, its connections made again before this replica hears
+    /// of it).
+    store_failed: AtomicBool,
+    /// Told when the store answers again after failing: every bucket is to be listed again.
+    answers_again: tokio::sync::Notify,
+    /// How far the store's clock is ahead of this one, in ms, as its last answer said
+    /// (`i64::MIN` until it has answered).
+    store_ahead_ms: AtomicI64,
     pub(super) ids: CounterIds,
     /// Turns to divide a bucket, one bucket at a time: a bucket takes the turn its id hashes to.
     pub(super) turns: Box<[tokio::sync::Mutex<()>]>,
@@ -163,6 +172,9 @@ impl Quotas {
             next_stream: AtomicU64::new(1),
             buckets: Mutex::default(),
             frozen_until: Mutex::new(Instant::now()),
+            store_failed: AtomicBool::new(false),
+            answers_again: tokio::sync::Notify::new(),
+            store_ahead_ms: AtomicI64::new(i64::MIN),
             ids: CounterIds::new(),
             turns: (0..TURNS).map(|_| tokio::sync::Mutex::new(())).collect(),
             tracked_buckets: Allowance::new(settings.max_buckets),
@@ -181,7 +193,25 @@ impl Quotas {
         if let Some(told) = told {
             quotas.runtime.spawn(quotas.clone().hear(told));
         }
+        quotas
+            .runtime
+            .spawn(quotas.clone().list_when_answered_again());
         Ok(quotas)
+    }
+
+    /// No grant grows for `FROZEN_AFTER_RECONNECTION` from now.
+    fn freeze(&self) {
+        *self.frozen_until.lock().unwrap_or_else(|e| e.into_inner()) =
+            Instant::now() + FROZEN_AFTER_RECONNECTION;
+    }
+
+    /// Lists every bucket again each time the store answers after failing, for as long as the
+    /// process runs.
+    async fn list_when_answered_again(self: Arc<Self>) {
+        loop {
+            self.answers_again.notified().await;
+            self.clone().list_again().await;
+        }
     }
 
     /// The runtime of the quota service's thread.
@@ -218,10 +248,25 @@ impl Quotas {
         self.buckets.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Whether grants may grow now (not for `FROZEN_AFTER_RECONNECTION` after the store's
-    /// connection was made again).
+    /// Whether grants may grow now: not while the store has failed this replica's last settle
+    /// calls, nor for `FROZEN_AFTER_RECONNECTION` after the store's connection was made again or
+    /// answered again.
     pub(super) fn growing(&self) -> bool {
-        Instant::now() >= *self.frozen_until.lock().unwrap_or_else(|e| e.into_inner())
+        !self.store_failed.load(Ordering::Acquire)
+            && Instant::now() >= *self.frozen_until.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The store may have come back empty: no grant grows for `FROZEN_AFTER_RECONNECTION`, while
+    /// every bucket divided here is listed again (as every other replica lists its own), a few
+    /// at a time.
+    async fn list_again(self: Arc<Self>) {
+        self.freeze();
+        let all = self.all_divided();
+        futures_util::stream::iter(all)
+            .for_each_concurrent(RECORDS_IN_FLIGHT, |(id, key, rule)| {
+                self.settle_in_background(id, key, rule)
+            })
+            .await;
     }
 
     /// Settles what other replicas name, and lists every bucket again when the store's
@@ -238,19 +283,7 @@ impl Quotas {
                                 quotas.settle_in_background(id, key, rule).await;
                             }
                         }
-                        Told::Reconnected => {
-                            *quotas
-                                .frozen_until
-                                .lock()
-                                .unwrap_or_else(|e| e.into_inner()) =
-                                Instant::now() + FROZEN_AFTER_RECONNECTION;
-                            let all = quotas.all_divided();
-                            futures_util::stream::iter(all)
-                                .for_each_concurrent(RECORDS_IN_FLIGHT, |(id, key, rule)| {
-                                    quotas.settle_in_background(id, key, rule)
-                                })
-                                .await;
-                        }
+                        Told::Reconnected => quotas.list_again().await,
                     }
                 }
             })
@@ -277,11 +310,15 @@ impl Quotas {
             .collect()
     }
 
-    /// One settle call, once one of the replica's `RECORDS_IN_FLIGHT` is free.
+    /// One settle call, once one of the replica's `RECORDS_IN_FLIGHT` is free, changing nothing
+    /// if it reaches the store past its deadline (on the store's clock, as far as this replica
+    /// knows it): held up by a reconnection, it may list what the streams no longer hold. One
+    /// that fails for want of the store stops every grant growing until one succeeds, and then
+    /// every bucket is listed again: the store may be a new one, empty.
     pub(super) async fn record(
         &self,
         bucket: &CounterKey,
-        call: &Settle<'_>,
+        mut call: Settle<'_>,
     ) -> Result<Division, StoreError> {
         let _in_flight = self
             .records
@@ -289,7 +326,29 @@ impl Quotas {
             .await
             .expect("the semaphore is never closed");
         let deadline = Deadline::new(STORE_DEADLINE, None);
-        self.store.settle(bucket, call, deadline).await
+        let ahead = self.store_ahead_ms.load(Ordering::Acquire);
+        if ahead != i64::MIN {
+            let then = unix_ms() + STORE_DEADLINE.as_millis() as i64 + ahead;
+            call.not_after_ms = u64::try_from(then).unwrap_or(0);
+        }
+        let settled = self.store.settle(bucket, &call, deadline).await;
+        if let Ok(division) = &settled {
+            let ahead = i64::try_from(division.now_ms).unwrap_or(i64::MAX) - unix_ms();
+            self.store_ahead_ms.store(ahead, Ordering::Release);
+        }
+        match &settled {
+            Err(StoreError::Down | StoreError::Unavailable(_) | StoreError::Timeout) => {
+                self.store_failed.store(true, Ordering::Release);
+            }
+            Ok(_) if self.store_failed.load(Ordering::Acquire) => {
+                // Frozen before the next call can see the store answering again.
+                self.freeze();
+                self.store_failed.store(false, Ordering::Release);
+                self.answers_again.notify_one();
+            }
+            _ => {}
+        }
+        settled
     }
 
     /// Per quota bucket rule: (stream, bucket) subscriptions on this replica, and the requests
@@ -324,4 +383,12 @@ impl Quotas {
     pub fn tracked(&self) -> (usize, usize) {
         (self.tracked_buckets.taken(), self.tracked_streams.taken())
     }
+}
+
+/// This host's clock, in ms since the Unix epoch.
+fn unix_ms() -> i64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    i64::try_from(now.as_millis()).unwrap_or(i64::MAX)
 }

@@ -55,6 +55,10 @@ pub struct Settle<'a> {
     pub stays_ms: u64,
     /// How long no grant of the bucket grows once a record is found lost.
     pub freeze_ms: u64,
+    /// The store's time (ms) past which the call changes nothing, for its caller has given up
+    /// (0: no bound): a call that reaches Redis late, held up by a reconnection, may list what
+    /// its replica no longer holds. The embedded store answers every call at once.
+    pub not_after_ms: u64,
     pub streams: Vec<Listed<'a>>,
 }
 
@@ -292,6 +296,7 @@ mod tests {
             grow,
             stays_ms: 15_000,
             freeze_ms: 2_000,
+            not_after_ms: 0,
             streams: streams
                 .iter()
                 .map(|&(stream, change, demand, grant)| Listed {
@@ -355,6 +360,7 @@ mod tests {
             grow: true,
             stays_ms: 15_000,
             freeze_ms: 2_000,
+            not_after_ms: 0,
             streams: vec![
                 Listed {
                     stream: "a",
@@ -441,6 +447,7 @@ mod tests {
             grow: true,
             stays_ms: 15_000,
             freeze_ms: 2_000,
+            not_after_ms: 0,
             streams: vec![Listed {
                 stream,
                 change,

@@ -10,6 +10,7 @@ pub mod quota;
 pub mod ratelimit;
 pub mod redis;
 pub mod rlqs;
+pub mod rng;
 pub mod xds;
 
 use std::net::{SocketAddr, TcpListener};

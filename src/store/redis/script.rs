@@ -497,12 +497,13 @@ fn unreadable(key: &[u8], held: &str, error: &str) -> StoreError {
 pub(super) fn settle_args(call: &Settle) -> Vec<Value> {
     let number = |n: u64| Value::from(n.to_string());
     let flag = |yes: bool| Value::from(if yes { "1" } else { "0" });
-    let mut args = Vec::with_capacity(5 + 5 * call.streams.len());
+    let mut args = Vec::with_capacity(6 + 5 * call.streams.len());
     args.extend([
         number(call.limit),
         flag(call.grow),
         number(call.stays_ms),
         number(call.freeze_ms),
+        number(call.not_after_ms),
         number(call.streams.len() as u64),
     ]);
     for listed in &call.streams {
@@ -525,7 +526,8 @@ pub(super) fn settle_args(call: &Settle) -> Vec<Value> {
 /// The demand script's reply for the buckets at `keys`: the clock, then per key whether the
 /// replica is to settle again, when the first stream it did not list lapses, the number of
 /// streams counted and their ids, demands, grants and shares;
-/// or -1 and the type the key holds instead of a hash, which fails that key alone.
+/// or -1 and the type the key holds instead of a hash, which fails that key alone;
+/// or -2 when the call came past its time and changed nothing, as a timeout.
 fn read_demands(
     reply: Vec<Value>,
     keys: &[Bytes],
@@ -542,6 +544,10 @@ fn read_demands(
             .next()
             .and_then(|v| v.as_i64())
             .ok_or_else(malformed)?;
+        if again == -2 {
+            answers.push(Err(StoreError::Timeout));
+            continue;
+        }
         if again < 0 {
             let held = values
                 .next()
