@@ -15,7 +15,9 @@
 --          stays counted after its report, or after its grant moved (an assignment lives at most
 --          that long); how long (ms) no grant grows once a record is
 --          found lost; the Redis time (ms) past which the call changes nothing, for its caller has
---          given up (0: none); the number of the replica's streams listed; and per stream five: its id;
+--          given up (0: none); the Redis time (ms) past which it grows nothing, for a call that
+--          late may have waited out a restart that emptied the store (0: none); the number of the
+--          replica's streams listed; and per stream five: its id;
 --          'r' (a report: its demand is new), 'k' (kept: as the store has it, or as listed if the
 --          store lost it) or 'l' (it leaves the bucket); its demand; the most its Envoy may be
 --          enforcing (what it was last sent, or more while a smaller grant sent to it may not have
@@ -98,9 +100,11 @@ end
 local at = 2
 for k = 1, #KEYS do
   local key = KEYS[k]
-  local limit, grow, stays, freeze, not_after, listed = tonumber(ARGV[at]), ARGV[at + 1] == '1',
-    tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3]), tonumber(ARGV[at + 4]), tonumber(ARGV[at + 5])
-  local first = at + 6
+  local limit, grow, stays, freeze, not_after, grow_until, listed = tonumber(ARGV[at]),
+    ARGV[at + 1] == '1', tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3]), tonumber(ARGV[at + 4]),
+    tonumber(ARGV[at + 5]), tonumber(ARGV[at + 6])
+  local first = at + 7
+  grow = grow and (grow_until == 0 or now <= grow_until)
   at = first + 5 * listed
   local held = call('TYPE', key).ok
   if not_after > 0 and now > not_after then

@@ -64,6 +64,7 @@ impl Quotas {
                 stays_ms: stays.as_millis() as u64,
                 freeze_ms: FROZEN_AFTER_RECONNECTION.as_millis() as u64,
                 not_after_ms: 0,
+                grow_until_ms: 0,
                 streams: listed
                     .iter()
                     .map(|(stream, change, demand, held, known)| Listed {

@@ -55,6 +55,10 @@ const REPORT_INTERVAL: Duration = Duration::from_secs(5);
 /// How long a stream's demand stays counted without a new report: three report intervals, so
 /// that one late or lost report does not take its share away.
 const DEMAND_STAYS: Duration = Duration::from_secs(3 * REPORT_INTERVAL.as_secs());
+/// How soon after it is sent a settle call may grow a grant (on the store's clock): one that
+/// took longer may have waited out a restart that emptied the store, which it cannot tell from a
+/// bucket no stream holds yet. Far longer than a call takes, far shorter than a restart.
+const GROWS_WITHIN: Duration = Duration::from_millis(100);
 /// The most a demand record may take. No request waits for it: the Envoy keeps enforcing its
 /// last assignment meanwhile.
 const STORE_DEADLINE: Duration = Duration::from_secs(1);

@@ -16,7 +16,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::bounds::{Allowance, Bound, Clients, Pace};
 use super::stream::Outbox;
 use super::{
-    Assignment, FROZEN_AFTER_RECONNECTION, QuotaSettings, RECORDS_IN_FLIGHT, STORE_DEADLINE, TURNS,
+    Assignment, FROZEN_AFTER_RECONNECTION, GROWS_WITHIN, QuotaSettings, RECORDS_IN_FLIGHT,
+    STORE_DEADLINE, TURNS,
 };
 use crate::limiter::{CounterIds, CounterKey, IdHasher};
 use crate::rules::QuotaRule;
@@ -312,7 +313,8 @@ impl Quotas {
 
     /// One settle call, once one of the replica's `RECORDS_IN_FLIGHT` is free, changing nothing
     /// if it reaches the store past its deadline (on the store's clock, as far as this replica
-    /// knows it): held up by a reconnection, it may list what the streams no longer hold. One
+    /// knows it): held up by a reconnection, it may list what the streams no longer hold; and
+    /// growing nothing past `GROWS_WITHIN`: it may have waited out a restart of the store. One
     /// that fails for want of the store stops every grant growing until one succeeds, and then
     /// every bucket is listed again: the store may be a new one, empty.
     pub(super) async fn record(
@@ -328,8 +330,10 @@ impl Quotas {
         let deadline = Deadline::new(STORE_DEADLINE, None);
         let ahead = self.store_ahead_ms.load(Ordering::Acquire);
         if ahead != i64::MIN {
-            let then = unix_ms() + STORE_DEADLINE.as_millis() as i64 + ahead;
-            call.not_after_ms = u64::try_from(then).unwrap_or(0);
+            let store_now = unix_ms() + ahead;
+            let at = |after: Duration| u64::try_from(store_now + after.as_millis() as i64);
+            call.not_after_ms = at(STORE_DEADLINE).unwrap_or(0);
+            call.grow_until_ms = at(GROWS_WITHIN).unwrap_or(0);
         }
         let settled = self.store.settle(bucket, &call, deadline).await;
         if let Ok(division) = &settled {

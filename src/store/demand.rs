@@ -59,6 +59,9 @@ pub struct Settle<'a> {
     /// (0: no bound): a call that reaches Redis late, held up by a reconnection, may list what
     /// its replica no longer holds. The embedded store answers every call at once.
     pub not_after_ms: u64,
+    /// The store's time (ms) past which the call grows nothing (0: no bound): a call that late
+    /// may have waited out a restart that emptied the store, and its `grow` be stale.
+    pub grow_until_ms: u64,
     pub streams: Vec<Listed<'a>>,
 }
 
@@ -297,6 +300,7 @@ mod tests {
             stays_ms: 15_000,
             freeze_ms: 2_000,
             not_after_ms: 0,
+            grow_until_ms: 0,
             streams: streams
                 .iter()
                 .map(|&(stream, change, demand, grant)| Listed {
@@ -361,6 +365,7 @@ mod tests {
             stays_ms: 15_000,
             freeze_ms: 2_000,
             not_after_ms: 0,
+            grow_until_ms: 0,
             streams: vec![
                 Listed {
                     stream: "a",
@@ -448,6 +453,7 @@ mod tests {
             stays_ms: 15_000,
             freeze_ms: 2_000,
             not_after_ms: 0,
+            grow_until_ms: 0,
             streams: vec![Listed {
                 stream,
                 change,

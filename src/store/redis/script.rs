@@ -497,13 +497,14 @@ fn unreadable(key: &[u8], held: &str, error: &str) -> StoreError {
 pub(super) fn settle_args(call: &Settle) -> Vec<Value> {
     let number = |n: u64| Value::from(n.to_string());
     let flag = |yes: bool| Value::from(if yes { "1" } else { "0" });
-    let mut args = Vec::with_capacity(6 + 5 * call.streams.len());
+    let mut args = Vec::with_capacity(7 + 5 * call.streams.len());
     args.extend([
         number(call.limit),
         flag(call.grow),
         number(call.stays_ms),
         number(call.freeze_ms),
         number(call.not_after_ms),
+        number(call.grow_until_ms),
         number(call.streams.len() as u64),
     ]);
     for listed in &call.streams {
