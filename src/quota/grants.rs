@@ -38,6 +38,25 @@ impl Quotas {
         }
     }
 
+    /// Takes `stream` out of bucket `id`'s division (`key`, divided by `rule`) in the store: its
+    /// grant goes to the others at once.
+    pub(super) async fn leave(
+        self: &Arc<Self>,
+        id: u128,
+        key: &CounterKey,
+        rule: &QuotaRule,
+        stream: u64,
+    ) {
+        let leaving = Move {
+            stream,
+            change: Change::Leave,
+            demand: 0,
+        };
+        if let Err(e) = self.settle(id, key, rule, Some(leaving), None).await {
+            failed_settle(&e);
+        }
+    }
+
     /// Settles bucket `id` (`key`, divided by `rule`) for this replica's streams of it, with
     /// `moving`'s report or departure, and sends every stream whose grant moved its new
     /// assignment, but for a growth of `answering`'s, which its answer carries. Once a shrink has

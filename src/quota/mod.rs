@@ -113,6 +113,22 @@ impl Unmatched {
     }
 }
 
+/// The assignment of a bucket matched by `rule` (none: unmatched) that needs no division:
+/// `--quota-unmatched`'s for none, allow all for an unlimited rule, deny all for a limit of 0.
+fn fixed_answer(
+    unmatched: Unmatched,
+    rule: Option<&crate::rules::QuotaRule>,
+) -> Option<Assignment> {
+    let Some(rule) = rule else {
+        return Some(unmatched.assignment());
+    };
+    match &rule.limit {
+        None => Some(Assignment::AllowAll),
+        Some(limit) if limit.requests_per_unit == 0 => Some(Assignment::DenyAll),
+        Some(_) => None,
+    }
+}
+
 /// How the quota service answers.
 #[derive(Clone, Copy, Debug)]
 pub struct QuotaSettings {

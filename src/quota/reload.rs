@@ -9,12 +9,10 @@ use futures_util::StreamExt;
 use prost::Message;
 
 use super::assignment::sorted_entries;
-use super::grants::{failed_settle, push};
-use super::replica::Move;
-use super::{Assignment, Quotas, RECORDS_IN_FLIGHT, RULES_READ};
+use super::grants::push;
+use super::{Assignment, Quotas, RECORDS_IN_FLIGHT, RULES_READ, fixed_answer};
 use crate::pb::envoy::service::rate_limit_quota::v3::BucketId;
 use crate::rules::{QuotaRule, RuleSet};
-use crate::store::Change;
 
 impl Quotas {
     /// Re-divides, for as long as the process runs, every bucket whose rule a reload changed
@@ -74,22 +72,20 @@ impl Quotas {
                 continue;
             };
             let entries = sorted_entries(&bucket_id);
-            let now = match rules.quota_rule(domain.as_bytes(), &entries) {
-                None => Moved::Fixed(self.settings.unmatched.assignment()),
-                Some(new) => match &new.limit {
-                    None => Moved::Fixed(Assignment::AllowAll),
-                    Some(limit) if limit.requests_per_unit == 0 => {
-                        Moved::Fixed(Assignment::DenyAll)
-                    }
-                    Some(_)
-                        if new.limit != old.limit
-                            || new.path != old.path
-                            || new.shadow != old.shadow =>
-                    {
-                        Moved::Settle(new.clone())
-                    }
-                    Some(_) => continue,
-                },
+            let new = rules.quota_rule(domain.as_bytes(), &entries);
+            let now = match (
+                fixed_answer(self.settings.unmatched, new.map(|r| &**r)),
+                new,
+            ) {
+                (Some(assignment), _) => Moved::Fixed(assignment),
+                (None, Some(new))
+                    if new.limit != old.limit
+                        || new.path != old.path
+                        || new.shadow != old.shadow =>
+                {
+                    Moved::Settle(new.clone())
+                }
+                (None, _) => continue,
             };
             moved.push((id, old, now));
         }
@@ -138,14 +134,7 @@ impl Quotas {
             .await;
         futures_util::stream::iter(leaving)
             .for_each_concurrent(RECORDS_IN_FLIGHT, |(id, key, rule, stream)| async move {
-                let leaving = Move {
-                    stream,
-                    change: Change::Leave,
-                    demand: 0,
-                };
-                if let Err(e) = self.settle(id, &key, &rule, Some(leaving), None).await {
-                    failed_settle(&e);
-                }
+                self.leave(id, &key, &rule, stream).await;
             })
             .await;
     }

@@ -329,12 +329,16 @@ impl Quotas {
             .expect("the semaphore is never closed");
         let deadline = Deadline::new(STORE_DEADLINE, None);
         let ahead = self.store_ahead_ms.load(Ordering::Acquire);
-        if ahead != i64::MIN {
-            let store_now = unix_ms() + ahead;
-            let at = |after: Duration| u64::try_from(store_now + after.as_millis() as i64);
+        let known = ahead != i64::MIN;
+        let store_now = unix_ms() + if known { ahead } else { 0 };
+        let at = |after: Duration| u64::try_from(store_now + after.as_millis() as i64);
+        if known {
             call.not_after_ms = at(STORE_DEADLINE).unwrap_or(0);
-            call.grow_until_ms = at(GROWS_WITHIN).unwrap_or(0);
         }
+        // Before the first answer the store's clock is taken for this one's: a call that waits
+        // out a restart of the store still grows nothing, and a late answer still teaches the
+        // offset.
+        call.grow_until_ms = at(GROWS_WITHIN).unwrap_or(0);
         let settled = self.store.settle(bucket, &call, deadline).await;
         if let Ok(division) = &settled {
             let ahead = i64::try_from(division.now_ms).unwrap_or(i64::MAX) - unix_ms();

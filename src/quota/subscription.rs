@@ -18,7 +18,7 @@ use super::stream::Step;
 use super::tally::Tally;
 use super::{
     Assignment, MILLI, MOST_BUCKET_BYTES_PER_STREAM, MOST_BUCKETS_PER_STREAM, ONE_SECOND,
-    QuotaStream, RECORDS_IN_FLIGHT, REPORT_INTERVAL, demand,
+    QuotaStream, RECORDS_IN_FLIGHT, REPORT_INTERVAL, demand, fixed_answer,
 };
 use crate::limiter::{CounterKey, IdHasher};
 use crate::rules::QuotaRule;
@@ -53,16 +53,12 @@ impl QuotaStream {
     /// of 0, or untracked (denied: its limit may be divided among other streams, on any replica,
     /// which this one cannot take part in; allowed in shadow mode, which denies nothing).
     pub(super) fn fixed(&self, step: &Step) -> Option<Assignment> {
-        let Some(rule) = &step.rule else {
-            return Some(self.quotas.settings.unmatched.assignment());
-        };
-        match &rule.limit {
-            None => Some(Assignment::AllowAll),
-            Some(limit) if limit.requests_per_unit == 0 => Some(Assignment::DenyAll),
-            Some(_) if !step.tracked && rule.shadow => Some(Assignment::AllowAll),
+        let rule = step.rule.as_deref();
+        fixed_answer(self.quotas.settings.unmatched, rule).or(match rule {
+            Some(rule) if !step.tracked && rule.shadow => Some(Assignment::AllowAll),
             Some(_) if !step.tracked => Some(Assignment::DenyAll),
-            Some(_) => None,
-        }
+            _ => None,
+        })
     }
 
     /// Records this stream's demand for a shared bucket and settles the bucket: this stream's
@@ -289,14 +285,7 @@ impl QuotaStream {
             subscriber.divided = None;
             subscriber.known = false;
         }
-        let leaving = Move {
-            stream: self.number,
-            change: Change::Leave,
-            demand: 0,
-        };
-        if let Err(e) = self.quotas.settle(id, key, rule, Some(leaving), None).await {
-            failed_settle(&e);
-        }
+        self.quotas.leave(id, key, rule, self.number).await;
     }
 
     /// At the stream's end: its buckets leave the division, so that the Envoy's next stream (on
