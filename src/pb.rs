@@ -7,3 +7,7 @@ include!(concat!(env!("OUT_DIR"), "/rls.rs"));
 /// `envoy.type`, for the generated code: its path in `envoy-types` (`r#type`) cannot be named in
 /// an extern path.
 pub use envoy_types::pb::envoy::r#type as envoy_type;
+
+/// The compiled `proto/` descriptor set (see build.rs), for reflection and for reading requests
+/// from JSON.
+pub(crate) const DESCRIPTORS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/descriptors.bin"));

@@ -20,7 +20,7 @@ use hyper_util::server::graceful::GracefulConnection;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::Shutdown;
+use super::shutdown::Shutdown;
 use crate::telemetry::Throttle;
 
 /// Connections each admin listener (admin HTTP, `/json` apart, metrics apart, debug) holds at
@@ -254,6 +254,9 @@ impl MaxAge {
         self.age.mul_f64(0.9 + draw as f64 / 10_000.0)
     }
 }
+
+/// How long a peer told to go (GOAWAY) for idleness has to close before it is closed.
+pub(super) const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
 /// When a connection is closed for being idle or old.
 #[derive(Clone, Copy, Debug, Default)]

@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use super::shutdown::Shutdown;
 use crate::limiter::lease::{Draw, Leases, Pass, Returning};
 use crate::limiter::{Check, Decision, OverLimitCache};
 use crate::store::{Deadline, Store, StoreError};
@@ -189,9 +190,27 @@ impl Decider {
             .failed(calls, unsent && !at_exit, Instant::now());
     }
 
-    /// When the next give-back that failed is due to be sent again.
-    pub fn next_due(&self) -> Option<Instant> {
-        self.leases.next_due()
+    /// Gives back what the blocks hold unused every half of `--lease-idle`, or sooner when a
+    /// failed give-back is due to be sent again, until `shutdown` fires.
+    pub async fn give_back_until(&self, shutdown: Shutdown) {
+        let stop = shutdown.wait();
+        tokio::pin!(stop);
+        let mut periodic = Instant::now() + self.leases.idle() / 2;
+        loop {
+            let wake = (self.leases.next_due()).map_or(periodic, |due| due.min(periodic));
+            tokio::select! {
+                () = tokio::time::sleep_until(wake) => {}
+                () = &mut stop => return,
+            }
+            let now = Instant::now();
+            let pass = if now >= periodic {
+                periodic = now + self.leases.idle() / 2;
+                Pass::Periodic
+            } else {
+                Pass::Retry
+            };
+            self.give_back(pass).await;
+        }
     }
 }
 

@@ -16,8 +16,8 @@ use axum::routing::post;
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
-use super::Rules;
 use super::http::decode;
+use super::in_force::Rules;
 use super::rls::{Answering, Bounds, descriptors};
 use crate::limiter::lease::Leases;
 use crate::limiter::{Item, Mode};
@@ -568,7 +568,7 @@ pub(super) fn route(
 async fn answer(State(explainer): State<Arc<Explainer>>, body: Bytes) -> Response {
     let explained = Request::from_json(&body).and_then(|request| {
         explain(
-            &explainer.rules.current.load(),
+            &explainer.rules.in_force(),
             &request,
             &explainer.bounds,
             &explainer.answering,

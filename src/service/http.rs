@@ -21,16 +21,17 @@ use axum::routing::{any, get, post};
 use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor};
 
 use super::gauges::Gauges;
+use super::in_force::Rules;
+use super::readiness::Readiness;
 use super::render::Renders;
 use super::rls::Rls;
-use super::{Readiness, Rules};
 use crate::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use crate::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::rules::RuleSet;
 use crate::telemetry::top::{self, Period, Report};
 
 static POOL: LazyLock<DescriptorPool> = LazyLock::new(|| {
-    DescriptorPool::decode(super::DESCRIPTORS).expect("build.rs writes a valid descriptor set")
+    DescriptorPool::decode(crate::pb::DESCRIPTORS).expect("build.rs writes a valid descriptor set")
 });
 
 fn message(name: &str) -> MessageDescriptor {
@@ -153,7 +154,7 @@ const TEXT: &str = "text/plain; charset=utf-8";
 /// The rules in force as `page` renders them, on a blocking thread: a large rule set takes a
 /// while to render the first time, and the thread that answers probes must not wait for it.
 async fn render(rules: Rules, page: fn(&RuleSet) -> Bytes, content_type: &'static str) -> Response {
-    let rules = rules.current.load_full();
+    let rules = rules.in_force();
     match tokio::task::spawn_blocking(move || page(&rules)).await {
         Ok(body) => ([(header::CONTENT_TYPE, content_type)], body).into_response(),
         Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),

@@ -22,7 +22,7 @@ use tokio::signal::unix::Signal;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::Rules;
+use super::in_force::Rules;
 use crate::config::xds::{Snapshot, Subscription};
 use crate::config::{self, Source};
 use crate::rules::RuleSet;
@@ -213,7 +213,7 @@ fn reload(rules: &Rules, source: &Source, allow_empty: bool, trigger: &str) {
     match load(source, allow_empty) {
         Ok(loaded) => {
             let hash = loaded.origin().hash.clone();
-            if rules.current.load().origin().hash == hash {
+            if rules.in_force().origin().hash == hash {
                 if trigger == "SIGHUP" {
                     tracing::info!(%hash, "{trigger}: rules unchanged");
                 }
@@ -262,7 +262,7 @@ async fn follow_xds(rules: Rules, subscription: Subscription, mut hangup: Signal
             rules: loaded,
         } => {
             let loaded = RuleSet::from_loaded(loaded, true);
-            let in_force = rules.current.load();
+            let in_force = rules.in_force();
             if in_force.is_awaiting() {
                 first(&loaded);
                 rules.replace(loaded);

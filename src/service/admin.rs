@@ -1,0 +1,154 @@
+//! The admin HTTP servers: the admin port (probes, metrics, `/explain`, `/json` unless it is
+//! served apart or off), and `/json`, metrics and envoyproxy/ratelimit's debug port on listeners
+//! of their own where asked.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+
+use super::accept::accept;
+use super::conns::{self, CLOSE_GRACE, Connections, Timers, Tracked};
+use super::gauges::Gauges;
+use super::readiness::Readiness;
+use super::rls::Rls;
+use super::setup::{JsonAt, Setup};
+use super::shutdown::Shutdown;
+use super::{explain, http};
+use crate::telemetry::Throttle;
+
+/// How long an admin HTTP client may take to send a request's headers, the first or the next
+/// on a kept-alive connection, before the connection is closed.
+const HEADER_READ: Duration = Duration::from_secs(10);
+/// How long an admin HTTP request may take to be answered, its body read included: past it, 408.
+const ADMIN_ANSWER: Duration = Duration::from_secs(30);
+
+/// The admin HTTP listeners.
+pub(super) struct Admin {
+    /// The admin port.
+    pub(super) http: TcpListener,
+    /// `/json` apart.
+    pub(super) json: Option<TcpListener>,
+    /// Metrics also apart, at this path.
+    pub(super) metrics: Option<(TcpListener, String)>,
+    /// envoyproxy/ratelimit's debug port.
+    pub(super) debug: Option<TcpListener>,
+}
+
+/// What the admin endpoints answer from.
+pub(super) struct Answers {
+    pub(super) setup: Setup,
+    pub(super) json_at: JsonAt,
+    pub(super) readiness: Readiness,
+    pub(super) gauges: Gauges,
+    /// The rate limit service `/json` asks.
+    pub(super) rls: Arc<Rls>,
+}
+
+impl Admin {
+    /// How many listeners there are, each with its own bound of `per_listener` connections.
+    pub(super) fn count(&self) -> usize {
+        1 + usize::from(self.json.is_some())
+            + usize::from(self.metrics.is_some())
+            + usize::from(self.debug.is_some())
+    }
+
+    /// Serves every admin listener until `shutdown` fires and their connections are finished.
+    pub(super) async fn serve(self, answers: Answers, per_listener: usize, shutdown: Shutdown) {
+        let Answers {
+            setup,
+            json_at,
+            readiness,
+            gauges,
+            rls,
+        } = answers;
+        let bound = |name| Connections::new(name, per_listener);
+        let metrics = self
+            .metrics
+            .map(|(listener, path)| (listener, http::metrics_route(&path, gauges.clone())));
+        // `/explain` moves no counter: it stays on the admin port wherever `/json` is served.
+        let mut admin = http::admin(readiness, setup.rules.clone(), gauges).merge(explain::route(
+            setup.rules.clone(),
+            setup.bounds,
+            setup.answering.clone(),
+            setup.backend.redis_key_prefix().map(str::to_owned),
+            setup.edges.max_request_bytes,
+        ));
+        let json = http::json_route(rls, setup.edges.max_request_bytes);
+        if json_at == JsonAt::Http {
+            admin = admin.merge(json.clone());
+        }
+        admin = admin.merge(http::index(json_at == JsonAt::Http));
+        let admin = serve_http(self.http, admin, bound("admin HTTP"), shutdown.clone());
+        let json = async {
+            if let Some(listener) = self.json {
+                serve_http(listener, json, bound("/json"), shutdown.clone()).await;
+            }
+        };
+        let metrics = async {
+            if let Some((listener, route)) = metrics {
+                serve_http(listener, route, bound("metrics"), shutdown.clone()).await;
+            }
+        };
+        let debug = async {
+            if let Some(listener) = self.debug {
+                let route = http::debug(setup.rules.clone());
+                serve_http(listener, route, bound("debug HTTP"), shutdown.clone()).await;
+            }
+        };
+        tokio::join!(admin, json, metrics, debug);
+    }
+}
+
+/// Serves `router` over HTTP/1.1 on `listener` until `shutdown` fires, then lets the
+/// connections finish what they are answering. Each connection has `HEADER_READ` to send the
+/// headers of a request and `ADMIN_ANSWER` for its answer; `connections` bounds how many.
+async fn serve_http(
+    listener: TcpListener,
+    router: axum::Router,
+    connections: Connections,
+    shutdown: Shutdown,
+) {
+    static FAILED: Throttle = Throttle::new();
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ);
+    let http1 = Arc::new(http1);
+    let timers = Timers {
+        grace: CLOSE_GRACE,
+        ..Timers::default()
+    };
+    let late = || {
+        use axum::response::IntoResponse;
+        let message = format!("no answer within {}s\n", ADMIN_ANSWER.as_secs());
+        (axum::http::StatusCode::REQUEST_TIMEOUT, message).into_response()
+    };
+    let mut served = JoinSet::new();
+    let stop = shutdown.clone().wait();
+    tokio::pin!(stop);
+    let mut pause = Duration::ZERO;
+    loop {
+        let stream = tokio::select! {
+            stream = accept(&listener, &mut pause, &FAILED, "HTTP") => stream,
+            Some(_) = served.join_next(), if !served.is_empty() => continue,
+            () = &mut stop => break,
+        };
+        let Some(slot) = connections.admit() else {
+            continue;
+        };
+        let service = Tracked::new(router.clone(), &slot, ADMIN_ANSWER, late);
+        let http1 = http1.clone();
+        let shutdown = shutdown.clone();
+        served.spawn(async move {
+            let io = TokioIo::new(stream);
+            let connection = http1.serve_connection(io, TowerToHyperService::new(service));
+            conns::supervise(connection, &slot, &timers, shutdown).await;
+        });
+    }
+    drop(listener);
+    while served.join_next().await.is_some() {}
+}

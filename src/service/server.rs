@@ -1,0 +1,217 @@
+//! The server's life: every listener bound at once, the event loops and the admin HTTP servers
+//! started, gRPC connections accepted once the store is reached, and the drain at shutdown.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tonic_health::server::HealthReporter;
+
+use super::accept::hand_out;
+use super::admin::{Admin, Answers};
+use super::conns::{Budget, Connections};
+use super::decide::Decider;
+use super::event_loop::{EventLoops, Grpc};
+use super::gauges::Gauges;
+use super::readiness::Readiness;
+use super::setup::{Addrs, JsonAt, Setup};
+use super::shutdown::Shutdown;
+use crate::limiter::lease::Pass;
+use crate::store::Backend;
+
+/// How long gRPC connections wait at the start for the store to be reached.
+const STORE_AT_START: Duration = Duration::from_secs(2);
+/// How often the start looks again whether the store is reached.
+const STORE_POLL: Duration = Duration::from_millis(5);
+/// How long the blocks still held at exit have to reach the store.
+const GIVE_BACK_AT_EXIT: Duration = Duration::from_secs(1);
+
+/// Serves gRPC with `loops` event loops and the admin HTTP server (and `/json` where `addrs`
+/// says) until `shutdown` fires, then lets in-flight calls finish. Every listener is bound at
+/// once and admin HTTP served at once; gRPC connections are accepted once the store is reached,
+/// or `STORE_AT_START` after the start if it is not.
+pub async fn run(
+    setup: Setup,
+    addrs: Addrs,
+    loops: usize,
+    shutdown: Shutdown,
+) -> anyhow::Result<()> {
+    let (grpc_listener, quota_listener, admin) = bind_all(&addrs, loops).await?;
+    let budget = Budget::from_limit(loops, admin.count(), setup.edges.max_connections);
+    let grpc_connections = Connections::new("gRPC", budget.grpc);
+    let health = HealthReporter::new();
+    let readiness = Readiness::new(&setup, shutdown.clone());
+    let rls = setup.rls()?;
+    // A reload that changes a quota rule reaches the streams of the buckets it divides at once.
+    setup
+        .quotas
+        .spawn(setup.quotas.clone().follow(setup.rules.shared()));
+    // Gives back the blocks that went unused, on this thread's own store connections.
+    let giver = Decider::new(
+        setup.backend.open()?,
+        None,
+        setup.leases.clone(),
+        setup.fallback.store_timeout,
+    );
+    let grpc = Grpc {
+        setup: setup.clone(),
+        health: health.clone(),
+        shutdown: shutdown.clone(),
+    };
+    let event_loops = grpc.start(loops).await?;
+    // The quota service's own listener shares the gRPC connections' bound.
+    let (quota_accept, quota_served) = quota_listener
+        .map(|listener| {
+            let (to_quota, incoming) = mpsc::unbounded_channel();
+            let served = setup.quotas.spawn(grpc.clone().serve_quota(incoming));
+            let accept = hand_out(
+                listener,
+                grpc_connections.clone(),
+                vec![to_quota],
+                shutdown.clone(),
+            );
+            (accept, served)
+        })
+        .unzip();
+    tokio::spawn(readiness.clone().report(health));
+    if let Some(tls) = &setup.tls {
+        tokio::spawn(tls.clone().watch());
+    }
+    let accept = hand_out(
+        grpc_listener,
+        grpc_connections,
+        event_loops.incoming.clone(),
+        shutdown.clone(),
+    );
+    // Connections wait in the listeners' backlogs meanwhile, the admin port answering.
+    let (backend, stop) = (setup.backend.clone(), shutdown.clone());
+    let accept = async move {
+        store_reached_at_start(&backend, stop).await;
+        let quota_accept = async {
+            if let Some(accept) = quota_accept {
+                accept.await;
+            }
+        };
+        tokio::join!(accept, quota_accept);
+    };
+    let answers = Answers {
+        gauges: Gauges {
+            backend: setup.backend.clone(),
+            cache: setup.cache.clone(),
+            leases: setup.leases.clone(),
+            quotas: setup.quotas.clone(),
+            runtimes: runtimes(&setup, &event_loops).into(),
+        },
+        setup,
+        json_at: addrs.json,
+        readiness,
+        rls,
+    };
+    let admin = admin.serve(answers, budget.admin, shutdown.clone());
+    tokio::join!(accept, admin, giver.give_back_until(shutdown.clone()));
+    event_loops.finished().await?;
+    if let Some(served) = quota_served {
+        served
+            .await
+            .context("the quota service's thread stopped")?
+            .context("the quota service's gRPC server")?;
+    }
+    // Every call answered: what the blocks still hold goes back before the process ends.
+    let _ = tokio::time::timeout(GIVE_BACK_AT_EXIT, giver.give_back(Pass::Exit)).await;
+    Ok(())
+}
+
+/// Every runtime of the process, by role: this one, the quota service's and the event loops'.
+fn runtimes(setup: &Setup, loops: &EventLoops) -> Vec<(&'static str, tokio::runtime::Handle)> {
+    let mut runtimes = vec![
+        ("main", tokio::runtime::Handle::current()),
+        ("quota", setup.quotas.runtime()),
+    ];
+    runtimes.extend(loops.runtimes.iter().map(|r| ("event_loop", r.clone())));
+    runtimes
+}
+
+/// Binds every listener `addrs` asks for (gRPC, the quota service's own, the admin ones) and
+/// logs where each serves.
+async fn bind_all(
+    addrs: &Addrs,
+    loops: usize,
+) -> anyhow::Result<(TcpListener, Option<TcpListener>, Admin)> {
+    let grpc = bind(addrs.grpc, "gRPC").await?;
+    let quota = bind_some(addrs.quota, "the quota service").await?;
+    let json_addr = match addrs.json {
+        JsonAt::Addr(addr) => Some(addr),
+        JsonAt::Http | JsonAt::Off => None,
+    };
+    let admin = Admin {
+        http: bind(addrs.http, "HTTP").await?,
+        json: bind_some(json_addr, "/json").await?,
+        metrics: match &addrs.metrics {
+            Some((addr, path)) => Some((bind(*addr, "metrics").await?, path.clone())),
+            None => None,
+        },
+        debug: bind_some(addrs.debug, "debug HTTP").await?,
+    };
+    let mut serving = format!(
+        "serving: gRPC on {} ({loops} event loops), admin HTTP on {}",
+        grpc.local_addr()?,
+        admin.http.local_addr()?
+    );
+    if let Some(listener) = &quota {
+        serving += &format!(", the quota service alone on {}", listener.local_addr()?);
+    }
+    match &admin.json {
+        Some(listener) => serving += &format!(", /json on {}", listener.local_addr()?),
+        None if addrs.json == JsonAt::Off => serving += ", /json off",
+        None => {}
+    }
+    if let Some((listener, path)) = &admin.metrics {
+        serving += &format!(", metrics also on {}{path}", listener.local_addr()?);
+    }
+    if let Some(listener) = &admin.debug {
+        serving += &format!(", the debug port on {}", listener.local_addr()?);
+    }
+    tracing::info!("{serving}");
+    Ok((grpc, quota, admin))
+}
+
+/// Listens on `addr` for `what`.
+async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen for {what} on {addr}"))
+}
+
+/// Listens on `addr`, if there is one, for `what`.
+async fn bind_some(addr: Option<SocketAddr>, what: &str) -> anyhow::Result<Option<TcpListener>> {
+    match addr {
+        Some(addr) => Ok(Some(bind(addr, what).await?)),
+        None => Ok(None),
+    }
+}
+
+/// Waits, at the start, until every store connection has reached the store, for at most
+/// `STORE_AT_START`: a request is then not answered by `--on-store-error` only because sluice
+/// has just started. Past it, sluice serves as it does while the store is unreachable.
+async fn store_reached_at_start(backend: &Backend, shutdown: Shutdown) {
+    let start = Instant::now();
+    // Polled: `Backend::changed` wakes one waiter, which is gRPC health's.
+    let reached = async {
+        while !backend.reachable() {
+            tokio::time::sleep(STORE_POLL).await;
+        }
+    };
+    tokio::select! {
+        () = reached => tracing::info!(
+            after_ms = start.elapsed().as_millis() as u64,
+            "the counter store is reached: accepting gRPC connections"
+        ),
+        () = tokio::time::sleep(STORE_AT_START) => tracing::warn!(
+            "the counter store was not reached within {STORE_AT_START:?} of the start: accepting \
+             gRPC connections, answered by --on-store-error until it is"
+        ),
+        () = shutdown.wait() => {}
+    }
+}

@@ -1,0 +1,106 @@
+//! What a server is made of: the rules, the store, the bounds and answers, the listeners'
+//! addresses; each event loop makes its services from it.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use super::conns::MaxAge;
+use super::decide::Decider;
+use super::in_force::Rules;
+use super::readiness::Healthcheck;
+use super::rlqs::Rlqs;
+use super::rls::{Answering, Bounds, Fallback, Rls};
+use super::shutdown::Shutdown;
+use super::tls::ServerTls;
+use crate::limiter::OverLimitCache;
+use crate::limiter::lease::Leases;
+use crate::quota::Quotas;
+use crate::store::{Backend, StoreError};
+
+/// Bounds on what a client can make the server hold before a request is even decoded.
+#[derive(Clone, Copy, Debug)]
+pub struct Edges {
+    /// The largest gRPC message or `/json` body.
+    pub max_request_bytes: usize,
+    /// Requests in flight on one HTTP/2 connection.
+    pub max_concurrent_streams: u32,
+    /// The largest header list of a gRPC call (HTTP/2 SETTINGS_MAX_HEADER_LIST_SIZE); a call
+    /// past it is refused (431), one past four times it ends its connection (hyper's h2).
+    pub max_header_list_bytes: u32,
+    /// gRPC connections open at once (fewer if the file descriptor limit leaves fewer).
+    pub max_connections: usize,
+    /// When a gRPC connection is told to go (GOAWAY), and closed.
+    pub max_connection_age: Option<MaxAge>,
+}
+
+/// What a rate limit service is made of; each event loop makes its own from it.
+#[derive(Clone)]
+pub struct Setup {
+    pub rules: Rules,
+    pub backend: Backend,
+    pub bounds: Bounds,
+    pub fallback: Fallback,
+    pub edges: Edges,
+    pub answering: Answering,
+    /// The local over-limit cache, shared by every event loop; `None` when switched off.
+    pub cache: Option<Arc<OverLimitCache>>,
+    /// The blocks of leased counters this replica holds, shared by every event loop.
+    pub leases: Arc<Leases>,
+    /// gRPC over TLS only; without it, plaintext.
+    pub tls: Option<ServerTls>,
+    pub healthcheck: Healthcheck,
+    /// The quota service's streams on this replica, shared by every event loop.
+    pub quotas: Arc<Quotas>,
+}
+
+impl Setup {
+    /// A rate limit service for the calling runtime (on Redis, with connections of its own,
+    /// made in the background).
+    pub(super) fn rls(&self) -> Result<Arc<Rls>, StoreError> {
+        let store = self.backend.open()?;
+        Ok(Arc::new(Rls::new(
+            self.rules.shared(),
+            Decider::new(
+                store,
+                self.cache.clone(),
+                self.leases.clone(),
+                self.fallback.store_timeout,
+            ),
+            self.bounds,
+            self.fallback,
+            self.answering.clone(),
+        )))
+    }
+
+    /// A quota service for the calling runtime (its streams are served on the quota service's
+    /// own thread).
+    pub(super) fn rlqs(&self, shutdown: Shutdown) -> Rlqs {
+        Rlqs::new(self.quotas.clone(), self.rules.shared(), shutdown)
+    }
+}
+
+/// Where the admin `/json` endpoint (which moves counters) is served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JsonAt {
+    /// With the other admin endpoints, on the HTTP address.
+    Http,
+    /// On an address of its own.
+    Addr(SocketAddr),
+    /// Nowhere.
+    Off,
+}
+
+/// The addresses sluice serves on.
+#[derive(Clone, Debug)]
+pub struct Addrs {
+    pub grpc: SocketAddr,
+    /// The quota service alone, served on its own thread.
+    pub quota: Option<SocketAddr>,
+    pub http: SocketAddr,
+    pub json: JsonAt,
+    /// Prometheus metrics also on an address of their own, at this path (envoyproxy/ratelimit's
+    /// PROMETHEUS_ADDR and PROMETHEUS_PATH).
+    pub metrics: Option<(SocketAddr, String)>,
+    /// envoyproxy/ratelimit's debug port (`/rlconfig`), if served.
+    pub debug: Option<SocketAddr>,
+}
