@@ -60,6 +60,7 @@ pub mod certs;
 pub mod config;
 pub mod limiter;
 pub mod load;
+pub mod observe;
 pub mod pb;
 pub mod quota;
 pub mod rules;

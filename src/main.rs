@@ -135,7 +135,7 @@ fn explain(args: &ExplainArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let rules = RuleSet::from_loaded(loaded, false);
+    let rules = RuleSet::from_loaded(loaded, false, sluice::observe::unobserved());
     let explained = request.and_then(|request| {
         let (bounds, answering) = (args.bounds(), args.answering());
         let prefix = Some(args.redis_key_prefix());
@@ -252,10 +252,11 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         top::start(settings);
         told
     });
-    let backend = args.store.backend()?;
+    let observer = metrics::observer();
+    let backend = args.store.backend(observer.clone())?;
     let quotas = Quotas::start(args.quota.settings(), &backend)?;
     let setup = Setup {
-        rules: reload::start(args.rules.feed()?, hangup)?,
+        rules: reload::start(args.rules.feed()?, hangup, observer)?,
         backend,
         cache: args.store.cache(),
         leases: Arc::new(args.answers.leases()),

@@ -85,7 +85,7 @@ impl Node {
 
     /// Where the rule is declared: `file:line` (`xds:<resource>` over xDS).
     pub fn source(&self) -> String {
-        super::source(&self.file, self.line)
+        super::source(&self.file, self.line as usize)
     }
 
     /// The rule's modes by name, each `true` or `false`, and its `counting` and `lease` when

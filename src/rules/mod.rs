@@ -28,10 +28,9 @@ use memchr::memmem;
 use crate::config::{DescriptorConfig, DomainConfig, Loaded, RuleLimit, Sources};
 use crate::limiter::lease::Leasing;
 use crate::limiter::{Counting, LONGEST_LITERAL, Mode};
-use crate::telemetry::metrics::{METRICS, RuleStats};
+use crate::observe::{Observer, RuleCounters, unobserved};
 
 /// Every loaded domain, ready to match.
-#[derive(Default)]
 pub struct RuleSet {
     domains: HashMap<Vec<u8>, Level>,
     /// Each domain's quota bucket rules.
@@ -44,6 +43,22 @@ pub struct RuleSet {
     /// `/config` and `/rlconfig`, once rendered: a large rule set is rendered once, not per
     /// request.
     rendered: dump::Rendered,
+    /// What its rules' counters are, and what is told of requests for unknown domains.
+    observer: Arc<dyn Observer>,
+}
+
+impl Default for RuleSet {
+    fn default() -> Self {
+        RuleSet {
+            domains: HashMap::default(),
+            quota: HashMap::default(),
+            sources: Sources::default(),
+            origin: Origin::default(),
+            awaiting: false,
+            rendered: dump::Rendered::default(),
+            observer: unobserved(),
+        }
+    }
 }
 
 /// Where a rule set comes from.
@@ -126,25 +141,62 @@ pub struct Node {
     pub counting: Option<Counting>,
     /// Whether the rule's counters are leased, if it says (`lease`).
     pub lease: Option<Leasing>,
-    pub share_threshold: bool,
+    flags: Flags,
     /// The file and line that declare the rule (a thin pointer: a rule fits 64 bytes).
     file: Arc<PathBuf>,
-    line: usize,
+    line: u32,
     /// The counters of the rule's metrics, which hold its domain and path.
-    pub stats: Arc<RuleStats>,
-    /// The series is named from the request's values (`detailed_metric` here, or
-    /// `value_to_metric` on the way here): see `RuleSet::metric_name`.
-    pub named_by_request: bool,
+    pub stats: Arc<dyn RuleCounters>,
     /// The rule's `metadata`, when it is a non-empty mapping: what `--response-dynamic-metadata`
     /// sends for a descriptor that passed it.
     pub metadata: Option<Box<serde_json::Map<String, serde_json::Value>>>,
-    detailed_metric: bool,
-    value_to_metric: bool,
     /// `None` for a leaf, as most rules are: an empty table would cost each one 48 bytes.
     children: Option<Box<Level>>,
 }
 
+/// A rule's yes-or-no settings, in one byte.
+#[derive(Clone, Copy)]
+struct Flags(u8);
+
+impl Flags {
+    const SHARE_THRESHOLD: u8 = 1;
+    const NAMED_BY_REQUEST: u8 = 2;
+    const DETAILED_METRIC: u8 = 4;
+    const VALUE_TO_METRIC: u8 = 8;
+
+    fn of(set: [(u8, bool); 4]) -> Flags {
+        Flags(
+            set.iter()
+                .filter(|(_, on)| *on)
+                .fold(0, |all, (f, _)| all | f),
+        )
+    }
+
+    fn has(self, flag: u8) -> bool {
+        self.0 & flag != 0
+    }
+}
+
 impl Node {
+    /// Every value matching the rule's pattern shares one counter (`share_threshold`).
+    pub fn share_threshold(&self) -> bool {
+        self.flags.has(Flags::SHARE_THRESHOLD)
+    }
+
+    /// The series is named from the request's values (`detailed_metric` here, or
+    /// `value_to_metric` on the way here): see `RuleSet::metric_name`.
+    pub fn named_by_request(&self) -> bool {
+        self.flags.has(Flags::NAMED_BY_REQUEST)
+    }
+
+    fn detailed_metric(&self) -> bool {
+        self.flags.has(Flags::DETAILED_METRIC)
+    }
+
+    fn value_to_metric(&self) -> bool {
+        self.flags.has(Flags::VALUE_TO_METRIC)
+    }
+
     /// The rules under this one.
     fn children(&self) -> &Level {
         static NONE: LazyLock<Level> = LazyLock::new(Level::default);
@@ -195,13 +247,18 @@ pub struct Match<'a> {
 }
 
 impl RuleSet {
+    /// The rules of `domains`, which count into no observer (for explaining, and tests).
     pub fn new(domains: Vec<DomainConfig>) -> Self {
         let sources = Sources::Domains(domains.clone());
-        RuleSet::made_from(domains, sources)
+        RuleSet::made_from(domains, sources, unobserved())
     }
 
-    /// The rules of `domains`, made from `sources`.
-    fn made_from(domains: Vec<DomainConfig>, sources: Sources) -> Self {
+    /// The rules of `domains`, made from `sources`, counting into `observer`.
+    fn made_from(
+        domains: Vec<DomainConfig>,
+        sources: Sources,
+        observer: Arc<dyn Observer>,
+    ) -> Self {
         let mut levels: HashMap<Vec<u8>, Level> = HashMap::new();
         let mut limits = HashSet::new();
         let mut quota: HashMap<Vec<u8>, quota::QuotaLevel> = HashMap::new();
@@ -215,10 +272,16 @@ impl RuleSet {
                     bucket_rules.add(rule);
                 }
             }
+            let mut building = Building {
+                domain: &d.domain,
+                file: &file,
+                limits: &mut limits,
+                observer: &*observer,
+            };
             levels
                 .entry(d.domain.clone().into_bytes())
                 .or_default()
-                .add(&d.domain, &file, "", false, d.descriptors, &mut limits);
+                .add(&mut building, "", false, d.descriptors);
         }
         RuleSet {
             domains: levels,
@@ -227,13 +290,16 @@ impl RuleSet {
             origin: Origin::default(),
             awaiting: false,
             rendered: dump::Rendered::default(),
+            observer,
         }
     }
 
-    /// No rules, because none have come over xDS yet: every request is refused until some do.
-    pub fn awaiting() -> Self {
+    /// No rules, because none have come over xDS yet: every request is refused until some do,
+    /// which will count into `observer`.
+    pub fn awaiting(observer: Arc<dyn Observer>) -> Self {
         let mut rules = RuleSet {
             awaiting: true,
+            observer,
             ..RuleSet::default()
         };
         rules.origin.over_xds = true;
@@ -245,8 +311,9 @@ impl RuleSet {
         self.awaiting
     }
 
-    /// The rules of loaded files (or xDS resources, `over_xds`), with where they come from.
-    pub fn from_loaded(loaded: Loaded, over_xds: bool) -> Self {
+    /// The rules of loaded files (or xDS resources, `over_xds`), with where they come from,
+    /// counting into `observer`.
+    pub fn from_loaded(loaded: Loaded, over_xds: bool, observer: Arc<dyn Observer>) -> Self {
         let origin = Origin {
             hash: loaded.hash(),
             files: loaded.files,
@@ -255,12 +322,17 @@ impl RuleSet {
         };
         RuleSet {
             origin,
-            ..RuleSet::made_from(loaded.domains, loaded.sources)
+            ..RuleSet::made_from(loaded.domains, loaded.sources, observer)
         }
     }
 
     pub fn origin(&self) -> &Origin {
         &self.origin
+    }
+
+    /// What its rules count into, and the rules that replace them will.
+    pub fn observer(&self) -> Arc<dyn Observer> {
+        self.observer.clone()
     }
 
     /// Every (domain, rule path), for pruning the metrics of rules a reload removed: gathered
@@ -307,7 +379,7 @@ impl RuleSet {
         let mut counted_values = Vec::with_capacity(entries.len());
         let node = self.walk(domain, entries, |node, how, _, value| {
             counted_values.push(match how {
-                Matched::Pattern(pattern) if node.share_threshold => pattern,
+                Matched::Pattern(pattern) if node.share_threshold() => pattern,
                 _ => value,
             });
         })?;
@@ -343,13 +415,13 @@ impl RuleSet {
     /// entry as its rule names it, with the request's value where that rule has
     /// `value_to_metric`. Values are cut to `LONGEST_LITERAL` bytes.
     fn metric_name(&self, domain: &[u8], entries: &[(&[u8], &[u8])], leaf: &Node) -> String {
-        let detailed = leaf.detailed_metric;
+        let detailed = leaf.detailed_metric();
         let mut name = String::new();
         self.walk(domain, entries, |node, how, key, value| {
-            let by_request = detailed || node.value_to_metric;
+            let by_request = detailed || node.value_to_metric();
             let shown = match how {
                 Matched::Exact => Some(text_of(value)),
-                Matched::Pattern(p) if node.share_threshold || !by_request => {
+                Matched::Pattern(p) if node.share_threshold() || !by_request => {
                     Some(String::from_utf8_lossy(p).into_owned())
                 }
                 Matched::Pattern(_) => Some(text_of(value)),
@@ -384,17 +456,25 @@ fn text_of(value: &[u8]) -> String {
     text.trim_end_matches('\u{fffd}').to_owned()
 }
 
+/// What the rules of one domain's file are built with.
+struct Building<'a> {
+    domain: &'a str,
+    file: &'a Arc<PathBuf>,
+    /// The distinct limits of the rule set, each shared by the rules that have it.
+    limits: &'a mut HashSet<Arc<[RuleLimit]>>,
+    /// What makes each rule's counters.
+    observer: &'a dyn Observer,
+}
+
 impl Level {
     /// Adds `descriptors` to the level under the rule at `parent` (empty at the top);
     /// `value_to_metric_above`: a rule on the way here has `value_to_metric`.
     fn add(
         &mut self,
-        domain: &str,
-        file: &Arc<PathBuf>,
+        building: &mut Building,
         parent: &str,
         value_to_metric_above: bool,
         descriptors: Vec<DescriptorConfig>,
-        limits: &mut HashSet<Arc<[RuleLimit]>>,
     ) {
         for d in descriptors {
             let step = match &d.value {
@@ -408,12 +488,12 @@ impl Level {
             };
             let value_to_metric = value_to_metric_above || d.value_to_metric;
             let mut children = Level::default();
-            children.add(domain, file, &path, value_to_metric, d.descriptors, limits);
+            children.add(building, &path, value_to_metric, d.descriptors);
             // Rules with the same limits share them: most rule sets hold a few distinct ones.
-            let shared = match limits.get(&*d.limits) {
+            let shared = match building.limits.get(&*d.limits) {
                 Some(shared) => shared.clone(),
                 None => {
-                    limits.insert(d.limits.clone());
+                    building.limits.insert(d.limits.clone());
                     d.limits
                 }
             };
@@ -422,17 +502,22 @@ impl Level {
                 mode: d.mode,
                 counting: d.counting,
                 lease: d.lease,
-                share_threshold: d.share_threshold,
-                file: file.clone(),
-                line: d.line,
-                stats: METRICS.rule(domain, &path),
-                named_by_request: d.detailed_metric || value_to_metric,
+                flags: Flags::of([
+                    (Flags::SHARE_THRESHOLD, d.share_threshold),
+                    (
+                        Flags::NAMED_BY_REQUEST,
+                        d.detailed_metric || value_to_metric,
+                    ),
+                    (Flags::DETAILED_METRIC, d.detailed_metric),
+                    (Flags::VALUE_TO_METRIC, d.value_to_metric),
+                ]),
+                file: building.file.clone(),
+                line: u32::try_from(d.line).unwrap_or(u32::MAX),
+                stats: building.observer.rule(building.domain, &path),
                 metadata: match d.metadata {
                     Some(serde_json::Value::Object(m)) if !m.is_empty() => Some(Box::new(m)),
                     _ => None,
                 },
-                detailed_metric: d.detailed_metric,
-                value_to_metric: d.value_to_metric,
                 children: (!children.by_key.is_empty()).then(|| Box::new(children)),
             };
             let branches = self.by_key.entry(d.key.into_bytes()).or_default();
@@ -635,7 +720,7 @@ descriptors:
                 .map(|(k, v)| (k.as_bytes(), v.as_bytes()))
                 .collect();
             let leaf = set.resolve(b"d", &entries).expect("a match").node;
-            assert!(leaf.named_by_request);
+            assert!(leaf.named_by_request());
             set.metric_name(b"d", &entries, leaf)
         };
         assert_eq!(name(&[("ip", "10.0.0.1")]), "ip_10.0.0.1");

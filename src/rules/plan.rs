@@ -15,7 +15,7 @@ use crate::limiter::{
     Algorithm, Check, Counting, Decision, DescriptorKey, Item, Limit, Mode, RuleId, Source, Step,
     Unit,
 };
-use crate::telemetry::metrics::{METRICS, Outcome, RuleStats};
+use crate::observe::{Outcome, RuleCounters};
 
 /// One request descriptor, as the rules plan it.
 pub struct Asked<'a> {
@@ -64,9 +64,9 @@ pub enum Plan<'a> {
 /// The metric counters a descriptor's hits go to.
 pub enum Stats<'a> {
     /// Its rule's own.
-    Rule(&'a RuleStats),
+    Rule(&'a dyn RuleCounters),
     /// A series named from the request's values.
-    Request(Arc<RuleStats>),
+    Request(Arc<dyn RuleCounters>),
 }
 
 impl Plan<'_> {
@@ -83,10 +83,10 @@ impl Plan<'_> {
 }
 
 impl Stats<'_> {
-    fn get(&self) -> &RuleStats {
+    fn get(&self) -> &dyn RuleCounters {
         match self {
-            Stats::Rule(s) => s,
-            Stats::Request(s) => s,
+            Stats::Rule(s) => *s,
+            Stats::Request(s) => &**s,
         }
     }
 }
@@ -105,7 +105,7 @@ impl RuleSet {
         let mut check = Check::default();
         if !self.has_domain(domain) {
             if metered {
-                METRICS.unknown_domain.inc();
+                self.observer.unknown_domain();
             }
             return (asked.iter().map(|_| Plan::Free).collect(), check);
         }
@@ -251,14 +251,14 @@ impl RuleSet {
         m: &Match<'a>,
     ) -> Stats<'a> {
         let node = m.node;
-        if !node.named_by_request {
-            return Stats::Rule(&node.stats);
+        if !node.named_by_request() {
+            return Stats::Rule(&*node.stats);
         }
         let name = self.metric_name(domain, entries, node);
         let domain = String::from_utf8_lossy(domain);
-        match METRICS.detailed(&domain, &name, node.path()) {
+        match self.observer.detailed(&domain, &name, node.path()) {
             Some(s) => Stats::Request(s),
-            None => Stats::Rule(&node.stats),
+            None => Stats::Rule(&*node.stats),
         }
     }
 }

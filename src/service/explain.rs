@@ -250,7 +250,7 @@ fn explain_descriptor(
         source: node.source(),
         path: node.path().to_owned(),
         modes: node.modes(),
-        share_threshold: node.share_threshold,
+        share_threshold: node.share_threshold(),
         limits: node.limits.iter().map(rule_limit_json).collect(),
     });
     // A rule's limit missing from the plan was dropped by a `replaces` of the request's rules.

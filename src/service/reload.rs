@@ -25,6 +25,7 @@ use tokio::time::Instant;
 use super::in_force::Rules;
 use crate::config::xds::{Snapshot, Subscription};
 use crate::config::{self, Source};
+use crate::observe::Observer;
 use crate::rules::RuleSet;
 use crate::telemetry::Throttle;
 use crate::telemetry::metrics::METRICS;
@@ -50,14 +51,14 @@ pub enum Feed {
 
 /// The rules of `feed`: read now from files (an error stops the start), or awaited from the xDS
 /// server; then kept current until the process ends, SIGHUP (`hangup`) included.
-pub fn start(feed: Feed, hangup: Signal) -> anyhow::Result<Rules> {
+pub fn start(feed: Feed, hangup: Signal, observer: Arc<dyn Observer>) -> anyhow::Result<Rules> {
     match feed {
         Feed::Xds(subscription) => {
             tracing::info!(
                 server = subscription.server(),
                 "rules over xDS: every request is refused (UNAVAILABLE) until the first configuration"
             );
-            let rules = Rules::new(RuleSet::awaiting());
+            let rules = Rules::new(RuleSet::awaiting(observer));
             tokio::spawn(follow_xds(rules.clone(), *subscription, hangup));
             Ok(rules)
         }
@@ -65,7 +66,7 @@ pub fn start(feed: Feed, hangup: Signal) -> anyhow::Result<Rules> {
             source,
             allow_empty,
         } => {
-            let loaded = load(&source, allow_empty)?;
+            let loaded = load(&source, allow_empty, observer)?;
             first(&loaded);
             let rules = Rules::new(loaded);
             if !rules.loaded() {
@@ -77,9 +78,13 @@ pub fn start(feed: Feed, hangup: Signal) -> anyhow::Result<Rules> {
     }
 }
 
-/// Loads and validates the rules of `source`; none at all is an error unless `allow_empty`.
-/// Errors are logged, one per line, as `file:line: message`.
-fn load(source: &Source, allow_empty: bool) -> anyhow::Result<RuleSet> {
+/// Loads and validates the rules of `source`, counting into `observer`; none at all is an error
+/// unless `allow_empty`. Errors are logged, one per line, as `file:line: message`.
+fn load(
+    source: &Source,
+    allow_empty: bool,
+    observer: Arc<dyn Observer>,
+) -> anyhow::Result<RuleSet> {
     let path = source.path.as_path();
     match config::load(source) {
         Ok(loaded) if loaded.domains.is_empty() && !allow_empty => anyhow::bail!(
@@ -90,7 +95,7 @@ fn load(source: &Source, allow_empty: bool) -> anyhow::Result<RuleSet> {
             for w in &loaded.warnings {
                 tracing::warn!("{w}");
             }
-            Ok(RuleSet::from_loaded(loaded, false))
+            Ok(RuleSet::from_loaded(loaded, false, observer))
         }
         Err(errors) => {
             for e in &errors {
@@ -210,7 +215,7 @@ fn is_rules_entry(path: &Path) -> bool {
 
 /// Loads the rules again; puts them in force when they are valid and differ from those in force.
 fn reload(rules: &Rules, source: &Source, allow_empty: bool, trigger: &str) {
-    match load(source, allow_empty) {
+    match load(source, allow_empty, rules.in_force().observer()) {
         Ok(loaded) => {
             let hash = loaded.origin().hash.clone();
             if rules.in_force().origin().hash == hash {
@@ -261,7 +266,7 @@ async fn follow_xds(rules: Rules, subscription: Subscription, mut hangup: Signal
             version,
             rules: loaded,
         } => {
-            let loaded = RuleSet::from_loaded(loaded, true);
+            let loaded = RuleSet::from_loaded(loaded, true, rules.in_force().observer());
             let in_force = rules.in_force();
             if in_force.is_awaiting() {
                 first(&loaded);

@@ -18,7 +18,7 @@
 //! for every rule together refuses with `StoreError::Full`.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::StoreError;
@@ -28,8 +28,8 @@ use crate::limiter::{
     Algorithm, Check, CounterIds, CounterKey, Counting, Decision, IdHasher, Item, Limit, RuleId,
     admits,
 };
+use crate::observe::{Observer, unobserved};
 use crate::telemetry::Throttle;
-use crate::telemetry::metrics::METRICS;
 
 const SHARDS: usize = 64;
 
@@ -58,6 +58,8 @@ pub struct MemoryStore {
     ids: CounterIds,
     /// Quota buckets' demands, at most `max_keys` buckets.
     demand: DemandBoard,
+    /// Told of the counters it refuses.
+    observer: Arc<dyn Observer>,
 }
 
 /// How many counters one shard holds: in all, for one rule, and for windows not started yet.
@@ -217,7 +219,8 @@ struct Pending {
 }
 
 impl MemoryStore {
-    /// A store that holds at most `max_keys` live counters, a rule at most `per_rule` of them.
+    /// A store that holds at most `max_keys` live counters, a rule at most `per_rule` of them,
+    /// telling no one of the counters it refuses (see `observed_by`).
     pub fn new(max_keys: usize, per_rule: Percent) -> Self {
         let shard = max_keys.div_ceil(SHARDS).max(1);
         let scheduled = SCHEDULED_SHARE.of(shard);
@@ -232,7 +235,13 @@ impl MemoryStore {
             max_keys,
             ids: CounterIds::new(),
             demand: DemandBoard::new(max_keys),
+            observer: unobserved(),
         }
+    }
+
+    /// The store, telling `observer` of the counters it refuses.
+    pub fn observed_by(self, observer: Arc<dyn Observer>) -> Self {
+        MemoryStore { observer, ..self }
     }
 
     /// The id of the counter of `key` under `limit` at `at_ms`: a fixed window's counter is
@@ -373,7 +382,7 @@ impl MemoryStore {
         }
         drop(guards);
         for share in refusals {
-            refused(share);
+            refused(share, &*self.observer);
         }
         Ok((admitted, verdicts))
     }
@@ -495,10 +504,10 @@ const REFUSED: Verdict = Verdict {
 };
 
 /// Counts a new counter that `share` refused, and logs the refusals at most once a second.
-fn refused(share: Share) {
+fn refused(share: Share, observer: &dyn Observer) {
     static RULE: Throttle = Throttle::new();
     static SCHEDULED: Throttle = Throttle::new();
-    METRICS.memory_refused(share.name());
+    observer.memory_refused(share.name());
     let (throttle, whose) = match share {
         Share::Rule => (&RULE, "their rule's (--max-keys-per-rule)"),
         Share::Scheduled => (&SCHEDULED, "that of counters for windows not started yet"),

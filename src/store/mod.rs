@@ -22,6 +22,7 @@ pub use memory::{MemoryStore, Percent, Stored};
 pub use redis::{RedisStore, RedisTls, Replicas, redis_key};
 
 use crate::limiter::{Check, CounterKey, Decision};
+use crate::observe::Observer;
 use guard::{Breakers, Guard};
 
 /// Where the counters are, from which each event loop opens a `Store` of its own: the one
@@ -39,15 +40,17 @@ pub enum Backend {
         /// The breakers of every store opened on this deployment: it is reachable when all are
         /// closed.
         breakers: Breakers,
+        /// What its stores tell of their calls.
+        observer: Arc<dyn Observer>,
     },
 }
 
 impl Backend {
     /// The embedded store, holding at most `max_keys` live counters, a rule at most `per_rule`
-    /// of them. Sweeps expired counters every second from a task that ends with the store; call
-    /// it inside a Tokio runtime.
-    pub fn memory(max_keys: usize, per_rule: Percent) -> Backend {
-        let store = Arc::new(MemoryStore::new(max_keys, per_rule));
+    /// of them, telling `observer` of the counters it refuses. Sweeps expired counters every
+    /// second from a task that ends with the store; call it inside a Tokio runtime.
+    pub fn memory(max_keys: usize, per_rule: Percent, observer: Arc<dyn Observer>) -> Backend {
+        let store = Arc::new(MemoryStore::new(max_keys, per_rule).observed_by(observer));
         let weak = Arc::downgrade(&store);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -64,19 +67,22 @@ impl Backend {
 
     /// A Redis deployment (see `RedisStore::connect` for the URL forms), reached over TLS as
     /// `tls` says when the URL asks for TLS, whose decisions count once `confirm_replicas`
-    /// replicas acknowledge their writes (0: as soon as the primary has them).
+    /// replicas acknowledge their writes (0: as soon as the primary has them), and whose stores
+    /// tell `observer` of their calls.
     pub fn redis(
         url: String,
         key_prefix: String,
         tls: Option<RedisTls>,
         confirm_replicas: u32,
+        observer: Arc<dyn Observer>,
     ) -> Backend {
         Backend::Redis {
             url,
             key_prefix,
             tls,
             replicas: Replicas::new(confirm_replicas),
-            breakers: Breakers::default(),
+            breakers: Breakers::new(observer.clone()),
+            observer,
         }
     }
 
@@ -94,10 +100,17 @@ impl Backend {
                 tls,
                 replicas,
                 breakers,
+                observer,
             } => {
                 let breaker = breakers.breaker();
-                let store =
-                    RedisStore::connect(url, key_prefix, tls.as_ref(), replicas, breaker.clone())?;
+                let store = RedisStore::connect(
+                    url,
+                    key_prefix,
+                    tls.as_ref(),
+                    replicas,
+                    breaker.clone(),
+                    observer.clone(),
+                )?;
                 breakers.add(breaker.clone());
                 Ok(Store {
                     guard: Guard::new(Some(breaker)),

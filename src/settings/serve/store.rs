@@ -8,6 +8,7 @@ use clap::Args;
 
 use super::at_least_one;
 use crate::limiter::OverLimitCache;
+use crate::observe::Observer;
 use crate::store::{Backend, Percent, RedisTls};
 
 #[derive(Args)]
@@ -70,10 +71,15 @@ impl StoreFlags {
         at_least_one("--max-keys", self.max_keys)
     }
 
-    /// The counter store, its TLS files (for Redis) read and checked now.
-    pub fn backend(&self) -> anyhow::Result<Backend> {
+    /// The counter store, its TLS files (for Redis) read and checked now, telling `observer` of
+    /// its calls.
+    pub fn backend(&self, observer: Arc<dyn Observer>) -> anyhow::Result<Backend> {
         let Some(url) = &self.redis_url else {
-            return Ok(Backend::memory(self.max_keys, self.max_keys_per_rule));
+            return Ok(Backend::memory(
+                self.max_keys,
+                self.max_keys_per_rule,
+                observer,
+            ));
         };
         let identity = self.redis_cert.as_deref().zip(self.redis_key.as_deref());
         let tls = RedisTls::load(url, self.redis_ca.as_deref(), identity)?;
@@ -82,6 +88,7 @@ impl StoreFlags {
             self.redis_key_prefix.clone(),
             tls,
             self.redis_confirm_replicas,
+            observer,
         ))
     }
 

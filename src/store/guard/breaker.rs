@@ -11,9 +11,9 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 
 use super::Deadline;
+use crate::observe::Observer;
 use crate::store::StoreError;
 use crate::telemetry::Throttle;
-use crate::telemetry::metrics::METRICS;
 
 /// Consecutive failed or timed-out calls that open the breaker.
 pub const FAILURES_TO_OPEN: u32 = 5;
@@ -25,15 +25,18 @@ pub struct Breaker {
     cause: Mutex<Option<String>>,
     /// Told when the breaker opens or closes.
     changed: Arc<Notify>,
+    /// Told why the store could not be reached.
+    observer: Arc<dyn Observer>,
 }
 
 impl Breaker {
-    fn new(changed: Arc<Notify>) -> Self {
+    fn new(changed: Arc<Notify>, observer: Arc<dyn Observer>) -> Self {
         Breaker {
             open: AtomicBool::new(true),
             failures: AtomicU32::new(0),
             cause: Mutex::new(None),
             changed,
+            observer,
         }
     }
 
@@ -91,7 +94,7 @@ impl Breaker {
     /// readiness to name until the store answers again.
     pub fn unreachable(&self, kind: &'static str, detail: &str) {
         static LOGGED: Throttle = Throttle::new();
-        METRICS.store_unreachable(kind);
+        self.observer.store_unreachable(kind);
         let cause = format!("{kind}: {detail}");
         if let Some(n) = LOGGED.hit() {
             tracing::warn!("Redis cannot be reached ({n} time(s) since the last report): {cause}");
@@ -115,17 +118,27 @@ impl Breaker {
 }
 
 /// The breakers of every store opened on one deployment, which is reachable when all are closed.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Breakers {
     all: Arc<Mutex<Vec<Arc<Breaker>>>>,
     /// Told when any of them opens or closes.
     changed: Arc<Notify>,
+    /// What each tells why the store could not be reached.
+    observer: Arc<dyn Observer>,
 }
 
 impl Breakers {
+    pub fn new(observer: Arc<dyn Observer>) -> Self {
+        Breakers {
+            all: Arc::default(),
+            changed: Arc::default(),
+            observer,
+        }
+    }
+
     /// A new breaker (open) for a store on the deployment, counted once `add`ed.
     pub fn breaker(&self) -> Arc<Breaker> {
-        Arc::new(Breaker::new(self.changed.clone()))
+        Arc::new(Breaker::new(self.changed.clone(), self.observer.clone()))
     }
 
     pub fn add(&self, breaker: Arc<Breaker>) {
@@ -175,7 +188,7 @@ mod tests {
 
     #[test]
     fn it_opens_after_failures_in_a_row_and_only_the_probe_closes_it() {
-        let b = Breaker::new(Arc::default());
+        let b = Breaker::new(Arc::default(), crate::observe::unobserved());
         assert!(b.is_open(), "closed only once the store was reached");
         b.close();
         for _ in 1..FAILURES_TO_OPEN {

@@ -16,7 +16,7 @@ use super::script::{
     ARGS_PER_ITEM, Answer, Charge, Checked, Scripts, Undo, encode, split_head, take_request,
 };
 use crate::limiter::Check;
-use crate::telemetry::metrics::METRICS;
+use crate::observe::Observer;
 use crate::telemetry::traces;
 
 /// Script calls in flight at once; requests arriving meanwhile wait for the next.
@@ -65,7 +65,11 @@ impl Pending {
 
 /// Sends the requests waiting in `queue` in batched script calls, at most `CALLS_IN_FLIGHT` at
 /// once: a request that arrives while the calls are busy rides in the next one.
-pub(super) async fn run(scripts: Scripts, mut queue: mpsc::Receiver<Pending>) {
+pub(super) async fn run(
+    scripts: Scripts,
+    mut queue: mpsc::Receiver<Pending>,
+    observer: Arc<dyn Observer>,
+) {
     let calls = Arc::new(Semaphore::new(CALLS_IN_FLIGHT));
     while let Some(first) = queue.recv().await {
         let Ok(permit) = calls.clone().acquire_owned().await else {
@@ -85,6 +89,7 @@ pub(super) async fn run(scripts: Scripts, mut queue: mpsc::Receiver<Pending>) {
             }
         }
         if !requests.is_empty() {
+            observer.batch(requests.len());
             tokio::spawn(call(scripts.clone(), requests, counters, permit));
         }
     }
@@ -106,7 +111,6 @@ async fn call(
         .map(|r| r.deadline)
         .min()
         .unwrap_or_else(Instant::now);
-    METRICS.batch_requests.observe(requests.len() as f64);
     let span = traces::script_span(requests.iter().map(|r| &r.span), counters);
     for request in requests {
         keys.extend(request.keys.iter().cloned());

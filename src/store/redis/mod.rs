@@ -45,6 +45,7 @@ use super::demand::{Division, Settle};
 use super::guard::{self, Breaker, Queue};
 use super::{Deadline, StoreError, Told};
 use crate::limiter::{Check, CounterKey, Decision};
+use crate::observe::Observer;
 use batch::Pending;
 use conn::{Conn, Lanes};
 use records::Record;
@@ -79,6 +80,7 @@ impl RedisStore {
         tls: Option<&RedisTls>,
         replicas: &Replicas,
         breaker: Arc<Breaker>,
+        observer: Arc<dyn Observer>,
     ) -> Result<Self, StoreError> {
         let conn = Conn::connect(url, tls)?;
         let confirm = if replicas.asked() > 0 {
@@ -102,7 +104,7 @@ impl RedisStore {
         tokio::spawn(conn::probe(conn.clone(), lanes, scripts.all(), breaker));
         let queue = (!conn.clustered()).then(|| {
             let (queue, waiting) = guard::queue();
-            tokio::spawn(batch::run(scripts.clone(), waiting));
+            tokio::spawn(batch::run(scripts.clone(), waiting, observer));
             queue
         });
         let records = (!conn.clustered()).then(|| {

@@ -14,7 +14,7 @@ mod rules;
 mod statsd;
 
 pub use response_times::ResponseTimes;
-pub use rules::{Outcome, RuleStats};
+pub use rules::RuleStats;
 pub use statsd::{RESPONSE_TIME, StatsdTotals, use_mapper};
 
 use std::sync::atomic::AtomicU64;
@@ -28,6 +28,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
+use crate::observe::{Observer, RuleCounters};
 use rules::RuleSeries;
 use statsd::StatsdSeries;
 
@@ -92,6 +93,41 @@ pub struct Metrics {
 }
 
 pub static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
+
+/// What the rules and the stores tell, counted in the process's metrics (and, through the rules'
+/// counters, the top view).
+struct Counted;
+
+impl Observer for Counted {
+    fn rule(&self, domain: &str, path: &str) -> Arc<dyn RuleCounters> {
+        METRICS.rule(domain, path)
+    }
+
+    fn detailed(&self, domain: &str, name: &str, rule: &str) -> Option<Arc<dyn RuleCounters>> {
+        Some(METRICS.detailed(domain, name, rule)?)
+    }
+
+    fn unknown_domain(&self) {
+        METRICS.unknown_domain.inc();
+    }
+
+    fn store_unreachable(&self, kind: &'static str) {
+        METRICS.store_unreachable(kind);
+    }
+
+    fn memory_refused(&self, share: &'static str) {
+        METRICS.memory_refused(share);
+    }
+
+    fn batch(&self, requests: usize) {
+        METRICS.batch_requests.observe(requests as f64);
+    }
+}
+
+/// The observer of the rules and the stores that counts in the process's metrics.
+pub fn observer() -> Arc<dyn Observer> {
+    Arc::new(Counted)
+}
 
 /// Why Redis could not be reached, as `sluice_store_unreachable_total` counts it.
 pub const UNREACHABLE: [&str; 9] = [

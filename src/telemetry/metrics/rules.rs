@@ -17,6 +17,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 
+use crate::observe::{Outcome, RuleCounters};
 use crate::telemetry::mapper::Series;
 use crate::telemetry::top::{self, RuleTop};
 
@@ -142,24 +143,6 @@ pub struct RuleStats {
     top: OnceLock<Arc<RuleTop>>,
 }
 
-/// How one descriptor of a decided request fared.
-#[derive(Clone, Copy, Debug)]
-pub enum Outcome {
-    /// Within its limit, with this much of it used once the request is counted.
-    Within { limit: u64, used: u64 },
-    /// Over its limit.
-    Over {
-        limit: u64,
-        /// Counted `always`: the hits landed all the same, on a count of this much (the limit
-        /// or more when it had reached it); `None`: they were refused.
-        charged_from: Option<u64>,
-        /// A shadow-mode limit: reported, not denied.
-        shadow: bool,
-        /// Known from the local over-limit cache.
-        from_cache: bool,
-    },
-}
-
 impl RuleStats {
     fn new(domain: Arc<str>, descriptor: &str, rule: Option<&str>) -> Self {
         RuleStats {
@@ -177,19 +160,33 @@ impl RuleStats {
         }
     }
 
+    fn values(&self) -> [u64; 6] {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        [
+            get(&self.total_hits),
+            get(&self.over_limit),
+            get(&self.near_limit),
+            get(&self.within_limit),
+            get(&self.shadow_mode),
+            get(&self.over_limit_with_local_cache),
+        ]
+    }
+}
+
+impl RuleCounters for RuleStats {
     /// The path of its rule: for a series named from request values, the rule it belongs to,
     /// not those values.
-    pub fn rule_path(&self) -> &str {
+    fn rule_path(&self) -> &str {
         self.rule.as_deref().unwrap_or(&self.descriptor)
     }
 
-    pub fn domain(&self) -> &str {
+    fn domain(&self) -> &str {
         &self.domain
     }
 
     /// Counts, in the top view when it is on, `hits` of a descriptor of `entries` under its
     /// rule, `denied` or not.
-    pub fn seen(&self, entries: &[(&[u8], &[u8])], hits: u64, denied: bool) {
+    fn seen(&self, entries: &[(&[u8], &[u8])], hits: u64, denied: bool) {
         let Some(view) = top::top() else {
             return;
         };
@@ -204,7 +201,7 @@ impl RuleStats {
     /// `over_limit` hit. Hits charged over the limit split as that project's
     /// `checkOverLimitThreshold` splits them: those past the limit are over, those below it
     /// and past the near threshold near, none within. Refused hits are all over.
-    pub fn count(&self, hits: u64, outcome: Outcome, near_ratio: f64) {
+    fn count(&self, hits: u64, outcome: Outcome, near_ratio: f64) {
         let add = |c: &AtomicU64, n: u64| {
             if n > 0 {
                 c.fetch_add(n, Ordering::Relaxed);
@@ -240,18 +237,6 @@ impl RuleStats {
                 }
             }
         }
-    }
-
-    fn values(&self) -> [u64; 6] {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        [
-            get(&self.total_hits),
-            get(&self.over_limit),
-            get(&self.near_limit),
-            get(&self.within_limit),
-            get(&self.shadow_mode),
-            get(&self.over_limit_with_local_cache),
-        ]
     }
 }
 
