@@ -39,7 +39,8 @@
 //! [`config`] reads and validates rule files (or follows an xDS server's
 //! `RateLimitConfig` resources, `config::xds`) into typed structs at the edge,
 //! [`telemetry`] sets up logging (and keeps events every request can hit from flooding it) and
-//! holds the Prometheus metrics every layer counts into (`telemetry::metrics`: the registry,
+//! makes the `Telemetry` handle the service, the quota service and the stores (through
+//! [`observe`]) tell what they do, which holds the Prometheus metrics (`telemetry::metrics`: the registry,
 //! per-rule series and their cap, envoyproxy/ratelimit's statsd stats through its
 //! statsd_exporter mapping, the response-time summary; `telemetry::top`: who is being limited
 //! right now, in sketches of a fixed size), [`load`] is the client-side load generator of

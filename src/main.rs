@@ -16,7 +16,7 @@ use sluice::rules::RuleSet;
 use sluice::service::{self, Setup, Shutdown, reload};
 use sluice::settings::{self, Command, ExplainArgs, HealthArgs, ServeArgs, erl};
 use sluice::telemetry::traces::Traces;
-use sluice::telemetry::{self, metrics, statsd, top};
+use sluice::telemetry::{self, Telemetry, statsd};
 
 /// mimalloc: measurably less CPU per request than the system allocator on the request path, and
 /// less memory held for the embedded store's many small counters.
@@ -38,7 +38,11 @@ fn main() -> ExitCode {
         Command::Load(options) => load(options),
         Command::Top(options) => top(options),
         Command::Serve(args) => {
-            let traces = args.telemetry.tracing().map(|t| Traces::start(&t));
+            let telemetry = Telemetry::new();
+            let traces = args
+                .telemetry
+                .tracing()
+                .map(|t| Traces::start(&t, &telemetry));
             let (traces, tracer, failed) = match traces {
                 Some(Ok((traces, tracer))) => (Some(traces), Some(tracer), None),
                 Some(Err(e)) => (None, None, Some(e)),
@@ -66,7 +70,7 @@ fn main() -> ExitCode {
                 Some(t) => anyhow::anyhow!(t.blame(&format!("{e:#}"))),
                 None => e,
             });
-            let served = checked.and_then(|()| serve(*args));
+            let served = checked.and_then(|()| serve(*args, telemetry));
             if let Some(traces) = traces {
                 traces.flush(TRACES_LAST_FLUSH);
             }
@@ -227,20 +231,20 @@ async fn health(args: &HealthArgs) -> ExitCode {
 
 /// The main thread runs the listener, the admin HTTP server and the embedded store's sweeper; the
 /// gRPC event loops run on threads of their own (see `service`).
-fn serve(args: ServeArgs) -> anyhow::Result<()> {
+fn serve(args: ServeArgs, telemetry: Telemetry) -> anyhow::Result<()> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?
-        .block_on(run(args))
+        .block_on(run(args, telemetry))
 }
 
 /// Rules, then the store they are counted in, then the service that answers from both.
-async fn run(args: ServeArgs) -> anyhow::Result<()> {
+async fn run(args: ServeArgs, telemetry: Telemetry) -> anyhow::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     // Before anything else: from here on a SIGHUP reloads instead of ending the process.
     let hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     if let Some(mapper) = args.erl.mapper()? {
-        metrics::use_mapper(mapper);
+        telemetry.use_mapper(mapper);
     }
     let top_view = args.top.settings().map(|settings| {
         let told = format!(
@@ -249,14 +253,13 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
             settings.rules,
             settings.most_bytes().div_ceil(1 << 20)
         );
-        top::start(settings);
+        telemetry.start_top(settings);
         told
     });
-    let observer = metrics::observer();
-    let backend = args.store.backend(observer.clone())?;
-    let quotas = Quotas::start(args.quota.settings(), &backend)?;
+    let backend = args.store.backend(Arc::new(telemetry.clone()))?;
+    let quotas = Quotas::start(args.quota.settings(), &backend, telemetry.clone())?;
     let setup = Setup {
-        rules: reload::start(args.rules.feed()?, hangup, observer)?,
+        rules: reload::start(args.rules.feed()?, hangup, telemetry.clone())?,
         backend,
         cache: args.store.cache(),
         leases: Arc::new(args.answers.leases()),
@@ -267,16 +270,17 @@ async fn run(args: ServeArgs) -> anyhow::Result<()> {
         tls: args.tls.server_tls()?,
         healthcheck: args.erl.healthcheck(),
         quotas,
+        telemetry: telemetry.clone(),
     };
     // Once the start has gone well so far: a failed one logs its error alone.
     if let Some(told) = top_view {
         tracing::info!("{told}");
     }
     let shutdown = on_signal(args.listen.shutdown_grace());
-    let statsd = args
-        .telemetry
-        .statsd()
-        .map(|settings| tokio::spawn(statsd::push(settings, shutdown.clone().wait())));
+    let statsd = args.telemetry.statsd().map(|settings| {
+        let stop = shutdown.clone().wait();
+        tokio::spawn(statsd::push(settings, telemetry.clone(), stop))
+    });
     let served = service::run(setup, args.addrs(), args.listen.loops(), shutdown)
         .await
         .context("serving");

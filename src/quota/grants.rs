@@ -22,10 +22,38 @@ use crate::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQuotaRe
 use crate::rules::QuotaRule;
 use crate::store::{Change, Division, Listed, Settle, StoreError};
 use crate::telemetry::Throttle;
-use crate::telemetry::metrics::METRICS;
 use crate::telemetry::traces;
 
 impl Quotas {
+    /// Sends `subscriber` its new `assignment` of the bucket, for the assignments' time to live;
+    /// whether it went (a full outbox drops it).
+    pub(super) fn push(&self, subscriber: &Subscriber, assignment: Assignment) -> bool {
+        let Ok(bucket_id) = BucketId::decode(&*subscriber.bucket_id) else {
+            return false;
+        };
+        let pushed = RateLimitQuotaResponse {
+            bucket_action: vec![assign(bucket_id, assignment, self.settings.ttl)],
+        };
+        let sent = subscriber.outbox.try_send(Ok(pushed)).is_ok();
+        if sent {
+            self.telemetry
+                .quota_actions(&subscriber.labels, assignment.name(), 1);
+        }
+        sent
+    }
+
+    /// Counts and logs (at most once a second) that a settle call failed: the buckets keep
+    /// their assignments.
+    pub(super) fn failed_settle(&self, e: &StoreError) {
+        static FAILED: Throttle = Throttle::new();
+        self.telemetry.quota_store_error(e.kind());
+        if let Some(n) = FAILED.hit() {
+            tracing::warn!(
+                "{n} quota demand record(s) since the last report failed, the buckets keep their last assignments: {e}"
+            );
+        }
+    }
+
     /// Settles bucket `id` with no report (another replica moved, or the store came back).
     pub(super) async fn settle_in_background(
         self: &Arc<Self>,
@@ -34,7 +62,7 @@ impl Quotas {
         rule: Arc<QuotaRule>,
     ) {
         if let Err(e) = self.settle(id, &key, &rule, None, None).await {
-            failed_settle(&e);
+            self.failed_settle(&e);
         }
     }
 
@@ -53,7 +81,7 @@ impl Quotas {
             demand: 0,
         };
         if let Err(e) = self.settle(id, key, rule, Some(leaving), None).await {
-            failed_settle(&e);
+            self.failed_settle(&e);
         }
     }
 
@@ -234,7 +262,7 @@ impl Quotas {
             {
                 true
             } else {
-                push(subscriber, assignment, self.settings.ttl)
+                self.push(subscriber, assignment)
             };
             if pushed {
                 subscriber.sent = assignment;
@@ -249,22 +277,6 @@ impl Quotas {
     }
 }
 
-/// Sends `subscriber` its new `assignment` of the bucket, for `ttl`; whether it went (a full
-/// outbox drops it).
-pub(super) fn push(subscriber: &Subscriber, assignment: Assignment, ttl: Duration) -> bool {
-    let Ok(bucket_id) = BucketId::decode(&*subscriber.bucket_id) else {
-        return false;
-    };
-    let pushed = RateLimitQuotaResponse {
-        bucket_action: vec![assign(bucket_id, assignment, ttl)],
-    };
-    let sent = subscriber.outbox.try_send(Ok(pushed)).is_ok();
-    if sent {
-        METRICS.quota_actions(&subscriber.labels, assignment.name(), 1);
-    }
-    sent
-}
-
 /// Waits until the connections of `outboxes` have taken what was pushed to them, for at most
 /// `TAKEN_WITHIN`: a shrink is then on its way to its Envoy before what it frees is given to
 /// another.
@@ -276,16 +288,5 @@ pub(super) async fn taken(outboxes: &[Outbox]) {
         && start.elapsed() < TAKEN_WITHIN
     {
         tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-}
-
-/// Logs (at most once a second) that a settle call failed: the buckets keep their assignments.
-pub(super) fn failed_settle(e: &StoreError) {
-    static FAILED: Throttle = Throttle::new();
-    METRICS.quota_store_error(e.kind());
-    if let Some(n) = FAILED.hit() {
-        tracing::warn!(
-            "{n} quota demand record(s) since the last report failed, the buckets keep their last assignments: {e}"
-        );
     }
 }

@@ -9,7 +9,6 @@ use futures_util::StreamExt;
 use prost::Message;
 
 use super::assignment::sorted_entries;
-use super::grants::push;
 use super::{Assignment, Quotas, RECORDS_IN_FLIGHT, RULES_READ, fixed_answer};
 use crate::pb::envoy::service::rate_limit_quota::v3::BucketId;
 use crate::rules::{QuotaRule, RuleSet};
@@ -102,7 +101,7 @@ impl Quotas {
                     Moved::Settle(rule) => {
                         for subscriber in divided {
                             if rule.shadow && !subscriber.shadow {
-                                push(subscriber, Assignment::AllowAll, self.settings.ttl);
+                                self.push(subscriber, Assignment::AllowAll);
                             } else if !rule.shadow && subscriber.shadow {
                                 // Its Envoy allows all: its grant is sent once settled.
                                 subscriber.sent = Assignment::AllowAll;
@@ -114,7 +113,7 @@ impl Quotas {
                     }
                     Moved::Fixed(assignment) => {
                         for subscriber in divided {
-                            push(subscriber, assignment, self.settings.ttl);
+                            self.push(subscriber, assignment);
                             subscriber.sent = assignment;
                             subscriber.share = None;
                             subscriber.shadow = false;

@@ -22,6 +22,7 @@ use super::{
 use crate::limiter::{CounterIds, CounterKey, IdHasher};
 use crate::rules::QuotaRule;
 use crate::store::{Backend, Change, Deadline, Division, Settle, Store, StoreError, Told};
+use crate::telemetry::Telemetry;
 use crate::telemetry::metrics::QuotaLabels;
 
 /// The streams served by this replica: each bucket's local subscribers and what each was last
@@ -64,6 +65,8 @@ pub struct Quotas {
     runtime: tokio::runtime::Handle,
     /// That thread's store: demand records never share an event loop's connections.
     pub(super) store: Store,
+    /// Told what the streams report and are sent.
+    pub(super) telemetry: Telemetry,
 }
 
 /// A bucket's streams on this replica.
@@ -113,7 +116,11 @@ pub(super) struct Move {
 
 impl Quotas {
     /// Starts the thread that serves every quota stream, with a store of its own on `backend`.
-    pub fn start(settings: QuotaSettings, backend: &Backend) -> anyhow::Result<Arc<Quotas>> {
+    pub fn start(
+        settings: QuotaSettings,
+        backend: &Backend,
+        telemetry: Telemetry,
+    ) -> anyhow::Result<Arc<Quotas>> {
         let (opened, store) = std::sync::mpsc::channel();
         let backend = backend.clone();
         std::thread::Builder::new()
@@ -190,6 +197,7 @@ impl Quotas {
             reports_left: Pace::new(settings.max_reports),
             runtime,
             store,
+            telemetry,
         });
         if let Some(told) = told {
             quotas.runtime.spawn(quotas.clone().hear(told));

@@ -31,7 +31,7 @@ use crate::pb::envoy::service::rate_limit_quota::v3::{
 };
 use crate::rules::{QuotaRule, RuleSet};
 use crate::telemetry::Throttle;
-use crate::telemetry::metrics::{METRICS, QuotaLabels, UNKNOWN_DOMAIN};
+use crate::telemetry::metrics::{QuotaLabels, UNKNOWN_DOMAIN};
 
 /// An answer on its way to a stream's Envoy.
 pub type Answer = Result<RateLimitQuotaResponse, Status>;
@@ -175,7 +175,7 @@ impl QuotaStream {
             // HTTP/2 flow control keeps its Envoy's next reports at the Envoy.
             if let Some(at) = self.quotas.reports_left.take(some.len()) {
                 static PACED: Throttle = Throttle::new();
-                METRICS.quota_paced.inc_by(some.len() as u64);
+                self.quotas.telemetry.quota_paced(some.len() as u64);
                 if let Some(n) = PACED.hit() {
                     tracing::warn!(
                         "quota streams report more buckets than --quota-max-reports a second: \
@@ -342,7 +342,7 @@ impl QuotaStream {
                 };
                 actions.push(self.action(step, answer, tally));
             }
-            tally.count();
+            tally.count(&self.quotas.telemetry);
             if actions.is_empty() {
                 return true;
             }

@@ -12,7 +12,6 @@ use prost::Message;
 
 use super::assignment::assign;
 use super::bounds::Bound;
-use super::grants::failed_settle;
 use super::replica::{Local, Move, Subscriber};
 use super::stream::Step;
 use super::tally::Tally;
@@ -23,7 +22,6 @@ use super::{
 use crate::limiter::{CounterKey, IdHasher};
 use crate::rules::QuotaRule;
 use crate::store::Change;
-use crate::telemetry::metrics::METRICS;
 
 impl QuotaStream {
     /// Whether a bucket new to the stream, with `size` bytes of id, can be tracked: the stream is
@@ -119,7 +117,7 @@ impl QuotaStream {
                     }
                 }
                 Err(e) => {
-                    failed_settle(&e);
+                    self.quotas.failed_settle(&e);
                     self.kept(step.id)
                 }
             }
@@ -138,7 +136,9 @@ impl QuotaStream {
             let admissible = share.rate().unwrap_or(f64::INFINITY) * elapsed.as_secs_f64();
             let over = step.allowed as f64 - admissible;
             if over >= 1.0 {
-                METRICS.quota_shadow_denied(&step.labels, over as u64);
+                self.quotas
+                    .telemetry
+                    .quota_shadow_denied(&step.labels, over as u64);
             }
         }
         self.subscribe(&step, share, milli, rule.shadow);

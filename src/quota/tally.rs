@@ -5,8 +5,9 @@ use std::sync::Arc;
 
 use super::bounds::Bound;
 use crate::rules::QuotaRule;
+use crate::telemetry::Telemetry;
 use crate::telemetry::Throttle;
-use crate::telemetry::metrics::{METRICS, QuotaLabels, UNMATCHED_RULE};
+use crate::telemetry::metrics::{QuotaLabels, UNMATCHED_RULE};
 
 /// What a report adds to the metrics, added up per rule and counted before each answer is sent
 /// (so that the metrics show it once the Envoy has it) rather than once per bucket; and the
@@ -74,11 +75,11 @@ impl Tally {
 
     /// Counts what it holds in the metrics, and empties it; warns (at most once a second) of
     /// buckets answered untracked.
-    pub(super) fn count(&mut self) {
+    pub(super) fn count(&mut self, telemetry: &Telemetry) {
         for (labels, counts) in self.counts.drain() {
-            METRICS.quota_reported(&labels, counts.allowed, counts.denied);
+            telemetry.quota_reported(&labels, counts.allowed, counts.denied);
             for (name, sent) in counts.actions {
-                METRICS.quota_actions(&labels, name, sent);
+                telemetry.quota_actions(&labels, name, sent);
             }
         }
         for bound in Bound::ALL {
@@ -86,7 +87,7 @@ impl Tally {
             if n == 0 {
                 continue;
             }
-            METRICS.quota_untracked(bound.name(), n);
+            telemetry.quota_untracked(bound.name(), n);
             static FULL: Throttle = Throttle::new();
             if let Some(answers) = FULL.hit() {
                 tracing::warn!(

@@ -12,9 +12,8 @@ use super::shutdown::Shutdown;
 use crate::limiter::lease::{Draw, Leases, Pass, Returning};
 use crate::limiter::{Check, Decision, OverLimitCache};
 use crate::store::{Deadline, Store, StoreError};
+use crate::telemetry::Telemetry;
 use crate::telemetry::Throttle;
-use crate::telemetry::metrics::METRICS;
-use crate::telemetry::top;
 use crate::telemetry::traces;
 
 /// Draws a leased check from its blocks at most this many times (each after a block was taken,
@@ -35,6 +34,8 @@ pub struct Decider {
     leases: Arc<Leases>,
     /// `--store-timeout`, which a block's store call has whatever its caller's deadline.
     store_timeout: Duration,
+    /// Told how long each store call took.
+    telemetry: Telemetry,
 }
 
 impl Decider {
@@ -43,12 +44,14 @@ impl Decider {
         cache: Option<Arc<OverLimitCache>>,
         leases: Arc<Leases>,
         store_timeout: Duration,
+        telemetry: Telemetry,
     ) -> Self {
         Decider {
             store: Arc::new(store),
             cache,
             leases,
             store_timeout,
+            telemetry,
         }
     }
 
@@ -94,6 +97,7 @@ impl Decider {
                                 at.clone(),
                                 take,
                                 Deadline::new(self.store_timeout, None),
+                                self.telemetry.clone(),
                             )
                             .in_current_span(),
                         );
@@ -140,7 +144,7 @@ impl Decider {
         deadline: Deadline,
         asked: Instant,
     ) -> Result<Decision, StoreError> {
-        call(&self.store, check, deadline, asked).await
+        call(&self.store, check, deadline, asked, &self.telemetry).await
     }
 
     /// Gives back what `pass` finds the blocks hold unused, in calls of `GIVE_BACK_COUNTERS`
@@ -220,17 +224,14 @@ async fn call(
     check: &Check,
     deadline: Deadline,
     asked: Instant,
+    telemetry: &Telemetry,
 ) -> Result<Decision, StoreError> {
     let span = traces::store_span(check.items.len());
     let decided = store.apply(check, deadline).instrument(span.clone()).await;
     if let Err(e) = &decided {
         traces::store_failed(&span, e);
     }
-    let took = asked.elapsed();
-    METRICS.store_call_seconds.observe(took.as_secs_f64());
-    if let Some(view) = top::top() {
-        view.store_call(took);
-    }
+    telemetry.store_call(asked.elapsed());
     decided
 }
 
@@ -245,9 +246,10 @@ async fn take_block(
     at: Vec<usize>,
     take: Check,
     deadline: Deadline,
+    telemetry: Telemetry,
 ) -> Result<(Decision, Option<Decision>), StoreError> {
     let sent = Instant::now();
-    let taken = call(&store, &take, deadline, sent).await;
+    let taken = call(&store, &take, deadline, sent, &telemetry).await;
     let admitted = leases.took(&check, &at, taken.as_ref().ok(), sent);
     taken.map(|taken| (taken, admitted))
 }

@@ -14,12 +14,14 @@ use crate::limiter::OverLimitCache;
 use crate::limiter::lease::Leases;
 use crate::quota::Quotas;
 use crate::store::Backend;
-use crate::telemetry::metrics::METRICS;
+use crate::telemetry::Telemetry;
 
 /// The handles a scrape reads.
 #[derive(Clone)]
 pub struct Gauges {
     pub backend: Backend,
+    /// The metrics every part counts into.
+    pub telemetry: Telemetry,
     pub cache: Option<Arc<OverLimitCache>>,
     pub leases: Arc<Leases>,
     pub quotas: Arc<Quotas>,
@@ -139,7 +141,7 @@ impl Gauges {
             "Always 0: sluice has no garbage collector (the Go runtime gauge envoyproxy/ratelimit exports, kept for dashboards that chart it)",
             ConstGauge::new(0.0),
         );
-        METRICS.encode(&r)
+        self.telemetry.metrics().encode(&r)
     }
 }
 

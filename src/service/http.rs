@@ -28,6 +28,7 @@ use super::rls::Rls;
 use crate::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use crate::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::rules::RuleSet;
+use crate::telemetry::Telemetry;
 use crate::telemetry::top::{self, Period, Report};
 
 static POOL: LazyLock<DescriptorPool> = LazyLock::new(|| {
@@ -42,12 +43,13 @@ fn message(name: &str) -> MessageDescriptor {
 /// The admin routes: probes, metrics and the rules in force.
 pub fn admin(readiness: Readiness, rules: Rules, gauges: Gauges) -> Router {
     let config = rules.clone();
+    let telemetry = gauges.telemetry.clone();
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .merge(metrics_route("/metrics", gauges))
         .route("/top", {
             let renders = Arc::new(Renders::new(TOP_FRESH));
-            get(move |uri: Uri| top_page(renders, uri))
+            get(move |uri: Uri| top_page(renders, telemetry, uri))
         })
         .route(
             "/config",
@@ -169,14 +171,18 @@ const TOP_FRESH: Duration = Duration::from_secs(1);
 
 /// `/top`: who is being limited, over `?period=` 1m or 10m (both unless it says), the first
 /// `?n=` rows of each list; 404 when the top view is off.
-async fn top_page(renders: Arc<Renders<(Vec<Period>, usize), Bytes>>, uri: Uri) -> Response {
-    let Some(view) = top::top() else {
+async fn top_page(
+    renders: Arc<Renders<(Vec<Period>, usize), Bytes>>,
+    telemetry: Telemetry,
+    uri: Uri,
+) -> Response {
+    if telemetry.top().is_none() {
         return (
             StatusCode::NOT_FOUND,
             "the top view is off (--top-capacity 0)\n",
         )
             .into_response();
-    };
+    }
     let (periods, n) = match top_query(uri.query().unwrap_or_default()) {
         Ok(asked) => asked,
         Err(message) => return (StatusCode::BAD_REQUEST, message).into_response(),
@@ -185,7 +191,10 @@ async fn top_page(renders: Arc<Renders<(Vec<Period>, usize), Bytes>>, uri: Uri) 
         let periods = periods.clone();
         move || {
             let report = Report {
-                periods: periods.into_iter().map(|p| view.report(p, n)).collect(),
+                periods: match telemetry.top() {
+                    Some(view) => periods.into_iter().map(|p| view.report(p, n)).collect(),
+                    None => Vec::new(),
+                },
             };
             let mut json = serde_json::to_vec(&report).unwrap_or_default();
             json.push(b'\n');

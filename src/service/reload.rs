@@ -27,9 +27,8 @@ use crate::config::xds::{Snapshot, Subscription};
 use crate::config::{self, Source};
 use crate::observe::Observer;
 use crate::rules::RuleSet;
+use crate::telemetry::Telemetry;
 use crate::telemetry::Throttle;
-use crate::telemetry::metrics::METRICS;
-use crate::telemetry::top;
 
 /// How long changes must stop before a reload: an editor's or kubelet's several writes make one.
 const SETTLE: Duration = Duration::from_millis(200);
@@ -50,8 +49,10 @@ pub enum Feed {
 }
 
 /// The rules of `feed`: read now from files (an error stops the start), or awaited from the xDS
-/// server; then kept current until the process ends, SIGHUP (`hangup`) included.
-pub fn start(feed: Feed, hangup: Signal, observer: Arc<dyn Observer>) -> anyhow::Result<Rules> {
+/// server; then kept current until the process ends, SIGHUP (`hangup`) included; every load
+/// told to `telemetry`, whose metrics count the rules' decisions.
+pub fn start(feed: Feed, hangup: Signal, telemetry: Telemetry) -> anyhow::Result<Rules> {
+    let observer: Arc<dyn Observer> = Arc::new(telemetry.clone());
     match feed {
         Feed::Xds(subscription) => {
             tracing::info!(
@@ -59,7 +60,7 @@ pub fn start(feed: Feed, hangup: Signal, observer: Arc<dyn Observer>) -> anyhow:
                 "rules over xDS: every request is refused (UNAVAILABLE) until the first configuration"
             );
             let rules = Rules::new(RuleSet::awaiting(observer));
-            tokio::spawn(follow_xds(rules.clone(), *subscription, hangup));
+            tokio::spawn(follow_xds(rules.clone(), *subscription, hangup, telemetry));
             Ok(rules)
         }
         Feed::Files {
@@ -67,12 +68,12 @@ pub fn start(feed: Feed, hangup: Signal, observer: Arc<dyn Observer>) -> anyhow:
             allow_empty,
         } => {
             let loaded = load(&source, allow_empty, observer)?;
-            first(&loaded);
+            first(&loaded, &telemetry);
             let rules = Rules::new(loaded);
             if !rules.loaded() {
                 tracing::warn!("no rules loaded: not ready until a reload finds some");
             }
-            tokio::spawn(watch(rules.clone(), source, allow_empty, hangup));
+            tokio::spawn(watch(rules.clone(), source, allow_empty, hangup, telemetry));
             Ok(rules)
         }
     }
@@ -107,9 +108,9 @@ fn load(
 }
 
 /// Puts the first rules in force: counted and logged as a load, not a reload.
-fn first(rules: &RuleSet) {
+fn first(rules: &RuleSet, telemetry: &Telemetry) {
     let origin = rules.origin();
-    METRICS.rules_loaded(&origin.hash, false);
+    telemetry.rules_loaded(&origin.hash, false);
     tracing::info!(
         domains = rules.domains(),
         hash = %origin.hash,
@@ -119,7 +120,13 @@ fn first(rules: &RuleSet) {
 
 /// Reloads `rules` from `source` on every SIGHUP (`hangup`) and file change, until the process
 /// ends. Without a file watcher (one could not be set up), SIGHUP still reloads.
-async fn watch(rules: Rules, source: Source, allow_empty: bool, mut hangup: Signal) {
+async fn watch(
+    rules: Rules,
+    source: Source,
+    allow_empty: bool,
+    mut hangup: Signal,
+    telemetry: Telemetry,
+) {
     let path = source.path.as_path();
     let changed = Arc::new(Notify::new());
     let _watcher = match watcher(path, changed.clone()) {
@@ -146,11 +153,11 @@ async fn watch(rules: Rules, source: Source, allow_empty: bool, mut hangup: Sign
             }
         };
         // SIGHUPs meanwhile are coalesced into one by `hangup`, changes into one by `changed`.
-        let (rules, source) = (rules.clone(), source.clone());
+        let (rules, source, told) = (rules.clone(), source.clone(), telemetry.clone());
         let reloading =
-            config::on_own_thread(move || reload(&rules, &source, allow_empty, trigger));
+            config::on_own_thread(move || reload(&rules, &source, allow_empty, trigger, &told));
         if let Err(e) = reloading.await {
-            METRICS.reload_failed();
+            telemetry.reload_failed();
             tracing::error!("{trigger}: the reload failed ({e}); the rules in force stay");
         }
         tokio::time::sleep(PACE).await;
@@ -214,7 +221,7 @@ fn is_rules_entry(path: &Path) -> bool {
 }
 
 /// Loads the rules again; puts them in force when they are valid and differ from those in force.
-fn reload(rules: &Rules, source: &Source, allow_empty: bool, trigger: &str) {
+fn reload(rules: &Rules, source: &Source, allow_empty: bool, trigger: &str, telemetry: &Telemetry) {
     match load(source, allow_empty, rules.in_force().observer()) {
         Ok(loaded) => {
             let hash = loaded.origin().hash.clone();
@@ -224,24 +231,21 @@ fn reload(rules: &Rules, source: &Source, allow_empty: bool, trigger: &str) {
                 }
                 return;
             }
-            swap(rules, loaded, trigger);
+            swap(rules, loaded, trigger, telemetry);
         }
         Err(e) => {
-            METRICS.reload_failed();
+            telemetry.reload_failed();
             tracing::error!("{trigger}: {e:#}; the rules in force stay");
         }
     }
 }
 
 /// Puts `loaded` in place of the rules in force, counted as a reload.
-fn swap(rules: &Rules, loaded: RuleSet, trigger: &str) {
+fn swap(rules: &Rules, loaded: RuleSet, trigger: &str, telemetry: &Telemetry) {
     let hash = loaded.origin().hash.clone();
-    METRICS.rules_loaded(&hash, true);
+    telemetry.rules_loaded(&hash, true);
     let paths = loaded.rule_paths();
-    METRICS.retain_rules(|domain, rule| paths.contains(&(domain, rule)));
-    if let Some(view) = top::top() {
-        view.retain(|domain, rule| paths.contains(&(domain, rule)));
-    }
+    telemetry.rules_kept(|domain, rule| paths.contains(&(domain, rule)));
     drop(paths);
     let domains = loaded.domains();
     rules.replace(loaded);
@@ -253,7 +257,12 @@ fn swap(rules: &Rules, loaded: RuleSet, trigger: &str) {
 /// swapped), an invalid one as a failed reload. Snapshots are converted, and the rules built and
 /// swapped, on a thread of their own; rejections are logged at most once a second. SIGHUP
 /// (`hangup`) starts a new stream at once.
-async fn follow_xds(rules: Rules, subscription: Subscription, mut hangup: Signal) {
+async fn follow_xds(
+    rules: Rules,
+    subscription: Subscription,
+    mut hangup: Signal,
+    telemetry: Telemetry,
+) {
     let resubscribe = Arc::new(Notify::new());
     let on_hangup = resubscribe.clone();
     tokio::spawn(async move {
@@ -269,12 +278,17 @@ async fn follow_xds(rules: Rules, subscription: Subscription, mut hangup: Signal
             let loaded = RuleSet::from_loaded(loaded, true, rules.in_force().observer());
             let in_force = rules.in_force();
             if in_force.is_awaiting() {
-                first(&loaded);
+                first(&loaded, &telemetry);
                 rules.replace(loaded);
             } else if in_force.origin().hash == loaded.origin().hash {
                 tracing::debug!(%version, "xDS snapshot: rules unchanged");
             } else {
-                swap(&rules, loaded, &format!("xDS version {version}"));
+                swap(
+                    &rules,
+                    loaded,
+                    &format!("xDS version {version}"),
+                    &telemetry,
+                );
             }
         }
         Snapshot::Unchanged { version } => {
@@ -290,7 +304,7 @@ async fn follow_xds(rules: Rules, subscription: Subscription, mut hangup: Signal
             rejection,
             again,
         } => {
-            METRICS.reload_failed();
+            telemetry.reload_failed();
             static REJECTED: Throttle = Throttle::new();
             if let Some(rejected) = REJECTED.hit() {
                 let seen = if again { ", as last time" } else { "" };

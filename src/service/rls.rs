@@ -29,9 +29,8 @@ use crate::rules::RuleSet;
 use crate::rules::plan::{Asked, Global, Override, Plan};
 use crate::store::{Deadline, StoreError};
 use crate::telemetry::Throttle;
-use crate::telemetry::metrics::METRICS;
-use crate::telemetry::top;
 use crate::telemetry::traces;
+use crate::telemetry::{PolicyAnswer, Telemetry};
 
 /// Limits on the shape of a request, which Envoy's route configuration decides (not its
 /// clients), so that no caller can make a check unboundedly large. Keys and values may be any
@@ -108,6 +107,7 @@ pub struct Rls {
     bounds: Bounds,
     fallback: Fallback,
     answering: Answering,
+    telemetry: Telemetry,
 }
 
 impl Answering {
@@ -128,6 +128,7 @@ impl Rls {
         bounds: Bounds,
         fallback: Fallback,
         answering: Answering,
+        telemetry: Telemetry,
     ) -> Self {
         Rls {
             rules,
@@ -135,6 +136,7 @@ impl Rls {
             bounds,
             fallback,
             answering,
+            telemetry,
         }
     }
 
@@ -148,7 +150,7 @@ impl Rls {
         at: Option<u64>,
     ) -> Result<RateLimitResponse, Status> {
         if let Err(invalid) = self.bounds.validate(request) {
-            METRICS.service_errors.inc();
+            self.telemetry.invalid_request();
             return Err(invalid);
         }
         let rules = self.rules.load();
@@ -168,7 +170,7 @@ impl Rls {
                 .iter()
                 .find(|i| !i.limit.algorithm.schedulable())
             {
-                METRICS.service_errors.inc();
+                self.telemetry.invalid_request();
                 return Err(Status::invalid_argument(format!(
                     "\"at\" names an instant, which only fixed_window and sliding_log limits count at; this request has a {} limit",
                     item.limit.algorithm.name()
@@ -176,7 +178,7 @@ impl Rls {
             }
             let ahead = Duration::from_millis(at.saturating_sub(unix_ms()));
             if ahead > self.bounds.max_schedule_ahead {
-                METRICS.service_errors.inc();
+                self.telemetry.invalid_request();
                 return Err(Status::invalid_argument(format!(
                     "\"at\" is more than --max-schedule-ahead ({}) ahead",
                     in_largest_unit(self.bounds.max_schedule_ahead)
@@ -186,11 +188,12 @@ impl Rls {
         }
         let deadline = Deadline::new(self.fallback.store_timeout, caller_timeout);
         let decided = self.decider.decide(&check, deadline).await;
-        if let Some(view) = top::top() {
-            view.decided();
-        }
+        self.telemetry.decided();
         match decided {
             Ok(decision) => {
+                if self.answering.shadow_mode && !decision.admitted {
+                    self.telemetry.shadow_mode_pass();
+                }
                 count(&plans, &asked, &check, &decision, &self.answering);
                 let response = respond(request, &plans, &check, &decision, &self.answering);
                 if traces::on() {
@@ -223,20 +226,17 @@ impl Rls {
     ) -> Result<RateLimitResponse, Status> {
         static UNDECIDED: Throttle = Throttle::new();
         let policy = self.fallback.on_store_error;
-        METRICS.store_error(e.kind());
-        let name = match policy {
-            OnStoreError::Error => "error",
-            OnStoreError::Allow => "allow",
-            OnStoreError::Deny => "deny",
+        let answer = match policy {
+            OnStoreError::Error => PolicyAnswer::Error,
+            OnStoreError::Allow => PolicyAnswer::Allow,
+            OnStoreError::Deny => PolicyAnswer::Deny,
         };
-        METRICS.policy_answer(name);
+        self.telemetry.undecided(e.kind(), answer);
+        let name = answer.name();
         if traces::on() {
             let span = Span::current();
             span.record("ratelimit.policy_answer", name);
             traces::store_failed(&span, &e);
-        }
-        if let Some(view) = top::top() {
-            view.policy_answer(name);
         }
         if let Some(n) = UNDECIDED.hit() {
             tracing::warn!(
@@ -347,9 +347,7 @@ impl RateLimitService for Rls {
             .answer(request.get_ref(), caller_timeout, None)
             .instrument(span)
             .await;
-        let elapsed = started.elapsed();
-        METRICS.request_seconds.observe(elapsed.as_secs_f64());
-        METRICS.response_times.observe(elapsed);
+        self.telemetry.answered(started.elapsed());
         answer.map(Response::new)
     }
 }
@@ -477,9 +475,6 @@ fn count(
     decision: &Decision,
     answering: &Answering,
 ) {
-    if answering.shadow_mode && !decision.admitted {
-        METRICS.global_shadow_mode.inc();
-    }
     for (plan, asked) in plans.iter().zip(asked) {
         plan.count(check, decision, answering.near_limit_ratio, &asked.entries);
     }

@@ -54,6 +54,7 @@ pub async fn run(
         None,
         setup.leases.clone(),
         setup.fallback.store_timeout,
+        setup.telemetry.clone(),
     );
     let grpc = Grpc {
         setup: setup.clone(),
@@ -99,6 +100,7 @@ pub async fn run(
     let answers = Answers {
         gauges: Gauges {
             backend: setup.backend.clone(),
+            telemetry: setup.telemetry.clone(),
             cache: setup.cache.clone(),
             leases: setup.leases.clone(),
             quotas: setup.quotas.clone(),

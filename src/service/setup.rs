@@ -16,6 +16,7 @@ use crate::limiter::OverLimitCache;
 use crate::limiter::lease::Leases;
 use crate::quota::Quotas;
 use crate::store::{Backend, StoreError};
+use crate::telemetry::Telemetry;
 
 /// Bounds on what a client can make the server hold before a request is even decoded.
 #[derive(Clone, Copy, Debug)]
@@ -51,6 +52,8 @@ pub struct Setup {
     pub healthcheck: Healthcheck,
     /// The quota service's streams on this replica, shared by every event loop.
     pub quotas: Arc<Quotas>,
+    /// What every part tells of what it does.
+    pub telemetry: Telemetry,
 }
 
 impl Setup {
@@ -65,10 +68,12 @@ impl Setup {
                 self.cache.clone(),
                 self.leases.clone(),
                 self.fallback.store_timeout,
+                self.telemetry.clone(),
             ),
             self.bounds,
             self.fallback,
             self.answering.clone(),
+            self.telemetry.clone(),
         )))
     }
 

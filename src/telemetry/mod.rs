@@ -5,11 +5,14 @@
 //! `traces`) are a layer on the same subscriber, added in `init`, over the spans opened on the
 //! request path.
 
+mod handle;
 pub mod mapper;
 pub mod metrics;
 pub mod statsd;
 pub mod top;
 pub mod traces;
+
+pub use handle::{PolicyAnswer, Telemetry};
 
 use std::io::IsTerminal;
 use std::sync::Mutex;

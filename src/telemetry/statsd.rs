@@ -15,8 +15,9 @@ use std::time::Duration;
 
 use tokio::net::UdpSocket;
 
+use super::Telemetry;
 use super::Throttle;
-use super::metrics::{METRICS, RESPONSE_TIME, StatsdTotals};
+use super::metrics::{RESPONSE_TIME, StatsdTotals};
 
 /// The most bytes of lines in one datagram: what fits an Ethernet frame, as statsd clients use.
 const PACKET: usize = 1432;
@@ -49,7 +50,7 @@ pub fn parse_tags(text: &str) -> Result<Vec<(String, String)>, String> {
 }
 
 /// Pushes the stats every `settings.every` until `stop`, then once more.
-pub async fn push(settings: StatsdSettings, stop: impl Future<Output = ()>) {
+pub async fn push(settings: StatsdSettings, telemetry: Telemetry, stop: impl Future<Output = ()>) {
     let socket = match UdpSocket::bind(("0.0.0.0", 0)).await {
         Ok(socket) => socket,
         Err(e) => {
@@ -68,8 +69,9 @@ pub async fn push(settings: StatsdSettings, stop: impl Future<Output = ()>) {
             _ = ticks.tick() => false,
             () = &mut stop => true,
         };
+        let told = telemetry.clone();
         let made = tokio::task::spawn_blocking(move || {
-            let packets = lines.packets(METRICS.statsd_totals());
+            let packets = lines.packets(told.metrics().statsd_totals());
             (lines, packets)
         })
         .await;

@@ -29,8 +29,8 @@ use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider, Span, SpanData, SpanP
 use tokio::sync::mpsc;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
+use super::Telemetry;
 use super::Throttle;
-use super::metrics::METRICS;
 
 /// The `tracing` target of every span exported as a trace.
 pub const TARGET: &str = "sluice::traces";
@@ -102,7 +102,10 @@ pub struct Traces {
 
 impl Traces {
     /// Starts the export thread and the tracer that feeds it, and turns spans on.
-    pub fn start(settings: &TracingSettings) -> anyhow::Result<(Traces, Tracer)> {
+    pub fn start(
+        settings: &TracingSettings,
+        telemetry: &Telemetry,
+    ) -> anyhow::Result<(Traces, Tracer)> {
         let (spans, queue) = mpsc::channel(settings.queue.max(1));
         let held = Arc::new(AtomicUsize::new(0));
         let sent = held.clone();
@@ -111,6 +114,7 @@ impl Traces {
         let protocol = settings.protocol;
         let endpoint = settings.endpoint.clone();
         let exported = resource.clone();
+        let counted = telemetry.clone();
         std::thread::Builder::new()
             .name("sluice-traces".into())
             .spawn(move || {
@@ -130,7 +134,7 @@ impl Traces {
                             use opentelemetry_sdk::trace::SpanExporter as _;
                             exporter.set_resource(&exported);
                             let _ = built.send(Ok(()));
-                            export(exporter, queue, &sent).await;
+                            export(exporter, queue, &sent, &counted).await;
                         }
                         Err(e) => {
                             let _ = built.send(Err(e));
@@ -150,6 +154,7 @@ impl Traces {
                 spans,
                 held,
                 budget: settings.queue_bytes,
+                telemetry: telemetry.clone(),
             })
             .build();
         let tracer = provider.tracer("sluice");
@@ -249,6 +254,8 @@ struct Queue {
     held: Arc<AtomicUsize>,
     /// What `held` may reach.
     budget: usize,
+    /// Told of the spans dropped.
+    telemetry: Telemetry,
 }
 
 impl SpanProcessor for Queue {
@@ -267,7 +274,7 @@ impl SpanProcessor for Queue {
                 .is_ok();
         if !queued {
             self.held.fetch_sub(size, Ordering::Relaxed);
-            METRICS.trace_spans("dropped", 1);
+            self.telemetry.trace_spans("dropped", 1);
         }
     }
 
@@ -337,7 +344,12 @@ struct Batch {
 /// Sends the spans `queue` brings to `exporter`, in batches of at most `BATCH`, every `EVERY`
 /// and when a batch is full; one export at a time, the queue filling meanwhile. The bytes of a
 /// batch leave `held` once it is sent (or failed): until then they are still in memory.
-async fn export(exporter: SpanExporter, mut queue: mpsc::Receiver<Message>, held: &AtomicUsize) {
+async fn export(
+    exporter: SpanExporter,
+    mut queue: mpsc::Receiver<Message>,
+    held: &AtomicUsize,
+    telemetry: &Telemetry,
+) {
     let mut batch = Batch {
         spans: Vec::with_capacity(BATCH),
         bytes: 0,
@@ -351,25 +363,30 @@ async fn export(exporter: SpanExporter, mut queue: mpsc::Receiver<Message>, held
                     batch.spans.push(*span);
                     batch.bytes += size;
                     if batch.spans.len() >= BATCH {
-                        send(&exporter, &mut batch, held).await;
+                        send(&exporter, &mut batch, held, telemetry).await;
                     }
                 }
                 Some(Message::Flush(done)) => {
-                    send(&exporter, &mut batch, held).await;
+                    send(&exporter, &mut batch, held, telemetry).await;
                     let _ = done.send(());
                 }
                 None => {
-                    send(&exporter, &mut batch, held).await;
+                    send(&exporter, &mut batch, held, telemetry).await;
                     return;
                 }
             },
-            _ = tick.tick() => send(&exporter, &mut batch, held).await,
+            _ = tick.tick() => send(&exporter, &mut batch, held, telemetry).await,
         }
     }
 }
 
 /// Exports `batch`, counting its spans as exported or failed, and takes its bytes off `held`.
-async fn send(exporter: &SpanExporter, batch: &mut Batch, held: &AtomicUsize) {
+async fn send(
+    exporter: &SpanExporter,
+    batch: &mut Batch,
+    held: &AtomicUsize,
+    telemetry: &Telemetry,
+) {
     use opentelemetry_sdk::trace::SpanExporter as _;
     static FAILED: Throttle = Throttle::new();
     if batch.spans.is_empty() {
@@ -382,13 +399,13 @@ async fn send(exporter: &SpanExporter, batch: &mut Batch, held: &AtomicUsize) {
     held.fetch_sub(bytes, Ordering::Relaxed);
     let why = match exported {
         Ok(Ok(())) => {
-            METRICS.trace_spans("exported", n);
+            telemetry.trace_spans("exported", n);
             return;
         }
         Ok(Err(e)) => e.to_string(),
         Err(_) => format!("no answer within {}s", EXPORT_TIMEOUT.as_secs()),
     };
-    METRICS.trace_spans("failed", n);
+    telemetry.trace_spans("failed", n);
     if let Some(times) = FAILED.hit() {
         tracing::warn!("traces: {times} export(s) failed since the last report: {why}");
     }
@@ -739,10 +756,12 @@ mod tests {
         assert!(size > 1000, "{size}");
         let (spans, mut queue) = mpsc::channel(100);
         let held = Arc::new(AtomicUsize::new(0));
+        let telemetry = Telemetry::new();
         let processor = Queue {
             spans,
             held: held.clone(),
             budget: 3 * size,
+            telemetry: telemetry.clone(),
         };
         for _ in 0..5 {
             processor.on_end(span_of(1000));
@@ -760,6 +779,11 @@ mod tests {
         held.fetch_sub(3 * size, Ordering::Relaxed);
         processor.on_end(span_of(1000));
         assert!(matches!(queue.try_recv(), Ok(Message::Span(..))));
+        let metrics = telemetry.metrics().encode(&Default::default()).unwrap();
+        assert!(
+            metrics.contains("sluice_trace_spans_total{outcome=\"dropped\"} 3"),
+            "{metrics}"
+        );
     }
 
     #[test]

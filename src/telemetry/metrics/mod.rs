@@ -1,4 +1,4 @@
-//! Prometheus metrics: one process-wide set (`METRICS`), moved on the request path with atomics
+//! Prometheus metrics: one set per `Telemetry` handle (one per process), moved on the request path with atomics
 //! and written by `/metrics` in the OpenMetrics text format. Here: the registry and the service's
 //! own series (latencies, store errors, policy answers, reloads, quota). Beside it:
 //!
@@ -15,10 +15,11 @@ mod statsd;
 
 pub use response_times::ResponseTimes;
 pub use rules::RuleStats;
-pub use statsd::{RESPONSE_TIME, StatsdTotals, use_mapper};
+pub(crate) use rules::TopCell;
+pub use statsd::{RESPONSE_TIME, StatsdTotals};
 
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use prometheus_client::metrics::counter::Counter;
@@ -28,7 +29,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
-use crate::observe::{Observer, RuleCounters};
+use crate::telemetry::mapper::Mapper;
 use rules::RuleSeries;
 use statsd::StatsdSeries;
 
@@ -90,43 +91,11 @@ pub struct Metrics {
     /// Bucket reports that waited their turn past `--quota-max-reports`.
     pub quota_paced: Counter,
     trace_spans: Family<Labels, Counter>,
-}
-
-pub static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
-
-/// What the rules and the stores tell, counted in the process's metrics (and, through the rules'
-/// counters, the top view).
-struct Counted;
-
-impl Observer for Counted {
-    fn rule(&self, domain: &str, path: &str) -> Arc<dyn RuleCounters> {
-        METRICS.rule(domain, path)
-    }
-
-    fn detailed(&self, domain: &str, name: &str, rule: &str) -> Option<Arc<dyn RuleCounters>> {
-        Some(METRICS.detailed(domain, name, rule)?)
-    }
-
-    fn unknown_domain(&self) {
-        METRICS.unknown_domain.inc();
-    }
-
-    fn store_unreachable(&self, kind: &'static str) {
-        METRICS.store_unreachable(kind);
-    }
-
-    fn memory_refused(&self, share: &'static str) {
-        METRICS.memory_refused(share);
-    }
-
-    fn batch(&self, requests: usize) {
-        METRICS.batch_requests.observe(requests as f64);
-    }
-}
-
-/// The observer of the rules and the stores that counts in the process's metrics.
-pub fn observer() -> Arc<dyn Observer> {
-    Arc::new(Counted)
+    /// The mapping of envoyproxy/ratelimit's statsd names in force: `use_mapper`'s, else that
+    /// project's built-in one.
+    mapper: OnceLock<Mapper>,
+    /// The top view, once started, which the rules' counters feed.
+    top: TopCell,
 }
 
 /// Why Redis could not be reached, as `sluice_store_unreachable_total` counts it.
@@ -143,7 +112,8 @@ pub const UNREACHABLE: [&str; 9] = [
 ];
 
 impl Metrics {
-    fn new() -> Self {
+    /// The metrics of a process whose rules' counters feed `top`, once it is started.
+    pub(super) fn new(top: TopCell) -> Self {
         let m = Metrics {
             registry: Registry::default(),
             request_seconds: Histogram::new(LATENCY_BUCKETS),
@@ -172,6 +142,8 @@ impl Metrics {
             quota_untracked: Family::default(),
             quota_paced: Counter::default(),
             trace_spans: Family::default(),
+            mapper: OnceLock::new(),
+            top,
         };
         let mut registry = Registry::default();
         let r = &mut registry;
@@ -388,13 +360,23 @@ impl Metrics {
     /// `key_value.key…`) in `domain`, shared by every rule set that has it, so that counts
     /// survive a reload.
     pub fn rule(&self, domain: &str, descriptor: &str) -> Arc<RuleStats> {
-        lock(&self.rules).rule(domain, descriptor)
+        lock(&self.rules).rule(domain, descriptor, &self.top)
     }
 
     /// The counters of a series named from request values for the rule `rule`, or `None` once
     /// `DETAILED_SERIES` exist.
     pub fn detailed(&self, domain: &str, name: &str, rule: &str) -> Option<Arc<RuleStats>> {
-        lock(&self.rules).detailed(domain, name, rule)
+        lock(&self.rules).detailed(domain, name, rule, &self.top)
+    }
+
+    /// Names envoyproxy/ratelimit's series through `mapper` from now on; only the first call
+    /// counts (`serve` makes it once, at start, before any scrape).
+    pub fn use_mapper(&self, mapper: Mapper) {
+        let _ = self.mapper.set(mapper);
+    }
+
+    fn mapper(&self) -> &Mapper {
+        self.mapper.get_or_init(Mapper::erl_default)
     }
 
     /// Forgets the series of rules that `keep` (domain, rule path) no longer has.
@@ -404,7 +386,7 @@ impl Metrics {
 
     /// envoyproxy/ratelimit's statsd stats for what was counted, unmapped, for a statsd push.
     pub fn statsd_totals(&self) -> StatsdTotals {
-        let snapshot = lock(&self.rules).snapshot(statsd::rule_series);
+        let snapshot = lock(&self.rules).snapshot(|d, r| statsd::rule_series(self.mapper(), d, r));
         statsd::totals(self, &snapshot)
     }
 
@@ -416,7 +398,7 @@ impl Metrics {
         encode_registry(&mut out, &self.registry)?;
         encode_registry(&mut out, extra)?;
         let mut rules = Registry::default();
-        let snapshot = lock(&self.rules).snapshot(statsd::rule_series);
+        let snapshot = lock(&self.rules).snapshot(|d, r| statsd::rule_series(self.mapper(), d, r));
         rules.register_collector(Box::new(StatsdSeries::gather(self, &snapshot)));
         rules.register_collector(Box::new(snapshot));
         rules.register(

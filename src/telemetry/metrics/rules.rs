@@ -19,7 +19,7 @@ use prometheus_client::metrics::MetricType;
 
 use crate::observe::{Outcome, RuleCounters};
 use crate::telemetry::mapper::Series;
-use crate::telemetry::top::{self, RuleTop};
+use crate::telemetry::top::{RuleTop, Top};
 
 /// Most series made from request values (`detailed_metric`, `value_to_metric`); past it, such
 /// hits count under their rule's own series.
@@ -40,8 +40,8 @@ pub(super) struct RuleSeries {
 
 impl RuleSeries {
     /// The counters of the rule `descriptor` in `domain`.
-    pub(super) fn rule(&mut self, domain: &str, descriptor: &str) -> Arc<RuleStats> {
-        self.get(domain, descriptor, None)
+    pub(super) fn rule(&mut self, domain: &str, descriptor: &str, top: &TopCell) -> Arc<RuleStats> {
+        self.get(domain, descriptor, None, top)
     }
 
     /// The counters of a series named from request values for the rule `rule`, or `None` once
@@ -51,11 +51,12 @@ impl RuleSeries {
         domain: &str,
         name: &str,
         rule: &str,
+        top: &TopCell,
     ) -> Option<Arc<RuleStats>> {
         if self.detailed >= DETAILED_SERIES && self.find(domain, name).is_none() {
             return None;
         }
-        Some(self.get(domain, name, Some(rule)))
+        Some(self.get(domain, name, Some(rule), top))
     }
 
     /// Forgets the series of rules that `keep` (domain, rule path) no longer has, and the names
@@ -99,7 +100,13 @@ impl RuleSeries {
             .find(hash, |s| &*s.domain == domain && &*s.descriptor == name)
     }
 
-    fn get(&mut self, domain: &str, name: &str, rule: Option<&str>) -> Arc<RuleStats> {
+    fn get(
+        &mut self,
+        domain: &str,
+        name: &str,
+        rule: Option<&str>,
+        top: &TopCell,
+    ) -> Arc<RuleStats> {
         if let Some(s) = self.find(domain, name) {
             return s.clone();
         }
@@ -114,7 +121,7 @@ impl RuleSeries {
                 shared
             }
         };
-        let s = Arc::new(RuleStats::new(domain, name, rule));
+        let s = Arc::new(RuleStats::new(domain, name, rule, top.clone()));
         let hasher = &self.hasher;
         let hash = hasher.hash_one((&*s.domain, &*s.descriptor));
         self.by_name.insert_unique(hash, s.clone(), |s| {
@@ -141,10 +148,15 @@ pub struct RuleStats {
     mapped: OnceLock<Box<[Option<Series>]>>,
     /// The top view's sketches of its rule, found at its first decision.
     top: OnceLock<Arc<RuleTop>>,
+    /// The top view, once started.
+    view: TopCell,
 }
 
+/// The top view of the process, once started.
+pub(crate) type TopCell = Arc<OnceLock<Top>>;
+
 impl RuleStats {
-    fn new(domain: Arc<str>, descriptor: &str, rule: Option<&str>) -> Self {
+    fn new(domain: Arc<str>, descriptor: &str, rule: Option<&str>, view: TopCell) -> Self {
         RuleStats {
             domain,
             descriptor: descriptor.into(),
@@ -157,6 +169,7 @@ impl RuleStats {
             over_limit_with_local_cache: AtomicU64::new(0),
             mapped: OnceLock::new(),
             top: OnceLock::new(),
+            view,
         }
     }
 
@@ -187,7 +200,7 @@ impl RuleCounters for RuleStats {
     /// Counts, in the top view when it is on, `hits` of a descriptor of `entries` under its
     /// rule, `denied` or not.
     fn seen(&self, entries: &[(&[u8], &[u8])], hits: u64, denied: bool) {
-        let Some(view) = top::top() else {
+        let Some(view) = self.view.get() else {
             return;
         };
         let rule = self
@@ -333,7 +346,7 @@ mod tests {
 
     #[test]
     fn hits_are_counted_as_envoy_ratelimit_counts_them() {
-        let s = RuleStats::new("d".into(), "k", None);
+        let s = RuleStats::new("d".into(), "k", None, TopCell::default());
         s.count(3, Outcome::Within { limit: 10, used: 9 }, 0.8);
         let refused = Outcome::Over {
             limit: 10,
@@ -356,7 +369,7 @@ mod tests {
 
     #[test]
     fn a_charge_over_the_limit_splits_as_check_over_limit_threshold() {
-        let s = RuleStats::new("d".into(), "k", None);
+        let s = RuleStats::new("d".into(), "k", None, TopCell::default());
         let charged = |before| Outcome::Over {
             limit: 10,
             charged_from: Some(before),

@@ -7,7 +7,6 @@
 //! the statsd push (`telemetry::statsd`).
 
 use std::collections::BTreeMap;
-use std::sync::OnceLock;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
@@ -17,29 +16,15 @@ use super::Metrics;
 use super::rules::{RULE_STATS, RuleSnapshot};
 use crate::telemetry::mapper::{Kind, Mapper, Series};
 
-/// The mapping of envoyproxy/ratelimit's statsd names in force: `use_mapper`'s, else that
-/// project's built-in one.
-static MAPPER: OnceLock<Mapper> = OnceLock::new();
-
-/// Names envoyproxy/ratelimit's series through `mapper` from now on; only the first call counts
-/// (`serve` makes it once, at start, before any scrape).
-pub fn use_mapper(mapper: Mapper) {
-    let _ = MAPPER.set(mapper);
-}
-
-fn mapper() -> &'static Mapper {
-    MAPPER.get_or_init(Mapper::erl_default)
-}
-
 /// What the mapping names each stat of the rule `descriptor` in `domain` (`None`: dropped), in
 /// `RULE_STATS` order: envoyproxy/ratelimit's statsd name is
 /// `ratelimit.service.rate_limit.<domain>.<descriptor>.<stat>`, the key sanitized.
-pub(super) fn rule_series(domain: &str, descriptor: &str) -> Vec<Option<Series>> {
+pub(super) fn rule_series(mapper: &Mapper, domain: &str, descriptor: &str) -> Vec<Option<Series>> {
     let key = sanitize(&format!("{domain}.{descriptor}"));
     RULE_STATS
         .iter()
         .map(|(stat, _, _)| {
-            mapper().map(
+            mapper.map(
                 &format!("ratelimit.service.rate_limit.{key}.{stat}"),
                 Kind::Counter,
             )
@@ -192,7 +177,7 @@ impl StatsdSeries {
         for (series, value) in rules.mapped() {
             out.counter(series, value);
         }
-        let m = mapper();
+        let m = metrics.mapper();
         for (name, value) in service_counters(metrics) {
             if let Some(series) = m.map(name, Kind::Counter) {
                 out.counter(&series, value);

@@ -15,7 +15,7 @@ pub use periods::{ANSWERS, Period};
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher, RandomState};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -33,9 +33,6 @@ pub const SHARDS: usize = 4;
 pub const OTHER: &str = "(other)";
 /// Rows a period's lists may have at most.
 pub const MOST_ROWS: usize = 1_000;
-
-/// The top view for the whole process, once `start`ed (`None`: switched off).
-static TOP: OnceLock<Top> = OnceLock::new();
 
 /// How values are shown (`--top-values`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -77,16 +74,6 @@ impl TopSettings {
     }
 }
 
-/// Starts recording with `settings`; the process's first call counts, later ones are ignored.
-pub fn start(settings: TopSettings) {
-    let _ = TOP.set(Top::new(settings));
-}
-
-/// The top view, if it was started.
-pub fn top() -> Option<&'static Top> {
-    TOP.get()
-}
-
 /// The top view: each rule's sketches, and the process's tallies.
 pub struct Top {
     settings: TopSettings,
@@ -112,7 +99,7 @@ struct Shard {
 }
 
 impl Top {
-    fn new(settings: TopSettings) -> Self {
+    pub(super) fn new(settings: TopSettings) -> Self {
         let random = RandomState::new();
         Top {
             settings,
