@@ -54,6 +54,11 @@
 //! envoyproxy/ratelimit's environment into `serve` flags when sluice runs as `ratelimit`. Only the `sluice` command reads it: no module
 //! imports it.
 //!
+//! Below them all: [`observe`], what the rules and the stores tell whoever runs them, and
+//! [`throttle`], which keeps a log line every request can hit to one a second. `limiter`,
+//! `rules`, `config`, `store`, `observe`, `throttle` and `certs` are the core a library could
+//! embed: they import none of the server's modules (tests/layers.rs checks it).
+//!
 //! TLS: [`certs`] reads certificates and keys from PEM files for both edges that speak it, the
 //! gRPC server (`service::tls`, mTLS and reload included) and the connections to Redis.
 
@@ -69,4 +74,5 @@ pub mod service;
 pub mod settings;
 pub mod store;
 pub mod telemetry;
+pub mod throttle;
 pub mod top;

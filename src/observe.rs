@@ -5,6 +5,10 @@
 
 use std::sync::Arc;
 
+/// The target of the `tracing` spans that are traces: the rules and the stores open some, the
+/// server's telemetry exports them.
+pub const TRACES: &str = "sluice::traces";
+
 /// How one descriptor of a decided request fared.
 #[derive(Clone, Copy, Debug)]
 pub enum Outcome {

@@ -541,3 +541,21 @@ fn the_statics_of_telemetry_are_found() {
         "a function's own static: {statics:?}"
     );
 }
+
+/// The modules a library embedding sluice's limits would take (the limits and algorithms, the
+/// rules, the rule files, the stores, what they tell and PEM files), which import none of the
+/// server's (the service, the quota service's protocol, telemetry, settings, the protobuf
+/// services, the commands).
+const CORE: [&str; 7] = [
+    "limiter", "rules", "config", "store", "observe", "throttle", "certs",
+];
+
+#[test]
+fn the_core_modules_import_none_of_the_servers() {
+    let wrong: Vec<String> = crate_imports()
+        .into_iter()
+        .filter(|i| CORE.contains(&i.from.as_str()) && !CORE.contains(&i.to.as_str()))
+        .map(|i| i.to_string())
+        .collect();
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}

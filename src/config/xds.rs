@@ -35,7 +35,7 @@ use super::{
 };
 use crate::certs::{self, PemFile};
 use crate::limiter::{Algorithm, Limit, Mode, Unit};
-use crate::telemetry::Throttle;
+use crate::throttle::Throttle;
 
 /// The one resource type subscribed to.
 pub const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";

@@ -53,7 +53,7 @@ const RETRY_FIRST: Duration = Duration::from_millis(100);
 const RETRY_MOST: Duration = Duration::from_secs(5);
 
 /// Whether a rule's counters are leased (`lease`, or `--lease` for rules that do not say).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Leasing {
     /// Decided from leased blocks where the algorithm allows it.
     Auto,

@@ -131,7 +131,7 @@ impl Mode {
 }
 
 /// When a request's hits are charged to a limit's counter.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Counting {
     /// Only when the whole request is admitted, and only if they fit: a check-only request is
     /// over when not one more hit fits (sluice's all-or-nothing admission).

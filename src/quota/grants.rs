@@ -21,8 +21,8 @@ use crate::limiter::{CounterKey, Limit};
 use crate::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQuotaResponse};
 use crate::rules::QuotaRule;
 use crate::store::{Change, Division, Listed, Settle, StoreError};
-use crate::telemetry::Throttle;
 use crate::telemetry::traces;
+use crate::throttle::Throttle;
 
 impl Quotas {
     /// Sends `subscriber` its new `assignment` of the bucket, for the assignments' time to live;

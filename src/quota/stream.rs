@@ -30,8 +30,8 @@ use crate::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
 use crate::rules::{QuotaRule, RuleSet};
-use crate::telemetry::Throttle;
 use crate::telemetry::metrics::{QuotaLabels, UNKNOWN_DOMAIN};
+use crate::throttle::Throttle;
 
 /// An answer on its way to a stream's Envoy.
 pub type Answer = Result<RateLimitQuotaResponse, Status>;

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use super::bounds::Bound;
 use crate::rules::QuotaRule;
 use crate::telemetry::Telemetry;
-use crate::telemetry::Throttle;
 use crate::telemetry::metrics::{QuotaLabels, UNMATCHED_RULE};
+use crate::throttle::Throttle;
 
 /// What a report adds to the metrics, added up per rule and counted before each answer is sent
 /// (so that the metrics show it once the Envoy has it) rather than once per bucket; and the

@@ -18,7 +18,7 @@ use super::rls::Rls;
 use super::setup::{JsonAt, Setup};
 use super::shutdown::Shutdown;
 use super::{explain, http};
-use crate::telemetry::Throttle;
+use crate::throttle::Throttle;
 
 /// How long an admin HTTP client may take to send a request's headers, the first or the next
 /// on a kept-alive connection, before the connection is closed.

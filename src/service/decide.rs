@@ -13,8 +13,8 @@ use crate::limiter::lease::{Draw, Leases, Pass, Returning};
 use crate::limiter::{Check, Decision, OverLimitCache};
 use crate::store::{Deadline, Store, StoreError};
 use crate::telemetry::Telemetry;
-use crate::telemetry::Throttle;
 use crate::telemetry::traces;
+use crate::throttle::Throttle;
 
 /// Draws a leased check from its blocks at most this many times (each after a block was taken,
 /// awaited, or listened for) before the store decides it as any other.

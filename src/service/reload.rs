@@ -28,7 +28,7 @@ use crate::config::{self, Source};
 use crate::observe::Observer;
 use crate::rules::RuleSet;
 use crate::telemetry::Telemetry;
-use crate::telemetry::Throttle;
+use crate::throttle::Throttle;
 
 /// How long changes must stop before a reload: an editor's or kubelet's several writes make one.
 const SETTLE: Duration = Duration::from_millis(200);

@@ -28,9 +28,9 @@ use crate::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitRespon
 use crate::rules::RuleSet;
 use crate::rules::plan::{Asked, Global, Override, Plan};
 use crate::store::{Deadline, StoreError};
-use crate::telemetry::Throttle;
 use crate::telemetry::traces;
 use crate::telemetry::{PolicyAnswer, Telemetry};
+use crate::throttle::Throttle;
 
 /// Limits on the shape of a request, which Envoy's route configuration decides (not its
 /// clients), so that no caller can make a check unboundedly large. Keys and values may be any

@@ -16,7 +16,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 
 use crate::certs::{self, PemFile};
-use crate::telemetry::Throttle;
+use crate::throttle::Throttle;
 
 /// How long a connection may take to complete its TLS handshake.
 const HANDSHAKE: Duration = Duration::from_secs(10);

@@ -39,7 +39,7 @@ pub struct ExplainArgs {
     #[arg(long, env = "SLUICE_QUOTA_MODE")]
     quota_mode: bool,
     /// Explain as `serve --counting` counts rules that do not say.
-    #[arg(long, env = "SLUICE_COUNTING", value_enum, default_value_t = Counting::Admitted)]
+    #[arg(long, env = "SLUICE_COUNTING", value_parser = super::counting(), default_value = "admitted")]
     counting: Counting,
     /// Print the explanation as JSON (as `POST /explain` answers) instead of a text tree.
     #[arg(long)]

@@ -11,7 +11,11 @@ mod serve;
 
 use std::ffi::OsString;
 
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Parser, Subcommand};
+
+use crate::limiter::Counting;
+use crate::limiter::lease::Leasing;
 
 pub use check::CheckArgs;
 pub use explain::ExplainArgs;
@@ -41,6 +45,26 @@ pub enum Command {
     /// Watch who a running server is limiting: its decision rate, store latency and policy
     /// answers, the values most denied and the rules most denied, from its admin /top.
     Top(crate::top::Options),
+}
+
+/// `--counting`'s values: the limiter's `Counting`, by name.
+fn counting() -> impl TypedValueParser<Value = Counting> {
+    PossibleValuesParser::new([
+        PossibleValue::new("admitted")
+            .help("only when the whole request is admitted, and only if they fit"),
+        PossibleValue::new("always")
+            .help("every charge lands, and a request is over when the count is above the limit"),
+    ])
+    .map(|name| Counting::parse(&name).unwrap_or_default())
+}
+
+/// `--lease`'s values: the limiter's `Leasing`, by name.
+fn leasing() -> impl TypedValueParser<Value = Leasing> {
+    PossibleValuesParser::new([
+        PossibleValue::new("auto").help("decided from leased blocks where the algorithm allows it"),
+        PossibleValue::new("off").help("every request asks the store"),
+    ])
+    .map(|name| Leasing::parse(&name).unwrap_or_default())
 }
 
 /// The command line; run as `ratelimit`, `serve` with the flags envoyproxy/ratelimit's

@@ -29,7 +29,7 @@ use crate::limiter::{
     admits,
 };
 use crate::observe::{Observer, unobserved};
-use crate::telemetry::Throttle;
+use crate::throttle::Throttle;
 
 const SHARDS: usize = 64;
 

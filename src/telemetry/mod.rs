@@ -1,6 +1,6 @@
 //! Logs and metrics. Logging: `tracing` events to stderr, as text (coloured only on a terminal)
-//! or one JSON object per line, `info` by default; `Throttle` keeps an event that every request
-//! (or a spinning loop) can hit from flooding the log. Metrics: see `metrics`; who is being
+//! or one JSON object per line, `info` by default (`crate::throttle` keeps an event that every
+//! request, or a spinning loop, can hit from flooding it). Metrics: see `metrics`; who is being
 //! limited right now, in sketches of a fixed size: see `top`. Traces (OpenTelemetry, see
 //! `traces`) are a layer on the same subscriber, added in `init`, over the spans opened on the
 //! request path.
@@ -15,8 +15,6 @@ pub mod traces;
 pub use handle::{PolicyAnswer, Telemetry};
 
 use std::io::IsTerminal;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
 
 use tracing::Level;
 use tracing_subscriber::filter::Targets;
@@ -83,55 +81,5 @@ where
     match format {
         LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).boxed(),
         LogFormat::Json => builder.json().with_current_span(false).boxed(),
-    }
-}
-
-/// Counts occurrences of one event and lets it be logged at most once a second.
-pub struct Throttle {
-    /// When it was last logged, and how many occurred since.
-    state: Mutex<(Option<Instant>, u64)>,
-}
-
-impl Throttle {
-    pub const fn new() -> Self {
-        Throttle {
-            state: Mutex::new((None, 0)),
-        }
-    }
-
-    /// Counts one occurrence; returns how many occurred since the last log (this one included)
-    /// when it is time to log again.
-    pub fn hit(&self) -> Option<u64> {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let (last, count) = &mut *state;
-        *count += 1;
-        let now = Instant::now();
-        if last.is_some_and(|at| now.duration_since(at) < Duration::from_secs(1)) {
-            return None;
-        }
-        *last = Some(now);
-        Some(std::mem::take(count))
-    }
-}
-
-impl Default for Throttle {
-    fn default() -> Self {
-        Throttle::new()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_throttle_logs_the_first_hit_then_at_most_once_a_second_with_the_count() {
-        let t = Throttle::new();
-        assert_eq!(t.hit(), Some(1));
-        for _ in 0..1000 {
-            assert_eq!(t.hit(), None);
-        }
-        *t.state.lock().unwrap() = (Some(Instant::now() - Duration::from_secs(2)), 1000);
-        assert_eq!(t.hit(), Some(1001));
     }
 }

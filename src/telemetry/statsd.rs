@@ -16,8 +16,8 @@ use std::time::Duration;
 use tokio::net::UdpSocket;
 
 use super::Telemetry;
-use super::Throttle;
 use super::metrics::{RESPONSE_TIME, StatsdTotals};
+use crate::throttle::Throttle;
 
 /// The most bytes of lines in one datagram: what fits an Ethernet frame, as statsd clients use.
 const PACKET: usize = 1432;

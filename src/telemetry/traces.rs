@@ -30,10 +30,10 @@ use tokio::sync::mpsc;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::Telemetry;
-use super::Throttle;
+use crate::throttle::Throttle;
 
 /// The `tracing` target of every span exported as a trace.
-pub const TARGET: &str = "sluice::traces";
+pub const TARGET: &str = crate::observe::TRACES;
 
 /// Spans sent in one export at most.
 const BATCH: usize = 512;
@@ -586,37 +586,6 @@ pub fn store_span(counters: usize) -> tracing::Span {
         ratelimit.store_error = tracing::field::Empty,
         otel.status_code = tracing::field::Empty,
     )
-}
-
-/// The span of one Redis script call carrying the requests whose store spans are `requests`:
-/// a child of the first traced one, linked to every other (they share it); none when none is
-/// traced.
-pub fn script_span<'a>(
-    mut requests: impl Iterator<Item = &'a tracing::Span>,
-    counters: usize,
-) -> tracing::Span {
-    if !on() {
-        return tracing::Span::none();
-    }
-    let Some(first) = requests.find(|s| !s.is_none()) else {
-        return tracing::Span::none();
-    };
-    let span = tracing::info_span!(
-        target: TARGET,
-        parent: first,
-        "redis EVALSHA",
-        otel.kind = "client",
-        db.system = "redis",
-        sluice.requests = 1,
-        sluice.counters = counters,
-    );
-    let mut carried = 1;
-    for other in requests.filter(|s| !s.is_none()) {
-        span.follows_from(other);
-        carried += 1;
-    }
-    span.record("sluice.requests", carried);
-    span
 }
 
 /// One division of a quota bucket of `rule` among `streams` streams, its store call included: a

@@ -24,12 +24,12 @@ pub struct AnswerFlags {
     /// When hits are charged, for rules without `counting`: admitted (only when the whole
     /// request is admitted, and only if they fit) or always (envoyproxy/ratelimit's counting:
     /// every charge lands, and a request is over when the count is above the limit).
-    #[arg(long, env = "SLUICE_COUNTING", value_enum, default_value_t = Counting::Admitted)]
+    #[arg(long, env = "SLUICE_COUNTING", value_parser = crate::settings::counting(), default_value = "admitted")]
     counting: Counting,
     /// Whether rules without `lease` are decided from blocks of their counters leased from the
     /// store (auto: for fixed and sliding windows enforced and counted when admitted; see
     /// docs/leases.md) or ask the store on every request (off).
-    #[arg(long, env = "SLUICE_LEASE", value_enum, default_value_t = Leasing::Off)]
+    #[arg(long, env = "SLUICE_LEASE", value_parser = crate::settings::leasing(), default_value = "off")]
     lease: Leasing,
     /// How long a leased block may go unused before this replica gives it back.
     ///

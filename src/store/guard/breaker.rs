@@ -13,7 +13,7 @@ use tokio::sync::Notify;
 use super::Deadline;
 use crate::observe::Observer;
 use crate::store::StoreError;
-use crate::telemetry::Throttle;
+use crate::throttle::Throttle;
 
 /// Consecutive failed or timed-out calls that open the breaker.
 pub const FAILURES_TO_OPEN: u32 = 5;

@@ -17,7 +17,6 @@ use super::script::{
 };
 use crate::limiter::Check;
 use crate::observe::Observer;
-use crate::telemetry::traces;
 
 /// Script calls in flight at once; requests arriving meanwhile wait for the next.
 pub(super) const CALLS_IN_FLIGHT: usize = 2;
@@ -111,7 +110,7 @@ async fn call(
         .map(|r| r.deadline)
         .min()
         .unwrap_or_else(Instant::now);
-    let span = traces::script_span(requests.iter().map(|r| &r.span), counters);
+    let span = super::script_span(requests.iter().map(|r| &r.span), counters);
     for request in requests {
         keys.extend(request.keys.iter().cloned());
         args.extend(request.args);

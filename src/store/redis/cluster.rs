@@ -24,7 +24,6 @@ use super::script::{Answer, Charge, Scripts, Undo};
 use crate::limiter::algorithm::Verdict;
 use crate::limiter::{Check, admits};
 use crate::store::StoreError;
-use crate::telemetry::traces;
 
 /// Decides `check` (whose counters are `keys`) by `deadline` and sends the answer on `reply`;
 /// runs to the end even when the caller has stopped waiting, so that nothing it charged stays
@@ -45,7 +44,7 @@ pub(super) async fn decide(
     let ran = join_all(groups.iter().map(|g| {
         scripts
             .run(&check, &keys, g, quota_here, deadline)
-            .instrument(traces::script_span(std::iter::once(&traced), g.len()))
+            .instrument(super::script_span(std::iter::once(&traced), g.len()))
     }))
     .await;
     let mut verdicts: Vec<Option<Verdict>> = vec![None; check.items.len()];

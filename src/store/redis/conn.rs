@@ -25,7 +25,7 @@ use super::RedisTls;
 use super::replicas::{self, Primary, Replicas};
 use crate::store::guard::Breaker;
 use crate::store::{StoreError, Told};
-use crate::telemetry::Throttle;
+use crate::throttle::Throttle;
 
 /// How long a TCP connection to Redis may take when a failure is diagnosed.
 const DIAGNOSIS: Duration = Duration::from_millis(500);

@@ -45,7 +45,7 @@ use super::demand::{Division, Settle};
 use super::guard::{self, Breaker, Queue};
 use super::{Deadline, StoreError, Told};
 use crate::limiter::{Check, CounterKey, Decision};
-use crate::observe::Observer;
+use crate::observe::{Observer, TRACES};
 use batch::Pending;
 use conn::{Conn, Lanes};
 use records::Record;
@@ -215,6 +215,34 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
     })
+}
+
+/// The span of one Redis script call carrying the requests whose store spans are `requests`:
+/// a child of the first traced one, linked to every other (they share it); none when none is
+/// traced (as none is when tracing is off).
+pub(super) fn script_span<'a>(
+    mut requests: impl Iterator<Item = &'a tracing::Span>,
+    counters: usize,
+) -> tracing::Span {
+    let Some(first) = requests.find(|s| !s.is_none()) else {
+        return tracing::Span::none();
+    };
+    let span = tracing::info_span!(
+        target: TRACES,
+        parent: first,
+        "redis EVALSHA",
+        otel.kind = "client",
+        db.system = "redis",
+        sluice.requests = 1,
+        sluice.counters = counters,
+    );
+    let mut carried = 1;
+    for other in requests.filter(|s| !s.is_none()) {
+        span.follows_from(other);
+        carried += 1;
+    }
+    span.record("sluice.requests", carried);
+    span
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use crate::limiter::algorithm::Verdict;
 use crate::limiter::{Algorithm, Check, Counting, Item, Mode, Step};
 use crate::store::StoreError;
 use crate::store::demand::{Change, Division, Granted, Settle};
-use crate::telemetry::Throttle;
+use crate::throttle::Throttle;
 
 pub(super) const ARGS_PER_ITEM: usize = 8;
 /// Numbers the check script answers per counter.
