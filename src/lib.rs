@@ -4,7 +4,7 @@
 //! A request travels top-down through these modules. Imports point down the path, and to the
 //! limiter: it is the floor the others stand on, importing no other module; the stores build on
 //! its types, and `service::decide` joins the two. No imports go round in a circle
-//! (tests/layers.rs checks both).
+//! (tests/embedded/layers.rs checks both).
 //!
 //! - [`service`] — the network surface: the gRPC `RateLimitService` (plus health and reflection)
 //!   and the admin HTTP server, with the bounds of each edge and the readiness both report. It
