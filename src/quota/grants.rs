@@ -123,7 +123,7 @@ impl Quotas {
                     })
                     .collect(),
             };
-            let span = traces::division_span(&rule.path, call.streams.len());
+            let span = traces::division_span(&self.telemetry, &rule.path, call.streams.len());
             let division = match self.record(key, call).instrument(span.clone()).await {
                 Ok(division) => division,
                 Err(e) => {

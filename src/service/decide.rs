@@ -226,7 +226,7 @@ async fn call(
     asked: Instant,
     telemetry: &Telemetry,
 ) -> Result<Decision, StoreError> {
-    let span = traces::store_span(check.items.len());
+    let span = traces::store_span(telemetry, check.items.len());
     let decided = store.apply(check, deadline).instrument(span.clone()).await;
     if let Err(e) = &decided {
         traces::store_failed(&span, e);

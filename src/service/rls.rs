@@ -161,8 +161,8 @@ impl Rls {
         }
         let asked = descriptors(request);
         let (plans, mut check) = rules.plan(&request.domain, &asked, self.answering.global(), true);
-        if traces::on() {
-            traced(request, &plans);
+        if self.telemetry.tracing() {
+            traced(request, &plans, self.telemetry.tracing_values());
         }
         if let Some(at) = at {
             if let Some(item) = check
@@ -196,7 +196,7 @@ impl Rls {
                 }
                 count(&plans, &asked, &check, &decision, &self.answering);
                 let response = respond(request, &plans, &check, &decision, &self.answering);
-                if traces::on() {
+                if self.telemetry.tracing() {
                     let code = Code::try_from(response.overall_code).unwrap_or(Code::Unknown);
                     Span::current().record("ratelimit.decision", code.as_str_name());
                 }
@@ -233,7 +233,7 @@ impl Rls {
         };
         self.telemetry.undecided(e.kind(), answer);
         let name = answer.name();
-        if traces::on() {
+        if self.telemetry.tracing() {
             let span = Span::current();
             span.record("ratelimit.policy_answer", name);
             traces::store_failed(&span, &e);
@@ -342,7 +342,7 @@ impl RateLimitService for Rls {
     ) -> Result<Response<RateLimitResponse>, Status> {
         let started = Instant::now();
         let caller_timeout = grpc_timeout(request.metadata());
-        let span = traces::call_span(request.metadata());
+        let span = traces::call_span(&self.telemetry, request.metadata());
         let answer = self
             .answer(request.get_ref(), caller_timeout, None)
             .instrument(span)
@@ -427,8 +427,8 @@ pub(super) fn descriptors(request: &RateLimitRequest) -> Vec<Asked<'_>> {
 }
 
 /// Names, on the call's span, its domain and the rules its descriptors matched, and with
-/// `--tracing-values` the descriptors themselves.
-fn traced(request: &RateLimitRequest, plans: &[Plan]) {
+/// `values` (`--tracing-values`) the descriptors themselves.
+fn traced(request: &RateLimitRequest, plans: &[Plan], values: bool) {
     let span = Span::current();
     span.record(
         "ratelimit.domain",
@@ -436,7 +436,7 @@ fn traced(request: &RateLimitRequest, plans: &[Plan]) {
     );
     let rules: Vec<&str> = plans.iter().filter_map(Plan::rule).collect();
     span.record("ratelimit.rules", traces::cut(rules.join(" ")).as_str());
-    if traces::values() {
+    if values {
         span.record(
             "ratelimit.descriptors",
             traces::cut(Entries(&request.descriptors)).as_str(),

@@ -4,6 +4,7 @@
 //! and reads what it was told.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use super::mapper::Mapper;
@@ -26,6 +27,10 @@ impl std::fmt::Debug for Telemetry {
 struct Parts {
     metrics: Metrics,
     top: TopCell,
+    /// Spans are opened (`--tracing-endpoint`), once the export has started.
+    traced: AtomicBool,
+    /// Spans may carry descriptor values (`--tracing-values`), which can be personal data.
+    values: AtomicBool,
 }
 
 /// How a request the store could not decide was answered (`--on-store-error`).
@@ -59,7 +64,25 @@ impl Telemetry {
         Telemetry(Arc::new(Parts {
             metrics: Metrics::new(top.clone()),
             top,
+            traced: AtomicBool::new(false),
+            values: AtomicBool::new(false),
         }))
+    }
+
+    /// Whether spans are opened at all.
+    pub fn tracing(&self) -> bool {
+        self.0.traced.load(Ordering::Relaxed)
+    }
+
+    /// Whether spans may carry descriptor values (`--tracing-values`).
+    pub fn tracing_values(&self) -> bool {
+        self.0.values.load(Ordering::Relaxed)
+    }
+
+    /// Opens spans from now on, with descriptor values if `values`.
+    pub(super) fn trace(&self, values: bool) {
+        self.0.values.store(values, Ordering::Relaxed);
+        self.0.traced.store(true, Ordering::Relaxed);
     }
 
     /// Every metric, for `/metrics` and the statsd push.

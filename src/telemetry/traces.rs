@@ -14,7 +14,7 @@
 
 use std::fmt::Write as _;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use opentelemetry::propagation::{Extractor, TextMapPropagator};
@@ -51,19 +51,6 @@ const TRACESTATE_BYTES: usize = 512;
 /// What a span's size is estimated at besides its strings: its fixed fields, and its share of
 /// the allocations holding them.
 const SPAN_OVERHEAD: usize = 512;
-
-static ON: AtomicBool = AtomicBool::new(false);
-static VALUES: AtomicBool = AtomicBool::new(false);
-
-/// Whether spans are opened at all.
-pub fn on() -> bool {
-    ON.load(Ordering::Relaxed)
-}
-
-/// Whether spans may carry descriptor values (`--tracing-values`), which can be personal data.
-pub fn values() -> bool {
-    VALUES.load(Ordering::Relaxed)
-}
 
 /// How traces reach the collector.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -158,8 +145,7 @@ impl Traces {
             })
             .build();
         let tracer = provider.tracer("sluice");
-        ON.store(true, Ordering::Relaxed);
-        VALUES.store(settings.values, Ordering::Relaxed);
+        telemetry.trace(settings.values);
         Ok((Traces { provider }, tracer))
     }
 
@@ -550,8 +536,8 @@ impl std::fmt::Write for Kept {
 
 /// A ShouldRateLimit call's span, continuing the trace its caller sent; none when tracing is
 /// off. Named as gRPC instrumentation names a server call, as envoyproxy/ratelimit's are.
-pub fn call_span(metadata: &tonic::metadata::MetadataMap) -> tracing::Span {
-    if !on() {
+pub fn call_span(telemetry: &Telemetry, metadata: &tonic::metadata::MetadataMap) -> tracing::Span {
+    if !telemetry.tracing() {
         return tracing::Span::none();
     }
     let span = tracing::info_span!(
@@ -575,8 +561,8 @@ pub fn call_span(metadata: &tonic::metadata::MetadataMap) -> tracing::Span {
 
 /// The span of a store call made within the current span; none when tracing is off or the
 /// current span is not traced.
-pub fn store_span(counters: usize) -> tracing::Span {
-    if !on() || tracing::Span::current().is_none() {
+pub fn store_span(telemetry: &Telemetry, counters: usize) -> tracing::Span {
+    if !telemetry.tracing() || tracing::Span::current().is_none() {
         return tracing::Span::none();
     }
     tracing::info_span!(
@@ -591,8 +577,8 @@ pub fn store_span(counters: usize) -> tracing::Span {
 /// One division of a quota bucket of `rule` among `streams` streams, its store call included: a
 /// trace of its own (a division serves every stream of its bucket, not one call); none when
 /// tracing is off.
-pub fn division_span(rule: &str, streams: usize) -> tracing::Span {
-    if !on() {
+pub fn division_span(telemetry: &Telemetry, rule: &str, streams: usize) -> tracing::Span {
+    if !telemetry.tracing() {
         return tracing::Span::none();
     }
     tracing::info_span!(
