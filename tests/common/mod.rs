@@ -466,6 +466,27 @@ pub async fn settled<T>(
     }
 }
 
+/// Reads `read` every 50 ms until it has read the same for `quiet`, for at most `limit`: the last
+/// read, for the test to assert on.
+pub async fn steady<T: PartialEq>(
+    quiet: Duration,
+    limit: Duration,
+    mut read: impl FnMut() -> T,
+) -> T {
+    let deadline = Instant::now() + limit;
+    let mut last = read();
+    let mut since = Instant::now();
+    while since.elapsed() < quiet && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let now = read();
+        if now != last {
+            last = now;
+            since = Instant::now();
+        }
+    }
+    last
+}
+
 /// Polls `ready` every 50 ms until it holds, and fails the test if it does not within `limit`.
 pub async fn eventually(what: &str, limit: Duration, mut ready: impl AsyncFnMut() -> bool) {
     let deadline = Instant::now() + limit;
@@ -495,11 +516,13 @@ pub async fn bytes_per_rule(
     grown * 1024 / rules as u64
 }
 
-/// The resident memory of sluice `pid` once settled, in kB: what loading freed is given back by
-/// then.
+/// The resident memory of sluice `pid` once settled, in kB: once it has not moved for half a
+/// second, what loading freed has been given back (read for at most 10 s).
 pub async fn settled_resident_kb(pid: u32) -> u64 {
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    memory_kb(pid, "VmRSS")
+    steady(Duration::from_millis(500), Duration::from_secs(10), || {
+        memory_kb(pid, "VmRSS")
+    })
+    .await
 }
 
 /// A field of /proc/PID/status, in kB (`VmRSS`, `VmHWM`).

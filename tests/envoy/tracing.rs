@@ -9,7 +9,7 @@
 use super::common;
 
 use std::collections::HashSet;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::envoy::{ENVOY_SERVICE, Envoy, Filter, Upstream, envoy_binary, get_with_headers};
 use common::metrics::scrape;
@@ -60,6 +60,22 @@ fn silent_collector() -> (std::net::TcpListener, String) {
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let endpoint = format!("http://{}", silent.local_addr().unwrap());
     (silent, endpoint)
+}
+
+/// The connection of the first export to reach the silent collector `silent`, once it has come
+/// (for at most 10 s): the export waits for an answer that never comes, as long as it is held.
+async fn export_waiting(silent: &std::net::TcpListener) -> std::net::TcpStream {
+    silent.set_nonblocking(true).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match silent.accept() {
+            Ok((connection, _)) => return connection,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("no export reached the collector: {e}"),
+        }
+    }
 }
 
 fn by_id<'a>(spans: &'a [Span], id: &str) -> Option<&'a Span> {
@@ -415,19 +431,19 @@ descriptors:
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dead_collector_changes_no_decision_and_its_spans_are_dropped_and_counted() {
-    let (_silent, endpoint) = silent_collector();
+    let (silent, endpoint) = silent_collector();
     let sluice = tracing_to(&endpoint, FIVE, &["--tracing-queue", "16"]).await;
     let mut client = sluice.client().await;
     let mut attempt = 0;
+    let mut exporting = None;
     in_one_window(MINUTE, async || {
         attempt += 1;
         let value = attempt.to_string();
         let mut codes = Vec::new();
         for n in 1..=400 {
-            if n == 201 {
-                // By now the first export waits on the collector (one a second), and the queue
-                // fills.
-                tokio::time::sleep(Duration::from_millis(1500)).await;
+            if n == 201 && exporting.is_none() {
+                // Once the first export waits on the collector (one a second), the queue fills.
+                exporting = Some(export_waiting(&silent).await);
             }
             let asked = request("dead", &[&[("k", value.as_str())]]);
             codes.push(ask(&mut client, asked, Some(traceparent(n, true))).await);

@@ -22,12 +22,14 @@
 use super::common;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::proxy::Proxy;
 use common::redis::{Controlled, ReplicatedCluster, Sentinels};
 use common::{OK, ONE_AT_A_TIME, OVER_LIMIT, Sluice, Store, gather, http, request};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use tonic::transport::Channel;
 
 /// A limit no test reaches: every decided answer is OK, with the limit in its status.
 const RULES: &str = "domain: failover\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 1000000000}\n";
@@ -36,6 +38,8 @@ const CALLERS: usize = 6;
 const PACE: Duration = Duration::from_millis(5);
 /// How soon after the address reaches the new primary every request must be decided again.
 const RESUME: Duration = Duration::from_secs(3);
+/// Decided answers the callers have had before the failure comes: the load is under way.
+const WARM: usize = 50;
 
 /// One answer, as its caller saw it.
 struct Answer {
@@ -56,64 +60,94 @@ fn wait_in_sync(replica: &Controlled) {
     }
 }
 
-/// `CALLERS` callers asking every `PACE` until `stop`, each on a value of its own.
-async fn load(sluice: &Sluice, stop: Instant) -> Vec<tokio::task::JoinHandle<Vec<Answer>>> {
-    let stopped = Arc::new(AtomicBool::new(false));
-    let callers = load_on(sluice, CALLERS, |i| format!("v{i}"), stopped.clone()).await;
-    tokio::spawn(async move {
-        tokio::time::sleep_until(stop.into()).await;
-        stopped.store(true, Ordering::Relaxed);
-    });
-    callers
+/// Callers asking every `PACE` until stopped.
+struct Load {
+    callers: Vec<tokio::task::JoinHandle<Vec<Answer>>>,
+    /// How many of their answers were decided so far.
+    decided: Arc<AtomicUsize>,
+    stopped: Arc<AtomicBool>,
 }
 
-/// `count` callers asking every `PACE` until `stopped`, caller `i` on `value(i)`; an answer
-/// that is not decided must be the `--on-store-error error` answer, UNAVAILABLE.
-async fn load_on(
-    sluice: &Sluice,
-    count: usize,
-    value: impl Fn(usize) -> String,
-    stopped: Arc<AtomicBool>,
-) -> Vec<tokio::task::JoinHandle<Vec<Answer>>> {
-    let mut callers = Vec::with_capacity(count);
-    for i in 0..count {
-        let mut client = sluice.client().await;
-        let value = value(i);
-        let stopped = stopped.clone();
-        callers.push(tokio::spawn(async move {
-            let mut answers = Vec::new();
-            while !stopped.load(Ordering::Relaxed) {
-                let sent = Instant::now();
-                let ask = request("failover", &[&[("k", value.as_str())]]);
-                let answer =
-                    tokio::time::timeout(Duration::from_secs(5), client.should_rate_limit(ask))
-                        .await
-                        .expect("an answer within 5 s");
-                let decided = match answer {
-                    Ok(r) => {
-                        let r = r.into_inner();
-                        assert!(
-                            r.overall_code == OK && r.statuses[0].current_limit.is_some(),
-                            "{r:?}"
-                        );
-                        true
-                    }
-                    Err(s) => {
-                        assert_eq!(s.code(), tonic::Code::Unavailable, "{s:?}");
-                        false
-                    }
-                };
-                answers.push(Answer {
-                    sent,
-                    received: Instant::now(),
-                    decided,
-                });
-                tokio::time::sleep_until((sent + PACE).into()).await;
-            }
-            answers
-        }));
+impl Load {
+    /// `CALLERS` callers, each on a value of its own.
+    async fn start(sluice: &Sluice) -> Load {
+        Load::on(sluice, CALLERS, |i| format!("v{i}")).await
     }
-    callers
+
+    /// `count` callers, caller `i` on `value(i)`.
+    async fn on(sluice: &Sluice, count: usize, value: impl Fn(usize) -> String) -> Load {
+        let decided = Arc::new(AtomicUsize::new(0));
+        let stopped = Arc::new(AtomicBool::new(false));
+        let mut callers = Vec::with_capacity(count);
+        for i in 0..count {
+            let client = sluice.client().await;
+            let ask = caller(client, value(i), decided.clone(), stopped.clone());
+            callers.push(tokio::spawn(ask));
+        }
+        Load {
+            callers,
+            decided,
+            stopped,
+        }
+    }
+
+    /// Waits, at most `within`, until `n` more of their answers are decided than when called;
+    /// `what` says what that shows, should it never come.
+    async fn decided(&self, n: usize, within: Duration, what: &str) {
+        let target = self.decided.load(Ordering::Relaxed) + n;
+        common::eventually(what, within, async || {
+            self.decided.load(Ordering::Relaxed) >= target
+        })
+        .await;
+    }
+
+    /// Lets them ask until `at`, then stops them: their answers.
+    async fn until(self, at: Instant) -> Vec<Answer> {
+        tokio::time::sleep_until(at.into()).await;
+        self.stopped.store(true, Ordering::Relaxed);
+        gather(self.callers).await
+    }
+}
+
+/// One caller of a `Load`, asking for `k=value` until `stopped`, counting its decided answers in
+/// `decided`; an answer that is not decided must be the `--on-store-error error` answer,
+/// UNAVAILABLE.
+async fn caller(
+    mut client: RateLimitServiceClient<Channel>,
+    value: String,
+    decided: Arc<AtomicUsize>,
+    stopped: Arc<AtomicBool>,
+) -> Vec<Answer> {
+    let mut answers = Vec::new();
+    while !stopped.load(Ordering::Relaxed) {
+        let sent = Instant::now();
+        let ask = request("failover", &[&[("k", value.as_str())]]);
+        let answer = tokio::time::timeout(Duration::from_secs(5), client.should_rate_limit(ask))
+            .await
+            .expect("an answer within 5 s");
+        let was_decided = match answer {
+            Ok(r) => {
+                let r = r.into_inner();
+                assert!(
+                    r.overall_code == OK && r.statuses[0].current_limit.is_some(),
+                    "{r:?}"
+                );
+                decided.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            Err(s) => {
+                assert_eq!(s.code(), tonic::Code::Unavailable, "{s:?}");
+                false
+            }
+        };
+        answers.push(Answer {
+            sent,
+            received: Instant::now(),
+            decided: was_decided,
+        });
+        tokio::time::sleep_until((sent + PACE).into()).await;
+    }
+    answers
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -140,17 +174,16 @@ async fn a_failover_behind_a_fixed_address_is_decided_again_within_seconds() {
     )
     .await;
 
-    let start = Instant::now();
-    let stop = start + Duration::from_secs(1) + RESUME + Duration::from_secs(2);
-    let callers = load(&sluice, stop).await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    let load = Load::start(&sluice).await;
+    load.decided(WARM, Duration::from_secs(10), "the callers are decided")
+        .await;
     let failing_over = Instant::now();
     new.cli(&["REPLICAOF", "NO", "ONE"]);
     let promoted = new.port.to_string();
     old.cli(&["REPLICAOF", "127.0.0.1", &promoted]);
     address.switch(new.port);
     let moved = Instant::now();
-    let answers = gather(callers).await;
+    let answers = load.until(moved + RESUME + Duration::from_secs(2)).await;
 
     let before: Vec<&Answer> = answers
         .iter()
@@ -279,17 +312,14 @@ async fn with_no_replica_left_to_confirm_every_request_gets_the_policy_answer_wi
     wait_in_sync(&replica);
     let sluice = confirming_sluice(&primary.url).await;
 
-    let callers = load(
-        &sluice,
-        Instant::now() + Duration::from_secs(1) + WITHOUT_REPLICA,
-    )
-    .await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    let load = Load::start(&sluice).await;
+    load.decided(WARM, Duration::from_secs(10), "the callers are decided")
+        .await;
     replica.kill();
     let gone = Instant::now();
     let (status, body) = readyz_naming_replicas(&sluice).await;
     let told = Instant::now();
-    let answers = gather(callers).await;
+    let answers = load.until(gone + WITHOUT_REPLICA).await;
 
     assert!(
         answers.iter().any(|a| a.sent < gone && a.decided),
@@ -306,12 +336,14 @@ async fn with_no_replica_left_to_confirm_every_request_gets_the_policy_answer_wi
 
     replica.start();
     wait_in_sync(&replica);
-    let callers = load(&sluice, Instant::now() + RESUME).await;
-    let answers = gather(callers).await;
-    assert!(
-        answers.iter().any(|a| a.decided),
-        "decisions resume once a replica is attached again"
-    );
+    let load = Load::start(&sluice).await;
+    load.decided(
+        1,
+        RESUME,
+        "decisions resume once a replica is attached again",
+    )
+    .await;
+    load.until(Instant::now()).await;
     let (status, body) = common::settled(
         Duration::from_secs(10),
         || readyz(&sluice),
@@ -335,14 +367,7 @@ async fn on_a_cluster_with_no_replica_left_to_confirm_every_request_gets_the_pol
     let mut cluster = ReplicatedCluster::start();
     let sluice = confirming_sluice(&cluster.url).await;
 
-    let stopped = Arc::new(AtomicBool::new(false));
-    let callers = load_on(
-        &sluice,
-        CLUSTER_CALLERS,
-        |_| "hot".to_owned(),
-        stopped.clone(),
-    )
-    .await;
+    let load = Load::on(&sluice, CLUSTER_CALLERS, |_| "hot".to_owned()).await;
     let key = common::settled(
         Duration::from_secs(10),
         || cluster.keys("confirm:").pop(),
@@ -350,7 +375,8 @@ async fn on_a_cluster_with_no_replica_left_to_confirm_every_request_gets_the_pol
     )
     .await
     .expect("the counter's key");
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    load.decided(WARM, Duration::from_secs(10), "the callers are decided")
+        .await;
     let primary = cluster.holder_of(&key);
     let replica = cluster.replica_of(primary);
     cluster.nodes[primary].kill();
@@ -375,9 +401,15 @@ async fn on_a_cluster_with_no_replica_left_to_confirm_every_request_gets_the_pol
     )
     .await;
     let resumed = Instant::now();
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    stopped.store(true, Ordering::Relaxed);
-    let answers = gather(callers).await;
+    // A caller has at most one request in flight: past one more decided answer than there are
+    // callers, one was sent after `resumed`.
+    load.decided(
+        CLUSTER_CALLERS + 1,
+        Duration::from_secs(10),
+        "decisions resume once a replica is attached again",
+    )
+    .await;
+    let answers = load.until(Instant::now()).await;
 
     assert!(
         answers.iter().any(|a| a.sent < killed && a.decided),

@@ -5,6 +5,8 @@
 use super::common;
 
 use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::redis::Controlled;
@@ -25,6 +27,8 @@ const PROMPT: Duration = Duration::from_millis(100 + 400);
 /// How soon after Redis is back every request must be decided again.
 const RECOVERY: Duration = Duration::from_secs(2);
 const CALLERS: usize = 8;
+/// Decided answers the callers have had before Redis fails: the load is under way.
+const WARM: usize = 50;
 /// Each caller's pace: requests keep arriving while script calls are in flight, yet the machine
 /// is not saturated.
 const PACE: Duration = Duration::from_millis(5);
@@ -112,23 +116,59 @@ async fn ask_once(client: &mut RateLimitServiceClient<Channel>, policy: Policy) 
     }
 }
 
-/// `CALLERS` callers, each on a connection of its own, asking every `PACE` until `stop`.
-async fn load(sluice: &Sluice, policy: Policy, stop: Instant) -> Vec<JoinHandle<Vec<Answer>>> {
-    let mut callers = Vec::with_capacity(CALLERS);
-    for _ in 0..CALLERS {
-        let mut client = sluice.client().await;
-        callers.push(tokio::spawn(async move {
-            let mut answers = Vec::new();
-            while Instant::now() < stop {
-                let answer = ask_once(&mut client, policy).await;
-                let next = answer.sent + PACE;
-                answers.push(answer);
-                tokio::time::sleep_until(next.into()).await;
-            }
-            answers
-        }));
+/// `CALLERS` callers, each on a connection of its own, asking every `PACE` until stopped.
+struct Load {
+    callers: Vec<JoinHandle<Vec<Answer>>>,
+    /// How many of their answers were decided so far.
+    decided: Arc<AtomicUsize>,
+    stopped: Arc<AtomicBool>,
+}
+
+impl Load {
+    async fn start(sluice: &Sluice, policy: Policy) -> Load {
+        let decided = Arc::new(AtomicUsize::new(0));
+        let stopped = Arc::new(AtomicBool::new(false));
+        let mut callers = Vec::with_capacity(CALLERS);
+        for _ in 0..CALLERS {
+            let mut client = sluice.client().await;
+            let (decided, stopped) = (decided.clone(), stopped.clone());
+            callers.push(tokio::spawn(async move {
+                let mut answers = Vec::new();
+                while !stopped.load(Ordering::Relaxed) {
+                    let answer = ask_once(&mut client, policy).await;
+                    if answer.kind == Kind::Decided {
+                        decided.fetch_add(1, Ordering::Relaxed);
+                    }
+                    let next = answer.sent + PACE;
+                    answers.push(answer);
+                    tokio::time::sleep_until(next.into()).await;
+                }
+                answers
+            }));
+        }
+        Load {
+            callers,
+            decided,
+            stopped,
+        }
     }
-    callers
+
+    /// Waits, at most 10 s, until `WARM` of their answers are decided: the load is under way.
+    async fn under_way(&self) {
+        common::eventually(
+            "the callers are decided",
+            Duration::from_secs(10),
+            async || self.decided.load(Ordering::Relaxed) >= WARM,
+        )
+        .await;
+    }
+
+    /// Lets them ask until `at`, then stops them: their answers.
+    async fn until(self, at: Instant) -> Vec<Answer> {
+        tokio::time::sleep_until(at.into()).await;
+        self.stopped.store(true, Ordering::Relaxed);
+        gather(self.callers).await
+    }
 }
 
 /// Every answer arrived in time and is a decided or a policy answer.
@@ -234,15 +274,17 @@ async fn paused_with(policy: Policy, extra: &[&str]) {
     let redis = Controlled::started();
     let sluice = sluice_with(&redis, policy, extra).await;
     let start = Instant::now();
-    let callers = load(&sluice, policy, start + Duration::from_secs(6)).await;
-    tokio::time::sleep_until((start + Duration::from_secs(1)).into()).await;
+    let load = Load::start(&sluice, policy).await;
+    load.under_way().await;
     let pausing_at = Instant::now();
     redis.pause();
     let paused_at = Instant::now();
     tokio::time::sleep(Duration::from_secs(2)).await;
     let resumed_at = Instant::now();
     redis.resume();
-    let answers = gather(callers).await;
+    let answers = load
+        .until(resumed_at + RECOVERY + Duration::from_secs(1))
+        .await;
 
     all_prompt_and_expected(&answers);
     all_between(
@@ -279,8 +321,8 @@ async fn killed(policy: Policy) {
     let mut redis = Controlled::started();
     let sluice = sluice_on(&redis, policy).await;
     let start = Instant::now();
-    let callers = load(&sluice, policy, start + Duration::from_secs(5)).await;
-    tokio::time::sleep_until((start + Duration::from_secs(1)).into()).await;
+    let load = Load::start(&sluice, policy).await;
+    load.under_way().await;
     // Blocking calls such as these hold only the test's own thread, not the callers' workers.
     let killing_at = Instant::now();
     redis.kill();
@@ -294,7 +336,9 @@ async fn killed(policy: Policy) {
     let restarted_at = Instant::now();
     redis.start();
     let back_at = Instant::now();
-    let answers = gather(callers).await;
+    let answers = load
+        .until(back_at + RECOVERY + Duration::from_secs(1))
+        .await;
 
     all_prompt_and_expected(&answers);
     all_between(

@@ -281,7 +281,6 @@ async fn the_assignments_of_a_bucket_never_add_up_to_more_than_its_limit() {
     }
 
     // c goes idle: it keeps one request a second, the others share the rest.
-    tokio::time::sleep(Duration::from_secs(1)).await;
     envoys.report(c, 0, 0).await;
     let asked = Instant::now();
     let last = envoys
