@@ -388,9 +388,11 @@ async fn on_a_cluster_with_no_replica_left_to_confirm_every_request_gets_the_pol
     let (status, body) = readyz_naming_replicas(&sluice).await;
     let told = Instant::now();
     tokio::time::sleep(WITHOUT_REPLICA).await;
-    // The old primary comes back with its cluster state, as a replica of the new one.
+    // The old primary comes back with its cluster state, as a replica of the new one: from
+    // then on a request may be confirmed, before the poll below sees the link up.
+    let back = Instant::now();
     cluster.nodes[primary].start();
-    let attached = when("the old primary replicates the new one", || {
+    when("the old primary replicates the new one", || {
         cluster.nodes[primary].in_sync()
     })
     .await;
@@ -417,7 +419,7 @@ async fn on_a_cluster_with_no_replica_left_to_confirm_every_request_gets_the_pol
     );
     let without: Vec<&Answer> = answers
         .iter()
-        .filter(|a| a.sent >= killed && a.sent < attached)
+        .filter(|a| a.sent >= killed && a.sent < back)
         .collect();
     without_replica(&without, told, (status, &body), CLUSTER_NO_REPLICA_ANSWERED);
     assert_eq!(ready, 200, "ready again: {ready_body}");
