@@ -1,7 +1,7 @@
 //! The tests that need `redis-server` (and `redis-cli`): standalone Redis, Sentinel, Cluster,
 //! failover, faults, leases, the quota service on Redis, and whatever else runs on every store;
 //! one shared standalone server and one shared Cluster per run, and servers of their own for the
-//! tests that stop, reconfigure or read the statistics of one. About 7 minutes of tests on 2 cores.
+//! tests that stop, reconfigure or read the statistics of one. About 6 minutes of tests on 2 cores.
 
 #[macro_use]
 #[path = "../common/mod.rs"]

@@ -10,6 +10,8 @@ use super::common;
 use std::ops::Range;
 use std::os::unix::fs::symlink;
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::metrics::scrape;
@@ -506,15 +508,16 @@ async fn a_configmap_swap_under_load_changes_the_limit_within_2s_without_failing
             &[],
         )
         .await;
-        let swap_at = Instant::now() + Duration::from_secs(1);
-        let end = swap_at + Duration::from_secs(4);
+        let answered: Arc<[AtomicUsize; 4]> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
         let mut callers = Vec::new();
         for n in 0..4 {
             let mut client = sluice.client().await;
+            let (answered, stop) = (answered.clone(), stop.clone());
             callers.push(tokio::spawn(async move {
                 let mut answers: Answers = Vec::new();
                 let value = n.to_string();
-                while Instant::now() < end {
+                while !stop.load(Ordering::Relaxed) {
                     let started = Instant::now();
                     let answer = client
                         .should_rate_limit(request("cm", &[&[("user", value.as_str())]]))
@@ -522,14 +525,23 @@ async fn a_configmap_swap_under_load_changes_the_limit_within_2s_without_failing
                         .map(|r| limit_of(&r.get_ref().statuses[0]))
                         .map_err(|e| e.to_string());
                     answers.push((started..Instant::now(), answer));
+                    answered[n].fetch_add(1, Ordering::Relaxed);
                 }
                 answers
             }));
         }
-        tokio::time::sleep_until(swap_at.into()).await;
+        eventually(
+            "every caller is answered under the first version",
+            Duration::from_secs(10),
+            async || answered.iter().all(|a| a.load(Ordering::Relaxed) >= 10),
+        )
+        .await;
         let swapping = Instant::now();
         configmap_version(&sluice.rules, "v2", &limit_rules("cm", 200_000));
         let swapped = Instant::now();
+        let end = swapped + Duration::from_secs(4);
+        tokio::time::sleep_until(end.into()).await;
+        stop.store(true, Ordering::Relaxed);
         let mut all = Vec::new();
         for caller in callers {
             all.push(caller.await.expect("a caller runs to the end"));
