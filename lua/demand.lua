@@ -16,15 +16,18 @@
 --          that long); how long (ms) no grant grows once a record is
 --          found lost; the Redis time (ms) past which the call changes nothing, for its caller has
 --          given up (0: none); the Redis time (ms) past which it grows nothing, for a call that
---          late may have waited out a restart that emptied the store (0: none); the number of the
---          replica's streams listed; and per stream five: its id;
+--          late may have waited out a restart that emptied the store (0: none); the server the
+--          replica last had an answer from for this key (the first 16 hex digits of its run_id;
+--          '' when none): a call that meets another has lost what every replica's streams hold,
+--          until they list it again; the number of the replica's streams listed; and per stream
+--          five: its id;
 --          'r' (a report: its demand is new), 'k' (kept: as the store has it, or as listed if the
 --          store lost it) or 'l' (it leaves the bucket); its demand; the most its Envoy may be
 --          enforcing (what it was last sent, or more while a smaller grant sent to it may not have
 --          reached it); '1' when the replica had it counted here before (so that its absence
 --          means the record was lost), else '0'. Demands, grants and the limit are whole
 --          numbers, thousandths of a request per window.
--- Reply    the Redis clock (ms), then per key: -2 when the call came past its time (nothing
+-- Reply    the Redis clock (ms) and this server's id ('' where INFO is refused), then per key: -2 when the call came past its time (nothing
 --          changed); else 1 when a shrink of the replica's streams is yet
 --          to reach their Envoys (the replica calls again once it has), else 0; when (ms) the
 --          first stream the replica did not list and that holds something stops being counted
@@ -40,7 +43,11 @@ local call, tonumber, match, floor = redis.call, tonumber, string.match, math.fl
 
 local time = call('TIME')
 local now = tonumber(time[1]) * 1000 + floor(tonumber(time[2]) / 1000)
-local out = { now }
+-- The server: a restarted one has another run_id, and has lost every record.
+local info = redis.pcall('INFO', 'server')
+local server = type(info) == 'string' and match(info, 'run_id:(%x+)') or ''
+server = string.sub(server, 1, 16)
+local out = { now, server }
 local channel = ARGV[1]
 
 -- Max-min fair division of `limit` among `wants` (in order), as `quota::share::divide` divides.
@@ -100,10 +107,10 @@ end
 local at = 2
 for k = 1, #KEYS do
   local key = KEYS[k]
-  local limit, grow, stays, freeze, not_after, grow_until, listed = tonumber(ARGV[at]),
+  local limit, grow, stays, freeze, not_after, grow_until, heard, listed = tonumber(ARGV[at]),
     ARGV[at + 1] == '1', tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3]), tonumber(ARGV[at + 4]),
-    tonumber(ARGV[at + 5]), tonumber(ARGV[at + 6])
-  local first = at + 7
+    tonumber(ARGV[at + 5]), ARGV[at + 6], tonumber(ARGV[at + 7])
+  local first = at + 8
   grow = grow and (grow_until == 0 or now <= grow_until)
   at = first + 5 * listed
   local held = call('TYPE', key).ok
@@ -127,6 +134,11 @@ for k = 1, #KEYS do
       else
         changed = true
       end
+    end
+    if heard ~= '' and server ~= '' and heard ~= server then
+      -- Not the server the replica last heard from: a restarted one, which lost what the other
+      -- replicas' streams hold as well, until they list them again.
+      frozen = math.max(frozen, now + freeze)
     end
     local mine = {}
     for s = first, at - 1, 5 do

@@ -107,11 +107,12 @@ impl Quotas {
             let listed = self.listed(id, moving);
             let call = Settle {
                 limit: total,
-                grow: self.growing(),
+                grow: true,
                 stays_ms: stays.as_millis() as u64,
                 freeze_ms: FROZEN_AFTER_RECONNECTION.as_millis() as u64,
                 not_after_ms: 0,
                 grow_until_ms: 0,
+                heard: None,
                 streams: listed
                     .iter()
                     .map(|(stream, change, demand, held, known)| Listed {

@@ -36,8 +36,8 @@ pub struct Quotas {
     /// Per bucket, by the keyed 128-bit hash of its key (as the embedded store indexes
     /// counters), the streams subscribed to it on this replica.
     pub(super) buckets: Mutex<HashMap<u128, Local, IdHasher>>,
-    /// Until when no grant grows (`FROZEN_AFTER_RECONNECTION`).
-    frozen_until: Mutex<Instant>,
+    /// The store's servers this replica had answers from, and until when no grant grows.
+    heard: Mutex<Heard>,
     /// A settle call failed for want of the store, and none has succeeded since: no grant grows
     /// (the store may come back empty, its connections made again before this replica hears
     /// of it).
@@ -67,6 +67,15 @@ pub struct Quotas {
     pub(super) store: Store,
     /// Told what the streams report and are sent.
     pub(super) telemetry: Telemetry,
+}
+
+/// What a replica has heard of the store's servers.
+struct Heard {
+    /// Per Cluster slot (0 off a Cluster, where one server keeps every bucket), the server whose
+    /// answer came last (`Division::server`).
+    servers: HashMap<u16, u64>,
+    /// Until when no grant grows (`FROZEN_AFTER_RECONNECTION`).
+    frozen_until: Instant,
 }
 
 /// A bucket's streams on this replica.
@@ -179,7 +188,10 @@ impl Quotas {
             replica: format!("{:x}-{:x}", std::process::id(), now.as_nanos()),
             next_stream: AtomicU64::new(1),
             buckets: Mutex::default(),
-            frozen_until: Mutex::new(Instant::now()),
+            heard: Mutex::new(Heard {
+                servers: HashMap::new(),
+                frozen_until: Instant::now(),
+            }),
             store_failed: AtomicBool::new(false),
             answers_again: tokio::sync::Notify::new(),
             store_ahead_ms: AtomicI64::new(i64::MIN),
@@ -208,10 +220,34 @@ impl Quotas {
         Ok(quotas)
     }
 
+    fn heard(&self) -> std::sync::MutexGuard<'_, Heard> {
+        self.heard.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// No grant grows for `FROZEN_AFTER_RECONNECTION` from now.
     fn freeze(&self) {
-        *self.frozen_until.lock().unwrap_or_else(|e| e.into_inner()) =
-            Instant::now() + FROZEN_AFTER_RECONNECTION;
+        self.heard().frozen_until = Instant::now() + FROZEN_AFTER_RECONNECTION;
+    }
+
+    /// Remembers that `server` answered for `slot`. Another than before is a restarted (or
+    /// promoted) server, which may have lost what every replica's streams hold: no grant grows
+    /// here for `FROZEN_AFTER_RECONNECTION` (frozen before a call can name the new server), and
+    /// every bucket is listed again.
+    fn heard_from(&self, slot: u16, server: u64) {
+        let replaced = {
+            let mut heard = self.heard();
+            let replaced = heard
+                .servers
+                .insert(slot, server)
+                .is_some_and(|before| before != server);
+            if replaced {
+                heard.frozen_until = Instant::now() + FROZEN_AFTER_RECONNECTION;
+            }
+            replaced
+        };
+        if replaced {
+            self.answers_again.notify_one();
+        }
     }
 
     /// Lists every bucket again each time the store answers after failing, for as long as the
@@ -255,14 +291,6 @@ impl Quotas {
 
     pub(super) fn buckets(&self) -> std::sync::MutexGuard<'_, HashMap<u128, Local, IdHasher>> {
         self.buckets.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Whether grants may grow now: not while the store has failed this replica's last settle
-    /// calls, nor for `FROZEN_AFTER_RECONNECTION` after the store's connection was made again or
-    /// answered again.
-    pub(super) fn growing(&self) -> bool {
-        !self.store_failed.load(Ordering::Acquire)
-            && Instant::now() >= *self.frozen_until.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The store may have come back empty: no grant grows for `FROZEN_AFTER_RECONNECTION`, while
@@ -322,9 +350,13 @@ impl Quotas {
     /// One settle call, once one of the replica's `RECORDS_IN_FLIGHT` is free, changing nothing
     /// if it reaches the store past its deadline (on the store's clock, as far as this replica
     /// knows it): held up by a reconnection, it may list what the streams no longer hold; and
-    /// growing nothing past `GROWS_WITHIN`: it may have waited out a restart of the store. One
-    /// that fails for want of the store stops every grant growing until one succeeds, and then
-    /// every bucket is listed again: the store may be a new one, empty.
+    /// growing nothing past `GROWS_WITHIN`: it may have waited out a restart of the store. It
+    /// grows nothing either while the store has failed this replica's last calls, nor for
+    /// `FROZEN_AFTER_RECONNECTION` after the store's connection was made again, answered again or
+    /// answered from another server; and it names the server it last heard from for the
+    /// bucket, so that the store grows nothing when it meets another. One that fails for want
+    /// of the store stops every grant growing until one succeeds, and then every bucket is
+    /// listed again: the store may be a new one, empty.
     pub(super) async fn record(
         &self,
         bucket: &CounterKey,
@@ -336,6 +368,15 @@ impl Quotas {
             .await
             .expect("the semaphore is never closed");
         let deadline = Deadline::new(STORE_DEADLINE, None);
+        let slot = self.store.slot(bucket);
+        {
+            // Read together: a server heard of as another's replacement has frozen growth.
+            let heard = self.heard();
+            call.heard = heard.servers.get(&slot).copied();
+            call.grow = call.grow
+                && !self.store_failed.load(Ordering::Acquire)
+                && Instant::now() >= heard.frozen_until;
+        }
         let ahead = self.store_ahead_ms.load(Ordering::Acquire);
         let known = ahead != i64::MIN;
         let store_now = unix_ms() + if known { ahead } else { 0 };
@@ -351,6 +392,9 @@ impl Quotas {
         if let Ok(division) = &settled {
             let ahead = i64::try_from(division.now_ms).unwrap_or(i64::MAX) - unix_ms();
             self.store_ahead_ms.store(ahead, Ordering::Release);
+            if let Some(server) = division.server {
+                self.heard_from(slot, server);
+            }
         }
         match &settled {
             Err(StoreError::Down | StoreError::Unavailable(_) | StoreError::Timeout) => {

@@ -62,6 +62,11 @@ pub struct Settle<'a> {
     /// The store's time (ms) past which the call grows nothing (0: no bound): a call that late
     /// may have waited out a restart that emptied the store, and its `grow` be stale.
     pub grow_until_ms: u64,
+    /// The server the replica last had an answer from for this bucket (`Division::server`): a
+    /// call that meets another has found a restarted one, which lost what every replica's
+    /// streams hold, and no grant of the bucket grows for `freeze_ms`, until every replica has
+    /// listed its streams again. The embedded store is never another.
+    pub heard: Option<u64>,
     pub streams: Vec<Listed<'a>>,
 }
 
@@ -69,6 +74,9 @@ pub struct Settle<'a> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Division {
     pub now_ms: u64,
+    /// The server that answered (the first 16 hex digits of a Redis run_id): another after a
+    /// restart. None on the embedded store, or where Redis refuses `INFO`.
+    pub server: Option<u64>,
     /// A shrink of the replica's streams is yet to reach their Envoys: once sent, the replica
     /// settles the bucket again, which frees it for the others.
     pub again: bool,
@@ -154,6 +162,7 @@ impl DemandBoard {
             if call.streams.iter().all(|s| s.change == Change::Leave) {
                 return Ok(Division {
                     now_ms,
+                    server: None,
                     again: false,
                     lapse_ms: None,
                     streams: Vec::new(),
@@ -234,6 +243,7 @@ impl DemandBoard {
             .min();
         let division = Division {
             now_ms,
+            server: None,
             again,
             lapse_ms,
             streams: streams
@@ -301,6 +311,7 @@ mod tests {
             freeze_ms: 2_000,
             not_after_ms: 0,
             grow_until_ms: 0,
+            heard: None,
             streams: streams
                 .iter()
                 .map(|&(stream, change, demand, grant)| Listed {
@@ -366,6 +377,7 @@ mod tests {
             freeze_ms: 2_000,
             not_after_ms: 0,
             grow_until_ms: 0,
+            heard: None,
             streams: vec![
                 Listed {
                     stream: "a",
@@ -454,6 +466,7 @@ mod tests {
             freeze_ms: 2_000,
             not_after_ms: 0,
             grow_until_ms: 0,
+            heard: None,
             streams: vec![Listed {
                 stream,
                 change,

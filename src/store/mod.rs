@@ -239,6 +239,15 @@ impl Store {
         self.guard.call(deadline, call).await
     }
 
+    /// The slot of a quota bucket's record on a Redis Cluster, whose slots each have a server
+    /// of their own; 0 where one server keeps every bucket.
+    pub fn slot(&self, bucket: &CounterKey) -> u16 {
+        match &self.counters {
+            Counters::Memory(_) => 0,
+            Counters::Redis(redis) => redis.slot(bucket),
+        }
+    }
+
     /// Settles a quota bucket for this replica's streams of it (see `demand`).
     pub async fn settle(
         &self,

@@ -620,3 +620,72 @@ async fn halves_across(
     );
     (a, b)
 }
+
+/// `lua/demand.lua`, called as a replica calls it, to pin what a call meets on a restarted server.
+const DEMAND: &str = include_str!("../../lua/demand.lua");
+
+/// One call of the demand script for bucket `key`: `stream` reports wanting all of the limit
+/// (20/s, in thousandths), as a replica whose last answer came from `heard` ("" for none) calls
+/// it; the grant it gets, and the server that answered.
+fn wants_all(redis: &Controlled, key: &str, stream: &str, heard: &str) -> (u64, String) {
+    let args = [
+        "EVAL",
+        DEMAND,
+        "1",
+        key,
+        "t:quota-moves",
+        "20000",
+        "1",
+        "15000",
+        "2000",
+        "0",
+        "0",
+        heard,
+        "1",
+        stream,
+        "r",
+        "20000",
+        "0",
+        "0",
+    ];
+    let out = redis.cli(&args);
+    let lines: Vec<&str> = out.lines().collect();
+    // The clock, the server; then the key's "again", lapse, count, and per stream its id,
+    // demand, grant and share.
+    assert!(lines.len() >= 5, "the demand script answered: {out}");
+    let grant = lines[5..]
+        .chunks(4)
+        .find(|s| s[0] == stream)
+        .map(|s| s[2].parse().expect("a grant"))
+        .unwrap_or_else(|| panic!("{stream} counted: {out}"));
+    (grant, lines[1].to_string())
+}
+
+#[test]
+fn a_call_that_meets_another_server_than_the_one_its_replica_last_heard_from_grows_nothing() {
+    let mut redis = Controlled::started();
+    let (grant, first) = wants_all(&redis, "t:b", "r1:a", "");
+    assert_eq!(grant, 20_000, "alone, all of it");
+    assert_eq!(first.len(), 16, "the server's id: {first:?}");
+    // Restarted empty: r1:a's Envoy still enforces its 20/s, which the new server does not know.
+    redis.kill();
+    redis.start();
+    let (grant, second) = wants_all(&redis, "t:b", "r2:c", &first);
+    assert_ne!(second, first, "a restarted server has another id");
+    assert_eq!(grant, 0, "another replica's stream, new, takes nothing");
+    assert!(
+        !redis.cli(&["HGET", "t:b", "~frozen"]).trim().is_empty(),
+        "the bucket is frozen for every replica"
+    );
+    let (grant, _) = wants_all(&redis, "t:b", "r2:c", &second);
+    assert_eq!(
+        grant, 0,
+        "nothing grows while the replicas list what their streams hold"
+    );
+    // The same calls on a bucket of its own: one that names the server that answers grows, and
+    // so does one that names none (a replica that never had an answer).
+    let (grant, _) = wants_all(&redis, "t:c", "r2:c", &second);
+    assert_eq!(grant, 20_000);
+    let (grant, _) = wants_all(&redis, "t:d", "r2:c", "");
+    assert_eq!(grant, 20_000);
+}

@@ -168,6 +168,14 @@ impl RedisStore {
         Ok(Decision::of(check, admitted, &verdicts))
     }
 
+    /// The Cluster slot of a quota bucket's record; 0 off a Cluster.
+    pub fn slot(&self, bucket: &CounterKey) -> u16 {
+        match self.records {
+            Some(_) => 0,
+            None => fred::util::redis_keyslot(&self.key(bucket)),
+        }
+    }
+
     /// Settles a quota bucket for this replica's streams of it, in the next batched call of
     /// `lua/demand.lua`, or in a call of its own on a Cluster.
     pub async fn settle(

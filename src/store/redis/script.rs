@@ -497,7 +497,7 @@ fn unreadable(key: &[u8], held: &str, error: &str) -> StoreError {
 pub(super) fn settle_args(call: &Settle) -> Vec<Value> {
     let number = |n: u64| Value::from(n.to_string());
     let flag = |yes: bool| Value::from(if yes { "1" } else { "0" });
-    let mut args = Vec::with_capacity(7 + 5 * call.streams.len());
+    let mut args = Vec::with_capacity(8 + 5 * call.streams.len());
     args.extend([
         number(call.limit),
         flag(call.grow),
@@ -505,6 +505,10 @@ pub(super) fn settle_args(call: &Settle) -> Vec<Value> {
         number(call.freeze_ms),
         number(call.not_after_ms),
         number(call.grow_until_ms),
+        Value::from(
+            call.heard
+                .map_or_else(String::new, |id| format!("{id:016x}")),
+        ),
         number(call.streams.len() as u64),
     ]);
     for listed in &call.streams {
@@ -524,7 +528,7 @@ pub(super) fn settle_args(call: &Settle) -> Vec<Value> {
     args
 }
 
-/// The demand script's reply for the buckets at `keys`: the clock, then per key whether the
+/// The demand script's reply for the buckets at `keys`: the clock and the server, then per key whether the
 /// replica is to settle again, when the first stream it did not list lapses, the number of
 /// streams counted and their ids, demands, grants and shares;
 /// or -1 and the type the key holds instead of a hash, which fails that key alone;
@@ -539,6 +543,11 @@ fn read_demands(
         .next()
         .and_then(|v| v.as_u64())
         .ok_or_else(malformed)?;
+    let server = values
+        .next()
+        .and_then(|v| v.into_string())
+        .ok_or_else(malformed)?;
+    let server = u64::from_str_radix(&server, 16).ok();
     let mut answers = Vec::with_capacity(keys.len());
     for key in keys {
         let again = values
@@ -586,6 +595,7 @@ fn read_demands(
         streams.sort_by(|a, b| a.stream.cmp(&b.stream));
         answers.push(Ok(Division {
             now_ms,
+            server,
             again: again > 0,
             lapse_ms: (lapse_ms > 0).then_some(lapse_ms),
             streams,
@@ -632,6 +642,7 @@ mod tests {
         let text = |t: &str| Value::String(t.into());
         let reply = vec![
             Value::Integer(1_000),
+            text("1272d1bd24222bdb"),
             Value::Integer(1),
             Value::Integer(31_000),
             Value::Integer(2),
@@ -653,6 +664,7 @@ mod tests {
         let answers = read_demands(reply, &keys).unwrap();
         let first = answers[0].as_ref().unwrap();
         assert_eq!(first.now_ms, 1_000);
+        assert_eq!(first.server, Some(0x1272_d1bd_2422_2bdb));
         assert!(first.again);
         assert_eq!(first.lapse_ms, Some(31_000));
         let granted: Vec<(&str, u64, u64, u64)> = first
@@ -672,6 +684,7 @@ mod tests {
         assert_eq!(answers[2].as_ref().unwrap().lapse_ms, None);
         let short = vec![
             Value::Integer(1_000),
+            text(""),
             Value::Integer(0),
             Value::Integer(0),
             Value::Integer(1),
@@ -679,12 +692,26 @@ mod tests {
         assert!(read_demands(short, &keys[..1]).is_err());
         let long = vec![
             Value::Integer(1_000),
+            text(""),
             Value::Integer(0),
             Value::Integer(0),
             Value::Integer(0),
             Value::Integer(0),
         ];
         assert!(read_demands(long, &keys[..1]).is_err());
+        let refused = vec![
+            Value::Integer(1_000),
+            text(""),
+            Value::Integer(0),
+            Value::Integer(0),
+            Value::Integer(0),
+        ];
+        let answers = read_demands(refused, &keys[..1]).unwrap();
+        assert_eq!(
+            answers[0].as_ref().unwrap().server,
+            None,
+            "no server id where INFO is refused"
+        );
     }
 
     #[test]
