@@ -1,6 +1,10 @@
 //! sluice: a global rate limit service for Envoy (`envoy.service.ratelimit.v3`), and a quota
 //! service (`envoy.service.rate_limit_quota.v3`) that divides global limits among Envoys.
 //!
+//! Two crates: `sluice-core` (`core/`) holds the limits, the rules, the rule files and the
+//! stores, with what they tell (`limiter`, `rules`, `config`, `store`, `observe`, `throttle`,
+//! `certs`), and this one, the server, re-exports them under the same names.
+//!
 //! A request travels top-down through these modules. Imports point down the path, and to the
 //! limiter: it is the floor the others stand on, importing no other module; the stores build on
 //! its types, and `service::decide` joins the two. No imports go round in a circle
@@ -36,8 +40,8 @@
 //!   past which they are shed.
 //!
 //! Beside the path: [`pb`] holds the protobuf types and gRPC servers generated from `proto/`,
-//! [`config`] reads and validates rule files (or follows an xDS server's
-//! `RateLimitConfig` resources, `config::xds`) into typed structs at the edge,
+//! [`config`] reads and validates rule files into typed structs at the edge, and [`xds`]
+//! follows an xDS server's `RateLimitConfig` resources into the same structs,
 //! [`telemetry`] sets up logging (and keeps events every request can hit from flooding it) and
 //! makes the `Telemetry` handle the service, the quota service and the stores (through
 //! [`observe`]) tell what they do, which holds the Prometheus metrics (`telemetry::metrics`: the registry,
@@ -57,22 +61,18 @@
 //! Below them all: [`observe`], what the rules and the stores tell whoever runs them, and
 //! [`throttle`], which keeps a log line every request can hit to one a second. `limiter`,
 //! `rules`, `config`, `store`, `observe`, `throttle` and `certs` are the core a library could
-//! embed: they import none of the server's modules (tests/embedded/layers.rs checks it).
+//! embed, a crate of their own: they cannot import the server's modules.
 //!
 //! TLS: [`certs`] reads certificates and keys from PEM files for both edges that speak it, the
 //! gRPC server (`service::tls`, mTLS and reload included) and the connections to Redis.
 
-pub mod certs;
-pub mod config;
-pub mod limiter;
+pub use sluice_core::{certs, config, limiter, observe, rules, store, throttle};
+
 pub mod load;
-pub mod observe;
 pub mod pb;
 pub mod quota;
-pub mod rules;
 pub mod service;
 pub mod settings;
-pub mod store;
 pub mod telemetry;
-pub mod throttle;
 pub mod top;
+pub mod xds;

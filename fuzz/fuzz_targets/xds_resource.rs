@@ -5,7 +5,7 @@
 use envoy_types::pb::google::protobuf::Any;
 use libfuzzer_sys::fuzz_target;
 use sha2::{Digest, Sha256};
-use sluice::config::xds::{TYPE_URL, convert};
+use sluice::xds::{TYPE_URL, convert};
 use sluice::rules::RuleSet;
 
 fuzz_target!(|data: &[u8]| {

@@ -13,8 +13,8 @@ use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use prost::Message;
 use sha2::{Digest, Sha256};
-use sluice::config::xds::{TYPE_URL, convert};
 use sluice::rules::RuleSet;
+use sluice::xds::{TYPE_URL, convert};
 
 use super::fuzz;
 

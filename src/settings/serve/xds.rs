@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use crate::config::xds::{Server, Tls};
+use crate::xds::{Server, Tls};
 
 #[derive(Args)]
 #[command(next_help_heading = "Rules over xDS")]

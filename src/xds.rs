@@ -28,12 +28,12 @@ use tokio::sync::{Notify, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint, Identity};
 
-use super::file::composite;
-use super::{
-    DescriptorConfig, DomainConfig, Loaded, MOST_DESCRIPTOR_DEPTH, MOST_METADATA_DEPTH, RuleLimit,
-    Sources, domain_collisions, hex,
-};
 use crate::certs::{self, PemFile};
+use crate::config::{
+    DescriptorConfig, DomainConfig, Loaded, MOST_DESCRIPTOR_DEPTH, MOST_DOMAIN_BYTES,
+    MOST_METADATA_DEPTH, Received, RuleLimit, Sources, composite, domain_collisions,
+    domain_too_long, hex, on_own_thread,
+};
 use crate::limiter::{Algorithm, Limit, Mode, Unit};
 use crate::throttle::Throttle;
 
@@ -293,7 +293,7 @@ impl Subscription {
         } = response;
         let judged = {
             let (judge, version) = (judge.clone(), version.clone());
-            super::on_own_thread(move || judge.judge(&version, resources))
+            on_own_thread(move || judge.judge(&version, resources))
         };
         let nack = judged
             .await
@@ -345,7 +345,7 @@ fn jittered(pause: Duration) -> Duration {
 
 /// The rules of one xDS response, converted from protobuf straight into the typed rules: every
 /// resource a `RateLimitConfig`, validated as a rule file named `xds:<resource name>` is; the
-/// resources are kept as the rules' sources (`Sources::Xds`). The errors name the resource and the path of the
+/// resources are kept as the rules' sources (`Resources`). The errors name the resource and the path of the
 /// offending field (`descriptors[0].rate_limit.unit`). No resource at all is a valid, empty
 /// configuration. `digests` are the SHA-256 of each resource's bytes. Public as the one entry
 /// from protobuf into rules, for the fuzz targets.
@@ -387,11 +387,8 @@ pub fn convert(
         let descriptors = resource.descriptors(config.descriptors, None);
         if config.domain.is_empty() {
             resource.error(|| "domain".into(), "config file cannot have empty domain");
-        } else if config.domain.len() > super::MOST_DOMAIN_BYTES {
-            resource.error(
-                || "domain".into(),
-                super::domain_too_long(config.domain.len()),
-            );
+        } else if config.domain.len() > MOST_DOMAIN_BYTES {
+            resource.error(|| "domain".into(), domain_too_long(config.domain.len()));
         }
         loaded.domains.push(DomainConfig {
             file,
@@ -417,8 +414,23 @@ pub fn convert(
     if errors.total > 0 {
         return Err(errors);
     }
-    loaded.sources = Sources::Xds(kept);
+    loaded.sources = Sources::Received(Box::new(Resources(kept)));
     Ok(loaded)
+}
+
+/// The resources of an accepted xDS response, kept as the rules' sources.
+#[derive(Debug)]
+struct Resources(Vec<Any>);
+
+impl Received for Resources {
+    fn domains(&self) -> Vec<DomainConfig> {
+        // Digests name files in `Loaded`, which is not kept; domains may merge here as they did
+        // when the resources were accepted.
+        let digests = vec![Digest::default(); self.0.len()];
+        convert(self.0.clone(), &digests, true)
+            .map(|loaded| loaded.domains)
+            .unwrap_or_default()
+    }
 }
 
 /// Gives each top-level rule its index + 1 as its line (`numbered`), or line 0 (none).

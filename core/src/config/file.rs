@@ -703,7 +703,7 @@ fn go_value(node: &Node) -> String {
 }
 
 /// A rule's step in envoyproxy/ratelimit's composite keys: `key_value`, or `key` alone.
-pub(super) fn composite(key: &str, value: Option<&str>) -> String {
+pub fn composite(key: &str, value: Option<&str>) -> String {
     match value {
         Some(v) => format!("{key}_{v}"),
         None => key.to_owned(),

@@ -1,11 +1,11 @@
 //! Rule files: envoyproxy/ratelimit's YAML format plus sluice's extensions, read from one file or a
 //! directory of them, validated into typed `DomainConfig`s. Every problem is reported as
 //! `file:line: message`; the caller keeps its previous rules when there is any. The same rules
-//! can come over xDS instead (`xds`), validated the same way.
+//! can come over xDS instead (the server's `xds`), validated by the same checks, which it takes
+//! from here.
 
 mod file;
 mod nesting;
-pub mod xds;
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -13,10 +13,9 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use envoy_types::pb::google::protobuf::Any;
 use sha2::{Digest, Sha256};
 
-pub use file::parse;
+pub use file::{composite, parse};
 
 use crate::limiter::lease::Leasing;
 use crate::limiter::{Counting, Limit, Mode};
@@ -153,8 +152,8 @@ pub struct Loaded {
 pub enum Sources {
     /// Each rule file's text.
     Files(Vec<(PathBuf, Box<str>)>),
-    /// The resources of an xDS response.
-    Xds(Vec<Any>),
+    /// What a source other than files sent (an xDS response's resources), kept as it came.
+    Received(Box<dyn Received>),
     /// Domains made without reading anything.
     Domains(Vec<DomainConfig>),
 }
@@ -175,17 +174,16 @@ impl Sources {
                 .filter_map(|(file, text)| parse(file, text).ok())
                 .map(|(domain, _)| domain)
                 .collect(),
-            Sources::Xds(resources) => {
-                // Digests name files in `Loaded`, which is not kept; domains may merge here as
-                // they did when the resources were accepted.
-                let digests = vec![xds::Digest::default(); resources.len()];
-                xds::convert(resources.clone(), &digests, true)
-                    .map(|loaded| loaded.domains)
-                    .unwrap_or_default()
-            }
+            Sources::Received(received) => received.domains(),
             Sources::Domains(domains) => domains.clone(),
         }
     }
+}
+
+/// Rules as a source other than files sent them, which made valid domains when they came and
+/// make them again when shown.
+pub trait Received: fmt::Debug + Send + Sync {
+    fn domains(&self) -> Vec<DomainConfig>;
 }
 
 impl Loaded {
@@ -215,7 +213,8 @@ pub fn quota_path(bucket: &[(String, Option<String>)]) -> String {
     steps.join(".")
 }
 
-fn hex(bytes: &[u8]) -> String {
+/// `bytes` in lower-case hex.
+pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().fold(String::with_capacity(64), |mut s, b| {
         let _ = write!(s, "{b:02x}");
         s
@@ -334,7 +333,7 @@ fn read_at_most(file: &Path, size: u64, budget: u64) -> Result<Vec<u8>, Unread> 
 /// define the same top-level rule. Merged files join at the top of the domain's tree, as
 /// envoyproxy/ratelimit joins them: a rule defined twice is an error even when the two would
 /// nest different rules.
-fn domain_collisions(domains: &[DomainConfig], merge_domains: bool) -> Vec<ConfigError> {
+pub fn domain_collisions(domains: &[DomainConfig], merge_domains: bool) -> Vec<ConfigError> {
     let mut errors = Vec::new();
     // Each domain's top-level rules (key, value), from the files read so far.
     let mut seen: HashMap<&str, HashSet<(&str, Option<&str>)>> = HashMap::new();

@@ -95,9 +95,9 @@ impl Scripts {
         Scripts {
             conn,
             channel,
-            check: Lua::new(include_str!("../../../lua/check.lua")),
-            undo: Lua::new(include_str!("../../../lua/undo.lua")),
-            demand: Lua::new(include_str!("../../../lua/demand.lua")),
+            check: Lua::new(include_str!("../../../../lua/check.lua")),
+            undo: Lua::new(include_str!("../../../../lua/undo.lua")),
+            demand: Lua::new(include_str!("../../../../lua/demand.lua")),
             confirm,
         }
     }

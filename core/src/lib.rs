@@ -1,0 +1,27 @@
+//! sluice-core: what a rate limit is and where its counters live, apart from any server. The
+//! `sluice` crate serves it to Envoy; a library could embed it as well.
+//!
+//! - [`limiter`] — what a limit is (`Limit`, `Algorithm`, `Mode`), each algorithm's math shared
+//!   by every store, counter identities (`CounterKey`), the all-or-nothing `Check` → `Decision`,
+//!   the rules of the local over-limit cache and the leased blocks. Pure: no store, no metrics,
+//!   no I/O; the floor the others stand on.
+//! - [`config`] — rule files (envoyproxy/ratelimit's YAML and sluice's extensions) read and
+//!   validated into typed structs, every error as `file:line: message`; the checks any other
+//!   source of rules shares, and the sources kept with the rules.
+//! - [`rules`] — the matcher built from them: (domain, descriptor entries) → the limits that
+//!   apply, with envoyproxy/ratelimit's precedence; request planning (`rules::plan`), quota
+//!   bucket matching, the explain walk and the dumps of the rules in force.
+//! - [`store`] — where counters live: the embedded store, or Redis through one Lua script per
+//!   request (`lua/check.lua`, `lua/undo.lua`, and `lua/demand.lua` for the quota service's
+//!   shares), every call behind one guard (deadline, bounded queue, circuit breaker).
+//! - [`observe`] — what the rules and the stores tell whoever runs them (an `Observer` handed to
+//!   them), [`throttle`] — a log line every request can hit, kept to one a second, and
+//!   [`certs`] — certificates and keys from PEM files.
+
+pub mod certs;
+pub mod config;
+pub mod limiter;
+pub mod observe;
+pub mod rules;
+pub mod store;
+pub mod throttle;
