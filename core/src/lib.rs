@@ -17,6 +17,37 @@
 //! - [`observe`] — what the rules and the stores tell whoever runs them (an `Observer` handed to
 //!   them), [`throttle`] — a log line every request can hit, kept to one a second, and
 //!   [`certs`] — certificates and keys from PEM files.
+//!
+//! A rule file, a request's descriptor planned against it, and the check decided by the
+//! embedded store, all or nothing (Redis takes the same check, in one script call):
+//!
+//! ```
+//! use std::path::Path;
+//!
+//! use sluice_core::config::parse;
+//! use sluice_core::limiter::Counting;
+//! use sluice_core::limiter::lease::Leasing;
+//! use sluice_core::rules::RuleSet;
+//! use sluice_core::rules::plan::{Asked, Global};
+//! use sluice_core::store::{MemoryStore, Percent};
+//!
+//! let text = "domain: api\ndescriptors:\n  - key: tenant\n    rate_limit: {unit: minute, requests_per_unit: 2}\n";
+//! let (domain, _warnings) = parse(Path::new("api.yaml"), text).expect("valid rules");
+//! let rules = RuleSet::new(vec![domain]);
+//! let store = MemoryStore::new(10_000, Percent(100));
+//! let global = Global { quota_mode: false, counting: Counting::Admitted, lease: Leasing::Off };
+//! let asked = [Asked {
+//!     entries: vec![(b"tenant".as_slice(), b"acme".as_slice())],
+//!     hits: 1,
+//!     refund: false,
+//!     limit: None,
+//! }];
+//! for admitted in [true, true, false] {
+//!     let (_plans, check) = rules.plan(b"api", &asked, global, false);
+//!     let decision = store.apply(&check).expect("room for the counter");
+//!     assert_eq!(decision.admitted, admitted);
+//! }
+//! ```
 
 pub mod certs;
 pub mod config;

@@ -68,7 +68,7 @@ pub trait Observer: Send + Sync {
 
 /// An observer that keeps nothing: for what decides without reporting (`explain`,
 /// `check-config`, the tests of the rules).
-pub struct Unobserved;
+pub(crate) struct Unobserved;
 
 /// A rule's names, with no counter.
 struct Named {

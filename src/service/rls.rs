@@ -61,6 +61,16 @@ pub enum OnStoreError {
     Deny,
 }
 
+impl From<OnStoreError> for PolicyAnswer {
+    fn from(policy: OnStoreError) -> Self {
+        match policy {
+            OnStoreError::Error => PolicyAnswer::Error,
+            OnStoreError::Allow => PolicyAnswer::Allow,
+            OnStoreError::Deny => PolicyAnswer::Deny,
+        }
+    }
+}
+
 /// How the service answers when the store cannot.
 #[derive(Clone, Copy, Debug)]
 pub struct Fallback {
@@ -226,11 +236,7 @@ impl Rls {
     ) -> Result<RateLimitResponse, Status> {
         static UNDECIDED: Throttle = Throttle::new();
         let policy = self.fallback.on_store_error;
-        let answer = match policy {
-            OnStoreError::Error => PolicyAnswer::Error,
-            OnStoreError::Allow => PolicyAnswer::Allow,
-            OnStoreError::Deny => PolicyAnswer::Deny,
-        };
+        let answer = PolicyAnswer::from(policy);
         self.telemetry.undecided(e.kind(), answer);
         let name = answer.name();
         if self.telemetry.tracing() {

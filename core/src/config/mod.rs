@@ -36,7 +36,7 @@ pub const MOST_BUCKET_KEYS: usize = 32;
 /// rule (the top mapping, then a `descriptors` list and a rule per level down to
 /// `MOST_DESCRIPTOR_DEPTH`, then `metadata` `MOST_METADATA_DEPTH` deep) and no more, so that
 /// nothing reading the file's tree recurses deeper than that.
-pub const MOST_YAML_DEPTH: usize = 1 + 2 * MOST_DESCRIPTOR_DEPTH + MOST_METADATA_DEPTH;
+pub(crate) const MOST_YAML_DEPTH: usize = 1 + 2 * MOST_DESCRIPTOR_DEPTH + MOST_METADATA_DEPTH;
 /// The default of `--max-config-bytes`: the most bytes the rule files under `--config` may hold
 /// together. Loading takes about 45 bytes of memory per byte of rules at its peak (4 MiB: about
 /// 230 MB; about 100 for a file of tiny list items), and a Kubernetes ConfigMap holds 1 MiB at
@@ -167,7 +167,7 @@ impl Default for Sources {
 impl Sources {
     /// The domains, as they were when the rules were made: the bytes made valid rules then, so
     /// they do again.
-    pub fn domains(&self) -> Vec<DomainConfig> {
+    pub(crate) fn domains(&self) -> Vec<DomainConfig> {
         match self {
             Sources::Files(files) => files
                 .iter()
@@ -188,7 +188,7 @@ pub trait Received: fmt::Debug + Send + Sync {
 
 impl Loaded {
     /// The SHA-256 (hex) of every file's name and digest, in order: equal for equal rules.
-    pub fn hash(&self) -> String {
+    pub(crate) fn hash(&self) -> String {
         let mut h = Sha256::new();
         for (file, digest) in &self.files {
             h.update(file.to_string_lossy().as_bytes());
@@ -202,7 +202,7 @@ impl Loaded {
 
 /// A quota bucket rule's name in metrics and dumps: its sorted keys as `key_value` (or `key`
 /// alone for any value) joined by dots.
-pub fn quota_path(bucket: &[(String, Option<String>)]) -> String {
+pub(crate) fn quota_path(bucket: &[(String, Option<String>)]) -> String {
     let steps: Vec<String> = bucket
         .iter()
         .map(|(k, v)| match v {

@@ -118,7 +118,7 @@ impl OverLimitCache {
 /// full before the request, or a fixed window the request filled. (Elsewhere an over reset is
 /// when `hits` fit, so it says when one fits only for a request of one hit, and an admitted
 /// reset is not when one more fits.)
-pub fn full(algorithm: Algorithm, hits: u64, over: bool, before: u64, after: u64) -> bool {
+pub(crate) fn full(algorithm: Algorithm, hits: u64, over: bool, before: u64, after: u64) -> bool {
     match algorithm {
         Algorithm::FixedWindow => (over && before == 0) || (!over && after == 0 && hits > 0),
         Algorithm::SlidingWindow

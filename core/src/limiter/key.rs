@@ -32,7 +32,7 @@ impl CounterKey {
     }
 
     /// The part that names the descriptor, shared by all of its limits.
-    pub fn descriptor(&self) -> &[u8] {
+    pub(crate) fn descriptor(&self) -> &[u8] {
         &self.bytes[..self.descriptor_len]
     }
 }
@@ -194,7 +194,7 @@ mod tests {
 pub struct RuleId(u64);
 
 impl RuleId {
-    pub fn of(domain: &[u8], path: &[u8]) -> RuleId {
+    pub(crate) fn of(domain: &[u8], path: &[u8]) -> RuleId {
         let mut h = SipHasher64::new();
         h.write_usize(domain.len());
         h.write(domain);
@@ -202,7 +202,7 @@ impl RuleId {
         RuleId(h.finish())
     }
 
-    pub fn bits(self) -> u64 {
+    pub(crate) fn bits(self) -> u64 {
         self.0
     }
 }

@@ -36,7 +36,7 @@ use super::{
 };
 
 /// A block takes at most this part of what remains in the store (`lua/check.lua` applies it).
-pub const SHARE: u64 = 8;
+pub(crate) const SHARE: u64 = 8;
 /// A block holds what the replica admitted of its counter in this long, at its recent rate.
 const AHEAD: Duration = Duration::from_millis(100);
 /// The replica's rate on a counter is measured over periods of this length.
@@ -71,7 +71,7 @@ impl Leasing {
         }
     }
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Leasing::Auto => "auto",
             Leasing::Off => "off",

@@ -90,7 +90,7 @@ impl Limit {
     }
 
     /// The most hits the counter can hold at once: a bucket's `burst`, else the limit.
-    pub fn capacity(&self) -> u32 {
+    pub(crate) fn capacity(&self) -> u32 {
         if self.algorithm.is_bucket() {
             self.burst
         } else {
@@ -122,7 +122,7 @@ impl Mode {
     }
 
     /// The mode under global quota mode (`--quota-mode`), where every limit is a quota limit.
-    pub fn as_quota(self) -> Mode {
+    pub(crate) fn as_quota(self) -> Mode {
         match self {
             Mode::Enforce | Mode::Quota => Mode::Quota,
             Mode::Shadow | Mode::ShadowQuota => Mode::ShadowQuota,
@@ -266,7 +266,7 @@ pub struct Decision {
 
 impl Decision {
     /// What a store's `verdicts` on the items of `check` report, the request `admitted` or not.
-    pub fn of(check: &Check, admitted: bool, verdicts: &[algorithm::Verdict]) -> Decision {
+    pub(crate) fn of(check: &Check, admitted: bool, verdicts: &[algorithm::Verdict]) -> Decision {
         // A counter counted `always` was charged either way: it reports what it holds now.
         let usages = verdicts
             .iter()

@@ -48,7 +48,7 @@ impl RuleSet {
     }
 
     /// The rules as JSON.
-    pub fn dump_json(&self) -> Value {
+    pub(crate) fn dump_json(&self) -> Value {
         let origin = &self.origin;
         let loaded_at = origin
             .loaded_at
@@ -71,7 +71,7 @@ impl RuleSet {
     /// The rules as envoyproxy/ratelimit's `/rlconfig` text: per limit,
     /// `domain.path: unit=MINUTE requests_per_unit=10, shadow_mode: false, quota_mode: false`,
     /// followed by what that format cannot say (`name`, `unit_multiplier`, `algorithm`) when set.
-    pub fn dump_text(&self) -> String {
+    pub(crate) fn dump_text(&self) -> String {
         let mut domains = self.sources.domains();
         domains.sort_by(|a, b| a.domain.cmp(&b.domain));
         let mut out = String::new();

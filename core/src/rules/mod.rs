@@ -185,7 +185,7 @@ impl Node {
 
     /// The series is named from the request's values (`detailed_metric` here, or
     /// `value_to_metric` on the way here): see `RuleSet::metric_name`.
-    pub fn named_by_request(&self) -> bool {
+    pub(crate) fn named_by_request(&self) -> bool {
         self.flags.has(Flags::NAMED_BY_REQUEST)
     }
 
@@ -371,7 +371,7 @@ impl RuleSet {
     }
 
     /// The node matched by the descriptor's last entry, if every entry matched.
-    pub fn resolve<'a>(
+    pub(crate) fn resolve<'a>(
         &'a self,
         domain: &[u8],
         entries: &[(&'a [u8], &'a [u8])],

@@ -133,7 +133,7 @@ struct Standing {
 /// The embedded store's buckets: per bucket, indexed by the keyed 128-bit hash of its key (as
 /// the embedded store indexes counters), the streams counted, sorted by id. Most buckets have
 /// one stream, so a bucket takes about a hundred bytes.
-pub struct DemandBoard {
+pub(crate) struct DemandBoard {
     buckets: Mutex<HashMap<u128, Vec<Standing>, IdHasher>>,
     ids: CounterIds,
     max_buckets: usize,
@@ -141,7 +141,7 @@ pub struct DemandBoard {
 
 impl DemandBoard {
     /// A board for at most `max_buckets` buckets with a stream counted at once.
-    pub fn new(max_buckets: usize) -> Self {
+    pub(crate) fn new(max_buckets: usize) -> Self {
         DemandBoard {
             buckets: Mutex::default(),
             ids: CounterIds::new(),
@@ -150,7 +150,7 @@ impl DemandBoard {
     }
 
     /// Settles `bucket` for one replica at `now_ms`, as `lua/demand.lua` does.
-    pub fn settle(
+    pub(crate) fn settle(
         &self,
         bucket: &CounterKey,
         call: &Settle,
@@ -264,7 +264,7 @@ impl DemandBoard {
     }
 
     /// Drops the streams that stopped reporting, and the buckets left without one.
-    pub fn sweep(&self, now_ms: u64) {
+    pub(crate) fn sweep(&self, now_ms: u64) {
         let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
         buckets.retain(|_, streams| {
             streams.retain(|s| s.until_ms > now_ms);

@@ -240,7 +240,7 @@ impl MemoryStore {
     }
 
     /// The store, telling `observer` of the counters it refuses.
-    pub fn observed_by(self, observer: Arc<dyn Observer>) -> Self {
+    pub(crate) fn observed_by(self, observer: Arc<dyn Observer>) -> Self {
         MemoryStore { observer, ..self }
     }
 
@@ -462,7 +462,7 @@ impl MemoryStore {
     }
 
     /// Counters held, expired ones not swept yet included.
-    pub fn counters(&self) -> usize {
+    pub(crate) fn counters(&self) -> usize {
         self.shards
             .iter()
             .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).counters.len())
@@ -470,12 +470,16 @@ impl MemoryStore {
     }
 
     /// Settles a quota bucket for this replica's streams of it (see `demand`).
-    pub fn settle(&self, bucket: &CounterKey, call: &Settle) -> Result<Division, StoreError> {
+    pub(crate) fn settle(
+        &self,
+        bucket: &CounterKey,
+        call: &Settle,
+    ) -> Result<Division, StoreError> {
         self.demand.settle(bucket, call, now_ms())
     }
 
     /// Drops expired counters, one shard at a time, and quota streams gone quiet.
-    pub fn sweep(&self) {
+    pub(crate) fn sweep(&self) {
         let now_ms = now_ms();
         self.sweep_at(now_ms);
         self.demand.sweep(now_ms);

@@ -382,7 +382,7 @@ impl StoreError {
     /// Redis answered, and the request failed by what it found: a key it cannot read, a slot
     /// on the move, or replicas that did not confirm or are not there. It says nothing of
     /// whether Redis is up.
-    pub fn answered(&self) -> bool {
+    pub(crate) fn answered(&self) -> bool {
         matches!(
             self,
             StoreError::Data { .. }

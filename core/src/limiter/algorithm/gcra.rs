@@ -26,11 +26,11 @@ use super::{Ask, Verdict};
 
 /// The most units a bucket may hold (`burst × window_ms`): 2^51, so that a level plus the
 /// hits of one request stays exact below 2^53.
-pub const MOST_UNITS: u64 = 1 << 51;
+pub(crate) const MOST_UNITS: u64 = 1 << 51;
 
 /// The highest level a bucket records, debt included: a charge past it is clamped, so that a
 /// level stays exact in the script's doubles.
-pub const MOST_LEVEL: u64 = 1 << 52;
+pub(crate) const MOST_LEVEL: u64 = 1 << 52;
 
 /// A bucket as stored: its level in units (a hit is `window_ms` units), measured at `stamp_ms`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,7 +41,7 @@ pub struct State {
 
 /// What to store if the request is admitted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Write {
+pub(crate) enum Write {
     /// Nothing changes.
     Keep,
     /// Store the state, to live `ttl_ms`.
@@ -51,7 +51,7 @@ pub enum Write {
 }
 
 /// Evaluates one bucket holding at most `burst` hits at `ask.now_ms`.
-pub fn evaluate(ask: &Ask, burst: u64, stored: Option<State>) -> (Verdict, Write) {
+pub(crate) fn evaluate(ask: &Ask, burst: u64, stored: Option<State>) -> (Verdict, Write) {
     let Ask {
         limit,
         window_ms,

@@ -30,7 +30,7 @@
 use super::{Ask, Verdict};
 
 /// The largest `requests_per_unit` of a sliding log, which bounds its entries per window.
-pub const MOST_ENTRIES: u32 = 1_000;
+pub(crate) const MOST_ENTRIES: u32 = 1_000;
 
 /// What to store if the request is admitted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,7 +45,7 @@ pub enum Change {
 
 /// Evaluates a log of `entries` (ascending, stale ones included) at `ask.at_ms`, which is no
 /// earlier than `ask.now_ms`.
-pub fn evaluate(ask: &Ask, entries: &[u64]) -> (Verdict, Change) {
+pub(crate) fn evaluate(ask: &Ask, entries: &[u64]) -> (Verdict, Change) {
     let Ask {
         limit,
         window_ms,
@@ -129,7 +129,7 @@ pub fn evaluate(ask: &Ask, entries: &[u64]) -> (Verdict, Change) {
 }
 
 /// Applies `change` to `entries` at `now_ms`, dropping the entries that can no longer matter.
-pub fn apply(entries: &mut Vec<u64>, change: Change, now_ms: u64, window_ms: u64) {
+pub(crate) fn apply(entries: &mut Vec<u64>, change: Change, now_ms: u64, window_ms: u64) {
     let stale = entries.len() - live(entries, now_ms, window_ms).len();
     entries.drain(..stale);
     match change {
@@ -148,7 +148,7 @@ pub fn apply(entries: &mut Vec<u64>, change: Change, now_ms: u64, window_ms: u64
 
 /// How long a log must live from `now_ms`: until its newest entry stops mattering; `None` for
 /// an empty log, which is not stored.
-pub fn ttl_ms(entries: &[u64], now_ms: u64, window_ms: u64) -> Option<u64> {
+pub(crate) fn ttl_ms(entries: &[u64], now_ms: u64, window_ms: u64) -> Option<u64> {
     entries.last().map(|newest| newest + window_ms - now_ms)
 }
 

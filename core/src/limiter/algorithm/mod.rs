@@ -34,7 +34,7 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
-    pub const NAMES: &'static str =
+    pub(crate) const NAMES: &'static str =
         "fixed_window, sliding_window, sliding_log, token_bucket or leaky_bucket";
 
     pub fn parse(name: &str) -> Option<Algorithm> {
@@ -64,14 +64,14 @@ impl Algorithm {
     }
 
     /// Whether `burst` applies.
-    pub fn is_bucket(self) -> bool {
+    pub(crate) fn is_bucket(self) -> bool {
         matches!(self, Algorithm::TokenBucket | Algorithm::LeakyBucket)
     }
 }
 
 /// What a request asks of one counter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Ask {
+pub(crate) struct Ask {
     /// Requests per window.
     pub limit: u64,
     pub window_ms: u64,
@@ -93,7 +93,7 @@ pub struct Ask {
 impl Ask {
     /// The hits a decision must find room for: at least one, so that a check-only request is
     /// over when the counter is full; counting `always`, the hits alone.
-    pub fn need(&self) -> u64 {
+    pub(crate) fn need(&self) -> u64 {
         if let Step::Take { least } = self.step {
             least.max(1)
         } else if self.always {
@@ -106,7 +106,7 @@ impl Ask {
 
 /// The most a window counts: a charge past it is clamped, so that a count stays exact in the
 /// script's doubles. Only a count far above any limit (at most 2^32) gets there.
-pub const MOST_COUNT: u64 = 1 << 52;
+pub(crate) const MOST_COUNT: u64 = 1 << 52;
 
 /// What evaluating one counter found; the check script returns the same numbers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -134,7 +134,7 @@ pub struct Verdict {
 impl Verdict {
     /// What to report once the request is decided, for a counter of `algorithm` asked for
     /// `hits`, `charged` or not.
-    pub fn usage(&self, charged: bool, algorithm: Algorithm, hits: u64) -> Usage {
+    pub(crate) fn usage(&self, charged: bool, algorithm: Algorithm, hits: u64) -> Usage {
         let (after, reset) = if charged {
             (self.remaining_after, self.reset_after_ms)
         } else {

@@ -28,7 +28,7 @@ pub struct State {
 /// The result of evaluating one window counter, with the state to store if the request is
 /// admitted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Step {
+pub(crate) struct Step {
     pub verdict: Verdict,
     /// The state to store when the request is admitted.
     pub next: State,
@@ -41,7 +41,7 @@ pub struct Step {
 /// Evaluates one window counter at `ask.at_ms` (the clock or, for a fixed window, a later
 /// instant a request names). `stored` is the counter's state (for a fixed window, that of the
 /// window holding the instant, if any).
-pub fn evaluate(algorithm: Algorithm, ask: &Ask, stored: Option<State>) -> Step {
+pub(crate) fn evaluate(algorithm: Algorithm, ask: &Ask, stored: Option<State>) -> Step {
     let Ask {
         limit,
         window_ms,

@@ -16,9 +16,9 @@ use crate::store::StoreError;
 use crate::throttle::Throttle;
 
 /// Consecutive failed or timed-out calls that open the breaker.
-pub const FAILURES_TO_OPEN: u32 = 5;
+pub(crate) const FAILURES_TO_OPEN: u32 = 5;
 
-pub struct Breaker {
+pub(crate) struct Breaker {
     open: AtomicBool,
     failures: AtomicU32,
     /// Why the store was last found unreachable, until it answers again.
@@ -40,12 +40,12 @@ impl Breaker {
         }
     }
 
-    pub fn is_open(&self) -> bool {
+    pub(crate) fn is_open(&self) -> bool {
         self.open.load(Ordering::Relaxed)
     }
 
     /// Fails a call at once while the breaker is open.
-    pub fn admit(&self) -> Result<(), StoreError> {
+    pub(crate) fn admit(&self) -> Result<(), StoreError> {
         if self.is_open() {
             return Err(StoreError::Down);
         }
@@ -54,7 +54,7 @@ impl Breaker {
 
     /// Hears how a call with `deadline` went: an answer, even one saying a key cannot be read or
     /// that replicas did not confirm, is a success; missing a deadline the caller set sooner is neither.
-    pub fn count<T>(&self, answer: &Result<T, StoreError>, deadline: Deadline) {
+    pub(crate) fn count<T>(&self, answer: &Result<T, StoreError>, deadline: Deadline) {
         match answer {
             Ok(_) => self.success(),
             Err(e) if e.answered() => self.success(),
@@ -79,7 +79,7 @@ impl Breaker {
     }
 
     /// Opens the breaker at once: the store is known to be down.
-    pub fn trip(&self, why: &impl std::fmt::Display) {
+    pub(crate) fn trip(&self, why: &impl std::fmt::Display) {
         if !self.open.swap(true, Ordering::Relaxed) {
             tracing::warn!(
                 "Redis marked down ({why}): requests get the --on-store-error answer until it \
@@ -92,7 +92,7 @@ impl Breaker {
     /// Hears that the store could not be reached, for a cause of `kind` (one of `UNREACHABLE`),
     /// as `detail` says: counted, logged (at most once a second over every store) and kept for
     /// readiness to name until the store answers again.
-    pub fn unreachable(&self, kind: &'static str, detail: &str) {
+    pub(crate) fn unreachable(&self, kind: &'static str, detail: &str) {
         static LOGGED: Throttle = Throttle::new();
         self.observer.store_unreachable(kind);
         let cause = format!("{kind}: {detail}");
@@ -103,11 +103,11 @@ impl Breaker {
     }
 
     /// Why the store was last found unreachable, while it has not answered since.
-    pub fn cause(&self) -> Option<String> {
+    pub(crate) fn cause(&self) -> Option<String> {
         self.cause.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         self.failures.store(0, Ordering::Relaxed);
         *self.cause.lock().unwrap_or_else(|e| e.into_inner()) = None;
         if self.open.swap(false, Ordering::Relaxed) {
@@ -128,7 +128,7 @@ pub struct Breakers {
 }
 
 impl Breakers {
-    pub fn new(observer: Arc<dyn Observer>) -> Self {
+    pub(crate) fn new(observer: Arc<dyn Observer>) -> Self {
         Breakers {
             all: Arc::default(),
             changed: Arc::default(),
@@ -137,11 +137,11 @@ impl Breakers {
     }
 
     /// A new breaker (open) for a store on the deployment, counted once `add`ed.
-    pub fn breaker(&self) -> Arc<Breaker> {
+    pub(crate) fn breaker(&self) -> Arc<Breaker> {
         Arc::new(Breaker::new(self.changed.clone(), self.observer.clone()))
     }
 
-    pub fn add(&self, breaker: Arc<Breaker>) {
+    pub(crate) fn add(&self, breaker: Arc<Breaker>) {
         self.all
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -149,7 +149,7 @@ impl Breakers {
     }
 
     /// Why a store whose breaker is open was last found unreachable, if known.
-    pub fn cause(&self) -> Option<String> {
+    pub(crate) fn cause(&self) -> Option<String> {
         self.all
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -158,7 +158,7 @@ impl Breakers {
             .find_map(|b| b.cause())
     }
 
-    pub fn all_closed(&self) -> bool {
+    pub(crate) fn all_closed(&self) -> bool {
         self.all
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -167,7 +167,7 @@ impl Breakers {
     }
 
     /// Breakers open now.
-    pub fn open(&self) -> usize {
+    pub(crate) fn open(&self) -> usize {
         self.all
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -177,7 +177,7 @@ impl Breakers {
     }
 
     /// Woken whenever a breaker opens or closes.
-    pub async fn changed(&self) {
+    pub(crate) async fn changed(&self) {
         self.changed.notified().await
     }
 }

@@ -37,7 +37,7 @@ impl Deadline {
 
     /// `call`'s answer, or `StoreError::Timeout` when it has none by the deadline. A call that
     /// answers when first asked (the embedded store's) has its answer whatever the time.
-    pub async fn bound<T>(
+    pub(crate) async fn bound<T>(
         self,
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {

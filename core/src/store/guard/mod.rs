@@ -10,26 +10,26 @@ mod shed;
 
 use std::sync::Arc;
 
-pub use breaker::{Breaker, Breakers};
+pub(crate) use breaker::{Breaker, Breakers};
 pub use deadline::Deadline;
-pub use shed::{Queue, queue};
+pub(crate) use shed::{Queue, queue};
 
 use super::StoreError;
 
 /// The bounds of one store (each event loop opens its own).
-pub struct Guard {
+pub(crate) struct Guard {
     /// `None` for a store that is always there: the embedded one.
     breaker: Option<Arc<Breaker>>,
 }
 
 impl Guard {
-    pub fn new(breaker: Option<Arc<Breaker>>) -> Guard {
+    pub(crate) fn new(breaker: Option<Arc<Breaker>>) -> Guard {
         Guard { breaker }
     }
 
     /// `call`'s answer by `deadline`. While the breaker is open the call is not even started;
     /// afterwards the breaker hears how it went.
-    pub async fn call<T>(
+    pub(crate) async fn call<T>(
         &self,
         deadline: Deadline,
         call: impl Future<Output = Result<T, StoreError>>,

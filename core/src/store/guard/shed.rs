@@ -13,17 +13,17 @@ use crate::store::StoreError;
 const QUEUE_BOUND: usize = 4096;
 
 /// Where requests wait for the backend.
-pub struct Queue<T>(mpsc::Sender<T>);
+pub(crate) struct Queue<T>(mpsc::Sender<T>);
 
 /// A queue of `QUEUE_BOUND` places, and the end the backend takes the requests from.
-pub fn queue<T>() -> (Queue<T>, mpsc::Receiver<T>) {
+pub(crate) fn queue<T>() -> (Queue<T>, mpsc::Receiver<T>) {
     let (tx, rx) = mpsc::channel(QUEUE_BOUND);
     (Queue(tx), rx)
 }
 
 impl<T> Queue<T> {
     /// Puts `request` in the queue, or sheds it when the queue is full.
-    pub fn push(&self, request: T) -> Result<(), StoreError> {
+    pub(crate) fn push(&self, request: T) -> Result<(), StoreError> {
         self.0.try_send(request).map_err(|e| match e {
             TrySendError::Full(_) => StoreError::Shed,
             TrySendError::Closed(_) => {

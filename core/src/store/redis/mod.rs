@@ -74,7 +74,7 @@ impl RedisStore {
     /// client's default (the system's CAs, no client certificate). A decision is answered once
     /// the replicas `replicas` asks for acknowledge its writes (none: at once). Fails only on a
     /// malformed URL.
-    pub fn connect(
+    pub(crate) fn connect(
         url: &str,
         prefix: &str,
         tls: Option<&RedisTls>,
@@ -122,7 +122,7 @@ impl RedisStore {
 
     /// Listens for the quota buckets other replicas name on the quota channel under `prefix`
     /// (see `Backend::listen`).
-    pub fn listen(
+    pub(crate) fn listen(
         url: &str,
         prefix: &str,
         tls: Option<&RedisTls>,
@@ -145,7 +145,11 @@ impl RedisStore {
     /// Decides `check`, queued for the next batched call, or in calls per slot on a Cluster;
     /// either way they run to the end when the caller gives up, refunding what they admitted.
     /// The guard waits until `deadline`, past which the batcher no longer sends the request.
-    pub async fn apply(&self, check: &Check, deadline: Deadline) -> Result<Decision, StoreError> {
+    pub(crate) async fn apply(
+        &self,
+        check: &Check,
+        deadline: Deadline,
+    ) -> Result<Decision, StoreError> {
         let keys: Vec<Bytes> = check.items.iter().map(|i| self.key(&i.key)).collect();
         let (reply, answer) = oneshot::channel();
         match &self.queue {
@@ -169,7 +173,7 @@ impl RedisStore {
     }
 
     /// The Cluster slot of a quota bucket's record; 0 off a Cluster.
-    pub fn slot(&self, bucket: &CounterKey) -> u16 {
+    pub(crate) fn slot(&self, bucket: &CounterKey) -> u16 {
         match self.records {
             Some(_) => 0,
             None => fred::util::redis_keyslot(&self.key(bucket)),
@@ -178,7 +182,7 @@ impl RedisStore {
 
     /// Settles a quota bucket for this replica's streams of it, in the next batched call of
     /// `lua/demand.lua`, or in a call of its own on a Cluster.
-    pub async fn settle(
+    pub(crate) async fn settle(
         &self,
         bucket: &CounterKey,
         call: &Settle<'_>,

@@ -56,7 +56,7 @@ struct Inner {
 
 impl Replicas {
     /// The replicas of a deployment whose decisions `asked` replicas must confirm.
-    pub fn new(asked: u32) -> Replicas {
+    pub(crate) fn new(asked: u32) -> Replicas {
         Replicas {
             inner: Arc::new(Inner {
                 asked,
@@ -69,7 +69,7 @@ impl Replicas {
     }
 
     /// Replicas that must confirm a decision; 0 for none.
-    pub fn asked(&self) -> u32 {
+    pub(crate) fn asked(&self) -> u32 {
         self.inner.asked
     }
 
@@ -89,7 +89,7 @@ impl Replicas {
     }
 
     /// Why a decision cannot be confirmed now: the primaries with fewer replicas than asked.
-    pub fn problem(&self) -> Option<String> {
+    pub(crate) fn problem(&self) -> Option<String> {
         let primaries = self.inner.primaries.load();
         let short: Vec<String> = primaries
             .iter()
@@ -107,7 +107,7 @@ impl Replicas {
     }
 
     /// The primaries known to have fewer replicas than asked.
-    pub fn short_primaries(&self) -> usize {
+    pub(crate) fn short_primaries(&self) -> usize {
         let asked = self.inner.asked;
         self.inner
             .primaries
@@ -177,7 +177,7 @@ impl Replicas {
     }
 
     /// Woken when a primary gets too few replicas or enough again; one waiter only.
-    pub async fn changed(&self) {
+    pub(crate) async fn changed(&self) {
         self.inner.changed.notified().await
     }
 }
