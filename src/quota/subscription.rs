@@ -118,7 +118,19 @@ impl QuotaStream {
                 }
                 Err(e) => {
                     self.quotas.failed_settle(&e);
-                    self.kept(step.id)
+                    // Renewed only while its last record stays counted: past that, the other
+                    // replicas, which may reach the store when this one does not, may give its
+                    // share away, and its Envoy falls back to its own behaviour.
+                    match step
+                        .recorded
+                        .map(|(_, until)| until.saturating_duration_since(now))
+                    {
+                        Some(left) if left >= ONE_SECOND => {
+                            step.lives = Some(left);
+                            self.kept(step.id)
+                        }
+                        _ => None,
+                    }
                 }
             }
         } else {
@@ -146,8 +158,9 @@ impl QuotaStream {
         (step, Some(share), shadow)
     }
 
-    /// What a bucket gets while the store cannot answer, or before its first record is due:
-    /// what this stream was last sent, or nothing when it was sent no share yet. A bucket new to
+    /// What a bucket gets while the store cannot answer (as long as its last record stays
+    /// counted), or before its first record is due: what this stream was last sent, or nothing
+    /// when it was sent no share yet. A bucket new to
     /// the stream is granted nothing the store has not counted: its Envoy applies the filter's
     /// `no_assignment_behavior` meanwhile, as it does before any first answer.
     pub(super) fn kept(&self, id: u128) -> Option<(Assignment, Option<u64>)> {
