@@ -18,7 +18,7 @@ use tonic::{Status, Streaming};
 use super::assignment::{encode, sorted_entries};
 use super::bounds::{Bound, client_of};
 use super::tally::Tally;
-use super::{Assignment, BUCKETS_AT_A_TIME, OUTBOX, Quotas, RECORDS_IN_FLIGHT};
+use super::{Assignment, BUCKETS_AT_A_TIME, ONE_SECOND, OUTBOX, Quotas, RECORDS_IN_FLIGHT};
 use crate::config::{MOST_DOMAIN_BYTES, domain_too_long};
 use crate::limiter::{CounterKey, DescriptorKey};
 use crate::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
@@ -329,6 +329,10 @@ impl QuotaStream {
         let late = {
             let buckets = self.quotas.buckets();
             for (step, share, shadow) in &divided {
+                if step.lives.is_some_and(|lives| lives < ONE_SECOND) {
+                    // Its record has lapsed in the store: nothing more to renew.
+                    continue;
+                }
                 let latest = buckets
                     .get(&step.id)
                     .and_then(|local| local.subscribers.iter().find(|s| s.stream == self.number))

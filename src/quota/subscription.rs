@@ -121,15 +121,14 @@ impl QuotaStream {
                     // Renewed only while its last record stays counted: past that, the other
                     // replicas, which may reach the store when this one does not, may give its
                     // share away, and its Envoy falls back to its own behaviour.
-                    match step
-                        .recorded
-                        .map(|(_, until)| until.saturating_duration_since(now))
-                    {
-                        Some(left) if left >= ONE_SECOND => {
-                            step.lives = Some(left);
-                            self.kept(step.id)
-                        }
-                        _ => None,
+                    let left = step.recorded.map_or(Duration::ZERO, |(_, until)| {
+                        until.saturating_duration_since(now)
+                    });
+                    step.lives = Some(left);
+                    if left >= ONE_SECOND {
+                        self.kept(step.id)
+                    } else {
+                        None
                     }
                 }
             }

@@ -40,11 +40,13 @@ fn shared() -> BucketId {
     bucket(&[("name", "shared")])
 }
 
-/// A stream's last assignment of the bucket, in requests per second, and when it came.
+/// A stream's last assignment of the bucket, in requests per second, when it came and how long
+/// it lives.
 #[derive(Clone, Copy, Debug)]
 struct Assigned {
     rate: f64,
     at: Instant,
+    ttl: Duration,
 }
 
 /// The test's Envoys: their streams (`None` once ended), what each enforces, and the streams of
@@ -99,7 +101,7 @@ impl Envoys {
         self.live
             .iter()
             .flatten()
-            .filter(|a| a.at.elapsed() < TTL)
+            .filter(|a| a.at.elapsed() < a.ttl)
             .map(|a| a.rate)
             .sum()
     }
@@ -204,6 +206,9 @@ impl Envoys {
                 }
                 None => panic!("expected an assignment, got {action:?}"),
             };
+            let ttl = assigned
+                .assignment_time_to_live
+                .map_or(TTL, |t| Duration::from_secs(t.seconds.max(0) as u64));
             let strategy = assigned
                 .rate_limit_strategy
                 .and_then(|s| s.strategy)
@@ -215,6 +220,7 @@ impl Envoys {
             let assigned = Assigned {
                 rate,
                 at: Instant::now(),
+                ttl,
             };
             self.live[i] = Some(assigned);
             self.given[i].push(assigned);
@@ -582,6 +588,51 @@ async fn a_stream_waiting_for_a_dead_replicas_grant_is_told_nothing_then_sent_it
          {sent:?}"
     );
     println!("a waiting stream: sent its grant {sent:?} after the dead stream's last report");
+}
+
+/// A replica cut off from Redis (a partition) keeps answering its stream with its last
+/// assignment only while the stream's last record stays counted (15 s), each answer living no
+/// longer: once it lapses, the other replica gives its share away, and the two never add up past
+/// the limit, checked at every answer.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_cut_off_from_redis_renews_no_share_past_its_record_while_the_other_gives_it_away()
+ {
+    let redis = Controlled::started();
+    let prefix = format!("grants-cut-{}:", std::process::id());
+    let proxy = common::proxy::Proxy::start(redis.port).await;
+    let one = start(&redis, &prefix).await;
+    let mut flags = replica(&redis, &prefix);
+    flags[1] = format!("redis://127.0.0.1:{}", proxy.port);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let two = Sluice::on(Store::Memory, &[("quota.yaml", RULES)], &flags).await;
+    let mut envoys = Envoys::new();
+    let a = envoys.open(&two).await;
+    let b = envoys.open(&one).await;
+    envoys.report(a, 30, 0).await;
+    envoys.report(b, 30, 0).await;
+    envoys
+        .settle_to(SETTLED, |e| (e.rate(a), e.rate(b)) == (10.0, 10.0))
+        .await;
+    assert_eq!((envoys.rate(a), envoys.rate(b)), (10.0, 10.0));
+
+    drop(proxy);
+    let cut = Instant::now();
+    while cut.elapsed() < Duration::from_secs(24) {
+        envoys.report(a, 30, 0).await;
+        envoys.report(b, 30, 0).await;
+        envoys.settle(Duration::from_secs(1)).await;
+    }
+    let last = envoys.given[a].last().expect("answers to a").to_owned();
+    assert!(
+        last.at + last.ttl <= cut + Duration::from_secs(16),
+        "a's last kept answer lives past its record's lapse: {last:?}, {:?} after the cut",
+        last.at - cut
+    );
+    assert_eq!(
+        envoys.rate(b),
+        LIMIT,
+        "the other replica's stream has the whole limit once a's record lapsed"
+    );
 }
 
 /// On a Cluster, the script's channel reaches the other replica as well: a new subscriber there
