@@ -13,16 +13,18 @@
 --          window in ms, burst, hits, change ('0' charges the hits, '1' gives them back; for a
 --          window, 'u<n>' takes a leased block: as many of the hits as fit in 1/LEASE_SHARE of
 --          what remains, at least n, over when n do not fit; 'r<w>' gives a block's hits back
---          in window w only), mode ('e' enforce, 's' shadow, 'q' quota, 'p' shadow and quota: a
---          quota limit never over), counting ('1' always: charged whatever the answer, over
+--          in window w only; 'h<estimate> <ttl> <charge> <most> <id>' holds for request id, or
+--          settles its hold at the hits: see the hold section), mode ('e' enforce, 's' shadow,
+--          'q' quota, 'p' shadow and quota: a quota limit never over), counting ('1' always: charged whatever the answer, over
 --          only when the count is above the limit).
 -- Reply    the time of the call (Redis TIME, in ms), this node's replication ID if asked ('' if
 --          not: a refund names it, so that lua/undo.lua refunds only on the node that charged,
 --          never on a replica promoted without the charge), then per request: admitted (1|0),
 --          then per counter: over (1|0), remaining if admitted, remaining if not, ms until reset if
 --          admitted, ms until reset if not, what its write charges (hits, log entries or
---          bucket units; 0 for none), and the window it counts in (instant / window; 0 for a
---          log or a bucket). lua/undo.lua takes back what a request wrote, given this
+--          bucket units; 0 for none), the window it counts in (instant / window; 0 for a
+--          log or a bucket), and for a held counter what it did (1 held, 2 settled, 3 settled
+--          again, 4 settled unheld, 5 table full) plus 8 per expired hold it found (0: not held). lua/undo.lua takes back what a request wrote, given this
 --          time. A request one of whose keys holds what no counter does (another type, or
 --          fields that do not read as numbers) is answered -1, the counter's place in it (from
 --          1), the key's type and the error instead, and writes nothing.
@@ -429,6 +431,131 @@ local function bucket_step(key, latest, limit, window, burst, hits, refund, alwa
   return step
 end
 
+-- Holds (hold.rs) ------------------------------------------------------------------------------
+-- A held counter at `key` keeps its table beside it, in its slot: the hash `key~h` of each
+-- request's entry ('h <amount> <window>' held, 's' settled, 'x' lapsed: its hold expired) and of
+-- '~' ('<window> <held>': what the holds of that window hold), and the sorted set `key~e` of the
+-- entries by when they are due. Both live two times to live after the table's last change.
+
+-- The most due entries one call tidies (hold::MOST_DUE).
+local MOST_DUE = 16
+
+-- What the held counter at `key` does for a request of `hits` (a settle's cost) whose change is
+-- 'h<estimate> <ttl> <1: charge expired holds> <most entries> <request id>'; its table is tidied
+-- whatever the answer, and the hold taken only if the request is admitted.
+local function hold_step(sliding, key, latest, limit, window, hits, change)
+  local estimate, ttl, charge_expired, most, id = match(change, '^h(%d+) (%d+) (%d) (%d+) (%x+)$')
+  estimate, ttl, most = tonumber(estimate), tonumber(ttl), tonumber(most)
+  local hkey, ekey = key .. '~h', key .. '~e'
+  local index = floor(now / window)
+  local tw = index
+  if sliding then tw = 0 end
+  local head = call('HGET', hkey, '~')
+  local held, count = 0, call('HLEN', hkey)
+  if head then
+    count = count - 1
+    local w, h = match(head, '^(%d+) (%d+)$')
+    if tonumber(w) == tw then held = tonumber(h) end
+  end
+  local entries, sets, dels, dues = {}, {}, {}, {}
+  local function entry(rid)
+    if entries[rid] == nil then entries[rid] = call('HGET', hkey, rid) or false end
+    return entries[rid]
+  end
+  local function put(rid, e, due)
+    entries[rid], sets[#sets + 1], dues[#dues + 1] = e, { rid, e }, { due, rid }
+  end
+  local expired, charge = 0, 0
+  for _, rid in ipairs(call('ZRANGEBYSCORE', ekey, '-inf', int(now), 'LIMIT', 0, MOST_DUE)) do
+    local e = entry(rid)
+    local amount, w = false, false
+    if e then amount, w = match(e, '^h (%d+) (%d+)$') end
+    if amount then
+      if tonumber(w) == tw then
+        held = held - tonumber(amount)
+        if charge_expired == '1' then charge = charge + tonumber(amount) end
+      end
+      expired = expired + 1
+      put(rid, 'x', now + ttl)
+    else
+      entries[rid] = false
+      dels[#dels + 1] = rid
+      if e then count = count - 1 end
+    end
+  end
+  local e = entry(id)
+  local outcome
+  local amount, w = false, false
+  if e then amount, w = match(e, '^h (%d+) (%d+)$') end
+  if amount then
+    if tonumber(w) == tw then held = held - tonumber(amount) end
+    charge = charge + hits
+    put(id, 's', now + ttl)
+    outcome = 2
+  elseif e == 's' then
+    outcome = 3
+  elseif e == 'x' then
+    charge = charge + hits
+    put(id, 's', now + ttl)
+    outcome = 4
+  elseif count >= most then
+    outcome = 5
+  else
+    outcome = 1
+  end
+  local room = max(limit - held, 0)
+  local charged
+  if charge > 0 then
+    charged = window_step(sliding, key, latest, room, window, now, charge, false, true, nil, nil)
+  end
+  local step
+  if outcome == 1 or outcome == 5 then
+    local kept = latest[key]
+    step = window_step(sliding, key, latest, room, window, now, estimate, false, false, nil, nil)
+    latest[key] = kept
+    if outcome == 5 then step.over = true end
+  else
+    step = window_step(sliding, key, latest, room, window, now, 0, false, true, nil, nil)
+    step.over = false
+  end
+  step.charged = 0
+  step.hold = outcome + 8 * expired
+  step.write = charged and charged.write
+  step.always = true
+  local to_end = (index + 1) * window - now
+  local due = now + min(ttl, to_end)
+  if sliding then due = now + min(ttl, window) end
+  local take = outcome == 1 and not step.over
+  step.tidy = function(admitted)
+    local left = count
+    if take and admitted then
+      put(id, 'h ' .. int(estimate) .. ' ' .. int(tw), due)
+      held = held + estimate
+      left = left + 1
+    end
+    if left == 0 then
+      call('DEL', hkey, ekey)
+      return
+    end
+    if #dels > 0 then
+      call('HDEL', hkey, unpack(dels))
+      call('ZREM', ekey, unpack(dels))
+    end
+    local fields, scores = { '~', int(tw) .. ' ' .. int(held) }, {}
+    for _, s in ipairs(sets) do
+      fields[#fields + 1], fields[#fields + 2] = s[1], s[2]
+    end
+    for _, d in ipairs(dues) do
+      scores[#scores + 1], scores[#scores + 2] = int(d[1]), d[2]
+    end
+    call('HSET', hkey, unpack(fields))
+    if #scores > 0 then call('ZADD', ekey, unpack(scores)) end
+    call('PEXPIREAT', hkey, int(now + 2 * ttl))
+    call('PEXPIREAT', ekey, int(now + 2 * ttl))
+  end
+  return step
+end
+
 -- Requests ---------------------------------------------------------------------------------------
 
 local pcall, error, type, tostring = pcall, error, type, tostring
@@ -445,6 +572,11 @@ local function counter_step(key, o, latest, at)
   if change:sub(1, 1) == 'r' then refund, within = true, tonumber(change:sub(2)) end
   local always = ARGV[o + 8] == '1'
   local step
+  if change:sub(1, 1) == 'h' then
+    step = hold_step(kind == 's', key, latest, limit, window, hits, change)
+    step.mode = ARGV[o + 7]
+    return step
+  end
   if kind == 'l' then
     step = log_step(key, latest, limit, window, at, hits, refund, always)
   elseif kind == 'b' then
@@ -496,6 +628,7 @@ local function decide(k, a, n, at, quota_here)
   for i = 1, n do
     local s = steps[i]
     if s.write and (admitted or s.always) then s.write() end
+    if s.tidy then s.tidy(admitted) end
   end
 
   reply[#reply + 1] = admitted and 1 or 0
@@ -508,6 +641,7 @@ local function decide(k, a, n, at, quota_here)
     reply[#reply + 1] = s.reset_before
     reply[#reply + 1] = s.charged
     reply[#reply + 1] = s.window or 0
+    reply[#reply + 1] = s.hold or 0
   end
 end
 

@@ -595,6 +595,7 @@ impl Resource<'_> {
                 detailed_metric: proto.detailed_metric,
                 value_to_metric: false,
                 metadata,
+                hold: None,
                 descriptors,
             });
         }

@@ -275,6 +275,7 @@ impl Rls {
                     full: false,
                     source: Source::Store,
                     window: 0,
+                    hold: None,
                 };
                 let decision = Decision {
                     admitted: admits(check, |_| true),

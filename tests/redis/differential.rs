@@ -1,7 +1,8 @@
 //! The two stores agree: random requests (every algorithm, limits, hits, check-only requests,
 //! refunds, modes, both countings, a descriptor passing as a quota, a counter named twice,
-//! scheduled instants) go through `lua/check.lua` on a real Redis and through the embedded store
-//! at the instant the script read from Redis `TIME`; the answers (admitted, then six numbers per
+//! scheduled instants, leased blocks, holds taken, settled, settled again, expired and refused
+//! by a full table) go through `lua/check.lua` on a real Redis and through the embedded store at
+//! the instant the script read from Redis `TIME`; the answers (admitted, then eight numbers per
 //! counter) and the stored state after every request (contents and expiry instants) must be
 //! identical.
 
@@ -13,9 +14,10 @@ use std::time::Duration;
 use fred::prelude::*;
 use fred::types::CustomCommand;
 use sluice::limiter::algorithm::{Verdict, gcra, window};
+use sluice::limiter::hold::Outcome;
 use sluice::limiter::{
-    Algorithm, Check, CounterKey, Counting, DescriptorKey, Item, Limit, Mode, RuleId, Step, Unit,
-    lease,
+    Algorithm, Check, CounterKey, Counting, DescriptorKey, Held, HoldId, Item, Limit, Mode,
+    OnExpiry, RuleId, Step, Unit, lease,
 };
 use sluice::store::{MemoryStore, Percent, Stored};
 
@@ -133,6 +135,14 @@ fn args(check: &Check, counters: &[&Counter]) -> Vec<Value> {
                 Step::Hits => (if item.refund { "1" } else { "0" }).to_owned(),
                 Step::Take { least } => format!("u{least}"),
                 Step::Return { window } => format!("r{window}"),
+                Step::Held(held) => format!(
+                    "h{} {} {} {} {}",
+                    held.estimate,
+                    held.ttl_ms,
+                    u8::from(held.on_expiry == OnExpiry::Charge),
+                    held.most,
+                    held.id.hex()
+                ),
             }),
             Value::from(mode),
             Value::from(match item.counting {
@@ -265,9 +275,23 @@ async fn same_state(client: &Client, memory: &MemoryStore, counters: &[Counter],
     }
 }
 
-async fn run(client: &Client, seed: u64, steps: usize) {
+/// Runs `steps` random requests from `seed` (`held`: every counter a window of 10 to 40, every
+/// item held); what the held counters did, by reply code (the outcome's, and 8 for a call that
+/// found a hold expired).
+async fn run(client: &Client, seed: u64, steps: usize, held_only: bool) -> BTreeSet<i64> {
+    let mut holds = BTreeSet::new();
     let mut rng = Rng(seed);
     let mut counters = counters(&mut rng, seed);
+    if held_only {
+        for (i, counter) in counters.iter_mut().enumerate() {
+            counter.limit.algorithm = if i % 2 == 0 {
+                Algorithm::FixedWindow
+            } else {
+                Algorithm::SlidingWindow
+            };
+            counter.limit.requests_per_unit = 10 + rng.below(30) as u32;
+        }
+    }
     let memory = MemoryStore::new(10_000, Percent(100));
     let mut now = 0;
     for step in 0..steps {
@@ -278,7 +302,7 @@ async fn run(client: &Client, seed: u64, steps: usize) {
         let schedulable = picked
             .iter()
             .all(|&i| counters[i].limit.algorithm.schedulable());
-        let at = (schedulable && now > 0 && rng.chance(40)).then(|| {
+        let at = (schedulable && !held_only && now > 0 && rng.chance(40)).then(|| {
             if rng.chance(15) {
                 now - 500
             } else {
@@ -309,6 +333,8 @@ async fn run(client: &Client, seed: u64, steps: usize) {
                 step: Step::Hits,
             })
             .collect();
+        // The plan names a held counter once per request.
+        let mut held: Vec<CounterKey> = Vec::new();
         for item in &mut items {
             // Leased blocks: taken up to a share of what remains, and given back to their
             // window only (this one or the one before).
@@ -326,6 +352,31 @@ async fn run(client: &Client, seed: u64, steps: usize) {
                         least: rng.below(4),
                     }
                 };
+            } else if lease::leasable(item.limit.algorithm)
+                && at.is_none()
+                && (held_only || rng.chance(30))
+                && !held.contains(&item.key)
+            {
+                held.push(item.key.clone());
+                // Few requests (settled again) or many (left to expire).
+                let requests = if rng.chance(50) { 2 } else { 8 };
+                if held_only {
+                    item.hits = rng.below(9);
+                }
+                // Held: a few requests, each held then settled (or found settled, expired, or
+                // refused by a full table), with times to live that end within the run.
+                item.step = Step::Held(Held {
+                    id: HoldId::of(&[rng.below(requests) as u8]),
+                    estimate: rng.below(4) + u64::from(held_only),
+                    ttl_ms: 500 + rng.below(2_000),
+                    on_expiry: if rng.chance(50) {
+                        OnExpiry::Charge
+                    } else {
+                        OnExpiry::Release
+                    },
+                    most: 1 + rng.below(6) as u32,
+                });
+                item.refund = false;
             }
         }
         let check = Check {
@@ -356,7 +407,24 @@ async fn run(client: &Client, seed: u64, steps: usize) {
                 reset_before_ms,
                 charged,
                 window,
+                hold,
             } = *v;
+            let hold = hold.map_or(0, |seen| {
+                let outcome = match seen.outcome {
+                    Outcome::Hold => 1,
+                    Outcome::Settle => 2,
+                    Outcome::Duplicate => 3,
+                    Outcome::Unheld => 4,
+                    Outcome::Full => 5,
+                };
+                outcome + 8 * seen.expired as i64
+            });
+            if hold > 0 {
+                holds.insert(hold % 8);
+                if hold >= 8 {
+                    holds.insert(8);
+                }
+            }
             expected.extend([
                 i64::from(over),
                 remaining_after as i64,
@@ -365,6 +433,7 @@ async fn run(client: &Client, seed: u64, steps: usize) {
                 reset_before_ms as i64,
                 charged as i64,
                 window as i64,
+                hold,
             ]);
         }
         let what = format!("seed {seed} step {step}: {check:?}");
@@ -373,10 +442,13 @@ async fn run(client: &Client, seed: u64, steps: usize) {
         for &i in &picked {
             let window_ms = counters[i].limit.window_ms();
             counters[i].windows.insert(instant / window_ms);
+            // A held counter counts at the clock.
+            counters[i].windows.insert(now / window_ms);
         }
         same_state(client, &memory, &counters, &what).await;
         tokio::time::sleep(Duration::from_millis(rng.below(120))).await;
     }
+    holds
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -386,6 +458,16 @@ async fn random_requests_get_the_same_answers_and_leave_the_same_state_in_both_s
     let client = Builder::from_config(config).build().expect("a client");
     client.init().await.expect("Redis answers");
     for seed in [0x5eed_0001, 0x5eed_0002, 0x5eed_0003, 0x5eed_0004] {
-        run(&client, seed, 120).await;
+        run(&client, seed, 120, false).await;
     }
+    let mut holds = BTreeSet::new();
+    for seed in [0x5eed_0005, 0x5eed_0006] {
+        holds.extend(run(&client, seed, 120, true).await);
+    }
+    assert_eq!(
+        holds,
+        BTreeSet::from([1, 2, 3, 4, 5, 8]),
+        "held counters were held, settled, settled again, settled after their hold expired, \
+         refused by a full table, and found holds expired"
+    );
 }

@@ -8,12 +8,12 @@ use marked_yaml::types::{MarkedMappingNode, MarkedScalarNode, MarkedSequenceNode
 use marked_yaml::{LoadError, LoaderOptions, Node};
 
 use super::{
-    ConfigError, DescriptorConfig, DomainConfig, MOST_BUCKET_KEYS, MOST_DESCRIPTOR_DEPTH,
+    ConfigError, DescriptorConfig, DomainConfig, HoldRule, MOST_BUCKET_KEYS, MOST_DESCRIPTOR_DEPTH,
     MOST_METADATA_DEPTH, MOST_YAML_DEPTH, QuotaBucketConfig, RuleLimit,
 };
 use crate::limiter::algorithm::{gcra, log};
 use crate::limiter::lease::Leasing;
-use crate::limiter::{Algorithm, Counting, LONGEST_WINDOW_SECONDS, Limit, Mode, Unit};
+use crate::limiter::{Algorithm, Counting, LONGEST_WINDOW_SECONDS, Limit, Mode, OnExpiry, Unit};
 
 const ROOT_KEYS: &[&str] = &["domain", "descriptors", "quota_buckets"];
 const QUOTA_KEYS: &[&str] = &["bucket", "rate_limit", "shadow_mode"];
@@ -34,7 +34,9 @@ const DESCRIPTOR_KEYS: &[&str] = &[
     "metadata",
     "counting",
     "lease",
+    "hold",
 ];
+const HOLD_KEYS: &[&str] = &["estimate", "ttl", "on_expiry", "most", "largest"];
 const LIMIT_KEYS: &[&str] = &[
     "unit",
     "requests_per_unit",
@@ -366,6 +368,25 @@ impl Parser<'_> {
         });
         let path = format!("{parent}{}.", composite(&key, value.as_deref()));
         let descriptors = self.descriptors(map, &path, depth + 1);
+        let hold = map.get_node("hold").and_then(|node| {
+            let hold = self.hold(node)?;
+            let at = line_of(node);
+            let refuse = |why: &str| format!("hold: {why}");
+            if value.is_some() {
+                self.error(at, refuse("a held rule's entry names the request (an x-request-id): it takes any value, and has no 'value'"));
+            } else if !descriptors.is_empty() {
+                self.error(at, refuse("a held rule has no descriptors under it: its entry names the request"));
+            } else if limits.is_empty() || limits.iter().any(|l| l.limit.is_none()) {
+                self.error(at, refuse("a held rule needs a rate_limit, and is not unlimited"));
+            } else if let Some(l) = limits.iter().filter_map(|l| l.limit.as_ref()).find(|l| {
+                !matches!(l.algorithm, Algorithm::FixedWindow | Algorithm::SlidingWindow)
+            }) {
+                self.error(at, refuse(&format!("a {} limit cannot hold: only fixed_window and sliding_window limits can", l.algorithm.name())));
+            } else if lease == Some(Leasing::Auto) {
+                self.error(at, refuse("a held rule cannot be leased (lease: auto): a replica deciding from a block would not see the other replicas' holds"));
+            }
+            Some(hold)
+        });
         Some(DescriptorConfig {
             line,
             key,
@@ -378,7 +399,78 @@ impl Parser<'_> {
             detailed_metric: self.flag(map, "detailed_metric"),
             value_to_metric: self.flag(map, "value_to_metric"),
             metadata,
+            hold,
             descriptors,
+        })
+    }
+
+    /// A rule's `hold` mapping, its defaults filled in.
+    fn hold(&mut self, node: &Node) -> Option<HoldRule> {
+        let Some(map) = node.as_mapping() else {
+            self.error(
+                line_of(node),
+                "'hold' must be a mapping (estimate, ttl, on_expiry, most, largest)",
+            );
+            return None;
+        };
+        self.check_keys(map, HOLD_KEYS);
+        let at = |key: &str| map.get_node(key).map_or(line_of(node), line_of);
+        let ttl_ms = match self.string(map, "ttl") {
+            None => HoldRule::TTL_MS,
+            Some(text) => match humantime::parse_duration(&text) {
+                Ok(ttl)
+                    if (1_000..=HoldRule::LONGEST_TTL_MS).contains(&(ttl.as_millis() as u64)) =>
+                {
+                    ttl.as_millis() as u64
+                }
+                _ => {
+                    self.error(
+                        at("ttl"),
+                        format!(
+                            "hold: invalid ttl '{text}': a duration from 1s to 1h, such as 60s"
+                        ),
+                    );
+                    return None;
+                }
+            },
+        };
+        let on_expiry = match self.string(map, "on_expiry") {
+            None => OnExpiry::Release,
+            Some(name) => {
+                let Some(on_expiry) = OnExpiry::parse(&name) else {
+                    self.error(
+                        at("on_expiry"),
+                        format!("hold: invalid on_expiry '{name}': release or charge"),
+                    );
+                    return None;
+                };
+                on_expiry
+            }
+        };
+        let most = self.number(map, "most").unwrap_or(HoldRule::MOST);
+        if most == 0 {
+            self.error(at("most"), "hold: 'most' must be at least 1");
+            return None;
+        }
+        let largest = match self.string(map, "largest") {
+            None => 100,
+            Some(text) => match text.trim_end_matches('%').parse::<u8>() {
+                Ok(p) if (1..=100).contains(&p) => p,
+                _ => {
+                    self.error(
+                        at("largest"),
+                        format!("hold: invalid largest '{text}': a percentage of the limit from 1% to 100%"),
+                    );
+                    return None;
+                }
+            },
+        };
+        Some(HoldRule {
+            estimate: u64::from(self.number(map, "estimate").unwrap_or(0)),
+            ttl_ms,
+            on_expiry,
+            most,
+            largest,
         })
     }
 

@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 pub use file::{composite, parse};
 
 use crate::limiter::lease::Leasing;
-use crate::limiter::{Counting, Limit, Mode};
+use crate::limiter::{Counting, Limit, Mode, OnExpiry};
 
 /// The deepest a rule file (or an xDS resource) may nest `descriptors`: deeper than any request
 /// can reach under `--max-entries`' default, far from what would strain a stack.
@@ -94,7 +94,34 @@ pub struct DescriptorConfig {
     pub detailed_metric: bool,
     pub value_to_metric: bool,
     pub metadata: Option<serde_json::Value>,
+    /// Its hits held at the request and settled at the response (`hold`), if it says.
+    pub hold: Option<HoldRule>,
     pub descriptors: Vec<DescriptorConfig>,
+}
+
+/// A rule whose hits are held at the request and settled at the response (`hold`): its own
+/// entry's value names the request (an `x-request-id`), and is left out of the counter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HoldRule {
+    /// What a hold takes when the request-time call brings no hits of its own (`hits_addend:
+    /// 0`); 0: the call's hits alone.
+    pub estimate: u64,
+    /// How long a hold lives at most (and a mark of its settle after it), in ms.
+    pub ttl_ms: u64,
+    pub on_expiry: OnExpiry,
+    /// The most holds and marks one counter keeps.
+    pub most: u32,
+    /// The largest part of the limit one hold takes, in percent: a larger estimate holds that.
+    pub largest: u8,
+}
+
+impl HoldRule {
+    /// How long a hold lives when its rule does not say.
+    pub const TTL_MS: u64 = 60_000;
+    /// The most holds and marks a counter keeps when its rule does not say.
+    pub const MOST: u32 = 10_000;
+    /// The longest time to live a rule may give its holds.
+    pub const LONGEST_TTL_MS: u64 = 3_600_000;
 }
 
 /// A limit as a rule declares it.

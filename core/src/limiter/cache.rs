@@ -81,6 +81,7 @@ impl OverLimitCache {
                     full: true,
                     source: super::Source::LocalCache,
                     window: 0,
+                    hold: None,
                 },
                 None => Usage::unknown(),
             })

@@ -116,6 +116,7 @@ fn admit(held: &mut Table, check: &Check, ids: &[u128], now: Instant) -> Decisio
                 full: false,
                 source: Source::Lease,
                 window: h.window,
+                hold: None,
             }
         })
         .collect();
@@ -630,6 +631,7 @@ mod tests {
                 full: false,
                 source: Source::Store,
                 window: 7,
+                hold: None,
             }],
         }
     }

@@ -4,6 +4,7 @@
 
 pub mod algorithm;
 mod cache;
+pub mod hold;
 mod key;
 pub mod lease;
 pub mod share;
@@ -12,6 +13,7 @@ use std::time::Duration;
 
 pub use algorithm::Algorithm;
 pub use cache::OverLimitCache;
+pub use hold::{Held, HoldId, OnExpiry};
 pub use key::{CounterIds, CounterKey, DescriptorKey, IdHasher, LONGEST_LITERAL, RuleId};
 
 /// The time unit of a limit. Months are 30 days and years 365 days, as envoyproxy/ratelimit has it.
@@ -194,6 +196,9 @@ pub enum Step {
     /// a window that is over was counted there, and giving it back now would free what the
     /// window now counting never held.
     Return { window: u64 },
+    /// A held rule's item (`hold`): holds an estimate for a request, or settles its hold at
+    /// `hits` (see `hold`).
+    Held(Held),
 }
 
 /// Every counter of one request, decided together.
@@ -227,6 +232,8 @@ pub struct Usage {
     pub source: Source,
     /// The window it counted in, for the window algorithms (`Verdict::window`).
     pub window: u64,
+    /// What a held counter's item did (`hold`).
+    pub hold: Option<hold::Seen>,
 }
 
 /// Where a `Usage` comes from.
@@ -253,6 +260,7 @@ impl Usage {
             full: false,
             source: Source::Unknown,
             window: 0,
+            hold: None,
         }
     }
 }

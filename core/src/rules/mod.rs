@@ -25,7 +25,7 @@ use std::time::SystemTime;
 
 use memchr::memmem;
 
-use crate::config::{DescriptorConfig, DomainConfig, Loaded, RuleLimit, Sources};
+use crate::config::{DescriptorConfig, DomainConfig, HoldRule, Loaded, RuleLimit, Sources};
 use crate::limiter::lease::Leasing;
 use crate::limiter::{Counting, LONGEST_LITERAL, Mode};
 use crate::observe::{Observer, RuleCounters, unobserved};
@@ -147,11 +147,18 @@ pub struct Node {
     line: u32,
     /// The counters of the rule's metrics, which hold its domain and path.
     pub stats: Arc<dyn RuleCounters>,
-    /// The rule's `metadata`, when it is a non-empty mapping: what `--response-dynamic-metadata`
-    /// sends for a descriptor that passed it.
-    pub metadata: Option<Box<serde_json::Map<String, serde_json::Value>>>,
+    /// What few rules have: a non-empty `metadata`, a `hold`.
+    extras: Option<Box<Extras>>,
     /// `None` for a leaf, as most rules are: an empty table would cost each one 48 bytes.
     children: Option<Box<Level>>,
+}
+
+/// The settings few rules have, boxed apart so that a rule fits 64 bytes.
+struct Extras {
+    /// The rule's `metadata`, when it is a non-empty mapping: what `--response-dynamic-metadata`
+    /// sends for a descriptor that passed it.
+    metadata: Option<serde_json::Map<String, serde_json::Value>>,
+    hold: Option<HoldRule>,
 }
 
 /// A rule's yes-or-no settings, in one byte.
@@ -178,6 +185,16 @@ impl Flags {
 }
 
 impl Node {
+    /// The rule's `metadata`, when it is a non-empty mapping.
+    pub fn metadata(&self) -> Option<&serde_json::Map<String, serde_json::Value>> {
+        self.extras.as_ref()?.metadata.as_ref()
+    }
+
+    /// The rule's holds (`hold`), if it says.
+    pub fn hold(&self) -> Option<&HoldRule> {
+        self.extras.as_ref()?.hold.as_ref()
+    }
+
     /// Every value matching the rule's pattern shares one counter (`share_threshold`).
     pub fn share_threshold(&self) -> bool {
         self.flags.has(Flags::SHARE_THRESHOLD)
@@ -514,9 +531,17 @@ impl Level {
                 file: building.file.clone(),
                 line: u32::try_from(d.line).unwrap_or(u32::MAX),
                 stats: building.observer.rule(building.domain, &path),
-                metadata: match d.metadata {
-                    Some(serde_json::Value::Object(m)) if !m.is_empty() => Some(Box::new(m)),
-                    _ => None,
+                extras: {
+                    let metadata = match d.metadata {
+                        Some(serde_json::Value::Object(m)) if !m.is_empty() => Some(m),
+                        _ => None,
+                    };
+                    (metadata.is_some() || d.hold.is_some()).then(|| {
+                        Box::new(Extras {
+                            metadata,
+                            hold: d.hold,
+                        })
+                    })
                 },
                 children: (!children.by_key.is_empty()).then(|| Box::new(children)),
             };

@@ -8,12 +8,12 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::{Match, RuleSet};
-use crate::config::RuleLimit;
+use crate::config::{HoldRule, RuleLimit};
 use crate::limiter::algorithm::{gcra, log};
 use crate::limiter::lease::Leasing;
 use crate::limiter::{
-    Algorithm, Check, Counting, Decision, DescriptorKey, Item, Limit, Mode, RuleId, Source, Step,
-    Unit,
+    Algorithm, Check, Counting, Decision, DescriptorKey, Held, HoldId, Item, Limit, Mode, RuleId,
+    Source, Step, Unit,
 };
 use crate::observe::{Outcome, RuleCounters};
 
@@ -67,6 +67,21 @@ pub enum Stats<'a> {
     Rule(&'a dyn RuleCounters),
     /// A series named from the request's values.
     Request(Arc<dyn RuleCounters>),
+}
+
+/// The hold an item of a rule held `rule` asks for, for the request `id`: the request-time
+/// call's hits, or the rule's estimate when it brings none, at most the rule's `largest` part of
+/// `limit`.
+fn held(rule: &HoldRule, id: HoldId, hits: u64, limit: &Limit) -> Held {
+    let largest = (u64::from(limit.requests_per_unit) * u64::from(rule.largest)).div_ceil(100);
+    let estimate = if hits > 0 { hits } else { rule.estimate };
+    Held {
+        id,
+        estimate: estimate.min(largest),
+        ttl_ms: rule.ttl_ms,
+        on_expiry: rule.on_expiry,
+        most: rule.most,
+    }
 }
 
 impl Plan<'_> {
@@ -123,7 +138,7 @@ impl RuleSet {
         let mut plans = Vec::with_capacity(matches.len());
         for (descriptor, m) in asked.iter().zip(&matches) {
             let entries = &descriptor.entries;
-            let counted: Vec<(&[u8], &[u8])> = match m {
+            let mut counted: Vec<(&[u8], &[u8])> = match m {
                 Some(m) => entries
                     .iter()
                     .zip(&m.counted_values)
@@ -131,6 +146,15 @@ impl RuleSet {
                     .collect(),
                 None => entries.clone(),
             };
+            // A held rule's own entry names the request, not the counter.
+            let hold = m
+                .as_ref()
+                .and_then(|m| m.node.hold())
+                .zip(entries.last())
+                .map(|(rule, (_, id))| {
+                    counted.pop();
+                    (*rule, HoldId::of(id))
+                });
             let start = check.items.len();
             let mut descriptor_key = None;
             let mut rule = None;
@@ -138,11 +162,11 @@ impl RuleSet {
                 .as_ref()
                 .and_then(|m| m.node.counting)
                 .unwrap_or(global.counting);
-            let leased = m
-                .as_ref()
-                .and_then(|m| m.node.lease)
-                .unwrap_or(global.lease)
-                == Leasing::Auto;
+            let leased = hold.is_none()
+                && m.as_ref()
+                    .and_then(|m| m.node.lease)
+                    .unwrap_or(global.lease)
+                    == Leasing::Auto;
             let mut push = |limit: Limit, identity: String, mode: Mode| {
                 let key =
                     descriptor_key.get_or_insert_with(|| DescriptorKey::new(domain, &counted));
@@ -158,20 +182,36 @@ impl RuleSet {
                             .join(&b'.'),
                     ),
                 });
+                let key = key.counter(&identity);
+                // A request holds (or settles) once on a counter, however many of its
+                // descriptors name it: the stores decide a held counter once per request.
+                if let Some((_, id)) = hold
+                    && check
+                        .items
+                        .iter()
+                        .any(|i| i.key == key && matches!(i.step, Step::Held(h) if h.id == id))
+                {
+                    return;
+                }
                 check.items.push(Item {
-                    key: key.counter(&identity),
+                    key,
                     rule,
-                    limit,
                     mode: if global.quota_mode {
                         mode.as_quota()
                     } else {
                         mode
                     },
                     hits: descriptor.hits,
-                    refund: descriptor.refund,
+                    refund: descriptor.refund && hold.is_none(),
                     counting,
                     leased,
-                    step: Step::Hits,
+                    step: match hold {
+                        Some((held_by, id)) => {
+                            Step::Held(held(&held_by, id, descriptor.hits, &limit))
+                        }
+                        None => Step::Hits,
+                    },
+                    limit,
                 });
             };
             if let Some(o) = descriptor.limit {
@@ -229,7 +269,7 @@ impl RuleSet {
                         .map(|m| self.stats_of(domain, entries, m)),
                     metadata: match descriptor.limit {
                         Some(_) => None,
-                        None => m.as_ref().and_then(|m| m.node.metadata.as_deref()),
+                        None => m.as_ref().and_then(|m| m.node.metadata()),
                     },
                 }
             } else {

@@ -16,6 +16,12 @@
 //! for far instants, which no sweep can reclaim before then, never crowd out the present ones.
 //! A new counter past its share is refused, and its item answered over its limit; a shard full
 //! for every rule together refuses with `StoreError::Full`.
+//!
+//! Holds. A held counter's table of holds (`limiter::hold`) lives in the shard of the counter's
+//! key (whatever its window), and lives two of its holds' time to live after its last change:
+//! every entry is due a time to live before.
+//! A shard keeps at most as many entries of every table together as it holds counters: a hold
+//! past them is over, as one past its counter's own bound is.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -24,9 +30,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use super::StoreError;
 use super::demand::{DemandBoard, Division, Settle};
 use crate::limiter::algorithm::{Ask, Verdict, gcra, log, window};
+use crate::limiter::hold::{self, Outcome, Table};
 use crate::limiter::{
     Algorithm, Check, CounterIds, CounterKey, Counting, Decision, IdHasher, Item, Limit, RuleId,
-    admits,
+    Step, admits,
 };
 use crate::observe::{Observer, unobserved};
 use crate::throttle::Throttle;
@@ -116,6 +123,10 @@ impl Share {
 #[derive(Default)]
 struct Shard {
     counters: HashMap<Id, Counter, IdHasher>,
+    /// Held counters' tables, by the id of the counter's key.
+    holds: HashMap<Id, Holds, IdHasher>,
+    /// Entries of every table together.
+    hold_entries: usize,
     /// Counters held per holder, expired ones not swept yet included; no holder with none.
     held: HashMap<Holder, usize, IdHasher>,
     /// Scheduled counters held.
@@ -130,6 +141,13 @@ pub enum Stored {
     Bucket(gcra::State),
     /// The instants of a sliding log's entries, ascending.
     Log(Vec<u64>),
+}
+
+/// A held counter's table, and when it expires (ms since the Unix epoch).
+#[derive(Default)]
+struct Holds {
+    table: Table,
+    expires_ms: u64,
 }
 
 #[derive(Clone)]
@@ -179,10 +197,19 @@ impl Shard {
     }
 
     fn sweep(&mut self, now_ms: u64) {
+        let entries = &mut self.hold_entries;
+        self.holds.retain(|_, h| {
+            let live = h.expires_ms > now_ms;
+            if !live {
+                *entries -= h.table.len();
+            }
+            live
+        });
         let Shard {
             counters,
             held,
             scheduled,
+            ..
         } = self;
         counters.retain(|_, c| {
             let live = c.live(now_ms);
@@ -276,13 +303,23 @@ impl MemoryStore {
         now_ms: u64,
     ) -> Result<(bool, Vec<Verdict>), StoreError> {
         let at_ms = check.at.map_or(now_ms, |at| at.max(now_ms));
+        // A held counter counts at the clock, and keeps its table under its key's id.
         let ids: Vec<Id> = check
             .items
             .iter()
-            .map(|i| self.id(&i.key, &i.limit, at_ms))
+            .map(|i| match i.step {
+                Step::Held(_) => self.id(&i.key, &i.limit, now_ms),
+                _ => self.id(&i.key, &i.limit, at_ms),
+            })
+            .collect();
+        let tables: Vec<Option<Id>> = check
+            .items
+            .iter()
+            .map(|i| matches!(i.step, Step::Held(_)).then(|| self.ids.id(&i.key, 0)))
             .collect();
         let homes: Vec<usize> = ids.iter().map(|&id| Self::shard_of(id)).collect();
         let mut order = homes.clone();
+        order.extend(tables.iter().flatten().map(|&t| Self::shard_of(t)));
         order.sort_unstable();
         order.dedup();
         let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> = order
@@ -300,6 +337,8 @@ impl MemoryStore {
         let mut verdicts: Vec<Verdict> = Vec::with_capacity(check.items.len());
         let mut pending: Vec<Pending> = Vec::new();
         let mut refusals: Vec<Share> = Vec::new();
+        // Holds to take once the request is admitted: the table, and the hold's window and due.
+        let mut holds: Vec<(Id, hold::Held, u64, u64)> = Vec::new();
         for (i, item) in check.items.iter().enumerate() {
             let home = slot(homes[i]);
             let earlier = pending.iter().rev().find(|p| p.id == ids[i]);
@@ -326,7 +365,34 @@ impl MemoryStore {
                 always,
                 step: item.step,
             };
-            let (mut verdict, write) = evaluate(item, &ask, stored);
+            let (mut verdict, write) = match (item.step, tables[i]) {
+                (Step::Held(held), Some(table)) => {
+                    let state = match stored {
+                        Some(Stored::Window(s)) => Some(*s),
+                        _ => None,
+                    };
+                    let shard = &mut guards[slot(Self::shard_of(table))].1;
+                    let step = self.hold(shard, table, item, &ask, &held, state);
+                    if let Some(due) = step.hold_due {
+                        let window = match item.limit.algorithm {
+                            Algorithm::FixedWindow => now_ms / ask.window_ms,
+                            _ => 0,
+                        };
+                        holds.push((table, held, window, due));
+                    }
+                    let write = step.charged.map(|c| {
+                        Some(Counter {
+                            stored: Stored::Window(c.next),
+                            expires_ms: now_ms + c.ttl_ms,
+                            holder: Holder::new(item.rule, false),
+                        })
+                    });
+                    (step.verdict, write)
+                }
+                _ => evaluate(item, &ask, stored),
+            };
+            // What a held counter is charged lands whatever the answer.
+            let always = always || matches!(item.step, Step::Held(_));
             let Some(mut write) = write else {
                 verdicts.push(verdict);
                 continue;
@@ -373,6 +439,15 @@ impl MemoryStore {
             .filter(|p| admitted || p.always)
             .collect();
         self.make_room(&landing, &guards, &slot)?;
+        if admitted {
+            for (table, held, window, due) in holds {
+                let shard = &mut guards[slot(Self::shard_of(table))].1;
+                let holds = shard.holds.entry(table).or_default();
+                hold::take(&mut holds.table, &held, window, due);
+                holds.expires_ms = now_ms + 2 * held.ttl_ms;
+                shard.hold_entries += 1;
+            }
+        }
         for p in landing {
             let shard = &mut guards[slot(Self::shard_of(p.id))].1;
             match p.write {
@@ -385,6 +460,40 @@ impl MemoryStore {
             refused(share, &*self.observer);
         }
         Ok((admitted, verdicts))
+    }
+
+    /// Evaluates the held item `item` (`ask`, `held`) on its counter's `state` and tidies its
+    /// table `table` in `shard`, whatever the answer; a hold past the entries the shard keeps
+    /// is over.
+    fn hold(
+        &self,
+        shard: &mut Shard,
+        table: Id,
+        item: &Item,
+        ask: &Ask,
+        held: &hold::Held,
+        state: Option<window::State>,
+    ) -> hold::Step {
+        let holds = shard.holds.entry(table).or_default();
+        if holds.expires_ms <= ask.now_ms {
+            shard.hold_entries -= holds.table.len();
+            holds.table = Table::default();
+        }
+        let before = holds.table.len();
+        let mut step = hold::evaluate(item.limit.algorithm, ask, held, state, &mut holds.table);
+        shard.hold_entries = shard.hold_entries + holds.table.len() - before;
+        if !holds.table.is_empty() {
+            holds.expires_ms = ask.now_ms + 2 * held.ttl_ms;
+        }
+        if step.hold_due.is_some() && shard.hold_entries >= self.room.shard {
+            step.hold_due = None;
+            step.verdict.over = true;
+            step.verdict.hold = step.verdict.hold.map(|seen| hold::Seen {
+                outcome: Outcome::Full,
+                ..seen
+            });
+        }
+        step
     }
 
     /// Whether `shard` (locked as `home`) has room for one more counter of `holder` besides
@@ -505,6 +614,7 @@ const REFUSED: Verdict = Verdict {
     reset_before_ms: REFUSED_RETRY_MS,
     charged: 0,
     window: 0,
+    hold: None,
 };
 
 /// Counts a new counter that `share` refused, and logs the refusals at most once a second.

@@ -124,6 +124,7 @@ pub(crate) fn evaluate(ask: &Ask, burst: u64, stored: Option<State>) -> (Verdict
             reset_before_ms,
             charged: if refund { 0 } else { after - level },
             window: 0,
+            hold: None,
         },
         write,
     )

@@ -70,6 +70,7 @@ pub(crate) fn evaluate(ask: &Ask, entries: &[u64]) -> (Verdict, Change) {
         reset_before_ms: until_empty(live),
         charged: 0,
         window: 0,
+        hold: None,
     };
     if over {
         let fits = if never {

@@ -14,6 +14,7 @@ pub mod window;
 
 use std::time::Duration;
 
+use super::hold::Seen;
 use super::{Source, Step, Usage};
 
 /// How a limit counts.
@@ -129,6 +130,8 @@ pub struct Verdict {
     /// The index of the window the counter counted in (`instant / window`) for the window
     /// algorithms, where a leased block is given back; 0 for the others.
     pub window: u64,
+    /// What a held counter's item did (`limiter::hold`); `None` for any other counter.
+    pub hold: Option<Seen>,
 }
 
 impl Verdict {
@@ -145,9 +148,13 @@ impl Verdict {
             remaining: if self.over { 0 } else { after },
             left_before: self.remaining_before,
             reset: Duration::from_millis(reset),
-            full: super::cache::full(algorithm, hits, self.over, self.remaining_before, after),
+            // Holds settle and expire before the counter resets: the cache would keep it over
+            // longer than it is.
+            full: self.hold.is_none()
+                && super::cache::full(algorithm, hits, self.over, self.remaining_before, after),
             source: Source::Store,
             window: self.window,
+            hold: self.hold,
         }
     }
 }

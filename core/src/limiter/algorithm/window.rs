@@ -70,7 +70,7 @@ pub(crate) fn evaluate(algorithm: Algorithm, ask: &Ask, stored: Option<State>) -
     let used = weighted.saturating_add(current);
     let over = !refund && used.saturating_add(need) > limit;
     let hits = match ask.step {
-        Change::Hits => ask.hits,
+        Change::Hits | Change::Held(_) => ask.hits,
         // A block: a share of what remains, at least the hits the request needs.
         Change::Take { .. } => ask.hits.min(need.max(limit.saturating_sub(used) / SHARE)),
         Change::Return { window } if window == index => ask.hits,
@@ -95,6 +95,7 @@ pub(crate) fn evaluate(algorithm: Algorithm, ask: &Ask, stored: Option<State>) -
             reset_before_ms: reset_ms,
             charged: if refund { 0 } else { after - current },
             window: index,
+            hold: None,
         },
         next: State {
             window: index,

@@ -13,14 +13,15 @@ use tokio::time::Instant;
 use super::conn::{self, Conn, Lanes};
 use super::replicas::Replicas;
 use crate::limiter::algorithm::Verdict;
-use crate::limiter::{Algorithm, Check, Counting, Item, Mode, Step};
+use crate::limiter::hold::Seen;
+use crate::limiter::{Algorithm, Check, Counting, Item, Mode, OnExpiry, Step};
 use crate::store::StoreError;
 use crate::store::demand::{Change, Division, Granted, Settle};
 use crate::throttle::Throttle;
 
 pub(super) const ARGS_PER_ITEM: usize = 8;
 /// Numbers the check script answers per counter.
-const REPLY_PER_ITEM: usize = 7;
+const REPLY_PER_ITEM: usize = 8;
 
 /// What a request gets from its script calls: admitted, and what each counter found.
 pub(super) type Answer = Result<(bool, Vec<Verdict>), StoreError>;
@@ -388,6 +389,14 @@ pub(super) fn encode(check: &Check, at: &[usize], quota_here: bool) -> Vec<Value
             Step::Hits => flag(item.refund),
             Step::Take { least } => Value::from(format!("u{least}")),
             Step::Return { window } => Value::from(format!("r{window}")),
+            Step::Held(held) => Value::from(format!(
+                "h{} {} {} {} {}",
+                held.estimate,
+                held.ttl_ms,
+                u8::from(held.on_expiry == OnExpiry::Charge),
+                held.most,
+                held.id.hex()
+            )),
         });
         args.push(Value::from_static_str(match item.mode {
             Mode::Enforce => "e",
@@ -429,7 +438,7 @@ fn malformed_reply() -> StoreError {
 }
 
 /// Takes the answer to a request on the counters `keys` off the front of a script reply:
-/// admitted (1|0), then six numbers per counter; or -1, the place (from 1) of the counter whose
+/// admitted (1|0), then eight numbers per counter; or -1, the place (from 1) of the counter whose
 /// key could not be read, the key's type and the error.
 pub(super) fn take_request(reply: &mut &[Value], keys: &[Bytes]) -> Answer {
     let short = |len: usize| {
@@ -474,6 +483,10 @@ pub(super) fn take_request(reply: &mut &[Value], keys: &[Bytes]) -> Answer {
             reset_before_ms: count(&c[4])?,
             charged: count(&c[5])?,
             window: count(&c[6])?,
+            hold: match count(&c[7])? {
+                0 => None,
+                code => Some(Seen::of_code(code).ok_or_else(malformed_reply)?),
+            },
         });
     }
     Ok((admitted, verdicts))
@@ -618,7 +631,8 @@ mod tests {
     #[test]
     fn a_batched_reply_splits_into_requests() {
         let reply = values(&[
-            1, 0, 4, 5, 900, 1000, 1, 7, 1, 0, 0, 250, 250, 0, 7, 0, 1, 0, 0, 30, 30, 0, 7,
+            1, 0, 4, 5, 900, 1000, 1, 7, 0, 1, 0, 0, 250, 250, 0, 7, 26, 0, 1, 0, 0, 30, 30, 0, 7,
+            0,
         ]);
         let keys = |n: usize| vec![Bytes::from_static(b"k"); n];
         let mut rest = &reply[..];
@@ -628,7 +642,15 @@ mod tests {
         assert_eq!(v[0].reset_after_ms, 900);
         assert_eq!(v[0].charged, 1);
         assert_eq!(v[0].window, 7);
+        assert_eq!(v[0].hold, None);
         assert!(v[1].over);
+        assert_eq!(
+            v[1].hold,
+            Some(Seen {
+                outcome: crate::limiter::hold::Outcome::Settle,
+                expired: 3
+            })
+        );
         assert_eq!(v[1].reset_before_ms, 250);
         let (admitted, v) = take_request(&mut rest, &keys(1)).unwrap();
         assert!(!admitted);
@@ -721,7 +743,7 @@ mod tests {
         reply.push(text(
             "WRONGTYPE Operation against a key holding the wrong kind of value",
         ));
-        reply.extend(values(&[0, 1, 0, 0, 5, 5, 0, 0]));
+        reply.extend(values(&[0, 1, 0, 0, 5, 5, 0, 0, 0]));
         let keys = [Bytes::from_static(b"p:a"), Bytes::from_static(b"p:\"b\"")];
         let mut rest = &reply[..];
         let error = take_request(&mut rest, &keys).unwrap_err();
