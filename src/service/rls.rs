@@ -17,6 +17,7 @@ use tracing::{Instrument, Span};
 use super::decide::Decider;
 use super::metadata;
 use crate::config::{MOST_DOMAIN_BYTES, domain_too_long};
+use crate::limiter::hold::Outcome;
 use crate::limiter::lease::Leasing;
 use crate::limiter::{Check, Counting, Decision, Limit, Mode, Source, Unit, Usage, admits};
 use crate::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -205,6 +206,7 @@ impl Rls {
                     self.telemetry.shadow_mode_pass();
                 }
                 count(&plans, &asked, &check, &decision, &self.answering);
+                count_holds(&self.telemetry, &request.domain, &plans, &decision);
                 let response = respond(request, &plans, &check, &decision, &self.answering);
                 if self.telemetry.tracing() {
                     let code = Code::try_from(response.overall_code).unwrap_or(Code::Unknown);
@@ -484,6 +486,30 @@ fn count(
 ) {
     for (plan, asked) in plans.iter().zip(asked) {
         plan.count(check, decision, answering.near_limit_ratio, &asked.entries);
+    }
+}
+
+/// Counts what each held counter of `decision` did, under its rule.
+fn count_holds(telemetry: &Telemetry, domain: &[u8], plans: &[Plan], decision: &Decision) {
+    for plan in plans {
+        let (Plan::Limited { items, .. }, Some(rule)) = (plan, plan.rule()) else {
+            continue;
+        };
+        for usage in &decision.usages[items.clone()] {
+            let Some(seen) = usage.hold else {
+                continue;
+            };
+            let outcome = match seen.outcome {
+                Outcome::Hold if decision.admitted && !usage.over => "held",
+                Outcome::Hold => "denied",
+                other => other.name(),
+            };
+            let labels = [
+                ("domain", String::from_utf8_lossy(domain).into_owned()),
+                ("rule", rule.to_owned()),
+            ];
+            telemetry.holds(&labels, outcome, seen.expired);
+        }
     }
 }
 

@@ -177,6 +177,12 @@ impl Telemetry {
         self.0.metrics.quota_actions(labels, action, n);
     }
 
+    /// A call on a held counter of the rule `labels` that did `outcome`, finding `expired`
+    /// holds expired.
+    pub fn holds(&self, labels: &QuotaLabels, outcome: &'static str, expired: u64) {
+        self.0.metrics.holds(labels, outcome, expired);
+    }
+
     /// `n` buckets untracked past `bound`.
     pub fn quota_untracked(&self, bound: &'static str, n: u64) {
         self.0.metrics.quota_untracked(bound, n);

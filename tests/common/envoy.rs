@@ -52,7 +52,8 @@ pub fn envoy_binary() -> PathBuf {
 
 /// A tiny HTTP/1.1 server on loopback answering every request `200 OK`, one request per
 /// connection; it stops when dropped. A request's `x-cost` header comes back as the response's
-/// `x-tokens`, as an LLM backend reports the tokens a call used.
+/// `x-tokens`, as an LLM backend reports the tokens a call used; its `x-delay-ms` delays the
+/// answer, as a model generating does.
 pub struct Upstream {
     pub addr: SocketAddr,
     served: Arc<AtomicUsize>,
@@ -73,8 +74,11 @@ impl Upstream {
             std::thread::spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
                     match listener.accept() {
+                        // Each connection on a thread of its own: a delayed answer keeps no
+                        // other waiting.
                         Ok((stream, _)) => {
-                            let _ = answer(stream, &served);
+                            let served = served.clone();
+                            std::thread::spawn(move || answer(stream, &served));
                         }
                         // WouldBlock, or a transient accept error: try again shortly.
                         Err(_) => std::thread::sleep(Duration::from_millis(5)),
@@ -111,14 +115,20 @@ fn answer(mut stream: TcpStream, served: &AtomicUsize) -> std::io::Result<()> {
         }
         head.extend_from_slice(&buf[..n]);
     }
-    served.fetch_add(1, Ordering::SeqCst);
-    let tokens = String::from_utf8_lossy(&head)
-        .lines()
-        .find_map(|line| {
+    let head = String::from_utf8_lossy(&head);
+    let header = |wanted: &str| {
+        head.lines().find_map(|line| {
             let (name, value) = line.split_once(':')?;
-            name.eq_ignore_ascii_case("x-cost")
-                .then(|| format!("x-tokens: {}\r\n", value.trim()))
+            name.eq_ignore_ascii_case(wanted)
+                .then(|| value.trim().to_owned())
         })
+    };
+    if let Some(ms) = header("x-delay-ms").and_then(|ms| ms.parse().ok()) {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
+    served.fetch_add(1, Ordering::SeqCst);
+    let tokens = header("x-cost")
+        .map(|cost| format!("x-tokens: {cost}\r\n"))
         .unwrap_or_default();
     write!(
         stream,

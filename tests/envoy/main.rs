@@ -12,4 +12,5 @@ mod hostile;
 mod rlqs_envoy;
 mod tls;
 mod token_budget;
+mod token_holds;
 mod tracing;

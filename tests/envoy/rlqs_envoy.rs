@@ -151,10 +151,10 @@ async fn assert_reported(http: &[SocketAddr], admitted: u64) {
     .await;
 }
 
-/// Every Envoy asks for more than the whole limit of one tenant, for 60 s: together they get the
+/// Every Envoy asks for more than the whole limit of one tenant, for 30 s: together they get the
 /// limit (plus the initial burst) and each gets about its fair share.
 async fn envoys_over_the_limit_share_it_fairly(n: usize) {
-    const RUN: Duration = Duration::from_secs(60);
+    const RUN: Duration = Duration::from_secs(30);
     let binary = envoy_binary();
     let sluice = sluice_on(Store::Memory, &[]).await;
     let upstream = Upstream::start();
@@ -269,7 +269,7 @@ async fn idle_share_moves(sluices: [&Sluice; 2], what: &str) {
 /// through Redis) rather than both holding shares that add up to more than the limit.
 #[tokio::test(flavor = "multi_thread")]
 async fn two_replicas_sharing_redis_hold_the_global_limit_across_their_envoys() {
-    const RUN: Duration = Duration::from_secs(60);
+    const RUN: Duration = Duration::from_secs(30);
     let prefix = format!("rlqs{}-replicas:", std::process::id());
     let flags = ["--redis-key-prefix", prefix.as_str()];
     let binary = envoy_binary();

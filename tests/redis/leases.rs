@@ -205,15 +205,13 @@ fn held(sluice: &Sluice) -> u64 {
 
 /// What the counters under `prefix` on the Redis at `port` count, in all.
 fn counted(port: u16, prefix: &str) -> u64 {
-    common::redis::cli(port, &["--scan", "--pattern", &format!("{prefix}*")])
-        .split_whitespace()
-        .flat_map(|key| {
-            common::redis::cli(port, &["HVALS", key])
-                .split_whitespace()
-                .filter_map(|n| n.parse::<u64>().ok())
-                .collect::<Vec<_>>()
-        })
-        .sum()
+    const SUM: &str = "local n = 0 \
+        for _, key in ipairs(redis.call('KEYS', ARGV[1])) do \
+          for _, v in ipairs(redis.call('HVALS', key)) do n = n + (tonumber(v) or 0) end \
+        end \
+        return n";
+    let sum = common::redis::cli(port, &["EVAL", SUM, "0", &format!("{prefix}*")]);
+    sum.trim().parse().expect("a whole number")
 }
 
 /// Traffic moves from one replica to another: once the store has nothing left, the second is

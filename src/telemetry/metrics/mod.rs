@@ -85,6 +85,8 @@ pub struct Metrics {
     quota_denied: Family<QuotaLabels, Counter>,
     quota_shadow_denied: Family<QuotaLabels, Counter>,
     quota_actions: Family<ActionLabels, Counter>,
+    holds: Family<ActionLabels, Counter>,
+    holds_expired: Family<QuotaLabels, Counter>,
     quota_store_errors: Family<Labels, Counter>,
     memory_refused: Family<Labels, Counter>,
     quota_untracked: Family<Labels, Counter>,
@@ -137,6 +139,8 @@ impl Metrics {
             quota_denied: Family::default(),
             quota_shadow_denied: Family::default(),
             quota_actions: Family::default(),
+            holds: Family::default(),
+            holds_expired: Family::default(),
             quota_store_errors: Family::default(),
             memory_refused: Family::default(),
             quota_untracked: Family::default(),
@@ -206,6 +210,16 @@ impl Metrics {
             "sluice_quota_assignments",
             "Bucket actions sent to Envoys, per quota bucket rule and action (token_bucket, allow_all, deny_all, abandon)",
             m.quota_actions.clone(),
+        );
+        r.register(
+            "sluice_holds",
+            "Calls on held counters, per rule and outcome: held (a hold taken), denied (the hold did not fit, or the request was denied), settle (a hold settled), duplicate (a second settle, charged nothing), unheld (a settle whose hold had expired, charged in full), full (the counter's table of holds was full)",
+            m.holds.clone(),
+        );
+        r.register(
+            "sluice_holds_expired",
+            "Holds found expired unsettled, per rule: released, or charged their estimate as the rule says",
+            m.holds_expired.clone(),
         );
         r.register(
             "sluice_store_unreachable",
@@ -295,6 +309,18 @@ impl Metrics {
         self.quota_actions
             .get_or_create(&[domain, rule, ("action", action.to_owned())])
             .inc_by(n);
+    }
+
+    /// A call on a held counter of the rule `labels` that did `outcome`, finding `expired`
+    /// holds expired.
+    pub fn holds(&self, labels: &QuotaLabels, outcome: &'static str, expired: u64) {
+        let [domain, rule] = labels.clone();
+        self.holds
+            .get_or_create(&[domain, rule, ("outcome", outcome.to_owned())])
+            .inc();
+        if expired > 0 {
+            self.holds_expired.get_or_create(labels).inc_by(expired);
+        }
     }
 
     /// `n` bucket reports answered untracked because `bound` was full.

@@ -1,0 +1,212 @@
+//! A token budget that holds under concurrency, through a real Envoy: the rate limit filter asks
+//! at the request with the request's `x-request-id` among the descriptor's entries and no hits
+//! of its own (`hits_addend: 0`), so sluice holds the rule's estimate (1,000 tokens); once the
+//! response is done (`apply_on_stream_done`) it asks again for the same request with the tokens
+//! the upstream reported (read from dynamic metadata that Envoy's `header_to_metadata` filter
+//! sets from the response's `x-tokens`), which settles the hold at the real cost (300). The same
+//! flow on a rule without holds (counted `always`, as Envoy Gateway's response costs are) shows
+//! the overspend that holds prevent. Needs the Envoy binary, as `tests/envoy/token_budget.rs`.
+
+use super::common;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use common::envoy::{Envoy, Front, Upstream, bootstrap_with, envoy_binary, ratelimit_filter};
+use common::metrics::scrape;
+use common::{HOUR, Sluice, exchange, in_one_window};
+
+/// The budget, in tokens an hour.
+const BUDGET: u64 = 10_000;
+/// What a request holds while it runs.
+const ESTIMATE: u64 = 1_000;
+/// What each request really costs.
+const COST: u64 = 300;
+/// Requests started together.
+const CONCURRENT: usize = 50;
+
+const RULES: &str = "\
+domain: llm
+descriptors:
+  - key: user
+    descriptors:
+      - key: request_id
+        hold: {estimate: 1000, ttl: 60s}
+        rate_limit: {unit: hour, requests_per_unit: 10000}
+  - key: plain_user
+    counting: always
+    rate_limit: {unit: hour, requests_per_unit: 10000}
+";
+
+/// Envoy in front of `upstream`: requests on `/` are held and settled per `x-user` and
+/// `x-request-id`; requests on `/plain` checked at the request and charged when done, per
+/// `x-user`, without holds.
+fn bootstrap(
+    listener: SocketAddr,
+    admin: SocketAddr,
+    upstream: SocketAddr,
+    ratelimit: SocketAddr,
+) -> String {
+    let filters = format!(
+        r#"- name: envoy.filters.http.header_to_metadata
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+    response_rules:
+      - header: x-tokens
+        on_header_present: {{ metadata_namespace: sluice.test, key: tokens, type: NUMBER }}
+{}"#,
+        ratelimit_filter("llm", true, Duration::from_secs(5))
+    );
+    let front = Front {
+        routes: r#"- match: { prefix: /plain }
+  route: { cluster: upstream }
+  typed_per_filter_config:
+    envoy.filters.http.ratelimit:
+      "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
+      rate_limits:
+        - actions:
+            - request_headers: { header_name: x-user, descriptor_key: plain_user }
+          hits_addend: { number: 0 }
+        - actions:
+            - request_headers: { header_name: x-user, descriptor_key: plain_user }
+          hits_addend: { format: "%DYNAMIC_METADATA(sluice.test:tokens)%" }
+          apply_on_stream_done: true
+- match: { prefix: / }
+  route: { cluster: upstream }
+  typed_per_filter_config:
+    envoy.filters.http.ratelimit:
+      "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
+      rate_limits:
+        - actions:
+            - request_headers: { header_name: x-user, descriptor_key: user }
+            - request_headers: { header_name: x-request-id, descriptor_key: request_id }
+          hits_addend: { number: 0 }
+        - actions:
+            - request_headers: { header_name: x-user, descriptor_key: user }
+            - request_headers: { header_name: x-request-id, descriptor_key: request_id }
+          hits_addend: { format: "%DYNAMIC_METADATA(sluice.test:tokens)%" }
+          apply_on_stream_done: true"#,
+        filters: &filters,
+    };
+    bootstrap_with(listener, admin, upstream, ratelimit, &front, None)
+}
+
+/// A request on `path` as `user`, whose upstream answers after `delay_ms` reporting `COST`
+/// tokens; its status and its `x-ratelimit-remaining`.
+fn call(listener: SocketAddr, path: &str, user: &str, delay_ms: u64) -> (u16, Option<u64>) {
+    let head = format!(
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nx-user: {user}\r\nx-cost: {COST}\r\n\
+         x-delay-ms: {delay_ms}\r\nConnection: close\r\n\r\n"
+    );
+    let (status, headers, _) = exchange(listener, head.as_bytes());
+    let remaining = headers
+        .iter()
+        .find(|(name, _)| name == "x-ratelimit-remaining")
+        .and_then(|(_, value)| value.parse().ok());
+    (status, remaining)
+}
+
+/// `CONCURRENT` requests started together, each answered by the upstream after a second: how
+/// many were let through.
+async fn together(listener: SocketAddr, path: &'static str, user: &'static str) -> u64 {
+    let calls: Vec<_> = (0..CONCURRENT)
+        .map(|_| tokio::task::spawn_blocking(move || call(listener, path, user, 1_000)))
+        .collect();
+    let mut admitted = 0;
+    for call in calls {
+        let (status, _) = call.await.expect("the request runs");
+        assert!(status == 200 || status == 429, "status {status}");
+        admitted += u64::from(status == 200);
+    }
+    admitted
+}
+
+/// Calls on held counters that did `outcome`, so far.
+fn holds(sluice: &Sluice, outcome: &str) -> f64 {
+    scrape(sluice.http)
+        .get(
+            "sluice_holds_total",
+            &[
+                ("domain", "llm"),
+                ("rule", "user.request_id"),
+                ("outcome", outcome),
+            ],
+        )
+        .unwrap_or(0.0)
+}
+
+/// Waits (at most 10 s) until `n` holds have been settled: Envoy settles after the response has
+/// reached the client.
+async fn settled(sluice: &Sluice, n: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while holds(sluice, "settle") < n as f64 {
+        assert!(
+            Instant::now() < deadline,
+            "{} holds settled, not {n}",
+            holds(sluice, "settle")
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_requests_hold_their_estimate_and_never_spend_past_the_budget() {
+    in_one_window(HOUR, async || {
+        let binary = envoy_binary();
+        let sluice = Sluice::start(RULES).await;
+        let upstream = Upstream::start();
+        let envoy = Envoy::launch(&binary, &|listener, admin| {
+            bootstrap(listener, admin, upstream.addr, sluice.grpc)
+        });
+
+        // Held: the budget holds ten estimates at once, whatever the requests end up costing.
+        let first = together(envoy.listener, "/", "alice").await;
+        assert_eq!(
+            first,
+            BUDGET / ESTIMATE,
+            "of {CONCURRENT} requests started together, as many as the budget holds estimates"
+        );
+        settled(&sluice, first).await;
+        // Settled at their real cost, they leave room: one request at a time until refused.
+        let mut later = 0;
+        loop {
+            let (status, remaining) = call(envoy.listener, "/", "alice", 0);
+            match status {
+                200 => later += 1,
+                429 => break,
+                status => panic!("status {status}"),
+            }
+            assert_eq!(
+                remaining,
+                Some(BUDGET - (first + later - 1) * COST - ESTIMATE),
+                "what remains counts the request's own hold, on what the others spent"
+            );
+            settled(&sluice, first + later).await;
+            assert!(later <= BUDGET / COST, "the budget never ends");
+        }
+        let spent = (first + later) * COST;
+        println!(
+            "holds: {first} of {CONCURRENT} admitted together, {later} more one at a time: \
+             {spent} tokens spent of {BUDGET}"
+        );
+        assert!(spent <= BUDGET, "{spent} tokens spent, past {BUDGET}");
+        assert!(
+            spent + ESTIMATE > BUDGET,
+            "refused only once an estimate no longer fits: {spent} spent of {BUDGET}"
+        );
+        assert_eq!(holds(&sluice, "unheld"), 0.0);
+        assert_eq!(holds(&sluice, "duplicate"), 0.0);
+
+        // Without holds, every request started together passes the check at 0, and each is
+        // charged once done.
+        let plain = together(envoy.listener, "/plain", "bob").await;
+        let overspent = plain * COST;
+        println!(
+            "without holds: {plain} of {CONCURRENT} admitted together: {overspent} tokens spent \
+             of {BUDGET}"
+        );
+        assert_eq!(plain, CONCURRENT as u64, "nothing counted yet: all pass");
+        assert!(overspent > BUDGET, "{overspent} tokens spent");
+    })
+    .await;
+}
