@@ -19,6 +19,7 @@ mod erl_examples;
 mod explain;
 mod failover;
 mod faults;
+mod holds;
 mod leases;
 mod metrics_mapper;
 mod operate;
