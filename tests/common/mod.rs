@@ -745,3 +745,8 @@ pub fn exchange(addr: SocketAddr, request: &[u8]) -> (u16, Vec<(String, String)>
         .collect();
     (status, headers, body.to_owned())
 }
+
+/// `path` in the repository.
+pub fn repo_file(path: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
+}

@@ -5,18 +5,13 @@
 
 use super::common;
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::envoy::{Envoy, UPSTREAM_BODY, Upstream, envoy_binary, get_with_headers, header};
-use common::{MINUTE, Sluice, Store, in_one_window};
+use common::{MINUTE, Sluice, Store, in_one_window, repo_file};
 
 /// The sidecar example, as kustomize reads it.
 const SIDECAR: &str = "deploy/kubernetes/sidecar";
-
-fn repo_file(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
-}
 
 /// The sidecar's Envoy config made runnable on a test machine, by a textual substitution of
 /// exactly these strings, each of which must appear once: the fixed ports of the pod (listener

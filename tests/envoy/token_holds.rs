@@ -1,6 +1,7 @@
-//! A token budget that holds under concurrency, through a real Envoy: the rate limit filter asks
-//! at the request with the request's `x-request-id` among the descriptor's entries and no hits
-//! of its own (`hits_addend: 0`), so sluice holds the rule's estimate (1,000 tokens); once the
+//! A token budget that holds under concurrency, through a real Envoy configured as
+//! `examples/envoy-llm.yaml` says, with `examples/rules/llm.yaml`: the rate limit filter asks at
+//! the request with the request's `x-request-id` among the descriptor's entries and no hits of
+//! its own (`hits_addend: 0`), so sluice holds the rule's estimate (1,000 tokens); once the
 //! response is done (`apply_on_stream_done`) it asks again for the same request with the tokens
 //! the upstream reported (read from dynamic metadata that Envoy's `header_to_metadata` filter
 //! sets from the response's `x-tokens`), which settles the hold at the real cost (300). The same
@@ -14,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::envoy::{Envoy, Front, Upstream, bootstrap_with, envoy_binary, ratelimit_filter};
 use common::metrics::scrape;
-use common::{HOUR, Sluice, exchange, in_one_window};
+use common::{HOUR, Sluice, exchange, in_one_window, repo_file};
 
 /// The budget, in tokens an hour.
 const BUDGET: u64 = 10_000;
@@ -25,22 +26,43 @@ const COST: u64 = 300;
 /// Requests started together.
 const CONCURRENT: usize = 50;
 
-const RULES: &str = "\
-domain: llm
+/// The same budget without holds, charged once each response is done.
+const PLAIN: &str = "\
+domain: plain
 descriptors:
   - key: user
-    descriptors:
-      - key: request_id
-        hold: {estimate: 1000, ttl: 60s}
-        rate_limit: {unit: hour, requests_per_unit: 10000}
-  - key: plain_user
     counting: always
     rate_limit: {unit: hour, requests_per_unit: 10000}
 ";
 
-/// Envoy in front of `upstream`: requests on `/` are held and settled per `x-user` and
-/// `x-request-id`; requests on `/plain` checked at the request and charged when done, per
-/// `x-user`, without holds.
+/// `examples/envoy-llm.yaml` on the given ports, its rate limit filter given time on a busy
+/// machine.
+fn example(
+    listener: SocketAddr,
+    admin: SocketAddr,
+    model: SocketAddr,
+    sluice: SocketAddr,
+) -> String {
+    let mut yaml =
+        std::fs::read_to_string(repo_file("examples/envoy-llm.yaml")).expect("the example");
+    for (from, to) in [
+        ("port_value: 10000", listener.port()),
+        ("port_value: 9901", admin.port()),
+        ("port_value: 8000", model.port()),
+        ("port_value: 8081", sluice.port()),
+    ] {
+        assert_eq!(
+            yaml.matches(from).count(),
+            1,
+            "`{from}` once in the example"
+        );
+        yaml = yaml.replace(from, &format!("port_value: {to}"));
+    }
+    yaml.replace("timeout: 0.25s", "timeout: 5s")
+}
+
+/// Envoy in front of `upstream`, checking every request with `x-user`'s budget and charging it
+/// once the response is done, without holds.
 fn bootstrap(
     listener: SocketAddr,
     admin: SocketAddr,
@@ -55,23 +77,10 @@ fn bootstrap(
       - header: x-tokens
         on_header_present: {{ metadata_namespace: sluice.test, key: tokens, type: NUMBER }}
 {}"#,
-        ratelimit_filter("llm", true, Duration::from_secs(5))
+        ratelimit_filter("plain", true, Duration::from_secs(5))
     );
     let front = Front {
-        routes: r#"- match: { prefix: /plain }
-  route: { cluster: upstream }
-  typed_per_filter_config:
-    envoy.filters.http.ratelimit:
-      "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
-      rate_limits:
-        - actions:
-            - request_headers: { header_name: x-user, descriptor_key: plain_user }
-          hits_addend: { number: 0 }
-        - actions:
-            - request_headers: { header_name: x-user, descriptor_key: plain_user }
-          hits_addend: { format: "%DYNAMIC_METADATA(sluice.test:tokens)%" }
-          apply_on_stream_done: true
-- match: { prefix: / }
+        routes: r#"- match: { prefix: / }
   route: { cluster: upstream }
   typed_per_filter_config:
     envoy.filters.http.ratelimit:
@@ -79,11 +88,9 @@ fn bootstrap(
       rate_limits:
         - actions:
             - request_headers: { header_name: x-user, descriptor_key: user }
-            - request_headers: { header_name: x-request-id, descriptor_key: request_id }
           hits_addend: { number: 0 }
         - actions:
             - request_headers: { header_name: x-user, descriptor_key: user }
-            - request_headers: { header_name: x-request-id, descriptor_key: request_id }
           hits_addend: { format: "%DYNAMIC_METADATA(sluice.test:tokens)%" }
           apply_on_stream_done: true"#,
         filters: &filters,
@@ -108,9 +115,9 @@ fn call(listener: SocketAddr, path: &str, user: &str, delay_ms: u64) -> (u16, Op
 
 /// `CONCURRENT` requests started together, each answered by the upstream after a second: how
 /// many were let through.
-async fn together(listener: SocketAddr, path: &'static str, user: &'static str) -> u64 {
+async fn together(listener: SocketAddr, user: &'static str) -> u64 {
     let calls: Vec<_> = (0..CONCURRENT)
-        .map(|_| tokio::task::spawn_blocking(move || call(listener, path, user, 1_000)))
+        .map(|_| tokio::task::spawn_blocking(move || call(listener, "/", user, 1_000)))
         .collect();
     let mut admitted = 0;
     for call in calls {
@@ -153,14 +160,19 @@ async fn settled(sluice: &Sluice, n: u64) {
 async fn concurrent_requests_hold_their_estimate_and_never_spend_past_the_budget() {
     in_one_window(HOUR, async || {
         let binary = envoy_binary();
-        let sluice = Sluice::start(RULES).await;
+        let rules =
+            std::fs::read_to_string(repo_file("examples/rules/llm.yaml")).expect("the example");
+        let sluice = Sluice::start_with(&[("llm.yaml", &rules), ("plain.yaml", PLAIN)], &[]).await;
         let upstream = Upstream::start();
         let envoy = Envoy::launch(&binary, &|listener, admin| {
+            example(listener, admin, upstream.addr, sluice.grpc)
+        });
+        let plain = Envoy::launch(&binary, &|listener, admin| {
             bootstrap(listener, admin, upstream.addr, sluice.grpc)
         });
 
         // Held: the budget holds ten estimates at once, whatever the requests end up costing.
-        let first = together(envoy.listener, "/", "alice").await;
+        let first = together(envoy.listener, "alice").await;
         assert_eq!(
             first,
             BUDGET / ESTIMATE,
@@ -199,7 +211,7 @@ async fn concurrent_requests_hold_their_estimate_and_never_spend_past_the_budget
 
         // Without holds, every request started together passes the check at 0, and each is
         // charged once done.
-        let plain = together(envoy.listener, "/plain", "bob").await;
+        let plain = together(plain.listener, "bob").await;
         let overspent = plain * COST;
         println!(
             "without holds: {plain} of {CONCURRENT} admitted together: {overspent} tokens spent \

@@ -437,6 +437,35 @@ descriptors:
     }
 
     #[test]
+    fn a_held_rule_counts_without_the_request_id_and_holds_at_most_its_largest_part() {
+        let yaml = "domain: d\ndescriptors:\n  - key: user\n    descriptors:\n      - key: id\n        hold: {estimate: 30, largest: 25%}\n        rate_limit: {unit: hour, requests_per_unit: 100}\n";
+        let (domain, _) = crate::config::parse(Path::new("t.yaml"), yaml).expect("valid rules");
+        let rules = RuleSet::new(vec![domain]);
+        let call = |id: &'static str, hits: u64| Asked {
+            entries: vec![(b"user".as_slice(), b"u".as_slice()), (b"id", id.as_bytes())],
+            hits,
+            refund: false,
+            limit: None,
+        };
+        let request = [call("a", 0), call("b", 40), call("a", 7)];
+        let (plans, check) = rules.plan(b"d", &request, GLOBAL, false);
+        let held: Vec<Held> = check
+            .items
+            .iter()
+            .map(|i| match i.step {
+                Step::Held(held) => held,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(held.len(), 2, "request a is named twice: it holds once");
+        assert!(matches!(plans[2], Plan::Free));
+        assert_eq!(check.items[0].key, check.items[1].key, "one counter per user");
+        assert_eq!((held[0].id, held[0].estimate), (HoldId::of(b"a"), 25));
+        assert_eq!((held[1].id, held[1].estimate), (HoldId::of(b"b"), 25));
+        assert_eq!(check.items[1].hits, 40, "a settle charges the call's hits");
+    }
+
+    #[test]
     fn an_override_takes_the_rules_algorithm_within_what_it_can_count_and_counts_apart() {
         let rules = rules();
         let mut overridden = asked("log");
