@@ -6,5 +6,6 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod hold_histories;
 mod lease_histories;
 mod rlqs_histories;

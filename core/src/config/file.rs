@@ -1130,36 +1130,67 @@ mod tests {
             })
         );
         for (hold, error) in [
-            ("{ttl: 2h}", "r.yaml:6: hold: invalid ttl '2h': a duration from 1s to 1h, such as 60s"),
-            ("{on_expiry: keep}", "r.yaml:6: hold: invalid on_expiry 'keep': release or charge"),
+            (
+                "{ttl: 2h}",
+                "r.yaml:6: hold: invalid ttl '2h': a duration from 1s to 1h, such as 60s",
+            ),
+            (
+                "{on_expiry: keep}",
+                "r.yaml:6: hold: invalid on_expiry 'keep': release or charge",
+            ),
             ("{most: 0}", "r.yaml:6: hold: 'most' must be at least 1"),
-            ("{largest: 0%}", "r.yaml:6: hold: invalid largest '0%': a percentage of the limit from 1% to 100%"),
-            ("{estimate: -1}", "r.yaml:6: 'estimate' must be a whole number from 0 to 4294967295, not '-1'"),
+            (
+                "{largest: 0%}",
+                "r.yaml:6: hold: invalid largest '0%': a percentage of the limit from 1% to 100%",
+            ),
+            (
+                "{estimate: -1}",
+                "r.yaml:6: 'estimate' must be a whole number from 0 to 4294967295, not '-1'",
+            ),
             ("{size: 1}", "r.yaml:6: config error, unknown key 'size'"),
-            ("yes", "r.yaml:6: 'hold' must be a mapping (estimate, ttl, on_expiry, most, largest)"),
+            (
+                "yes",
+                "r.yaml:6: 'hold' must be a mapping (estimate, ttl, on_expiry, most, largest)",
+            ),
         ] {
             assert_eq!(errors(&held(hold, "")), [error], "{hold}");
         }
         let refused = |rule: &str| errors(&format!("domain: d\ndescriptors:\n{rule}"));
         assert_eq!(
-            refused("  - key: request_id\n    value: x\n    hold: {}\n    rate_limit: {unit: hour, requests_per_unit: 1}\n"),
-            ["r.yaml:5: hold: a held rule's entry names the request (an x-request-id): it takes any value, and has no 'value'"]
+            refused(
+                "  - key: request_id\n    value: x\n    hold: {}\n    rate_limit: {unit: hour, requests_per_unit: 1}\n"
+            ),
+            [
+                "r.yaml:5: hold: a held rule's entry names the request (an x-request-id): it takes any value, and has no 'value'"
+            ]
         );
         assert_eq!(
-            refused("  - key: request_id\n    hold: {}\n    rate_limit: {unit: hour, requests_per_unit: 1, algorithm: token_bucket}\n"),
-            ["r.yaml:4: hold: a token_bucket limit cannot hold: only fixed_window and sliding_window limits can"]
+            refused(
+                "  - key: request_id\n    hold: {}\n    rate_limit: {unit: hour, requests_per_unit: 1, algorithm: token_bucket}\n"
+            ),
+            [
+                "r.yaml:4: hold: a token_bucket limit cannot hold: only fixed_window and sliding_window limits can"
+            ]
         );
         assert_eq!(
-            refused("  - key: request_id\n    hold: {}\n    lease: auto\n    rate_limit: {unit: hour, requests_per_unit: 1}\n"),
-            ["r.yaml:4: hold: a held rule cannot be leased (lease: auto): a replica deciding from a block would not see the other replicas' holds"]
+            refused(
+                "  - key: request_id\n    hold: {}\n    lease: auto\n    rate_limit: {unit: hour, requests_per_unit: 1}\n"
+            ),
+            [
+                "r.yaml:4: hold: a held rule cannot be leased (lease: auto): a replica deciding from a block would not see the other replicas' holds"
+            ]
         );
         assert_eq!(
             refused("  - key: request_id\n    hold: {}\n"),
             ["r.yaml:4: hold: a held rule needs a rate_limit, and is not unlimited"]
         );
         assert_eq!(
-            refused("  - key: request_id\n    hold: {}\n    rate_limit: {unit: hour, requests_per_unit: 1}\n    descriptors:\n      - key: x\n        rate_limit: {unit: hour, requests_per_unit: 1}\n"),
-            ["r.yaml:4: hold: a held rule has no descriptors under it: its entry names the request"]
+            refused(
+                "  - key: request_id\n    hold: {}\n    rate_limit: {unit: hour, requests_per_unit: 1}\n    descriptors:\n      - key: x\n        rate_limit: {unit: hour, requests_per_unit: 1}\n"
+            ),
+            [
+                "r.yaml:4: hold: a held rule has no descriptors under it: its entry names the request"
+            ]
         );
     }
 

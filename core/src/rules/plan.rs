@@ -442,7 +442,10 @@ descriptors:
         let (domain, _) = crate::config::parse(Path::new("t.yaml"), yaml).expect("valid rules");
         let rules = RuleSet::new(vec![domain]);
         let call = |id: &'static str, hits: u64| Asked {
-            entries: vec![(b"user".as_slice(), b"u".as_slice()), (b"id", id.as_bytes())],
+            entries: vec![
+                (b"user".as_slice(), b"u".as_slice()),
+                (b"id", id.as_bytes()),
+            ],
             hits,
             refund: false,
             limit: None,
@@ -459,7 +462,10 @@ descriptors:
             .collect();
         assert_eq!(held.len(), 2, "request a is named twice: it holds once");
         assert!(matches!(plans[2], Plan::Free));
-        assert_eq!(check.items[0].key, check.items[1].key, "one counter per user");
+        assert_eq!(
+            check.items[0].key, check.items[1].key,
+            "one counter per user"
+        );
         assert_eq!((held[0].id, held[0].estimate), (HoldId::of(b"a"), 25));
         assert_eq!((held[1].id, held[1].estimate), (HoldId::of(b"b"), 25));
         assert_eq!(check.items[1].hits, 40, "a settle charges the call's hits");

@@ -439,13 +439,15 @@ impl MemoryStore {
             .filter(|p| admitted || p.always)
             .collect();
         self.make_room(&landing, &guards, &slot)?;
-        if admitted {
-            for (table, held, window, due) in holds {
-                let shard = &mut guards[slot(Self::shard_of(table))].1;
+        for (table, held, window, due) in holds {
+            let shard = &mut guards[slot(Self::shard_of(table))].1;
+            if admitted {
                 let holds = shard.holds.entry(table).or_default();
                 hold::take(&mut holds.table, &held, window, due);
                 holds.expires_ms = now_ms + 2 * held.ttl_ms;
                 shard.hold_entries += 1;
+            } else if shard.holds.get(&table).is_some_and(|h| h.table.is_empty()) {
+                shard.holds.remove(&table);
             }
         }
         for p in landing {
@@ -492,6 +494,10 @@ impl MemoryStore {
                 outcome: Outcome::Full,
                 ..seen
             });
+        }
+        // No table is kept empty: a hold refused leaves none behind.
+        if step.hold_due.is_none() && holds.table.is_empty() {
+            shard.holds.remove(&table);
         }
         step
     }
