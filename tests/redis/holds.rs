@@ -240,3 +240,25 @@ async fn a_redis_restarted_empty_starts_the_budget_over_and_never_passes_it() {
     })
     .await;
 }
+
+/// `/explain` shows the rule's hold, and one counter for every request of a user: the request
+/// id is left out of it.
+#[tokio::test(flavor = "multi_thread")]
+async fn explain_shows_the_hold_and_one_counter_for_every_request_of_a_user() {
+    let sluice = Sluice::on(Store::Redis, &[("rules.yaml", RULES)], &[]).await;
+    let explain = |id: &str| {
+        let body = serde_json::json!({"domain": "llm", "descriptors": [{"entries": [
+            {"key": "user", "value": "ann"}, {"key": "request_id", "value": id}]}]});
+        let (status, _, text) = common::http(sluice.http, "POST", "/explain", &body.to_string());
+        assert_eq!(status, 200, "{text}");
+        serde_json::from_str::<serde_json::Value>(&text).expect("JSON")["descriptors"][0].clone()
+    };
+    let (a, b) = (explain("a"), explain("b"));
+    assert_eq!(
+        a["rule"]["modes"]["hold"],
+        serde_json::json!({"estimate": 1000, "ttl": "4s", "on_expiry": "release", "most": 12, "largest": "100%"})
+    );
+    let key = |d: &serde_json::Value| d["counters"][0]["redis_key"].as_str().map(str::to_owned);
+    assert!(key(&a).is_some(), "{a}");
+    assert_eq!(key(&a), key(&b), "one counter for both requests");
+}

@@ -116,6 +116,18 @@ pub struct HoldRule {
 }
 
 impl HoldRule {
+    /// Its settings as a rule file writes them.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "estimate": self.estimate,
+            "ttl": humantime::format_duration(std::time::Duration::from_millis(self.ttl_ms))
+                .to_string(),
+            "on_expiry": self.on_expiry.name(),
+            "most": self.most,
+            "largest": format!("{}%", self.largest),
+        })
+    }
+
     /// How long a hold lives when its rule does not say.
     pub const TTL_MS: u64 = 60_000;
     /// The most holds and marks a counter keeps when its rule does not say.

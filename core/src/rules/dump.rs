@@ -230,6 +230,9 @@ fn descriptor_json(d: &DescriptorConfig) -> Value {
     if let Some(counting) = d.counting {
         fields.insert("counting".into(), json!(counting.name()));
     }
+    if let Some(hold) = &d.hold {
+        fields.insert("hold".into(), hold.json());
+    }
     for (flag, on) in [
         ("share_threshold", d.share_threshold),
         ("detailed_metric", d.detailed_metric),
@@ -324,6 +327,9 @@ fn text_lines(parent: &str, d: &DescriptorConfig, out: &mut String) {
         }
         if let Some(counting) = d.counting {
             out.push_str(&format!(", counting: {}", counting.name()));
+        }
+        if let Some(hold) = &d.hold {
+            out.push_str(&format!(", hold: {}", hold.json()));
         }
         if !l.name.is_empty() {
             out.push_str(&format!(", name: {}", l.name));

@@ -89,7 +89,7 @@ impl Node {
     }
 
     /// The rule's modes by name, each `true` or `false`, and its `counting` and `lease` when
-    /// it says (else `null`: the service's default).
+    /// it says (else `null`: the service's default), and its `hold` (else `null`).
     pub fn modes(&self) -> Map<String, Value> {
         [
             ("shadow_mode", json!(self.mode.is_shadow())),
@@ -99,6 +99,7 @@ impl Node {
             ),
             ("counting", json!(self.counting.map(|c| c.name()))),
             ("lease", json!(self.lease.map(|l| l.name()))),
+            ("hold", self.hold().map_or(Value::Null, |h| h.json())),
         ]
         .into_iter()
         .map(|(name, on)| (name.to_owned(), on))
