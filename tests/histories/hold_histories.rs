@@ -298,10 +298,10 @@ async fn run(seed: u64, steps: usize) {
                     let age = sent.duration_since(a.since);
                     let what = if a.state == State::Lost {
                         // New to the store: taken for a request, it holds its cost (the rule's
-                        // estimate for a cost of 0).
+                        // estimate for a cost of 0 or 1).
                         if ok {
                             a.state = State::Phantom;
-                            a.held = if cost > 0 { cost } else { ESTIMATE };
+                            a.held = if cost > 1 { cost } else { ESTIMATE };
                             a.since = sent;
                             "lost: holds its cost"
                         } else {

@@ -1,5 +1,5 @@
 //! Generated histories, on `redis-server`: replicas of sluice driven through seeded sequences of
-//! loads, restarts and store outages, checked at every answer (leased counters, the quota
+//! loads, restarts and store outages, checked at every answer (leased counters, holds, the quota
 //! service's grants). Long and timing-sensitive, so a binary of their own: about 3 minutes of
 //! tests on 2 cores.
 

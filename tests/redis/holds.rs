@@ -139,7 +139,7 @@ async fn a_full_table_of_holds_refuses_a_new_hold_and_takes_settles(store: Store
     let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
     let user = user();
     for i in 0..12 {
-        assert!(!ask(&sluice, &user, &format!("r{i}"), 1).await.0);
+        assert!(!ask(&sluice, &user, &format!("r{i}"), 2).await.0);
     }
     assert!(
         ask(&sluice, &user, "next", 0).await.0,
@@ -148,7 +148,7 @@ async fn a_full_table_of_holds_refuses_a_new_hold_and_takes_settles(store: Store
     assert_eq!(holds(&sluice, "full"), 1.0);
     assert_eq!(
         ask(&sluice, &user, "r0", 5).await,
-        (false, 10_000 - 5 - 11),
+        (false, 10_000 - 5 - 11 * 2),
         "a settle still lands on a full table"
     );
 }

@@ -103,8 +103,8 @@ pub struct DescriptorConfig {
 /// entry's value names the request (an `x-request-id`), and is left out of the counter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct HoldRule {
-    /// What a hold takes when the request-time call brings no hits of its own (`hits_addend:
-    /// 0`); 0: the call's hits alone.
+    /// What a hold takes unless the request-time call brings more than one hit (an estimate of
+    /// its own); 0: the call's hits alone.
     pub estimate: u64,
     /// How long a hold lives at most (and a mark of its settle after it), in ms.
     pub ttl_ms: u64,

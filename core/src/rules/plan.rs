@@ -70,11 +70,16 @@ pub enum Stats<'a> {
 }
 
 /// The hold an item of a rule held `rule` asks for, for the request `id`: the request-time
-/// call's hits, or the rule's estimate when it brings none, at most the rule's `largest` part of
-/// `limit`.
+/// call's hits when it brings more than one (an estimate of its own, from a `max_tokens`
+/// header), else the rule's estimate (a call without `hits_addend` brings 1, `hits_addend: 0`
+/// none), at most the rule's `largest` part of `limit`.
 fn held(rule: &HoldRule, id: HoldId, hits: u64, limit: &Limit) -> Held {
     let largest = (u64::from(limit.requests_per_unit) * u64::from(rule.largest)).div_ceil(100);
-    let estimate = if hits > 0 { hits } else { rule.estimate };
+    let estimate = if hits > 1 {
+        hits
+    } else {
+        rule.estimate.max(hits)
+    };
     Held {
         id,
         estimate: estimate.min(largest),
@@ -450,7 +455,7 @@ descriptors:
             refund: false,
             limit: None,
         };
-        let request = [call("a", 0), call("b", 40), call("a", 7)];
+        let request = [call("a", 0), call("b", 40), call("a", 7), call("c", 1)];
         let (plans, check) = rules.plan(b"d", &request, GLOBAL, false);
         let held: Vec<Held> = check
             .items
@@ -460,7 +465,7 @@ descriptors:
                 other => panic!("{other:?}"),
             })
             .collect();
-        assert_eq!(held.len(), 2, "request a is named twice: it holds once");
+        assert_eq!(held.len(), 3, "request a is named twice: it holds once");
         assert!(matches!(plans[2], Plan::Free));
         assert_eq!(
             check.items[0].key, check.items[1].key,
@@ -469,6 +474,10 @@ descriptors:
         assert_eq!((held[0].id, held[0].estimate), (HoldId::of(b"a"), 25));
         assert_eq!((held[1].id, held[1].estimate), (HoldId::of(b"b"), 25));
         assert_eq!(check.items[1].hits, 40, "a settle charges the call's hits");
+        assert_eq!(
+            held[2].estimate, 25,
+            "a call without hits_addend (1) holds the rule's estimate"
+        );
     }
 
     #[test]
