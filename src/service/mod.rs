@@ -23,6 +23,7 @@
 mod accept;
 mod admin;
 mod conns;
+mod counted;
 mod decide;
 mod event_loop;
 pub mod explain;

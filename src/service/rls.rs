@@ -14,10 +14,10 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 use tracing::{Instrument, Span};
 
+use super::counted;
 use super::decide::Decider;
 use super::metadata;
 use crate::config::{MOST_DOMAIN_BYTES, domain_too_long};
-use crate::limiter::hold::Outcome;
 use crate::limiter::lease::Leasing;
 use crate::limiter::{Check, Counting, Decision, Limit, Mode, Source, Unit, Usage, admits};
 use crate::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -205,8 +205,9 @@ impl Rls {
                 if self.answering.shadow_mode && !decision.admitted {
                     self.telemetry.shadow_mode_pass();
                 }
-                count(&plans, &asked, &check, &decision, &self.answering);
-                count_holds(&self.telemetry, &request.domain, &plans, &decision);
+                let near = self.answering.near_limit_ratio;
+                counted::descriptors(&plans, &asked, &check, &decision, near);
+                counted::holds(&self.telemetry, &request.domain, &plans, &decision);
                 let response = respond(request, &plans, &check, &decision, &self.answering);
                 if self.telemetry.tracing() {
                     let code = Code::try_from(response.overall_code).unwrap_or(Code::Unknown);
@@ -473,43 +474,6 @@ impl std::fmt::Display for Entries<'_> {
             }
         }
         Ok(())
-    }
-}
-
-/// Counts each decided descriptor's hits in its rule's metrics and its values in the top view.
-fn count(
-    plans: &[Plan],
-    asked: &[Asked],
-    check: &Check,
-    decision: &Decision,
-    answering: &Answering,
-) {
-    for (plan, asked) in plans.iter().zip(asked) {
-        plan.count(check, decision, answering.near_limit_ratio, &asked.entries);
-    }
-}
-
-/// Counts what each held counter of `decision` did, under its rule.
-fn count_holds(telemetry: &Telemetry, domain: &[u8], plans: &[Plan], decision: &Decision) {
-    for plan in plans {
-        let (Plan::Limited { items, .. }, Some(rule)) = (plan, plan.rule()) else {
-            continue;
-        };
-        for usage in &decision.usages[items.clone()] {
-            let Some(seen) = usage.hold else {
-                continue;
-            };
-            let outcome = match seen.outcome {
-                Outcome::Hold if decision.admitted && !usage.over => "held",
-                Outcome::Hold => "denied",
-                other => other.name(),
-            };
-            let labels = [
-                ("domain", String::from_utf8_lossy(domain).into_owned()),
-                ("rule", rule.to_owned()),
-            ];
-            telemetry.holds(&labels, outcome, seen.expired);
-        }
     }
 }
 

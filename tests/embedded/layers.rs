@@ -606,3 +606,27 @@ fn the_core_crate_holds_the_core_modules_and_depends_on_no_server() {
         "sluice-core depends on what makes a server: {wrong:?}"
     );
 }
+
+/// The most lines a file of `src/service/` holds: one concept a file, each readable whole.
+const MOST_SERVICE_LINES: usize = 700;
+
+#[test]
+fn no_file_of_the_service_is_over_700_lines() {
+    let mut files = Vec::new();
+    sources(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("src/service"),
+        &mut files,
+    );
+    assert!(files.len() > 10, "read: {files:?}");
+    let long: Vec<String> = files
+        .iter()
+        .filter_map(|f| {
+            let lines = std::fs::read_to_string(f)
+                .expect("readable")
+                .lines()
+                .count();
+            (lines > MOST_SERVICE_LINES).then(|| format!("{}: {lines} lines", f.display()))
+        })
+        .collect();
+    assert!(long.is_empty(), "over {MOST_SERVICE_LINES} lines: {long:?}");
+}
