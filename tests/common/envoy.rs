@@ -610,3 +610,19 @@ fn transport_socket(tls: &UpstreamTls) -> String {
         ca = tls.ca.display(),
     )
 }
+
+/// The repository's file `path` (an Envoy configuration), each `from` of `changes` (which must
+/// appear there exactly once) replaced by its `to`: ports and timeouts for a test.
+pub fn replaced_once(path: &str, changes: &[(&str, String)]) -> String {
+    let mut yaml =
+        std::fs::read_to_string(super::repo_file(path)).unwrap_or_else(|e| panic!("{path}: {e}"));
+    for (from, to) in changes {
+        assert_eq!(
+            yaml.matches(from).count(),
+            1,
+            "`{from}` appears exactly once in {path}"
+        );
+        yaml = yaml.replace(from, to);
+    }
+    yaml
+}

@@ -750,3 +750,12 @@ pub fn exchange(addr: SocketAddr, request: &[u8]) -> (u16, Vec<(String, String)>
 pub fn repo_file(path: &str) -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
 }
+
+/// The number the environment variable `name` holds, if set (a generated test's knob); any
+/// other value stops the test.
+pub fn env_number<T: std::str::FromStr>(name: &str) -> Option<T> {
+    std::env::var(name).ok().map(|v| {
+        v.parse()
+            .unwrap_or_else(|_| panic!("{name}: not a number: {v}"))
+    })
+}

@@ -7,7 +7,9 @@ use super::common;
 
 use std::process::Command;
 
-use common::envoy::{Envoy, UPSTREAM_BODY, Upstream, envoy_binary, get_with_headers, header};
+use common::envoy::{
+    Envoy, UPSTREAM_BODY, Upstream, envoy_binary, get_with_headers, header, replaced_once,
+};
 use common::{MINUTE, Sluice, Store, in_one_window, repo_file};
 
 /// The sidecar example, as kustomize reads it.
@@ -20,36 +22,17 @@ const SIDECAR: &str = "deploy/kubernetes/sidecar";
 /// 5 s, so that a debug build on a busy machine always answers: a late answer would let a
 /// request through uncounted and make the counts below a matter of chance.
 fn sidecar_envoy_config(listener: u16, admin: u16, app: u16, sluice: u16) -> String {
-    let mut yaml = std::fs::read_to_string(repo_file(&format!("{SIDECAR}/envoy.yaml")))
-        .expect("the sidecar's envoy.yaml");
-    for (from, to) in [
-        (
-            "port_value: 10000".to_owned(),
-            format!("port_value: {listener}"),
-        ),
-        (
-            "port_value: 9901".to_owned(),
-            format!("port_value: {admin}"),
-        ),
-        ("port_value: 8000".to_owned(), format!("port_value: {app}")),
-        (
-            "port_value: 8081".to_owned(),
-            format!("port_value: {sluice}"),
-        ),
-        (
-            "address: 0.0.0.0".to_owned(),
-            "address: 127.0.0.1".to_owned(),
-        ),
-        ("timeout: 0.1s".to_owned(), "timeout: 5s".to_owned()),
-    ] {
-        assert_eq!(
-            yaml.matches(&from).count(),
-            1,
-            "`{from}` appears exactly once in {SIDECAR}/envoy.yaml"
-        );
-        yaml = yaml.replace(&from, &to);
-    }
-    yaml
+    replaced_once(
+        &format!("{SIDECAR}/envoy.yaml"),
+        &[
+            ("port_value: 10000", format!("port_value: {listener}")),
+            ("port_value: 9901", format!("port_value: {admin}")),
+            ("port_value: 8000", format!("port_value: {app}")),
+            ("port_value: 8081", format!("port_value: {sluice}")),
+            ("address: 0.0.0.0", "address: 127.0.0.1".to_owned()),
+            ("timeout: 0.1s", "timeout: 5s".to_owned()),
+        ],
+    )
 }
 
 /// rules/app.yaml: 60 requests a minute per client address, of which 5 may be logins.

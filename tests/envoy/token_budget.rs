@@ -38,8 +38,9 @@ descriptors:
 ";
 
 /// Envoy in front of `upstream`: every request on `/` is checked against the `user` header's
-/// budget, and charged the response's `x-tokens` when done.
-fn bootstrap(
+/// budget of `domain`, and charged the response's `x-tokens` when done.
+pub(super) fn bootstrap(
+    domain: &str,
     listener: SocketAddr,
     admin: SocketAddr,
     upstream: SocketAddr,
@@ -53,7 +54,7 @@ fn bootstrap(
       - header: x-tokens
         on_header_present: {{ metadata_namespace: sluice.test, key: tokens, type: NUMBER }}
 {}"#,
-        ratelimit_filter("llm", true, Duration::from_secs(5))
+        ratelimit_filter(domain, true, Duration::from_secs(5))
     );
     let front = Front {
         routes: r#"- match: { prefix: / }
@@ -113,7 +114,7 @@ async fn a_token_budget_charged_after_the_response_holds_through_envoy() {
         let sluice = Sluice::start(RULES).await;
         let upstream = Upstream::start();
         let envoy = Envoy::launch(&binary, &|listener, admin| {
-            bootstrap(listener, admin, upstream.addr, sluice.grpc)
+            bootstrap("llm", listener, admin, upstream.addr, sluice.grpc)
         });
 
         assert_eq!(call(&envoy, "alice", 400), 200);
@@ -147,7 +148,7 @@ async fn counted_admitted_a_charge_that_does_not_fit_is_lost_and_the_budget_leak
         let sluice = Sluice::start(ADMITTED).await;
         let upstream = Upstream::start();
         let envoy = Envoy::launch(&binary, &|listener, admin| {
-            bootstrap(listener, admin, upstream.addr, sluice.grpc)
+            bootstrap("llm", listener, admin, upstream.addr, sluice.grpc)
         });
 
         assert_eq!(call(&envoy, "carol", 600), 200);

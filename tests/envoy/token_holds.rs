@@ -8,12 +8,12 @@
 //! flow on a rule without holds (counted `always`, as Envoy Gateway's response costs are) shows
 //! the overspend that holds prevent. Needs the Envoy binary, as `tests/envoy/token_budget.rs`.
 
-use super::common;
+use super::{common, token_budget};
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::envoy::{Envoy, Front, Upstream, bootstrap_with, envoy_binary, ratelimit_filter};
+use common::envoy::{Envoy, Upstream, envoy_binary, replaced_once};
 use common::metrics::scrape;
 use common::{HOUR, Sluice, exchange, in_one_window, repo_file};
 
@@ -43,59 +43,19 @@ fn example(
     model: SocketAddr,
     sluice: SocketAddr,
 ) -> String {
-    let mut yaml =
-        std::fs::read_to_string(repo_file("examples/envoy-llm.yaml")).expect("the example");
-    for (from, to) in [
-        ("port_value: 10000", listener.port()),
-        ("port_value: 9901", admin.port()),
-        ("port_value: 8000", model.port()),
-        ("port_value: 8081", sluice.port()),
-    ] {
-        assert_eq!(
-            yaml.matches(from).count(),
-            1,
-            "`{from}` once in the example"
-        );
-        yaml = yaml.replace(from, &format!("port_value: {to}"));
-    }
-    yaml.replace("timeout: 0.25s", "timeout: 5s")
-}
-
-/// Envoy in front of `upstream`, checking every request with `x-user`'s budget and charging it
-/// once the response is done, without holds.
-fn bootstrap(
-    listener: SocketAddr,
-    admin: SocketAddr,
-    upstream: SocketAddr,
-    ratelimit: SocketAddr,
-) -> String {
-    let filters = format!(
-        r#"- name: envoy.filters.http.header_to_metadata
-  typed_config:
-    "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
-    response_rules:
-      - header: x-tokens
-        on_header_present: {{ metadata_namespace: sluice.test, key: tokens, type: NUMBER }}
-{}"#,
-        ratelimit_filter("plain", true, Duration::from_secs(5))
-    );
-    let front = Front {
-        routes: r#"- match: { prefix: / }
-  route: { cluster: upstream }
-  typed_per_filter_config:
-    envoy.filters.http.ratelimit:
-      "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
-      rate_limits:
-        - actions:
-            - request_headers: { header_name: x-user, descriptor_key: user }
-          hits_addend: { number: 0 }
-        - actions:
-            - request_headers: { header_name: x-user, descriptor_key: user }
-          hits_addend: { format: "%DYNAMIC_METADATA(sluice.test:tokens)%" }
-          apply_on_stream_done: true"#,
-        filters: &filters,
-    };
-    bootstrap_with(listener, admin, upstream, ratelimit, &front, None)
+    replaced_once(
+        "examples/envoy-llm.yaml",
+        &[
+            (
+                "port_value: 10000",
+                format!("port_value: {}", listener.port()),
+            ),
+            ("port_value: 9901", format!("port_value: {}", admin.port())),
+            ("port_value: 8000", format!("port_value: {}", model.port())),
+            ("port_value: 8081", format!("port_value: {}", sluice.port())),
+            ("timeout: 0.25s", "timeout: 5s".to_owned()),
+        ],
+    )
 }
 
 /// A request on `path` as `user`, whose upstream answers after `delay_ms` reporting `COST`
@@ -168,7 +128,7 @@ async fn concurrent_requests_hold_their_estimate_and_never_spend_past_the_budget
             example(listener, admin, upstream.addr, sluice.grpc)
         });
         let plain = Envoy::launch(&binary, &|listener, admin| {
-            bootstrap(listener, admin, upstream.addr, sluice.grpc)
+            token_budget::bootstrap("plain", listener, admin, upstream.addr, sluice.grpc)
         });
 
         // Held: the budget holds ten estimates at once, whatever the requests end up costing.

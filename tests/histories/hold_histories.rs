@@ -417,19 +417,12 @@ fn check(h: &History, step: usize, redis: &Controlled, user: usize, key: &str) {
     }
 }
 
-fn env<T: std::str::FromStr>(name: &str) -> Option<T> {
-    std::env::var(name).ok().map(|v| {
-        v.parse()
-            .unwrap_or_else(|_| panic!("{name}: not a number: {v}"))
-    })
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn generated_histories_never_hold_past_the_budget_and_charge_each_request_once() {
-    let steps = env("HOLD_HISTORY_STEPS").unwrap_or(STEPS);
+    let steps = common::env_number("HOLD_HISTORY_STEPS").unwrap_or(STEPS);
     let seeds: Vec<u64> = match (
-        env::<u64>("HOLD_HISTORY_SEED"),
-        env::<u64>("HOLD_HISTORY_MINUTES"),
+        common::env_number::<u64>("HOLD_HISTORY_SEED"),
+        common::env_number::<u64>("HOLD_HISTORY_MINUTES"),
     ) {
         (Some(seed), _) => vec![seed],
         (None, Some(minutes)) => {

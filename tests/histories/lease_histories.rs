@@ -993,13 +993,6 @@ fn generate(seed: u64, steps: usize) -> Vec<Event> {
     events
 }
 
-fn env<T: std::str::FromStr>(name: &str) -> Option<T> {
-    std::env::var(name).ok().map(|v| {
-        v.parse()
-            .unwrap_or_else(|_| panic!("{name}: not a number: {v}"))
-    })
-}
-
 /// Runs `events` on a fresh world and prints what it checked.
 async fn history(
     label: String,
@@ -1042,11 +1035,11 @@ async fn seeded(seed: u64, steps: usize) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn generated_histories_never_admit_past_the_limit_and_give_every_block_back() {
-    let steps = env("LEASE_HISTORY_STEPS").unwrap_or(STEPS);
-    if let Some(seed) = env::<u64>("LEASE_HISTORY_SEED") {
+    let steps = common::env_number("LEASE_HISTORY_STEPS").unwrap_or(STEPS);
+    if let Some(seed) = common::env_number::<u64>("LEASE_HISTORY_SEED") {
         return seeded(seed, steps).await;
     }
-    let Some(minutes) = env::<u64>("LEASE_HISTORY_MINUTES") else {
+    let Some(minutes) = common::env_number::<u64>("LEASE_HISTORY_MINUTES") else {
         for seed in &SEEDS[..2] {
             seeded(*seed, steps).await;
         }
@@ -1065,11 +1058,17 @@ async fn generated_histories_never_admit_past_the_limit_and_give_every_block_bac
 /// The last of the fixed seeds, beside the others (the run above does without the knobs).
 #[tokio::test(flavor = "multi_thread")]
 async fn the_last_fixed_seed_never_admits_past_the_limit_and_gives_every_block_back() {
-    if env::<u64>("LEASE_HISTORY_SEED").is_some() || env::<u64>("LEASE_HISTORY_MINUTES").is_some() {
+    if common::env_number::<u64>("LEASE_HISTORY_SEED").is_some()
+        || common::env_number::<u64>("LEASE_HISTORY_MINUTES").is_some()
+    {
         return;
     }
     for seed in &SEEDS[2..] {
-        seeded(*seed, env("LEASE_HISTORY_STEPS").unwrap_or(STEPS)).await;
+        seeded(
+            *seed,
+            common::env_number("LEASE_HISTORY_STEPS").unwrap_or(STEPS),
+        )
+        .await;
     }
 }
 

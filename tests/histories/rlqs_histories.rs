@@ -1430,21 +1430,14 @@ async fn seeded(seed: u64, steps: usize, setup: Setup) -> Figures {
     history(label, setup, &generate(seed, steps, setup)).await
 }
 
-fn env<T: std::str::FromStr>(name: &str) -> Option<T> {
-    std::env::var(name).ok().map(|v| {
-        v.parse()
-            .unwrap_or_else(|_| panic!("{name}: not a number: {v}"))
-    })
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn generated_histories_never_grant_past_the_limit_and_reach_fair_shares() {
-    let steps = env("QUOTA_HISTORY_STEPS").unwrap_or(STEPS);
-    if let Some(seed) = env::<u64>("QUOTA_HISTORY_SEED") {
+    let steps = common::env_number("QUOTA_HISTORY_STEPS").unwrap_or(STEPS);
+    if let Some(seed) = common::env_number::<u64>("QUOTA_HISTORY_SEED") {
         seeded(seed, steps, GENERATED).await;
         return;
     }
-    let Some(minutes) = env::<u64>("QUOTA_HISTORY_MINUTES") else {
+    let Some(minutes) = common::env_number::<u64>("QUOTA_HISTORY_MINUTES") else {
         for seed in &SEEDS[..2] {
             seeded(*seed, steps, GENERATED).await;
         }
@@ -1498,13 +1491,15 @@ async fn generated_histories_never_grant_past_the_limit_and_reach_fair_shares() 
 /// The other fixed seeds, beside the first two (the run above does without the knobs).
 #[tokio::test(flavor = "multi_thread")]
 async fn the_other_fixed_seeds_never_grant_past_the_limit_and_reach_fair_shares() {
-    if env::<u64>("QUOTA_HISTORY_SEED").is_some() || env::<u64>("QUOTA_HISTORY_MINUTES").is_some() {
+    if common::env_number::<u64>("QUOTA_HISTORY_SEED").is_some()
+        || common::env_number::<u64>("QUOTA_HISTORY_MINUTES").is_some()
+    {
         return;
     }
     for seed in &SEEDS[2..] {
         seeded(
             *seed,
-            env("QUOTA_HISTORY_STEPS").unwrap_or(STEPS),
+            common::env_number("QUOTA_HISTORY_STEPS").unwrap_or(STEPS),
             GENERATED,
         )
         .await;
