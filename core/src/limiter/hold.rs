@@ -289,14 +289,14 @@ pub(crate) fn tidy(table: &mut Table, held: &Held, hits: u64, window: u64, now: 
     }
 }
 
-/// Takes the hold of `held` in `table` (tidied for the call in `window`), due at `due`.
-pub(crate) fn take(table: &mut Table, held: &Held, window: u64, due: u64) {
+/// Takes the hold of `held` in `table` (tidied for the call), as `take` says.
+pub(crate) fn take(table: &mut Table, held: &Held, take: Take) {
     table.put(
         held.id,
         Entry::Held {
             amount: held.estimate,
-            window,
-            due,
+            window: take.window,
+            due: take.due,
         },
     );
     table.held += held.estimate;
@@ -309,8 +309,15 @@ pub(crate) struct Step {
     /// The counter after what it is charged whatever the answer (expired estimates, a settle),
     /// when it is charged anything.
     pub charged: Option<window::Step>,
-    /// When the hold is due (its expiry), if one is taken once the request is admitted.
-    pub hold_due: Option<u64>,
+    /// The hold taken once the request is admitted, if one is.
+    pub take: Option<Take>,
+}
+
+/// A hold to take: the window its table counts it in, and when it is due (its expiry).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Take {
+    pub window: u64,
+    pub due: u64,
 }
 
 /// Evaluates a held window counter of `algorithm` for `ask` (its hits: a settle's real cost) at
@@ -328,7 +335,8 @@ pub(crate) fn evaluate(
     let sliding = algorithm == Algorithm::SlidingWindow;
     let (now, window_ms) = (ask.now_ms, ask.window_ms);
     let index = now / window_ms;
-    let tidied = tidy(table, held, ask.hits, if sliding { 0 } else { index }, now);
+    let table_window = if sliding { 0 } else { index };
+    let tidied = tidy(table, held, ask.hits, table_window, now);
     // Held counters count at the clock, never at an instant a request names.
     let base = Ask {
         at_ms: now,
@@ -382,12 +390,14 @@ pub(crate) fn evaluate(
     verdict.charged = 0;
     verdict.hold = Some(seen);
     let to_end = (index + 1) * window_ms - now;
-    let hold_due = (tidied.outcome == Outcome::Hold && !verdict.over)
-        .then(|| now + held.ttl_ms.min(if sliding { window_ms } else { to_end }));
+    let take = (tidied.outcome == Outcome::Hold && !verdict.over).then(|| Take {
+        window: table_window,
+        due: now + held.ttl_ms.min(if sliding { window_ms } else { to_end }),
+    });
     Step {
         verdict,
         charged,
-        hold_due,
+        take,
     }
 }
 
@@ -414,7 +424,14 @@ mod tests {
             (first.outcome, first.charge, first.held),
             (Outcome::Hold, 0, 0)
         );
-        take(&mut table, &a, 0, 1_010);
+        take(
+            &mut table,
+            &a,
+            Take {
+                window: 0,
+                due: 1_010,
+            },
+        );
         assert_eq!(table.held(0), 100);
         let second = tidy(&mut table, &a, 30, 0, 20);
         assert_eq!(
@@ -434,7 +451,14 @@ mod tests {
                 ..held("a", 100)
             };
             tidy(&mut table, &a, 0, 0, 0);
-            take(&mut table, &a, 0, 1_000);
+            take(
+                &mut table,
+                &a,
+                Take {
+                    window: 0,
+                    due: 1_000,
+                },
+            );
             let b = Held {
                 on_expiry,
                 ..held("b", 1)
@@ -454,7 +478,14 @@ mod tests {
             ..held("a", 100)
         };
         tidy(&mut table, &a, 0, 5, 0);
-        take(&mut table, &a, 5, 900);
+        take(
+            &mut table,
+            &a,
+            Take {
+                window: 5,
+                due: 900,
+            },
+        );
         let b = held("b", 1);
         let next = tidy(&mut table, &b, 0, 6, 1_000);
         assert_eq!((next.expired, next.charge, next.held), (1, 0, 0));
@@ -466,7 +497,14 @@ mod tests {
         for i in 0..4 {
             let h = held(&i.to_string(), 1);
             tidy(&mut table, &h, 0, 0, 0);
-            take(&mut table, &h, 0, 100);
+            take(
+                &mut table,
+                &h,
+                Take {
+                    window: 0,
+                    due: 100,
+                },
+            );
         }
         assert_eq!(
             tidy(&mut table, &held("x", 1), 0, 0, 50).outcome,
@@ -483,7 +521,14 @@ mod tests {
                 ..many
             };
             tidy(&mut big, &h, 0, 0, 0);
-            take(&mut big, &h, 0, 100);
+            take(
+                &mut big,
+                &h,
+                Take {
+                    window: 0,
+                    due: 100,
+                },
+            );
         }
         let seen = tidy(
             &mut big,

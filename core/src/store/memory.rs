@@ -158,6 +158,16 @@ struct Counter {
 }
 
 impl Counter {
+    /// `stored`, written for `item` and expiring at `expires_ms`, held among the present
+    /// counters of the item's rule.
+    fn of(item: &Item, stored: Stored, expires_ms: u64) -> Counter {
+        Counter {
+            stored,
+            expires_ms,
+            holder: Holder::new(item.rule, false),
+        }
+    }
+
     fn live(&self, now_ms: u64) -> bool {
         self.expires_ms > now_ms
     }
@@ -337,8 +347,8 @@ impl MemoryStore {
         let mut verdicts: Vec<Verdict> = Vec::with_capacity(check.items.len());
         let mut pending: Vec<Pending> = Vec::new();
         let mut refusals: Vec<Share> = Vec::new();
-        // Holds to take once the request is admitted: the table, and the hold's window and due.
-        let mut holds: Vec<(Id, hold::Held, u64, u64)> = Vec::new();
+        // Holds to take once the request is admitted, in their tables.
+        let mut holds: Vec<(Id, hold::Held, hold::Take)> = Vec::new();
         for (i, item) in check.items.iter().enumerate() {
             let home = slot(homes[i]);
             let earlier = pending.iter().rev().find(|p| p.id == ids[i]);
@@ -373,19 +383,11 @@ impl MemoryStore {
                     };
                     let shard = &mut guards[slot(Self::shard_of(table))].1;
                     let step = self.hold(shard, table, item, &ask, &held, state);
-                    if let Some(due) = step.hold_due {
-                        let window = match item.limit.algorithm {
-                            Algorithm::FixedWindow => now_ms / ask.window_ms,
-                            _ => 0,
-                        };
-                        holds.push((table, held, window, due));
+                    if let Some(take) = step.take {
+                        holds.push((table, held, take));
                     }
                     let write = step.charged.map(|c| {
-                        Some(Counter {
-                            stored: Stored::Window(c.next),
-                            expires_ms: now_ms + c.ttl_ms,
-                            holder: Holder::new(item.rule, false),
-                        })
+                        Some(Counter::of(item, Stored::Window(c.next), now_ms + c.ttl_ms))
                     });
                     (step.verdict, write)
                 }
@@ -439,11 +441,11 @@ impl MemoryStore {
             .filter(|p| admitted || p.always)
             .collect();
         self.make_room(&landing, &guards, &slot)?;
-        for (table, held, window, due) in holds {
+        for (table, held, take) in holds {
             let shard = &mut guards[slot(Self::shard_of(table))].1;
             if admitted {
                 let holds = shard.holds.entry(table).or_default();
-                hold::take(&mut holds.table, &held, window, due);
+                hold::take(&mut holds.table, &held, take);
                 holds.expires_ms = now_ms + 2 * held.ttl_ms;
                 shard.hold_entries += 1;
             } else if shard.holds.get(&table).is_some_and(|h| h.table.is_empty()) {
@@ -487,8 +489,8 @@ impl MemoryStore {
         if !holds.table.is_empty() {
             holds.expires_ms = ask.now_ms + 2 * held.ttl_ms;
         }
-        if step.hold_due.is_some() && shard.hold_entries >= self.room.shard {
-            step.hold_due = None;
+        if step.take.is_some() && shard.hold_entries >= self.room.shard {
+            step.take = None;
             step.verdict.over = true;
             step.verdict.hold = step.verdict.hold.map(|seen| hold::Seen {
                 outcome: Outcome::Full,
@@ -496,7 +498,7 @@ impl MemoryStore {
             });
         }
         // No table is kept empty: a hold refused leaves none behind.
-        if step.hold_due.is_none() && holds.table.is_empty() {
+        if step.take.is_none() && holds.table.is_empty() {
             shard.holds.remove(&table);
         }
         step
@@ -644,11 +646,7 @@ fn refused(share: Share, observer: &dyn Observer) {
 /// held among the present counters of the item's rule.
 fn evaluate(item: &Item, ask: &Ask, stored: Option<&Stored>) -> (Verdict, Option<Option<Counter>>) {
     let now_ms = ask.now_ms;
-    let counter = |stored: Stored, ttl_ms: u64| Counter {
-        stored,
-        expires_ms: now_ms + ttl_ms,
-        holder: Holder::new(item.rule, false),
-    };
+    let counter = |stored: Stored, ttl_ms: u64| Counter::of(item, stored, now_ms + ttl_ms);
     match item.limit.algorithm {
         algorithm @ (Algorithm::FixedWindow | Algorithm::SlidingWindow) => {
             let state = match stored {
