@@ -9,8 +9,10 @@
 --          epoch; '0' for none); '1' if its quota limits deny when all of them are over, '0' if
 --          they never deny here (a Cluster group, where the caller applies the rule across
 --          groups, or a request where a descriptor passes as a quota); followed for each counter
---          by: kind ('f' fixed window, 's' sliding window, 'l' sliding log, 'b' bucket), limit,
---          window in ms, burst, hits, change ('0' charges the hits, '1' gives them back; for a
+--          by: kind ('f' fixed window, 'c' fixed window on the calendar, 's' sliding window, 'l'
+--          sliding log, 'b' bucket), limit, window in ms (on the calendar: 'b0 b1 b2 b3', the
+--          boundaries of three windows in a row around the replica's clock, in ms; the one holding
+--          Redis' clock counts), burst, hits, change ('0' charges the hits, '1' gives them back; for a
 --          window, 'u<n>' takes a leased block: as many of the hits as fit in 1/LEASE_SHARE of
 --          what remains, at least n, over when n do not fit; 'r<w>' gives a block's hits back
 --          in window w only; 'h<estimate> <ttl> <charge> <most> <id>' holds for request id, or
@@ -22,8 +24,8 @@
 --          never on a replica promoted without the charge), then per request: admitted (1|0),
 --          then per counter: over (1|0), remaining if admitted, remaining if not, ms until reset if
 --          admitted, ms until reset if not, what its write charges (hits, log entries or
---          bucket units; 0 for none), the window it counts in (instant / window; 0 for a
---          log or a bucket), and for a held counter what it did (1 held, 2 settled, 3 settled
+--          bucket units; 0 for none), the window it counts in (instant / window, or a calendar
+--          window's start; 0 for a log or a bucket), and for a held counter what it did (1 held, 2 settled, 3 settled
 --          again, 4 settled unheld, 5 table full) plus 8 per expired hold it found (0: not held). lua/undo.lua takes back what a request wrote, given this
 --          time. A request one of whose keys holds what no counter does (another type, or
 --          fields that do not read as numbers) is answered -1, the counter's place in it (from
@@ -35,7 +37,8 @@
 --          an expiry, set as an instant on the TIME clock (PEXPIREAT: Redis' own clock for
 --          relative TTLs is the call's start, which may trail TIME by a millisecond and would
 --          end a key early); a key written for an instant expires one window after the latest
---          instant it holds (a fixed window: the end of its latest window; a log: its newest entry
+--          instant it holds (a fixed window: the end of its latest window, a calendar window's
+--          end; a log: its newest entry
 --          plus a window), and the service names no instant more than --max-schedule-ahead from
 --          now, so no key outlives now + --max-schedule-ahead + its window; numbers are written
 --          with %d, never in a form that loses digits; a key that cannot be read fails only the
@@ -43,8 +46,8 @@
 --          call.
 
 -- Locals: every global lookup in a Redis script goes through the protected globals table.
-local call, floor, max, min, tonumber, format, match, unpack = redis.call, math.floor, math.max,
-  math.min, tonumber, string.format, string.match, unpack
+local call, floor, max, min, tonumber, format, match, unpack, type = redis.call, math.floor,
+  math.max, math.min, tonumber, string.format, string.match, unpack, type
 
 -- The most a window counts and a bucket holds (limiter::algorithm::MOST_COUNT, gcra::MOST_LEVEL):
 -- past them a charge is clamped, so that every number stays exact in a double.
@@ -73,8 +76,32 @@ local function ceil_div(a, b)
 end
 
 -- Windows (window.rs) ---------------------------------------------------------------------------
--- A fixed window: a hash field per window index. A sliding window: a hash of w (the window last
--- written), c (its count), p (the count of the window before).
+-- A fixed window: a hash field per window index (a calendar window's start). A sliding window: a
+-- hash of w (the window last written), c (its count), p (the count of the window before). A
+-- window is its length in ms (windows aligned to the Unix epoch), or a calendar window as
+-- `calendar` picks it: { start, end }.
+
+-- The window holding `at`: what names it (its index, or a calendar window's start), its start
+-- and its end.
+local function bounds(window, at)
+  if type(window) == 'table' then return window[1], window[1], window[2] end
+  local index = floor(at / window)
+  return index, index * window, (index + 1) * window
+end
+
+-- Of the calendar boundaries 'b0 b1 b2 b3' the replica sent (three windows in a row around its
+-- own clock), the window holding Redis' clock: the replicas agree on it whatever their clocks
+-- say. A replica more than a window from Redis' clock fails the request.
+local function calendar(text)
+  local b = { match(text, '^(%d+) (%d+) (%d+) (%d+)$') }
+  for i = 1, 4 do b[i] = tonumber(b[i]) end
+  if not b[4] or now < b[1] or now >= b[4] then
+    error("the replica's calendar is more than a window from the clock of Redis", 0)
+  end
+  if now >= b[3] then return { b[3], b[4] } end
+  if now >= b[2] then return { b[2], b[3] } end
+  return { b[1], b[2] }
+end
 
 local function weigh(previous, overlap, window)
   return floor(previous * overlap / window)
@@ -121,7 +148,7 @@ end
 local function fixed_store(key, state, window)
   local windows = disk[key]
   if not windows[state.w] then
-    local current, latest = floor(now / window), state.w
+    local current, latest = bounds(window, now), state.w
     local over = {}
     for _, field in ipairs(call('HKEYS', key)) do
       local index = tonumber(field)
@@ -133,7 +160,9 @@ local function fixed_store(key, state, window)
     end
     if #over > 0 then call('HDEL', key, unpack(over)) end
     call('HSET', key, int(state.w), int(state.c))
-    call('PEXPIREAT', key, int((latest + 1) * window))
+    local _, _, finish = bounds(window, now)
+    if type(window) ~= 'table' then finish = (latest + 1) * window end
+    call('PEXPIREAT', key, int(finish))
   else
     call('HSET', key, int(state.w), int(state.c))
   end
@@ -164,7 +193,7 @@ local function sliding_store(key, state, ttl)
 end
 
 local function window_step(sliding, key, latest, limit, window, at, hits, refund, always, least, within)
-  local index = floor(at / window)
+  local index, start, finish = bounds(window, at)
   local stored = latest[key]
   if stored == nil then
     if sliding then
@@ -174,8 +203,8 @@ local function window_step(sliding, key, latest, limit, window, at, hits, refund
       stored = count and { w = index, c = count, p = 0 }
     end
   end
-  local elapsed = at - index * window
-  local to_end = (index + 1) * window - now
+  local elapsed = at - start
+  local to_end = finish - now
   local need = max(hits, 1)
   if always then need = hits end
   if least then need = max(least, 1) end
@@ -447,7 +476,7 @@ local function hold_step(sliding, key, latest, limit, window, hits, change)
   local estimate, ttl, charge_expired, most, id = match(change, '^h(%d+) (%d+) (%d) (%d+) (%x+)$')
   estimate, ttl, most = tonumber(estimate), tonumber(ttl), tonumber(most)
   local hkey, ekey = key .. '~h', key .. '~e'
-  local index = floor(now / window)
+  local index, _, finish = bounds(window, now)
   local tw = index
   if sliding then tw = 0 end
   local head = call('HGET', hkey, '~')
@@ -522,7 +551,7 @@ local function hold_step(sliding, key, latest, limit, window, hits, change)
   step.hold = outcome + 8 * expired
   step.write = charged and charged.write
   step.always = true
-  local to_end = (index + 1) * window - now
+  local to_end = finish - now
   local due = now + min(ttl, to_end)
   if sliding then due = now + min(ttl, window) end
   local take = outcome == 1 and not step.over
@@ -558,13 +587,14 @@ end
 
 -- Requests ---------------------------------------------------------------------------------------
 
-local pcall, error, type, tostring = pcall, error, type, tostring
+local pcall, error, tostring = pcall, error, tostring
 
 -- What the counter at `key` with the arguments ARGV[o + 1 .. o + 8] finds at instant `at`, and
 -- how it would be written, given what the request's earlier counters wrote (`latest`).
 local function counter_step(key, o, latest, at)
   local kind = ARGV[o + 1]
   local limit, window = tonumber(ARGV[o + 2]), tonumber(ARGV[o + 3])
+  if kind == 'c' then window = calendar(ARGV[o + 3]) end
   local hits, change = tonumber(ARGV[o + 5]), ARGV[o + 6]
   local refund = change == '1'
   local least, within
@@ -581,7 +611,7 @@ local function counter_step(key, o, latest, at)
     step = log_step(key, latest, limit, window, at, hits, refund, always)
   elseif kind == 'b' then
     step = bucket_step(key, latest, limit, window, tonumber(ARGV[o + 4]), hits, refund, always)
-  elseif kind == 'f' then
+  elseif kind == 'f' or kind == 'c' then
     step = window_step(false, key, latest, limit, window, at, hits, refund, always, least, within)
   else
     step = window_step(true, key, latest, limit, window, now, hits, refund, always, least, within)

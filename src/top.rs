@@ -187,14 +187,19 @@ fn render(report: &PeriodReport, options: &Options) -> String {
     let _ = writeln!(out);
     let _ = writeln!(
         out,
-        "{:>10} {:>10}  {:<30}",
+        "{:>10} {:>10}  {:<30} WINDOW ENDS IN",
         "DENIED/S", "HITS/S", "DOMAIN/RULE"
     );
     for rule in rules(report).into_iter().take(rows) {
+        let ends = rule.window_ends_in_seconds.map_or(String::new(), |s| {
+            humantime::format_duration(Duration::from_secs(s)).to_string()
+        });
         let _ = writeln!(
             out,
-            "{:>10.2} {:>10.2}  {}/{}",
-            rule.denied_per_second, rule.hits_per_second, rule.domain, rule.rule
+            "{:>10.2} {:>10.2}  {:<30} {ends}",
+            rule.denied_per_second,
+            rule.hits_per_second,
+            format!("{}/{}", rule.domain, rule.rule)
         );
     }
     out

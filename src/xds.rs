@@ -671,6 +671,7 @@ impl Resource<'_> {
                 unit_multiplier: 1,
                 algorithm: Algorithm::FixedWindow,
                 burst: policy.requests_per_unit,
+                calendar: None,
             })
         };
         (self.errors.total == errors_before).then_some(RuleLimit {

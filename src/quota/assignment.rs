@@ -172,6 +172,7 @@ mod tests {
             unit_multiplier: 1,
             algorithm: Algorithm::FixedWindow,
             burst: requests_per_unit,
+            calendar: None,
         }
     }
 

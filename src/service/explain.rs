@@ -18,7 +18,7 @@ use serde_json::{Map, Value, json};
 
 use super::http::decode;
 use super::in_force::Rules;
-use super::rls::{Answering, Bounds, descriptors};
+use super::rls::{Answering, Bounds, descriptors, unix_ms};
 use crate::limiter::lease::Leases;
 use crate::limiter::{Item, Mode};
 use crate::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -150,6 +150,10 @@ struct Counter {
     counter: String,
     /// Its Redis key under the prefix.
     redis_key: Option<String>,
+    /// A calendar limit's window now: its start and end in the limit's zone, and the seconds
+    /// left until it ends.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    window: Option<Value>,
 }
 
 /// Explains `request` against `rules` after the checks of the request path (within `bounds`),
@@ -282,6 +286,15 @@ fn explain_descriptor(
             modes: item_modes(item),
             counter: text(item.key.as_bytes()),
             redis_key: redis_key_prefix.map(|p| text(&redis_key(p.as_bytes(), &item.key))),
+            window: item.limit.calendar.as_ref().map(|calendar| {
+                let now = unix_ms();
+                let span = calendar.span(item.limit.unit, now);
+                json!({
+                    "start": calendar.civil(span.start),
+                    "end": calendar.civil(span.end),
+                    "ends_in_seconds": (span.end - now).div_ceil(1000),
+                })
+            }),
         })
         .collect();
     Descriptor {
@@ -483,6 +496,17 @@ impl Descriptor {
             if let Some(key) = &c.redis_key {
                 line(2, format!("redis key {key}"));
             }
+            if let Some(window) = &c.window {
+                line(
+                    2,
+                    format!(
+                        "window {} to {}, ends in {} s",
+                        window["start"].as_str().unwrap_or_default(),
+                        window["end"].as_str().unwrap_or_default(),
+                        window["ends_in_seconds"]
+                    ),
+                );
+            }
         }
     }
 }
@@ -520,6 +544,17 @@ fn limit_text(limit: &Value) -> String {
         limit["requests_per_unit"],
         limit["algorithm"].as_str().unwrap_or_default()
     );
+    if let Some(calendar) = limit["calendar"].as_object() {
+        let zone = calendar["time_zone"].as_str().unwrap_or_default();
+        match (&calendar.get("anchor_day"), &calendar.get("week_starts")) {
+            (Some(day), _) => write!(text, ", on the calendar in {zone} from day {day}"),
+            (_, Some(Value::String(first))) => {
+                write!(text, ", on the calendar in {zone} from {first}")
+            }
+            _ => write!(text, ", on the calendar in {zone}"),
+        }
+        .expect("writing to a String");
+    }
     for field in ["burst", "name"] {
         match &limit[field] {
             Value::Null => {}

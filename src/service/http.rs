@@ -24,7 +24,7 @@ use super::gauges::Gauges;
 use super::in_force::Rules;
 use super::readiness::Readiness;
 use super::render::Renders;
-use super::rls::Rls;
+use super::rls::{Rls, unix_ms};
 use crate::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use crate::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::rules::RuleSet;
@@ -49,7 +49,8 @@ pub fn admin(readiness: Readiness, rules: Rules, gauges: Gauges) -> Router {
         .merge(metrics_route("/metrics", gauges))
         .route("/top", {
             let renders = Arc::new(Renders::new(TOP_FRESH));
-            get(move |uri: Uri| top_page(renders, telemetry, uri))
+            let rules = rules.clone();
+            get(move |uri: Uri| top_page(renders, telemetry, rules, uri))
         })
         .route(
             "/config",
@@ -174,6 +175,7 @@ const TOP_FRESH: Duration = Duration::from_secs(1);
 async fn top_page(
     renders: Arc<Renders<(Vec<Period>, usize), Bytes>>,
     telemetry: Telemetry,
+    rules: Rules,
     uri: Uri,
 ) -> Response {
     if telemetry.top().is_none() {
@@ -190,12 +192,13 @@ async fn top_page(
     let render = {
         let periods = periods.clone();
         move || {
-            let report = Report {
+            let mut report = Report {
                 periods: match telemetry.top() {
                     Some(view) => periods.into_iter().map(|p| view.report(p, n)).collect(),
                     None => Vec::new(),
                 },
             };
+            calendar_ends(&mut report, &rules.in_force());
             let mut json = serde_json::to_vec(&report).unwrap_or_default();
             json.push(b'\n');
             Bytes::from(json)
@@ -204,6 +207,26 @@ async fn top_page(
     match renders.page((periods, n), render).await {
         Some(json) => ([(header::CONTENT_TYPE, "application/json")], json).into_response(),
         None => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
+}
+
+/// Gives each rule of `report` with a limit on the calendar the time until its window ends.
+fn calendar_ends(report: &mut Report, rules: &RuleSet) {
+    let now = unix_ms();
+    let ends = rules.calendar_ends(now);
+    if ends.is_empty() {
+        return;
+    }
+    for period in &mut report.periods {
+        for row in period
+            .rules_by_denied
+            .iter_mut()
+            .chain(period.rules_by_hits.iter_mut())
+        {
+            row.window_ends_in_seconds = ends
+                .get(&(row.domain.as_str(), row.rule.as_str()))
+                .map(|end| end.saturating_sub(now).div_ceil(1000));
+        }
     }
 }
 

@@ -176,15 +176,14 @@ impl Rls {
             traced(request, &plans, self.telemetry.tracing_values());
         }
         if let Some(at) = at {
-            if let Some(item) = check
-                .items
-                .iter()
-                .find(|i| !i.limit.algorithm.schedulable())
-            {
+            if let Some(item) = check.items.iter().find(|i| !i.limit.schedulable()) {
                 self.telemetry.invalid_request();
+                let limit = match item.limit.calendar {
+                    Some(_) => format!("{} on the calendar", item.limit.unit.name()),
+                    None => item.limit.algorithm.name().to_owned(),
+                };
                 return Err(Status::invalid_argument(format!(
-                    "\"at\" names an instant, which only fixed_window and sliding_log limits count at; this request has a {} limit",
-                    item.limit.algorithm.name()
+                    "\"at\" names an instant, which only fixed_window and sliding_log limits off the calendar count at; this request has a {limit} limit"
                 )));
             }
             let ahead = Duration::from_millis(at.saturating_sub(unix_ms()));
@@ -599,7 +598,7 @@ fn in_largest_unit(d: Duration) -> String {
 }
 
 /// The wall clock, in ms since the Unix epoch.
-fn unix_ms() -> u64 {
+pub(super) fn unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)

@@ -692,6 +692,14 @@ pub fn request(domain: &str, descriptors: &[&[(&str, &str)]]) -> RateLimitReques
 /// The Redis key sluice counts a descriptor of `entries` of `domain` in, as its `/explain` names
 /// it.
 pub fn redis_key(sluice: &Sluice, domain: &str, entries: &[(&str, &str)]) -> String {
+    explained(sluice, domain, entries)["descriptors"][0]["counters"][0]["redis_key"]
+        .as_str()
+        .expect("a Redis key")
+        .to_owned()
+}
+
+/// What sluice's `/explain` answers for a request with one descriptor of `entries`.
+pub fn explained(sluice: &Sluice, domain: &str, entries: &[(&str, &str)]) -> serde_json::Value {
     let entries: Vec<serde_json::Value> = entries
         .iter()
         .map(|(k, v)| serde_json::json!({"key": k, "value": v}))
@@ -699,11 +707,7 @@ pub fn redis_key(sluice: &Sluice, domain: &str, entries: &[(&str, &str)]) -> Str
     let body = serde_json::json!({"domain": domain, "descriptors": [{"entries": entries}]});
     let (status, _, text) = http(sluice.http, "POST", "/explain", &body.to_string());
     assert_eq!(status, 200, "{text}");
-    let explained: serde_json::Value = serde_json::from_str(&text).unwrap();
-    explained["descriptors"][0]["counters"][0]["redis_key"]
-        .as_str()
-        .expect("a Redis key")
-        .to_owned()
+    serde_json::from_str(&text).expect("JSON")
 }
 
 /// Sends a raw HTTP/1.1 request to `addr` and returns (status, headers, body).

@@ -21,6 +21,7 @@ fn limit(algorithm: Algorithm, requests_per_unit: u32, burst: u32) -> Limit {
         unit_multiplier: 1,
         algorithm,
         burst,
+        calendar: None,
     }
 }
 

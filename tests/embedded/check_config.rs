@@ -239,3 +239,20 @@ fn a_directory_without_a_domain_is_refused_as_serve_refuses_it() {
     assert!(!status.success(), "{out}");
     assert!(out.contains("no .yaml or .yml file with a domain"), "{out}");
 }
+
+#[test]
+fn a_calendar_window_that_makes_no_sense_is_an_error_at_its_line() {
+    let (status, out) = check(&[(
+        "billing.yaml",
+        "domain: billing\ndescriptors:\n  - key: tenant\n    rate_limit:\n      unit: month\n      requests_per_unit: 1000000\n      calendar:\n        time_zone: Europe/Berln\n  - key: user\n    rate_limit:\n      unit: second\n      requests_per_unit: 5\n      calendar: true\n  - key: team\n    rate_limit: {unit: week, requests_per_unit: 5, calendar: {week_starts: sunday, anchor_day: 3}}\n",
+    )]);
+    assert!(!status.success());
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        [
+            "billing.yaml:8: calendar: unknown time zone 'Europe/Berln' (an IANA name such as Europe/Berlin, or UTC)",
+            "billing.yaml:13: a calendar window is a day, a week, a month or a year, not a second",
+            "billing.yaml:15: calendar: anchor_day applies to unit: month",
+        ]
+    );
+}

@@ -1,7 +1,8 @@
 //! Who is being limited right now: under a load where three clients exceed their limit among
 //! 10,000 others, `/top` and `sluice top --once` name those three first, with counts and rates
 //! within the error they state; `--top-values hash` and `hide` never show a value;
-//! `--top-capacity 0` switches the view off; forty clients reading it at once share its renders,
+//! `--top-capacity 0` switches the view off; a rule on the calendar shows the time to its
+//! window's end; forty clients reading it at once share its renders,
 //! leaving the probes quick and the memory bounded.
 
 use super::common;
@@ -154,6 +155,41 @@ async fn top_names_the_three_clients_over_their_limit_first_among_ten_thousand()
         assert!(out.lines().any(|l| l.starts_with("decisions ")), "{out}");
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rule_on_the_calendar_shows_when_its_window_ends() {
+    let rules = "domain: billing\ndescriptors:\n  - key: tenant\n    rate_limit: {unit: month, requests_per_unit: 1, calendar: {time_zone: Pacific/Auckland}}\n";
+    let sluice = Sluice::start_with(&[("rules.yaml", rules)], &[]).await;
+    for _ in 0..2 {
+        sluice
+            .ask(request("billing", &[&[("tenant", "acme")]]))
+            .await;
+    }
+    let now = jiff::Timestamp::now().to_zoned(jiff::tz::TimeZone::get("Pacific/Auckland").unwrap());
+    let month_end = now.first_of_month().unwrap().start_of_day().unwrap() + jiff::ToSpan::month(1);
+    let expected = (month_end.timestamp() - now.timestamp()).get_seconds() as u64;
+    let report = top(&sluice, "period=1m");
+    let rule = &report["periods"][0]["rules_by_denied"][0];
+    assert_eq!(
+        (&rule["domain"], &rule["rule"]),
+        (&"billing".into(), &"tenant".into())
+    );
+    let ends = rule["window_ends_in_seconds"]
+        .as_u64()
+        .expect("a calendar window's end");
+    assert!(
+        ends.abs_diff(expected) <= 2,
+        "{rule}: the month in Auckland ends in {expected} s"
+    );
+    let (ok, out) = sluice_top(sluice.http, &[]);
+    assert!(ok, "{out}");
+    let shown = humantime::format_duration(Duration::from_secs(ends / 60 * 60)).to_string();
+    let line = out
+        .lines()
+        .find(|l| l.contains("billing/tenant") && !l.contains("tenant="))
+        .unwrap_or_default();
+    assert!(line.contains(shown.split(' ').next().unwrap()), "{out}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -74,6 +74,7 @@ fn limits() -> impl Strategy<Value = Limit> {
             unit_multiplier,
             algorithm: Algorithm::FixedWindow,
             burst: requests_per_unit,
+            calendar: None,
         })
 }
 

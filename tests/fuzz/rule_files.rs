@@ -180,7 +180,8 @@ fn values() -> impl Strategy<Value = Yaml> {
 /// Every key a rule file knows: the file's, a rule's, a limit's and a quota bucket's.
 const KEYS: &str = "domain descriptors quota_buckets key value rate_limit rate_limits shadow_mode \
     quota_mode detailed_metric value_to_metric share_threshold metadata counting lease unit \
-    requests_per_unit unlimited name replaces algorithm unit_multiplier burst bucket";
+    requests_per_unit unlimited name replaces algorithm unit_multiplier burst calendar time_zone \
+    anchor_day week_starts hold bucket";
 
 /// A key of a rule, a limit, a quota bucket or the file, or another.
 fn keys() -> impl Strategy<Value = String> {

@@ -1,7 +1,7 @@
 //! The two stores agree: random requests (every algorithm, limits, hits, check-only requests,
 //! refunds, modes, both countings, a descriptor passing as a quota, a counter named twice,
 //! scheduled instants, leased blocks, holds taken, settled, settled again, expired and refused
-//! by a full table) go through `lua/check.lua` on a real Redis and through the embedded store at
+//! by a full table, calendar windows crossing a boundary in a time zone) go through `lua/check.lua` on a real Redis and through the embedded store at
 //! the instant the script read from Redis `TIME`; the answers (admitted, then eight numbers per
 //! counter) and the stored state after every request (contents and expiry instants) must be
 //! identical.
@@ -14,10 +14,11 @@ use std::time::Duration;
 use fred::prelude::*;
 use fred::types::CustomCommand;
 use sluice::limiter::algorithm::{Verdict, gcra, window};
+use sluice::limiter::calendar::{self, Weekday};
 use sluice::limiter::hold::Outcome;
 use sluice::limiter::{
-    Algorithm, Check, CounterKey, Counting, DescriptorKey, Held, HoldId, Item, Limit, Mode,
-    OnExpiry, RuleId, Step, Unit, lease,
+    Algorithm, Calendar, Check, CounterKey, Counting, DescriptorKey, Held, HoldId, Item, Limit,
+    Mode, OnExpiry, RuleId, Step, Unit, lease,
 };
 use sluice::store::{MemoryStore, Percent, Stored};
 
@@ -75,7 +76,31 @@ struct Counter {
     windows: BTreeSet<u64>,
 }
 
-fn counters(rng: &mut Rng, seed: u64) -> Vec<Counter> {
+/// Calendar boundaries the runs cross, one per seed: a time zone and a civil time in it where
+/// calendar windows end (the year, month, Monday week and day in Berlin; the 23-hour day of a
+/// change to summer time in New York, then its Monday week; 29 February, where months anchored
+/// on the 29th to 31st start; the 25-hour day of Berlin's change to winter time, a Sunday).
+const BOUNDARIES: [(&str, (i16, i8, i8)); 4] = [
+    ("Europe/Berlin", (2029, 1, 1)),
+    ("America/New_York", (2027, 3, 15)),
+    ("UTC", (2028, 2, 29)),
+    ("Europe/Berlin", (2027, 10, 31)),
+];
+
+/// The boundary of `seed`'s run: its zone and the instant, in ms.
+fn boundary(seed: u64) -> (&'static str, u64) {
+    let (zone, (y, m, d)) = BOUNDARIES[seed as usize % BOUNDARIES.len()];
+    let instant = jiff::civil::date(y, m, d)
+        .to_zoned(jiff::tz::TimeZone::get(zone).expect("a zone"))
+        .expect("a midnight")
+        .timestamp()
+        .as_millisecond();
+    (zone, instant as u64)
+}
+
+/// Ten counters, two per algorithm, and four fixed windows on the calendar of `zone` (a day, a
+/// week, a month and a year).
+fn counters(rng: &mut Rng, seed: u64, zone: &str) -> Vec<Counter> {
     let algorithms = [
         Algorithm::FixedWindow,
         Algorithm::SlidingWindow,
@@ -83,7 +108,7 @@ fn counters(rng: &mut Rng, seed: u64) -> Vec<Counter> {
         Algorithm::TokenBucket,
         Algorithm::LeakyBucket,
     ];
-    (0..10)
+    let mut counters: Vec<Counter> = (0..10)
         .map(|i| {
             let algorithm = algorithms[i % algorithms.len()];
             let requests_per_unit = rng.below(7) as u32;
@@ -99,11 +124,55 @@ fn counters(rng: &mut Rng, seed: u64) -> Vec<Counter> {
                     unit_multiplier: 1 + rng.below(3) as u32,
                     algorithm,
                     burst: 1 + rng.below(6) as u32,
+                    calendar: None,
                 },
                 windows: BTreeSet::new(),
             }
         })
-        .collect()
+        .collect();
+    counters.extend(
+        [Unit::Day, Unit::Week, Unit::Month, Unit::Year]
+            .into_iter()
+            .map(|unit| {
+                let anchor_day = [1, 29, 31][rng.below(3) as usize];
+                let week_starts = [Weekday::Monday, Weekday::Sunday][rng.below(2) as usize];
+                let name = format!("calendar-{}", unit.name());
+                Counter {
+                    redis: format!("differential:{seed}:{{t}}:{name}"),
+                    key: DescriptorKey::new(b"differential", &[(b"k", name.as_bytes())])
+                        .counter(&name),
+                    limit: Limit {
+                        name: String::new(),
+                        requests_per_unit: 4 + rng.below(20) as u32,
+                        unit,
+                        unit_multiplier: 1,
+                        algorithm: Algorithm::FixedWindow,
+                        burst: 1,
+                        calendar: Some(
+                            Calendar::new(zone, anchor_day, week_starts).expect("a calendar"),
+                        ),
+                    },
+                    windows: BTreeSet::new(),
+                }
+            }),
+    );
+    counters
+}
+
+/// The window argument of a counter: its length in ms, or on the calendar the boundaries of
+/// three windows around this process's clock.
+fn window_arg(limit: &Limit) -> Value {
+    match &limit.calendar {
+        Some(calendar) => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("after 1970")
+                .as_millis() as u64;
+            let [b0, b1, b2, b3] = calendar.around(limit.unit, now);
+            Value::from(format!("{b0} {b1} {b2} {b3}"))
+        }
+        None => (limit.window_ms() as i64).into(),
+    }
 }
 
 /// The check script's arguments for one request, per its header (the node's replication ID not
@@ -114,6 +183,7 @@ fn args(check: &Check, counters: &[&Counter]) -> Vec<Value> {
     args.push(Value::from(if check.quota_passes { "0" } else { "1" }));
     for item in &check.items {
         let kind = match item.limit.algorithm {
+            Algorithm::FixedWindow if item.limit.calendar.is_some() => "c",
             Algorithm::FixedWindow => "f",
             Algorithm::SlidingWindow => "s",
             Algorithm::SlidingLog => "l",
@@ -128,7 +198,7 @@ fn args(check: &Check, counters: &[&Counter]) -> Vec<Value> {
         args.extend([
             Value::from(kind),
             i64::from(item.limit.requests_per_unit).into(),
-            (item.limit.window_ms() as i64).into(),
+            window_arg(&item.limit),
             i64::from(item.limit.burst).into(),
             (item.hits as i64).into(),
             Value::from(match item.step {
@@ -239,19 +309,24 @@ async fn same_state(client: &Client, memory: &MemoryStore, counters: &[Counter],
         let mut found = found.into_array().into_iter();
         let expiry = found.next().and_then(|v| v.as_i64()).expect("PEXPIRETIME");
         let contents = strings(found.next().expect("contents"));
-        let window_ms = counter.limit.window_ms();
-        let indexes: Vec<u64> = match counter.limit.algorithm {
+        let limit = &counter.limit;
+        let indexes: Vec<u64> = match limit.algorithm {
             Algorithm::FixedWindow => counter
                 .windows
                 .iter()
                 .copied()
-                .filter(|&i| i >= now / window_ms)
+                .filter(|&i| i >= limit.window_at(now))
                 .collect(),
             _ => vec![0],
         };
         let mut latest_expiry = None;
         for index in indexes {
-            let kept = memory.stored(&counter.key, &counter.limit, index * window_ms, now);
+            // An instant in the window: a calendar window's start names it.
+            let within = match limit.calendar {
+                Some(_) => index,
+                None => index * limit.window_ms(),
+            };
+            let kept = memory.stored(&counter.key, limit, within, now);
             if kept.as_ref().is_some_and(|(_, e)| near(*e)) || near(expiry.max(0) as u64) {
                 continue;
             }
@@ -281,9 +356,19 @@ async fn same_state(client: &Client, memory: &MemoryStore, counters: &[Counter],
 async fn run(client: &Client, seed: u64, steps: usize, held_only: bool) -> BTreeSet<i64> {
     let mut holds = BTreeSet::new();
     let mut rng = Rng(seed);
-    let mut counters = counters(&mut rng, seed);
+    // The calendar reads its clock as if the run started three seconds before the boundary.
+    let (zone, instant) = boundary(seed);
+    let system = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as i64;
+    calendar::set_test_offset(instant as i64 - 3_000 - system);
+    let mut counters = counters(&mut rng, seed, zone);
     if held_only {
         for (i, counter) in counters.iter_mut().enumerate() {
+            if counter.limit.calendar.is_some() {
+                continue;
+            }
             counter.limit.algorithm = if i % 2 == 0 {
                 Algorithm::FixedWindow
             } else {
@@ -299,9 +384,7 @@ async fn run(client: &Client, seed: u64, steps: usize, held_only: bool) -> BTree
         let picked: Vec<usize> = (0..n)
             .map(|_| rng.below(counters.len() as u64) as usize)
             .collect();
-        let schedulable = picked
-            .iter()
-            .all(|&i| counters[i].limit.algorithm.schedulable());
+        let schedulable = picked.iter().all(|&i| counters[i].limit.schedulable());
         let at = (schedulable && !held_only && now > 0 && rng.chance(40)).then(|| {
             if rng.chance(15) {
                 now - 500
@@ -333,6 +416,12 @@ async fn run(client: &Client, seed: u64, steps: usize, held_only: bool) -> BTree
                 step: Step::Hits,
             })
             .collect();
+        // A counter named twice is one rule's: its items share the rule's mode and counting.
+        for j in 1..items.len() {
+            if let Some(i) = (0..j).find(|&i| items[i].key == items[j].key) {
+                (items[j].mode, items[j].counting) = (items[i].mode, items[i].counting);
+            }
+        }
         // The plan names a held counter once per request.
         let mut held: Vec<CounterKey> = Vec::new();
         for item in &mut items {
@@ -340,10 +429,12 @@ async fn run(client: &Client, seed: u64, steps: usize, held_only: bool) -> BTree
             // window only (this one or the one before).
             if lease::leasable(item.limit.algorithm) && rng.chance(15) {
                 item.step = if refund {
-                    let window = now / item.limit.window_ms();
-                    Step::Return {
-                        window: window.saturating_sub(rng.below(2)),
-                    }
+                    let window = match item.limit.calendar_span(now) {
+                        Some(span) if rng.chance(50) => item.limit.window_at(span.start - 1),
+                        Some(span) => span.start,
+                        None => (now / item.limit.window_ms()).saturating_sub(rng.below(2)),
+                    };
+                    Step::Return { window }
                 } else {
                     item.mode = Mode::Enforce;
                     item.counting = Counting::Admitted;
@@ -440,14 +531,22 @@ async fn run(client: &Client, seed: u64, steps: usize, held_only: bool) -> BTree
         assert_eq!(reply[1..], expected[..], "{what}");
         let instant = at.map_or(now, |at| at.max(now));
         for &i in &picked {
-            let window_ms = counters[i].limit.window_ms();
-            counters[i].windows.insert(instant / window_ms);
+            let limit = &counters[i].limit;
+            let (at, clock) = (limit.window_at(instant), limit.window_at(now));
             // A held counter counts at the clock.
-            counters[i].windows.insert(now / window_ms);
+            counters[i].windows.extend([at, clock]);
         }
         same_state(client, &memory, &counters, &what).await;
         tokio::time::sleep(Duration::from_millis(rng.below(120))).await;
     }
+    let day = counters
+        .iter()
+        .find(|c| c.limit.calendar.is_some() && c.limit.unit == Unit::Day)
+        .expect("a day on the calendar");
+    assert!(
+        day.windows.len() >= 2,
+        "seed {seed}: the day on the calendar was counted on both sides of its boundary"
+    );
     holds
 }
 
@@ -460,6 +559,7 @@ async fn random_requests_get_the_same_answers_and_leave_the_same_state_in_both_s
     for seed in [0x5eed_0001, 0x5eed_0002, 0x5eed_0003, 0x5eed_0004] {
         run(&client, seed, 120, false).await;
     }
+
     let mut holds = BTreeSet::new();
     for seed in [0x5eed_0005, 0x5eed_0006] {
         holds.extend(run(&client, seed, 120, true).await);

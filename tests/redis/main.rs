@@ -9,6 +9,7 @@ mod common;
 
 mod algorithms;
 mod answers;
+mod calendar;
 mod cluster;
 mod counting;
 mod dashboard;

@@ -12,6 +12,7 @@ use super::{
     MOST_METADATA_DEPTH, MOST_YAML_DEPTH, QuotaBucketConfig, RuleLimit,
 };
 use crate::limiter::algorithm::{gcra, log};
+use crate::limiter::calendar::{self, Calendar, Weekday};
 use crate::limiter::lease::Leasing;
 use crate::limiter::{Algorithm, Counting, LONGEST_WINDOW_SECONDS, Limit, Mode, OnExpiry, Unit};
 
@@ -19,7 +20,7 @@ const ROOT_KEYS: &[&str] = &["domain", "descriptors", "quota_buckets"];
 const QUOTA_KEYS: &[&str] = &["bucket", "rate_limit", "shadow_mode"];
 /// Keys of a limit that have no meaning for a quota bucket: its limit is shared out as token
 /// buckets, and nothing replaces it.
-const NOT_FOR_QUOTA: &[&str] = &["name", "replaces", "algorithm", "burst"];
+const NOT_FOR_QUOTA: &[&str] = &["name", "replaces", "algorithm", "burst", "calendar"];
 const DESCRIPTOR_KEYS: &[&str] = &[
     "key",
     "value",
@@ -46,7 +47,9 @@ const LIMIT_KEYS: &[&str] = &[
     "algorithm",
     "unit_multiplier",
     "burst",
+    "calendar",
 ];
+const CALENDAR_KEYS: &[&str] = &["time_zone", "anchor_day", "week_starts"];
 const REPLACES_KEYS: &[&str] = &["name"];
 
 /// Parses one rule file into its domain, with warnings for keys that are valid somewhere in a
@@ -72,6 +75,9 @@ struct Parser<'a> {
     errors: Vec<ConfigError>,
     warnings: Vec<ConfigError>,
 }
+
+const CALENDAR_SHAPE: &str =
+    "'calendar' must be true or a mapping (time_zone, anchor_day, week_starts)";
 
 fn line_of(node: &Node) -> usize {
     node.span().start().map(|m| m.line()).unwrap_or(1)
@@ -611,7 +617,7 @@ impl Parser<'_> {
                 self.error(line, "unlimited cannot be one of several rate_limits");
                 continue;
             };
-            if !windows.insert((l.algorithm, l.unit, l.unit_multiplier)) {
+            if !windows.insert((l.algorithm, l.unit, l.unit_multiplier, l.calendar.clone())) {
                 self.error(
                     line,
                     "rate_limits has two limits with the same algorithm and window",
@@ -697,6 +703,9 @@ impl Parser<'_> {
                 burst_line,
             );
         }
+        let calendar = map
+            .get_node("calendar")
+            .and_then(|node| self.calendar(node, unit, unit_multiplier, algorithm, unlimited));
         if unlimited {
             if unit.is_some() {
                 self.error(line, "should not specify rate limit unit when unlimited");
@@ -721,12 +730,134 @@ impl Parser<'_> {
             unit_multiplier,
             algorithm: algorithm?,
             burst: burst.unwrap_or(requests_per_unit),
+            calendar,
         };
         (self.errors.len() == errors_before).then_some(RuleLimit {
             name,
             replaces,
             limit: Some(limit),
         })
+    }
+
+    /// A limit's `calendar`: `true` (UTC, months from the 1st, weeks from Monday) or a mapping
+    /// of `time_zone`, `anchor_day` (a month's) and `week_starts` (a week's), for a
+    /// `fixed_window` of one day, week, month or year.
+    fn calendar(
+        &mut self,
+        node: &Node,
+        unit: Option<Unit>,
+        unit_multiplier: u32,
+        algorithm: Option<Algorithm>,
+        unlimited: bool,
+    ) -> Option<Calendar> {
+        let line = line_of(node);
+        let (zone, anchor_day, week_starts) = match (node.as_scalar(), node.as_mapping()) {
+            (Some(s), _) if is_null(s) => return None,
+            (Some(s), _) => match s.as_bool() {
+                Some(false) => return None,
+                Some(true) => ("UTC".to_owned(), 1, Weekday::Monday),
+                None => {
+                    self.error(line, CALENDAR_SHAPE);
+                    return None;
+                }
+            },
+            (None, Some(map)) => {
+                self.check_keys(map, CALENDAR_KEYS);
+                let at = |key: &str| map.get_node(key).map_or(line, line_of);
+                let zone = self
+                    .string(map, "time_zone")
+                    .unwrap_or_else(|| "UTC".to_owned());
+                let anchor_day = self.number(map, "anchor_day");
+                if anchor_day.is_some() && unit != Some(Unit::Month) {
+                    self.error(
+                        at("anchor_day"),
+                        "calendar: anchor_day applies to unit: month",
+                    );
+                }
+                let anchor_day = match anchor_day {
+                    None => 1,
+                    Some(day @ 1..=31) => day as u8,
+                    Some(day) => {
+                        self.error(
+                            at("anchor_day"),
+                            format!("calendar: anchor_day must be from 1 to 31, not {day} (a month too short for it starts on its last day)"),
+                        );
+                        return None;
+                    }
+                };
+                let week_starts = match self.string(map, "week_starts") {
+                    None => Weekday::Monday,
+                    Some(day) => {
+                        if unit != Some(Unit::Week) {
+                            self.error(
+                                at("week_starts"),
+                                "calendar: week_starts applies to unit: week",
+                            );
+                        }
+                        let Some(weekday) = calendar::parse_weekday(&day) else {
+                            self.error(
+                                at("week_starts"),
+                                format!("calendar: invalid week_starts '{day}' (monday to sunday)"),
+                            );
+                            return None;
+                        };
+                        weekday
+                    }
+                };
+                (zone, anchor_day, week_starts)
+            }
+            (None, None) => {
+                self.error(line, CALENDAR_SHAPE);
+                return None;
+            }
+        };
+        if unlimited {
+            self.error(line, "should not specify a calendar when unlimited");
+            return None;
+        }
+        match unit {
+            Some(Unit::Day | Unit::Week | Unit::Month | Unit::Year) => {}
+            Some(other) => {
+                self.error(
+                    line,
+                    format!(
+                        "a calendar window is a day, a week, a month or a year, not a {}",
+                        other.name()
+                    ),
+                );
+                return None;
+            }
+            None => return None,
+        }
+        if unit_multiplier != 1 {
+            self.error(
+                line,
+                format!(
+                    "a calendar window is one {}: unit_multiplier must be 1, not {unit_multiplier}",
+                    unit?.name()
+                ),
+            );
+        }
+        if let Some(other) = algorithm.filter(|&a| a != Algorithm::FixedWindow) {
+            self.error(
+                line,
+                format!(
+                    "calendar windows count with fixed_window, not {} (a sliding window weighs windows of one length; a log and the buckets have no window to start)",
+                    other.name()
+                ),
+            );
+        }
+        match Calendar::new(&zone, anchor_day, week_starts) {
+            Ok(calendar) => Some(calendar),
+            Err(message) => {
+                let at = node
+                    .as_mapping()
+                    .and_then(|m| m.get_node("time_zone"))
+                    .map_or(line, line_of);
+                self.error(at, format!("calendar: {message}"));
+                None
+            }
+        }
     }
 
     /// What each algorithm bounds: `burst` belongs to buckets, at least 1 and small enough for
@@ -1215,6 +1346,107 @@ mod tests {
         assert_eq!(
             errors(&rule("fixed_window", "always")),
             ["r.yaml:4: invalid lease 'always': auto or off"]
+        );
+    }
+
+    #[test]
+    fn a_calendar_window_reads_its_zone_anchor_and_first_weekday() {
+        let rules = ok(
+            "domain: d\ndescriptors:\n  - key: m\n    rate_limit: {unit: month, requests_per_unit: 5, calendar: {time_zone: Europe/Berlin, anchor_day: 31}}\n  - key: w\n    rate_limit: {unit: week, requests_per_unit: 5, calendar: {week_starts: Sunday}}\n  - key: d\n    rate_limit: {unit: day, requests_per_unit: 5, calendar: true}\n  - key: off\n    rate_limit: {unit: day, requests_per_unit: 5, calendar: false}\n",
+        );
+        let calendar = |i: usize| {
+            rules.descriptors[i].limits[0]
+                .limit
+                .as_ref()
+                .unwrap()
+                .calendar
+                .clone()
+        };
+        let month = calendar(0).expect("on the calendar");
+        assert_eq!(
+            (month.time_zone(), month.anchor_day()),
+            ("Europe/Berlin", 31)
+        );
+        let week = calendar(1).expect("on the calendar");
+        assert_eq!(
+            (week.time_zone(), week.week_starts()),
+            ("UTC", Weekday::Sunday)
+        );
+        assert_eq!(calendar(2).expect("on the calendar").time_zone(), "UTC");
+        assert_eq!(calendar(3), None);
+    }
+
+    #[test]
+    fn a_calendar_window_that_makes_no_sense_is_an_error_at_its_line() {
+        let rule = |limit: &str| {
+            format!("domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      {limit}\n")
+        };
+        let cases = [
+            (
+                "{unit: second, requests_per_unit: 5, calendar: true}",
+                "a calendar window is a day, a week, a month or a year, not a second",
+            ),
+            (
+                "{unit: hour, requests_per_unit: 5, calendar: {time_zone: UTC}}",
+                "a calendar window is a day, a week, a month or a year, not a hour",
+            ),
+            (
+                "{unit: day, requests_per_unit: 5, unit_multiplier: 2, calendar: true}",
+                "a calendar window is one day: unit_multiplier must be 1, not 2",
+            ),
+            (
+                "{unit: month, requests_per_unit: 5, algorithm: sliding_window, calendar: true}",
+                "calendar windows count with fixed_window, not sliding_window (a sliding window weighs windows of one length; a log and the buckets have no window to start)",
+            ),
+            (
+                "{unit: month, requests_per_unit: 5, algorithm: token_bucket, calendar: true}",
+                "calendar windows count with fixed_window, not token_bucket (a sliding window weighs windows of one length; a log and the buckets have no window to start)",
+            ),
+            (
+                "{unit: month, requests_per_unit: 5, calendar: {time_zone: Europe/Berln}}",
+                "calendar: unknown time zone 'Europe/Berln' (an IANA name such as Europe/Berlin, or UTC)",
+            ),
+            (
+                "{unit: month, requests_per_unit: 5, calendar: {anchor_day: 32}}",
+                "calendar: anchor_day must be from 1 to 31, not 32 (a month too short for it starts on its last day)",
+            ),
+            (
+                "{unit: week, requests_per_unit: 5, calendar: {anchor_day: 3}}",
+                "calendar: anchor_day applies to unit: month",
+            ),
+            (
+                "{unit: month, requests_per_unit: 5, calendar: {week_starts: sunday}}",
+                "calendar: week_starts applies to unit: week",
+            ),
+            (
+                "{unit: week, requests_per_unit: 5, calendar: {week_starts: someday}}",
+                "calendar: invalid week_starts 'someday' (monday to sunday)",
+            ),
+            (
+                "{unit: week, requests_per_unit: 5, calendar: weekly}",
+                "'calendar' must be true or a mapping (time_zone, anchor_day, week_starts)",
+            ),
+            (
+                "{unit: week, requests_per_unit: 5, calendar: {zone: UTC}}",
+                "config error, unknown key 'zone'",
+            ),
+            (
+                "{unlimited: true, calendar: true}",
+                "should not specify a calendar when unlimited",
+            ),
+        ];
+        for (limit, message) in cases {
+            assert_eq!(
+                errors(&rule(limit)),
+                [format!("r.yaml:5: {message}")],
+                "{limit}"
+            );
+        }
+        assert_eq!(
+            errors(
+                "domain: d\nquota_buckets:\n  - bucket: {k: ~}\n    rate_limit: {unit: day, requests_per_unit: 5, calendar: true}\n"
+            ),
+            ["r.yaml:4: 'calendar' does not apply to a quota bucket's limit"]
         );
     }
 

@@ -334,7 +334,7 @@ pub(crate) fn evaluate(
 ) -> Step {
     let sliding = algorithm == Algorithm::SlidingWindow;
     let (now, window_ms) = (ask.now_ms, ask.window_ms);
-    let index = now / window_ms;
+    let (index, _, end) = window::bounds(&Ask { at_ms: now, ..*ask });
     let table_window = if sliding { 0 } else { index };
     let tidied = tidy(table, held, ask.hits, table_window, now);
     // Held counters count at the clock, never at an instant a request names.
@@ -389,7 +389,7 @@ pub(crate) fn evaluate(
     };
     verdict.charged = 0;
     verdict.hold = Some(seen);
-    let to_end = (index + 1) * window_ms - now;
+    let to_end = end - now;
     let take = (tidied.outcome == Outcome::Hold && !verdict.over).then(|| Take {
         window: table_window,
         due: now + held.ttl_ms.min(if sliding { window_ms } else { to_end }),

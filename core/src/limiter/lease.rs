@@ -602,6 +602,7 @@ mod tests {
                 unit_multiplier: 1,
                 algorithm: Algorithm::FixedWindow,
                 burst: limit,
+                calendar: None,
             },
             mode: Mode::Enforce,
             hits,

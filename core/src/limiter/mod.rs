@@ -4,6 +4,7 @@
 
 pub mod algorithm;
 mod cache;
+pub mod calendar;
 pub mod hold;
 mod key;
 pub mod lease;
@@ -13,10 +14,12 @@ use std::time::Duration;
 
 pub use algorithm::Algorithm;
 pub use cache::OverLimitCache;
+pub use calendar::Calendar;
 pub use hold::{Held, HoldId, OnExpiry};
 pub use key::{CounterIds, CounterKey, DescriptorKey, IdHasher, LONGEST_LITERAL, RuleId};
 
-/// The time unit of a limit. Months are 30 days and years 365 days, as envoyproxy/ratelimit has it.
+/// The time unit of a limit. Months are 30 days and years 365 days, as envoyproxy/ratelimit has it,
+/// unless the limit is on the calendar (`calendar`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Unit {
     Second,
@@ -79,6 +82,9 @@ pub struct Limit {
     /// What a bucket holds at most (`token_bucket`, `leaky_bucket`); `requests_per_unit`
     /// unless a rule says otherwise, and unused by other algorithms.
     pub burst: u32,
+    /// The calendar its windows follow (a `fixed_window` of a day, week, month or year), or
+    /// none: windows of the unit's length aligned to the Unix epoch.
+    pub calendar: Option<Calendar>,
 }
 
 /// The longest window a limit may have (`unit` × `unit_multiplier`): ten years, which keeps every
@@ -89,6 +95,26 @@ impl Limit {
     /// The window in ms; rule files and overrides keep it within `LONGEST_WINDOW_SECONDS`.
     pub fn window_ms(&self) -> u64 {
         self.unit.seconds() * 1000 * u64::from(self.unit_multiplier)
+    }
+
+    /// The calendar window holding `at_ms`, for a limit on the calendar.
+    pub fn calendar_span(&self, at_ms: u64) -> Option<calendar::Span> {
+        self.calendar.as_ref().map(|c| c.span(self.unit, at_ms))
+    }
+
+    /// What names the window holding `at_ms` among the limit's windows: its index from the
+    /// Unix epoch (`at_ms / window`), or a calendar window's start.
+    pub fn window_at(&self, at_ms: u64) -> u64 {
+        match self.calendar_span(at_ms) {
+            Some(span) => span.start,
+            None => at_ms / self.window_ms(),
+        }
+    }
+
+    /// Whether a request may name the instant it counts at: `fixed_window` and `sliding_log`,
+    /// off the calendar.
+    pub fn schedulable(&self) -> bool {
+        self.algorithm.schedulable() && self.calendar.is_none()
     }
 
     /// The most hits the counter can hold at once: a bucket's `burst`, else the limit.
@@ -324,6 +350,7 @@ mod tests {
                 unit_multiplier: 1,
                 algorithm: Algorithm::FixedWindow,
                 burst: 1,
+                calendar: None,
             },
             mode,
             hits: 1,

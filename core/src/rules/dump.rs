@@ -301,6 +301,9 @@ pub fn limit_json(limit: &Limit) -> Value {
     if !limit.name.is_empty() {
         fields.insert("name".into(), json!(limit.name));
     }
+    if let Some(calendar) = &limit.calendar {
+        fields.insert("calendar".into(), calendar.json(limit.unit));
+    }
     json
 }
 
@@ -340,6 +343,9 @@ fn text_lines(parent: &str, d: &DescriptorConfig, out: &mut String) {
             }
             if limit.algorithm != Algorithm::FixedWindow {
                 out.push_str(&format!(", algorithm: {}", limit.algorithm.name()));
+            }
+            if let Some(calendar) = &limit.calendar {
+                out.push_str(&format!(", calendar: {}", calendar.json(limit.unit)));
             }
             if limit.algorithm.is_bucket() {
                 out.push_str(&format!(", burst: {}", limit.burst));

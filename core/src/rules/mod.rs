@@ -355,22 +355,46 @@ impl RuleSet {
     /// Every (domain, rule path), for pruning the metrics of rules a reload removed: gathered
     /// when asked rather than kept beside the rules, which it would cost a tenth more.
     pub fn rule_paths(&self) -> HashSet<(&str, &str)> {
-        let mut paths = HashSet::new();
+        self.nodes()
+            .map(|node| (node.stats.domain(), node.path()))
+            .collect()
+    }
+
+    /// When the calendar window of each rule with a limit on the calendar ends (its soonest,
+    /// for several), in ms since the Unix epoch, for windows holding `now_ms`: by (domain, rule
+    /// path).
+    pub fn calendar_ends(&self, now_ms: u64) -> HashMap<(&str, &str), u64> {
+        self.nodes()
+            .filter_map(|node| {
+                let end = node
+                    .limits
+                    .iter()
+                    .filter_map(|l| l.limit.as_ref()?.calendar_span(now_ms))
+                    .map(|span| span.end)
+                    .min()?;
+                Some(((node.stats.domain(), node.path()), end))
+            })
+            .collect()
+    }
+
+    /// Every rule, in no order.
+    fn nodes(&self) -> impl Iterator<Item = &Node> {
         let mut levels: Vec<&Level> = self.domains.values().collect();
-        while let Some(level) = levels.pop() {
-            for branches in level.by_key.values() {
-                let any = branches.any.as_deref();
-                let nodes = branches.exact.values().map(|n| &**n);
-                for node in nodes
-                    .chain(branches.patterns.iter().map(|(_, n)| n))
-                    .chain(any)
-                {
-                    paths.insert((node.stats.domain(), node.path()));
+        let mut found: Vec<&Node> = Vec::new();
+        std::iter::from_fn(move || {
+            loop {
+                if let Some(node) = found.pop() {
                     levels.push(node.children());
+                    return Some(node);
+                }
+                let level = levels.pop()?;
+                for branches in level.by_key.values() {
+                    found.extend(branches.exact.values().map(|n| &**n));
+                    found.extend(branches.patterns.iter().map(|(_, n)| n));
+                    found.extend(branches.any.as_deref());
                 }
             }
-        }
-        paths
+        })
     }
 
     pub fn has_domain(&self, domain: &[u8]) -> bool {

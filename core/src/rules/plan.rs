@@ -245,6 +245,7 @@ impl RuleSet {
                     unit_multiplier: 1,
                     algorithm,
                     burst: requests_per_unit.min(most_burst),
+                    calendar: None,
                 };
                 push(limit, identity, Mode::Enforce);
             } else if let Some(m) = m {
@@ -255,12 +256,16 @@ impl RuleSet {
                 }
                 for rule in kept() {
                     let limit = rule.limit.clone().expect("unlimited handled above");
-                    let identity = format!(
+                    let mut identity = format!(
                         "{}:{}:{}",
                         limit.algorithm.name(),
                         limit.unit.name(),
                         limit.unit_multiplier
                     );
+                    // A calendar's windows are other windows than the unit's from the epoch.
+                    if let Some(calendar) = &limit.calendar {
+                        identity.push_str(&calendar.identity(limit.unit));
+                    }
                     push(limit, identity, m.node.mode);
                 }
             }

@@ -285,7 +285,7 @@ impl MemoryStore {
     /// that of the window holding `at_ms`.
     fn id(&self, key: &CounterKey, limit: &Limit, at_ms: u64) -> Id {
         let salt = match limit.algorithm {
-            Algorithm::FixedWindow => at_ms / limit.window_ms() + 1,
+            Algorithm::FixedWindow => limit.window_at(at_ms) + 1,
             _ => 0,
         };
         self.ids.id(key, salt)
@@ -368,6 +368,7 @@ impl MemoryStore {
             let ask = Ask {
                 limit: u64::from(item.limit.requests_per_unit),
                 window_ms: item.limit.window_ms(),
+                calendar: item.limit.calendar_span(at_ms),
                 now_ms,
                 at_ms,
                 hits: item.hits,
@@ -725,6 +726,7 @@ mod tests {
                 unit_multiplier: 1,
                 algorithm: Algorithm::FixedWindow,
                 burst: limit,
+                calendar: None,
             },
             mode: Mode::Enforce,
             hits,

@@ -8,6 +8,7 @@ use clap::Args;
 use super::at_least_one;
 use super::xds::XdsFlags;
 use crate::config;
+use crate::limiter::calendar;
 use crate::service::reload::Feed;
 
 #[derive(Args)]
@@ -37,6 +38,16 @@ pub struct RuleFlags {
     /// before the files are read.
     #[arg(long, env = "SLUICE_MAX_CONFIG_BYTES", default_value_t = config::DEFAULT_MAX_CONFIG_BYTES)]
     max_config_bytes: u64,
+    /// For tests only: calendar windows are read as if the clock were this many ms ahead
+    /// (behind, when negative), so that a test crosses a calendar boundary of its choosing.
+    #[arg(
+        long,
+        env = "SLUICE_CALENDAR_CLOCK_OFFSET_MS",
+        hide = true,
+        default_value_t = 0,
+        allow_negative_numbers = true
+    )]
+    calendar_clock_offset_ms: i64,
     #[command(flatten)]
     xds: XdsFlags,
 }
@@ -47,6 +58,11 @@ impl RuleFlags {
             "--max-config-bytes",
             usize::try_from(self.max_config_bytes).unwrap_or(usize::MAX),
         )
+    }
+
+    /// Sets the calendar's clock as `--calendar-clock-offset-ms` says (tests only).
+    pub fn set_calendar_clock(&self) {
+        calendar::set_test_offset(self.calendar_clock_offset_ms);
     }
 
     /// Where the rules come from, an xDS server's TLS files read and checked now.

@@ -232,6 +232,7 @@ impl Top {
                     denied: read.denied_total,
                     hits_per_second: per_second(read.hits_total),
                     denied_per_second: per_second(read.denied_total),
+                    window_ends_in_seconds: None,
                 });
             }
         }
@@ -431,6 +432,10 @@ pub struct RuleRow {
     pub denied: u64,
     pub hits_per_second: f64,
     pub denied_per_second: f64,
+    /// For a rule with a limit on the calendar, the seconds until its window ends (the soonest,
+    /// for several).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_ends_in_seconds: Option<u64>,
 }
 
 #[cfg(test)]

@@ -163,6 +163,7 @@ mod tests {
             let ask = Ask {
                 limit: self.limit,
                 window_ms: SECOND,
+                calendar: None,
                 now_ms: T0 + at,
                 at_ms: T0 + at,
                 hits,
@@ -298,6 +299,7 @@ mod tests {
         let ask = Ask {
             limit: 4,
             window_ms: SECOND,
+            calendar: None,
             now_ms: T0,
             at_ms: T0,
             hits: 3,
@@ -343,6 +345,7 @@ mod tests {
         let ask = Ask {
             limit: 1,
             window_ms: year,
+            calendar: None,
             now_ms: T0,
             at_ms: T0,
             hits: u64::from(u32::MAX) + 1,

@@ -234,6 +234,7 @@ mod tests {
             let ask = Ask {
                 limit: self.limit,
                 window_ms: self.window_ms,
+                calendar: None,
                 now_ms: T0 + now,
                 at_ms: T0 + at.max(now),
                 hits,

@@ -14,6 +14,7 @@ pub mod window;
 
 use std::time::Duration;
 
+use super::calendar::Span;
 use super::hold::Seen;
 use super::{Source, Step, Usage};
 
@@ -76,6 +77,9 @@ pub(crate) struct Ask {
     /// Requests per window.
     pub limit: u64,
     pub window_ms: u64,
+    /// The calendar window holding `at_ms`, for a limit on the calendar: it stands for the
+    /// window of `window_ms` from the Unix epoch, and its start names it.
+    pub calendar: Option<Span>,
     /// The store's clock, ms since the Unix epoch.
     pub now_ms: u64,
     /// The instant the hits count at: `now_ms`, or later for a request that names an instant.

@@ -1,12 +1,14 @@
 //! `fixed_window` and `sliding_window`: a count per window of the limit's length, windows
-//! aligned to the Unix epoch. A fixed window counts the window holding the request's instant; a
+//! aligned to the Unix epoch; or, for a `fixed_window` on the calendar, per calendar window
+//! (`limiter::calendar`), named by its start. A fixed window counts the window holding the request's instant; a
 //! sliding window also weighs the window before by how much of it the sliding window still
 //! covers. `remaining` is the limit less the (weighted) count; `reset` is the end of the window
 //! or, for a sliding window that is over, the first millisecond at which the hits fit. Counted
 //! `always`, a charge lands whole (up to `MOST_COUNT`), over the limit or not.
 //! Mirrored by the window section of `lua/check.lua`.
 //!
-//! Stored state. A fixed window keeps one count per window index: a Redis hash field per index
+//! Stored state. A fixed window keeps one count per window index (a calendar window's start):
+//! a Redis hash field per index
 //! (fields of windows already over are dropped when a new one is written), a counter of its own
 //! per index in the embedded store. A sliding window keeps `State` as a Redis hash of `w`, `c`
 //! and `p`. A fixed window's count lives until its window ends: one for a scheduled instant, at
@@ -51,10 +53,10 @@ pub(crate) fn evaluate(algorithm: Algorithm, ask: &Ask, stored: Option<State>) -
         ..
     } = *ask;
     let sliding = algorithm == Algorithm::SlidingWindow;
-    let index = at_ms / window_ms;
-    let elapsed = at_ms - index * window_ms;
+    let (index, start, end) = bounds(ask);
+    let elapsed = at_ms - start;
     // From now: the instant may lie in a later window.
-    let to_end = (index + 1) * window_ms - now_ms;
+    let to_end = end - now_ms;
     let need = ask.need();
     let (previous, current) = match stored {
         Some(s) if s.window == index => (s.previous, s.count),
@@ -104,6 +106,18 @@ pub(crate) fn evaluate(algorithm: Algorithm, ask: &Ask, stored: Option<State>) -
         },
         ttl_ms: if sliding { to_end + window_ms } else { to_end },
         writes: hits > 0,
+    }
+}
+
+/// The window holding `ask.at_ms`: what names it (its index from the Unix epoch, or a calendar
+/// window's start), its start and its end, in ms.
+pub(crate) fn bounds(ask: &Ask) -> (u64, u64, u64) {
+    match ask.calendar {
+        Some(span) => (span.start, span.start, span.end),
+        None => {
+            let index = ask.at_ms / ask.window_ms;
+            (index, index * ask.window_ms, (index + 1) * ask.window_ms)
+        }
     }
 }
 
@@ -165,6 +179,7 @@ mod tests {
         Ask {
             limit,
             window_ms: MIN,
+            calendar: None,
             now_ms: now,
             at_ms: now,
             hits,

@@ -3,6 +3,7 @@
 //! their replies read back; and what a request charged, for the refund of a caller that gave up.
 
 use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use fred::prelude::Value;
@@ -354,7 +355,7 @@ impl Undo {
         let at = charge.at.map_or(now, |at| at.max(now));
         let charged = verdict.charged;
         let (kind, a, b, c) = match charge.algorithm {
-            Algorithm::FixedWindow => ("f", at / charge.window_ms, charged, 0),
+            Algorithm::FixedWindow => ("f", verdict.window, charged, 0),
             Algorithm::SlidingWindow => ("s", now / charge.window_ms, charged, 0),
             Algorithm::SlidingLog => ("l", at, charged, 0),
             Algorithm::TokenBucket | Algorithm::LeakyBucket => ("b", now, charged, charge.limit),
@@ -376,13 +377,22 @@ pub(super) fn encode(check: &Check, at: &[usize], quota_here: bool) -> Vec<Value
     for &i in at {
         let item = &check.items[i];
         args.push(Value::from_static_str(match item.limit.algorithm {
+            Algorithm::FixedWindow if item.limit.calendar.is_some() => "c",
             Algorithm::FixedWindow => "f",
             Algorithm::SlidingWindow => "s",
             Algorithm::SlidingLog => "l",
             Algorithm::TokenBucket | Algorithm::LeakyBucket => "b",
         }));
         args.push(Value::from(i64::from(item.limit.requests_per_unit)));
-        args.push(Value::from(item.limit.window_ms() as i64));
+        // A calendar window's boundaries around this replica's clock: the script counts in the
+        // one holding Redis' clock.
+        args.push(match &item.limit.calendar {
+            Some(calendar) => {
+                let [b0, b1, b2, b3] = calendar.around(item.limit.unit, unix_ms());
+                Value::from(format!("{b0} {b1} {b2} {b3}"))
+            }
+            None => Value::from(item.limit.window_ms() as i64),
+        });
         args.push(Value::from(i64::from(item.limit.burst)));
         args.push(Value::from(item.hits as i64));
         args.push(match item.step {
@@ -407,6 +417,13 @@ pub(super) fn encode(check: &Check, at: &[usize], quota_here: bool) -> Vec<Value
         args.push(flag(item.counting == Counting::Always));
     }
     args
+}
+
+/// This replica's clock, in ms since the Unix epoch.
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 fn flag(on: bool) -> Value {
