@@ -91,12 +91,12 @@ end
 
 -- Of the calendar boundaries 'b0 b1 b2 b3' the replica sent (three windows in a row around its
 -- own clock), the window holding Redis' clock: the replicas agree on it whatever their clocks
--- say. A replica more than a window from Redis' clock fails the request.
+-- say. A replica more than a window from Redis' clock fails the request (`unreadable`).
 local function calendar(text)
   local b = { match(text, '^(%d+) (%d+) (%d+) (%d+)$') }
   for i = 1, 4 do b[i] = tonumber(b[i]) end
   if not b[4] or now < b[1] or now >= b[4] then
-    error("the replica's calendar is more than a window from the clock of Redis", 0)
+    error({ calendar = true }, 0)
   end
   if now >= b[3] then return { b[3], b[4] } end
   if now >= b[2] then return { b[2], b[3] } end
@@ -622,13 +622,19 @@ local function counter_step(key, o, latest, at)
 end
 
 -- Answers a request whose i-th counter, at `key`, failed to read with error `e`: the key holds
--- another type (WRONGTYPE) or what no counter holds (a Lua error on what was read). Any other
--- error is the server's (READONLY, OOM, ...) and fails the whole call, as it would unguarded.
+-- another type (WRONGTYPE) or what no counter holds (a Lua error on what was read), or its
+-- calendar windows are not around Redis' clock (the type answered is then 'calendar'). Any
+-- other error is the server's (READONLY, OOM, ...) and fails the whole call, as it would
+-- unguarded.
 local function unreadable(key, i, e)
+  local r = #reply
+  if type(e) == 'table' and e.calendar then
+    reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4] = -1, i, 'calendar', ''
+    return
+  end
   if type(e) == 'table' then e = e.err end
   e = tostring(e)
   if e:find('^%u+ ') and not e:find('^WRONGTYPE ') then error({ err = e }, 0) end
-  local r = #reply
   reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4] = -1, i, call('TYPE', key).ok, e
 end
 

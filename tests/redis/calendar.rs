@@ -285,6 +285,9 @@ domain: shared
 descriptors:
   - key: tenant
     rate_limit: {unit: day, requests_per_unit: 6, calendar: {time_zone: Asia/Kolkata}}
+  - key: leased
+    lease: auto
+    rate_limit: {unit: day, requests_per_unit: 40, calendar: {time_zone: Asia/Kolkata}}
 ";
 
 async fn two_replicas_cross_the_boundary_together_and_admit_the_limit_on_each_side(store: Store) {
@@ -293,20 +296,98 @@ async fn two_replicas_cross_the_boundary_together_and_admit_the_limit_on_each_si
     let flags = ["--redis-key-prefix", prefix.as_str()];
     let one = boundary.sluice(store, SHARED, &flags).await;
     let two = boundary.sluice(store, SHARED, &flags).await;
-    let admitted = async || {
+    let admitted = async |key: &str, requests: usize| {
         let mut admitted = 0;
-        for n in 0..10 {
+        for n in 0..requests {
             let replica = if n % 2 == 0 { &one } else { &two };
-            let answer = replica.ask(request("shared", &[&[("tenant", "t")]])).await;
+            let answer = replica.ask(request("shared", &[&[(key, "t")]])).await;
             admitted += u32::from(answer.overall_code == OK);
         }
         admitted
     };
-    assert_eq!(admitted().await, 6, "the day's limit, across both replicas");
-    boundary.still_ahead("filling the counter");
+    assert_eq!(
+        admitted("tenant", 10).await,
+        6,
+        "the day's limit, across both replicas"
+    );
+    // Leased blocks: never past the limit, and none spent past the window they were taken in.
+    let leased = admitted("leased", 60).await;
+    assert!(
+        (1..=40).contains(&leased),
+        "{leased} of 40 admitted from leased blocks"
+    );
+    boundary.still_ahead("filling the counters");
     boundary.pass().await;
-    assert_eq!(admitted().await, 6, "the next day's, across both replicas");
+    assert_eq!(
+        admitted("tenant", 10).await,
+        6,
+        "the next day's, across both replicas"
+    );
+    let leased = admitted("leased", 60).await;
+    assert!(
+        (1..=40).contains(&leased),
+        "{leased} of the next day's 40 admitted from blocks leased in it"
+    );
 }
+
+/// A replica whose clock is more than a window from Redis' sends boundaries that do not hold
+/// Redis' clock: its request is answered as one that cannot be read, and writes nothing.
+#[tokio::test]
+async fn a_replica_more_than_a_window_from_redis_clock_fails_its_request_and_writes_nothing() {
+    use fred::prelude::*;
+    let redis = common::redis::standalone();
+    let client = Builder::from_config(Config::from_url(&redis.url).expect("a Redis URL"))
+        .build()
+        .expect("a client");
+    client.init().await.expect("Redis answers");
+    let key = format!("calendar-skew-{}", unix_ms());
+    let day = 86_400_000;
+    let yesterday = unix_ms() - 2 * day;
+    let boundaries = format!(
+        "{} {} {} {}",
+        yesterday - 2 * day,
+        yesterday - day,
+        yesterday,
+        yesterday + day / 2
+    );
+    let mut command: Vec<Value> = vec![CHECK.into(), 1.into(), key.clone().into()];
+    for arg in [
+        "0",
+        "1",
+        "0",
+        "1",
+        "c",
+        "5",
+        &boundaries,
+        "1",
+        "1",
+        "0",
+        "e",
+        "0",
+    ] {
+        command.push(arg.into());
+    }
+    let reply: Vec<Value> = client
+        .custom(
+            fred::types::CustomCommand::new_static("EVAL", None, false),
+            command,
+        )
+        .await
+        .expect("the script runs");
+    assert_eq!(
+        reply[2..].iter().map(|v| v.as_string()).collect::<Vec<_>>(),
+        [
+            Some("-1".to_owned()),
+            Some("1".to_owned()),
+            Some("calendar".to_owned()),
+            Some(String::new()),
+        ]
+    );
+    let exists: i64 = client.exists(&key).await.expect("EXISTS");
+    assert_eq!(exists, 0, "nothing written");
+}
+
+const CHECK: &str = include_str!("../../lua/check.lua");
 
 /// The expiry instant of `key` (ms), asked of the nodes at `ports` (following a Cluster's
 /// redirection).

@@ -512,6 +512,12 @@ pub(super) fn take_request(reply: &mut &[Value], keys: &[Bytes]) -> Answer {
 /// The error of a request whose counter at `key` could not be read: it holds a `held` (Redis'
 /// type name), and reading it failed with `error`.
 fn unreadable(key: &[u8], held: &str, error: &str) -> StoreError {
+    if held == "calendar" {
+        return StoreError::Config(format!(
+            "the calendar window of the Redis key \"{}\" was asked around this replica's clock, which is more than a window from Redis' clock: set both by NTP",
+            key.escape_ascii()
+        ));
+    }
     let why = if error.starts_with("WRONGTYPE") {
         format!("it holds a {held}")
     } else {
@@ -780,6 +786,13 @@ mod tests {
             unread.to_string(),
             "the Redis key \"k\" is not a counter sluice can read: its hash holds what sluice \
              does not write (user_script:9: attempt to compare nil)"
+        );
+        let skewed = unreadable(b"k", "calendar", "");
+        assert!(
+            skewed
+                .to_string()
+                .contains("more than a window from Redis' clock"),
+            "{skewed}"
         );
     }
 }
