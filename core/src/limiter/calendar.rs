@@ -20,6 +20,8 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 
+use arc_swap::ArcSwapOption;
+
 use jiff::civil::Date;
 pub use jiff::civil::Weekday;
 use jiff::tz::TimeZone;
@@ -35,6 +37,19 @@ pub struct Calendar {
     zone_name: Arc<str>,
     anchor_day: u8,
     week_starts: Weekday,
+    /// The windows worked out last, shared by every clone (a rule's limit is cloned into each
+    /// request): until the window in force ends, a request reads them instead of the zone's
+    /// rules.
+    recent: Arc<ArcSwapOption<Recent>>,
+}
+
+/// The boundaries around an instant (`Calendar::around`), for windows of `unit` with the
+/// test offset `offset`.
+#[derive(Debug)]
+struct Recent {
+    unit: Unit,
+    offset: i64,
+    around: [u64; 4],
 }
 
 /// One calendar window: from `start` up to `end`, in ms since the Unix epoch.
@@ -80,6 +95,7 @@ impl Calendar {
             zone_name: time_zone.into(),
             anchor_day,
             week_starts,
+            recent: Arc::default(),
         })
     }
 
@@ -124,6 +140,12 @@ impl Calendar {
 
     /// The window of `unit` holding `at_ms` (ms since the Unix epoch, on the store's clock).
     pub fn span(&self, unit: Unit, at_ms: u64) -> Span {
+        let [_, start, end, _] = self.around(unit, at_ms);
+        Span { start, end }
+    }
+
+    /// The window of `unit` holding `at_ms`, from the zone's rules.
+    fn work_out(&self, unit: Unit, at_ms: u64) -> Span {
         let offset = TEST_OFFSET_MS.load(Ordering::Relaxed);
         let (start, end) = self.window(unit, shifted(at_ms, offset));
         Span {
@@ -145,10 +167,30 @@ impl Calendar {
     /// The boundaries around `at_ms`: the start of the window before the one holding it, that
     /// window's start and end, and the end of the window after.
     pub fn around(&self, unit: Unit, at_ms: u64) -> [u64; 4] {
-        let now = self.span(unit, at_ms);
-        let before = self.span(unit, now.start.saturating_sub(1));
-        let after = self.span(unit, now.end);
-        [before.start, now.start, now.end, after.end]
+        if let Some(around) = self.recent(unit, at_ms) {
+            return around;
+        }
+        let now = self.work_out(unit, at_ms);
+        let before = self.work_out(unit, now.start.saturating_sub(1));
+        let after = self.work_out(unit, now.end);
+        let around = [before.start, now.start, now.end, after.end];
+        self.recent.store(Some(Arc::new(Recent {
+            unit,
+            offset: TEST_OFFSET_MS.load(Ordering::Relaxed),
+            around,
+        })));
+        around
+    }
+
+    /// The boundaries worked out last, if the window they hold in the middle holds `at_ms`.
+    fn recent(&self, unit: Unit, at_ms: u64) -> Option<[u64; 4]> {
+        let recent = self.recent.load();
+        let recent = recent.as_ref()?;
+        let [_, start, end, _] = recent.around;
+        (recent.unit == unit
+            && recent.offset == TEST_OFFSET_MS.load(Ordering::Relaxed)
+            && (start..end).contains(&at_ms))
+        .then_some(recent.around)
     }
 
     /// The window holding the instant `at` (ms), as its start and end in ms.
@@ -369,6 +411,23 @@ mod tests {
                 at("Europe/Berlin", 2027, 5, 1, 0, 0),
             ]
         );
+    }
+
+    #[test]
+    fn windows_worked_out_once_serve_until_their_end_and_no_other_unit() {
+        let berlin = calendar("Europe/Berlin", 1, Weekday::Monday);
+        let june = at("Europe/Berlin", 2027, 6, 15, 12, 0);
+        let month = berlin.span(Unit::Month, june);
+        assert_eq!(berlin.span(Unit::Month, month.end - 1), month, "read again");
+        assert_eq!(
+            berlin.span(Unit::Month, month.end).start,
+            month.end,
+            "the next month"
+        );
+        let day = berlin.span(Unit::Day, june);
+        assert_eq!(day.end - day.start, 24 * HOUR, "not the month read before");
+        let clone = berlin.clone();
+        assert_eq!(clone.span(Unit::Day, june), day, "a clone shares them");
     }
 
     #[test]
