@@ -272,6 +272,7 @@ async fn run(args: ServeArgs, telemetry: Telemetry) -> anyhow::Result<()> {
         healthcheck: args.erl.healthcheck(),
         quotas,
         telemetry: telemetry.clone(),
+        admin_token: args.admin.token(args.addrs().json)?,
     };
     // Once the start has gone well so far: a failed one logs its error alone.
     if let Some(told) = top_view {

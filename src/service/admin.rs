@@ -70,14 +70,20 @@ impl Admin {
             .metrics
             .map(|(listener, path)| (listener, http::metrics_route(&path, gauges.clone())));
         // `/explain` moves no counter: it stays on the admin port wherever `/json` is served.
-        let mut admin = http::admin(readiness, setup.rules.clone(), gauges).merge(explain::route(
-            setup.rules.clone(),
-            setup.bounds,
-            setup.answering.clone(),
-            setup.backend.redis_key_prefix().map(str::to_owned),
-            setup.edges.max_request_bytes,
-        ));
-        let json = http::json_route(rls, setup.edges.max_request_bytes);
+        let token = setup.admin_token.as_ref();
+        if let Some(token) = token {
+            tokio::spawn(token.clone().watch());
+        }
+        let mut admin =
+            http::admin(readiness, setup.rules.clone(), gauges, token).merge(explain::route(
+                setup.rules.clone(),
+                setup.bounds,
+                setup.answering.clone(),
+                setup.backend.redis_key_prefix().map(str::to_owned),
+                setup.edges.max_request_bytes,
+                token,
+            ));
+        let json = http::json_route(rls, setup.edges.max_request_bytes, token);
         if json_at == JsonAt::Http {
             admin = admin.merge(json.clone());
         }

@@ -16,6 +16,7 @@ use axum::routing::post;
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
+use super::auth::{AdminToken, guarded};
 use super::http::decode;
 use super::in_force::Rules;
 use super::rls::{Answering, Bounds, descriptors, unix_ms};
@@ -587,6 +588,7 @@ pub(super) fn route(
     answering: Answering,
     redis_key_prefix: Option<String>,
     max_body: usize,
+    token: Option<&AdminToken>,
 ) -> Router {
     let explainer = Arc::new(Explainer {
         rules,
@@ -595,7 +597,7 @@ pub(super) fn route(
         redis_key_prefix,
     });
     Router::new()
-        .route("/explain", post(answer))
+        .route("/explain", guarded(post(answer), token))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(explainer)
 }

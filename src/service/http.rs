@@ -20,6 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor};
 
+use super::auth::{AdminToken, guarded};
 use super::gauges::Gauges;
 use super::in_force::Rules;
 use super::readiness::Readiness;
@@ -41,7 +42,12 @@ fn message(name: &str) -> MessageDescriptor {
 }
 
 /// The admin routes: probes, metrics and the rules in force.
-pub fn admin(readiness: Readiness, rules: Rules, gauges: Gauges) -> Router {
+pub fn admin(
+    readiness: Readiness,
+    rules: Rules,
+    gauges: Gauges,
+    token: Option<&AdminToken>,
+) -> Router {
     let config = rules.clone();
     let telemetry = gauges.telemetry.clone();
     Router::new()
@@ -50,7 +56,10 @@ pub fn admin(readiness: Readiness, rules: Rules, gauges: Gauges) -> Router {
         .route("/top", {
             let renders = Arc::new(Renders::new(TOP_FRESH));
             let rules = rules.clone();
-            get(move |uri: Uri| top_page(renders, telemetry, rules, uri))
+            guarded(
+                get(move |uri: Uri| top_page(renders, telemetry, rules, uri)),
+                token,
+            )
         })
         .route(
             "/config",
@@ -280,9 +289,9 @@ async fn metrics_page(renders: Arc<Renders<(), Option<Bytes>>>, gauges: Gauges) 
 }
 
 /// The `/json` route, bounded to `max_body` bytes.
-pub fn json_route(rls: Arc<Rls>, max_body: usize) -> Router {
+pub fn json_route(rls: Arc<Rls>, max_body: usize, token: Option<&AdminToken>) -> Router {
     Router::new()
-        .route("/json", post(json))
+        .route("/json", guarded(post(json), token))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(rls)
 }

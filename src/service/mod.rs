@@ -22,6 +22,7 @@
 
 mod accept;
 mod admin;
+mod auth;
 mod conns;
 mod counted;
 mod decide;
@@ -41,6 +42,7 @@ mod setup;
 mod shutdown;
 pub mod tls;
 
+pub use auth::AdminToken;
 pub use conns::MaxAge;
 pub use in_force::Rules;
 pub use readiness::{Healthcheck, Readiness};

@@ -1,5 +1,6 @@
 //! Real Redis for the tests: one standalone `redis-server` and one 3-primary Redis Cluster per
-//! test binary, started on first use on free loopback ports. Each runs under a shell that stops
+//! test binary, started on first use on free loopback ports; or the same of Valkey when
+//! `SLUICE_TEST_SERVER` names a `valkey-server` (`scripts/test` runs the Redis tests on both). Each runs under a shell that stops
 //! it when the test binary exits (its stdin, held open by this process, closes). A test may also
 //! own a server, plain or TLS only, stopped when dropped.
 
@@ -19,6 +20,11 @@ pub struct Redis {
 /// Keeps each supervising shell, and so its stdin, open for the life of the test binary.
 static GUARDS: Mutex<Vec<Child>> = Mutex::new(Vec::new());
 
+/// The server the tests start: `redis-server`, or what `SLUICE_TEST_SERVER` names.
+pub fn server() -> String {
+    std::env::var("SLUICE_TEST_SERVER").unwrap_or_else(|_| "redis-server".to_owned())
+}
+
 const SERVER_FLAGS: &str = "--bind 127.0.0.1 --save '' --appendonly no --protected-mode no";
 
 /// The standalone server the tests of this binary share.
@@ -30,7 +36,7 @@ pub fn standalone() -> &'static Redis {
 /// A standalone server of its own, for a test that reads server-wide statistics.
 pub fn dedicated() -> Redis {
     let port = low_free_ports(1)[0];
-    supervise("", &[format!("redis-server --port {port} {SERVER_FLAGS}")]);
+    supervise("", &[format!("{} --port {port} {SERVER_FLAGS}", server())]);
     wait_for(
         || cli(port, &["PING"]).trim() == "PONG",
         "redis-server answers PING",
@@ -57,8 +63,9 @@ pub fn dedicated_cluster() -> Redis {
         .iter()
         .map(|p| {
             format!(
-                "redis-server --port {p} {SERVER_FLAGS} --cluster-enabled yes \
+                "{} --port {p} {SERVER_FLAGS} --cluster-enabled yes \
                  --cluster-config-file nodes-{p}.conf --dir {}",
+                server(),
                 dir.display()
             )
         })
@@ -107,8 +114,8 @@ pub fn sentinel() -> Redis {
     supervise(
         &format!("trap 'rm -rf {}' EXIT;", dir.display()),
         &[
-            format!("redis-server --port {primary} {SERVER_FLAGS}"),
-            format!("redis-server {} --sentinel", conf.display()),
+            format!("{} --port {primary} {SERVER_FLAGS}", server()),
+            format!("{} {} --sentinel", server(), conf.display()),
         ],
     );
     wait_for(
@@ -169,7 +176,7 @@ impl Controlled {
     /// gets its first copy at once (no diskless-sync delay).
     pub fn start(&mut self) {
         assert!(self.child.is_none(), "already running");
-        let child = Command::new("redis-server")
+        let child = Command::new(server())
             .args(["--port", &self.port.to_string()])
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--protected-mode", "no", "--repl-diskless-sync-delay", "0"])
@@ -324,7 +331,7 @@ impl Sentinels {
                     ),
                 )
                 .expect("sentinel.conf written");
-                Command::new("redis-server")
+                Command::new(server())
                     .arg(&conf)
                     .arg("--sentinel")
                     .stdin(Stdio::null())
@@ -498,7 +505,7 @@ impl TlsRedis {
         log: &Path,
     ) -> TlsRedis {
         let port = low_free_ports(1)[0];
-        let child = Command::new("redis-server")
+        let child = Command::new(server())
             .args(["--port", "0", "--tls-port", &port.to_string()])
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--protected-mode", "no", "--tls-auth-clients", "yes"])

@@ -5,6 +5,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod admin_auth;
 mod algorithm_tables;
 mod check_config;
 mod docs;

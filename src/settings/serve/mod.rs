@@ -2,6 +2,7 @@
 //! with its bounds checked beside its fields and the typed values it gives the rest of the
 //! program. A new flag goes into the group of its concern.
 
+mod admin;
 mod answers;
 mod compat;
 mod listen;
@@ -17,6 +18,7 @@ mod xds;
 use clap::Args;
 
 use crate::service::Addrs;
+use admin::AdminFlags;
 use answers::AnswerFlags;
 use compat::ErlFlags;
 use listen::ListenerFlags;
@@ -50,6 +52,8 @@ pub struct ServeArgs {
     pub top: TopFlags,
     #[command(flatten)]
     pub erl: ErlFlags,
+    #[command(flatten)]
+    pub admin: AdminFlags,
 }
 
 impl ServeArgs {
