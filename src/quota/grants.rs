@@ -13,8 +13,8 @@ use super::assignment::assign;
 use super::replica::{Move, Subscriber};
 use super::stream::Outbox;
 use super::{
-    Assignment, DEMAND_STAYS, FROZEN_AFTER_RECONNECTION, MILLI, Quotas, SETTLE_ROUNDS,
-    TAKEN_WITHIN, WAKE_SLACK,
+    Assignment, DEMAND_STAYS, FROZEN_AFTER_RECONNECTION, GROWS_WITHIN, LATE_RETRY, MILLI, Quotas,
+    SETTLE_ROUNDS, TAKEN_WITHIN, WAKE_SLACK,
 };
 use crate::limiter::share::settled;
 use crate::limiter::{CounterKey, Limit};
@@ -125,6 +125,7 @@ impl Quotas {
                     .collect(),
             };
             let span = traces::division_span(&self.telemetry, &rule.path, call.streams.len());
+            let sent = Instant::now();
             let division = match self.record(key, call).instrument(span.clone()).await {
                 Ok(division) => division,
                 Err(e) => {
@@ -136,21 +137,36 @@ impl Quotas {
             moving = None;
             rounds += 1;
             if !division.again || shrunk.is_empty() || rounds == SETTLE_ROUNDS {
-                self.wake_when_free(id, &division);
+                self.wake_when_free(id, &division, sent.elapsed() > GROWS_WITHIN);
                 return Ok(division);
             }
             taken(&shrunk).await;
         }
     }
 
-    /// When a stream of this replica has less than its share of bucket `id` and a stream of
-    /// another replica holds some of it, settles the bucket again once that stream stops being
-    /// counted (a replica that died is not told to shrink): its Envoy gets its grant then, not at
-    /// its next report. One wake-up at a time per bucket.
-    fn wake_when_free(self: &Arc<Self>, id: u128, division: &Division) {
-        let Some(lapse_ms) = division.lapse_ms else {
+    /// When a stream of this replica has less than its share of bucket `id`, settles the bucket
+    /// again: once the stream of another replica that holds some of it stops being counted (a
+    /// replica that died is not told to shrink); and, when the call took longer than
+    /// `GROWS_WITHIN` (`late`), after `LATE_RETRY`: the store may have grown nothing for it (a
+    /// loaded host, whose calls arrive late while the load lasts), and the next call may be
+    /// quicker. Its Envoy gets its grant then, not at its next report. One wake-up at a time per
+    /// bucket.
+    fn wake_when_free(self: &Arc<Self>, id: u128, division: &Division, late: bool) {
+        // The store's clock, not this one: how long from now, with a little for the two to
+        // differ in their reading of the lapse.
+        let freed = division.lapse_ms.map(|lapse_ms| {
+            Duration::from_millis(lapse_ms.saturating_sub(division.now_ms)) + WAKE_SLACK
+        });
+        let Some(after) = [freed, late.then_some(LATE_RETRY)]
+            .into_iter()
+            .flatten()
+            .min()
+        else {
             return;
         };
+        // A retry for lateness takes a record of `--quota-max-records`, as a report's does: a
+        // loaded store is not asked more than that.
+        let retry = freed.is_none_or(|freed| freed > after);
         {
             let mut buckets = self.buckets();
             let Some(local) = buckets.get_mut(&id) else {
@@ -167,14 +183,14 @@ impl Quotas {
             }
             local.waking = true;
         }
-        // The store's clock, not this one: how long from now, with a little for the two to
-        // differ in their reading of the lapse.
-        let after = Duration::from_millis(lapse_ms.saturating_sub(division.now_ms)) + WAKE_SLACK;
         let quotas = self.clone();
         tokio::spawn(async move {
             tokio::time::sleep(after).await;
             if let Some(local) = quotas.buckets().get_mut(&id) {
                 local.waking = false;
+            }
+            if retry && !quotas.records_left.try_take(false) {
+                return;
             }
             if let Some((key, rule)) = quotas.divided(id) {
                 quotas.settle_in_background(id, key, rule).await;

@@ -36,6 +36,7 @@
 
 mod assignment;
 mod bounds;
+mod clock;
 mod grants;
 mod reload;
 mod replica;
@@ -92,6 +93,9 @@ const RULES_READ: Duration = Duration::from_millis(100);
 const ONE_SECOND: Duration = Duration::from_secs(1);
 /// How long after a stream of another replica lapses its bucket is settled again.
 const WAKE_SLACK: Duration = Duration::from_millis(20);
+/// How soon a bucket with a stream short of its share is settled again after a call that took
+/// longer than `GROWS_WITHIN`, which may have grown nothing for it.
+const LATE_RETRY: Duration = Duration::from_millis(250);
 /// Answers waiting to be written to one stream (each of at most `BUCKETS_AT_A_TIME` buckets); a
 /// push that finds it full is dropped (the stream's next report is answered anyway), and an answer
 /// to a report waits, holding back the rest of the report.

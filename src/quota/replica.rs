@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -14,6 +14,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::bounds::{Allowance, Bound, Clients, Pace};
+use super::clock::StoreClock;
 use super::stream::Outbox;
 use super::{
     Assignment, FROZEN_AFTER_RECONNECTION, GROWS_WITHIN, QuotaSettings, RECORDS_IN_FLIGHT,
@@ -44,9 +45,8 @@ pub struct Quotas {
     store_failed: AtomicBool,
     /// Told when the store answers again after failing: every bucket is to be listed again.
     answers_again: tokio::sync::Notify,
-    /// How far the store's clock is ahead of this one, in ms, as its last answer said
-    /// (`i64::MIN` until it has answered).
-    store_ahead_ms: AtomicI64,
+    /// How far the store's clock is ahead of this one, as its answers tell it.
+    store_clock: StoreClock,
     pub(super) ids: CounterIds,
     /// Turns to divide a bucket, one bucket at a time: a bucket takes the turn its id hashes to.
     pub(super) turns: Box<[tokio::sync::Mutex<()>]>,
@@ -194,7 +194,7 @@ impl Quotas {
             }),
             store_failed: AtomicBool::new(false),
             answers_again: tokio::sync::Notify::new(),
-            store_ahead_ms: AtomicI64::new(i64::MIN),
+            store_clock: StoreClock::default(),
             ids: CounterIds::new(),
             turns: (0..TURNS).map(|_| tokio::sync::Mutex::new(())).collect(),
             tracked_buckets: Allowance::new(settings.max_buckets),
@@ -233,7 +233,7 @@ impl Quotas {
     /// promoted) server, which may have lost what every replica's streams hold: no grant grows
     /// here for `FROZEN_AFTER_RECONNECTION` (frozen before a call can name the new server), and
     /// every bucket is listed again.
-    fn heard_from(&self, slot: u16, server: u64) {
+    fn heard_from(&self, slot: u16, server: u64) -> bool {
         let replaced = {
             let mut heard = self.heard();
             let replaced = heard
@@ -248,6 +248,7 @@ impl Quotas {
         if replaced {
             self.answers_again.notify_one();
         }
+        replaced
     }
 
     /// Lists every bucket again each time the store answers after failing, for as long as the
@@ -377,11 +378,10 @@ impl Quotas {
                 && !self.store_failed.load(Ordering::Acquire)
                 && Instant::now() >= heard.frozen_until;
         }
-        let ahead = self.store_ahead_ms.load(Ordering::Acquire);
-        let known = ahead != i64::MIN;
-        let store_now = unix_ms() + if known { ahead } else { 0 };
+        let ahead = self.store_clock.ahead_ms();
+        let store_now = unix_ms() + ahead.unwrap_or(0);
         let at = |after: Duration| u64::try_from(store_now + after.as_millis() as i64);
-        if known {
+        if ahead.is_some() {
             call.not_after_ms = at(STORE_DEADLINE).unwrap_or(0);
         }
         // Before the first answer the store's clock is taken for this one's: a call that waits
@@ -390,11 +390,12 @@ impl Quotas {
         call.grow_until_ms = at(GROWS_WITHIN).unwrap_or(0);
         let settled = self.store.settle(bucket, &call, deadline).await;
         if let Ok(division) = &settled {
-            let ahead = i64::try_from(division.now_ms).unwrap_or(i64::MAX) - unix_ms();
-            self.store_ahead_ms.store(ahead, Ordering::Release);
-            if let Some(server) = division.server {
-                self.heard_from(slot, server);
-            }
+            let (local, now) = (unix_ms(), Instant::now());
+            let anew = division
+                .server
+                .is_some_and(|server| self.heard_from(slot, server));
+            let store = i64::try_from(division.now_ms).unwrap_or(i64::MAX);
+            self.store_clock.read(store, local, now, anew);
         }
         match &settled {
             Err(StoreError::Down | StoreError::Unavailable(_) | StoreError::Timeout) => {
