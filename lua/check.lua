@@ -148,7 +148,8 @@ end
 local function fixed_store(key, state, window)
   local windows = disk[key]
   if not windows[state.w] then
-    local current, latest = bounds(window, now), state.w
+    local current, _, finish = bounds(window, now)
+    local latest = state.w
     local over = {}
     for _, field in ipairs(call('HKEYS', key)) do
       local index = tonumber(field)
@@ -160,7 +161,7 @@ local function fixed_store(key, state, window)
     end
     if #over > 0 then call('HDEL', key, unpack(over)) end
     call('HSET', key, int(state.w), int(state.c))
-    local _, _, finish = bounds(window, now)
+    -- Off the calendar, the latest window may be a scheduled instant's.
     if type(window) ~= 'table' then finish = (latest + 1) * window end
     call('PEXPIREAT', key, int(finish))
   else

@@ -164,11 +164,7 @@ fn counters(rng: &mut Rng, seed: u64, zone: &str) -> Vec<Counter> {
 fn window_arg(limit: &Limit) -> Value {
     match &limit.calendar {
         Some(calendar) => {
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .expect("after 1970")
-                .as_millis() as u64;
-            let [b0, b1, b2, b3] = calendar.around(limit.unit, now);
+            let [b0, b1, b2, b3] = calendar.around(limit.unit, common::unix_ms());
             Value::from(format!("{b0} {b1} {b2} {b3}"))
         }
         None => (limit.window_ms() as i64).into(),
@@ -358,11 +354,7 @@ async fn run(client: &Client, seed: u64, steps: usize, held_only: bool) -> BTree
     let mut rng = Rng(seed);
     // The calendar reads its clock as if the run started three seconds before the boundary.
     let (zone, instant) = boundary(seed);
-    let system = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .expect("after 1970")
-        .as_millis() as i64;
-    calendar::set_test_offset(instant as i64 - 3_000 - system);
+    calendar::set_test_offset(instant as i64 - 3_000 - common::unix_ms() as i64);
     let mut counters = counters(&mut rng, seed, zone);
     if held_only {
         for (i, counter) in counters.iter_mut().enumerate() {

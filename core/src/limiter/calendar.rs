@@ -59,14 +59,8 @@ pub struct Span {
     pub end: u64,
 }
 
-impl Span {
-    pub fn holds(&self, at_ms: u64) -> bool {
-        self.start <= at_ms && at_ms < self.end
-    }
-}
-
 /// How far the calendar's clock is set from the system's, in ms: 0 but in tests
-/// (`--calendar-clock-offset`), which run windows across boundaries of their choosing. Every
+/// (`--calendar-clock-offset-ms`), which run windows across boundaries of their choosing. Every
 /// window is worked out at the clock plus this offset, then moved back by it: the stores count,
 /// expire and reset in their own clock's time as if it were that instant.
 static TEST_OFFSET_MS: AtomicI64 = AtomicI64::new(0);
@@ -201,10 +195,7 @@ impl Calendar {
             .date();
         let (start, end) = match unit {
             Unit::Week => {
-                let back = (date.weekday().to_monday_zero_offset()
-                    - self.week_starts.to_monday_zero_offset())
-                .rem_euclid(7);
-                let start = date - i64::from(back).days();
+                let start = date - i64::from(date.weekday().since(self.week_starts)).days();
                 (start, start + 7.days())
             }
             Unit::Month => {
@@ -274,18 +265,12 @@ impl Hash for Calendar {
     }
 }
 
-/// A weekday as rule files name it: `monday` … `sunday`, in any case.
+/// A weekday as rule files name it (`weekday_name`), in any case.
 pub fn parse_weekday(name: &str) -> Option<Weekday> {
-    Some(match name.to_ascii_lowercase().as_str() {
-        "monday" => Weekday::Monday,
-        "tuesday" => Weekday::Tuesday,
-        "wednesday" => Weekday::Wednesday,
-        "thursday" => Weekday::Thursday,
-        "friday" => Weekday::Friday,
-        "saturday" => Weekday::Saturday,
-        "sunday" => Weekday::Sunday,
-        _ => return None,
-    })
+    Weekday::Monday
+        .cycle_forward()
+        .take(7)
+        .find(|&day| weekday_name(day).eq_ignore_ascii_case(name))
 }
 
 /// A weekday as rule files name it.

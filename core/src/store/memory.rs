@@ -25,7 +25,6 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::StoreError;
 use super::demand::{DemandBoard, Division, Settle};
@@ -296,7 +295,7 @@ impl MemoryStore {
     }
 
     pub fn apply(&self, check: &Check) -> Result<Decision, StoreError> {
-        self.apply_at(check, now_ms())
+        self.apply_at(check, super::unix_ms())
     }
 
     /// Decides `check` with the clock at `now_ms` (ms since the Unix epoch).
@@ -593,12 +592,12 @@ impl MemoryStore {
         bucket: &CounterKey,
         call: &Settle,
     ) -> Result<Division, StoreError> {
-        self.demand.settle(bucket, call, now_ms())
+        self.demand.settle(bucket, call, super::unix_ms())
     }
 
     /// Drops expired counters, one shard at a time, and quota streams gone quiet.
     pub(crate) fn sweep(&self) {
-        let now_ms = now_ms();
+        let now_ms = super::unix_ms();
         self.sweep_at(now_ms);
         self.demand.sweep(now_ms);
     }
@@ -690,13 +689,6 @@ fn evaluate(item: &Item, ask: &Ask, stored: Option<&Stored>) -> (Verdict, Option
             (verdict, write)
         }
     }
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ mod redis;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use tokio::sync::mpsc;
@@ -394,3 +395,11 @@ impl StoreError {
 }
 
 impl std::error::Error for StoreError {}
+
+/// This process's clock, in ms since the Unix epoch: the embedded store's clock, and the one a
+/// replica picks calendar windows around for Redis.
+pub(crate) fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}

@@ -3,7 +3,6 @@
 //! their replies read back; and what a request charged, for the refund of a caller that gave up.
 
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use fred::prelude::Value;
@@ -388,7 +387,7 @@ pub(super) fn encode(check: &Check, at: &[usize], quota_here: bool) -> Vec<Value
         // one holding Redis' clock.
         args.push(match &item.limit.calendar {
             Some(calendar) => {
-                let [b0, b1, b2, b3] = calendar.around(item.limit.unit, unix_ms());
+                let [b0, b1, b2, b3] = calendar.around(item.limit.unit, crate::store::unix_ms());
                 Value::from(format!("{b0} {b1} {b2} {b3}"))
             }
             None => Value::from(item.limit.window_ms() as i64),
@@ -417,13 +416,6 @@ pub(super) fn encode(check: &Check, at: &[usize], quota_here: bool) -> Vec<Value
         args.push(flag(item.counting == Counting::Always));
     }
     args
-}
-
-/// This replica's clock, in ms since the Unix epoch.
-fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 fn flag(on: bool) -> Value {
