@@ -48,7 +48,8 @@
 //! per-rule series and their cap, envoyproxy/ratelimit's statsd stats through its
 //! statsd_exporter mapping, the response-time summary; `telemetry::top`: who is being limited
 //! right now, in sketches of a fixed size), [`load`] is the client-side load generator of
-//! `sluice load`, and [`top`] the terminal view of `sluice top`.
+//! `sluice load`, [`top`] the terminal view of `sluice top`, [`counters`] the command line of a
+//! server's `/counters` (`sluice counters`), both asking the admin port through [`admin`].
 //!
 //! Before any of it: [`settings`] holds every command's flags, `serve`'s as one clap group per
 //! concern (rules and xDS, listeners, TLS, counter store and Redis, deadlines and policy,
@@ -68,6 +69,8 @@
 
 pub use sluice_core::{certs, config, limiter, observe, rules, store, throttle};
 
+pub mod admin;
+pub mod counters;
 pub mod load;
 pub mod pb;
 pub mod quota;

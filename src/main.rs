@@ -37,6 +37,7 @@ fn main() -> ExitCode {
         Command::Explain(args) => explain(&args),
         Command::Load(options) => load(options),
         Command::Top(options) => top(options),
+        Command::Counters(options) => counters(*options),
         Command::Serve(args) => {
             let telemetry = Telemetry::new();
             let traces = args
@@ -190,6 +191,17 @@ async fn top(options: sluice::top::Options) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("sluice top: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn counters(options: sluice::counters::Options) -> ExitCode {
+    match sluice::counters::run(options).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sluice counters: {e:#}");
             ExitCode::FAILURE
         }
     }

@@ -5,33 +5,21 @@
 
 use std::fmt::Write as _;
 use std::io::Write as _;
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
-use bytes::Bytes;
-use http_body_util::{BodyExt, Empty, Limited};
-use hyper::Request;
-use hyper::header::HOST;
-use hyper_util::rt::TokioIo;
-use tokio::net::TcpStream;
 
+use crate::admin::Admin;
 use crate::telemetry::top::{Period, PeriodReport, Report, RuleRow, Values};
 
-/// How long one ask of `/top` may take, connection included.
-const ASK_TIMEOUT: Duration = Duration::from_secs(5);
-/// The largest `/top` answer read.
-const MOST_ANSWER_BYTES: usize = 16 << 20;
 /// Moves the cursor home and clears the screen.
 const CLEAR: &str = "\x1b[H\x1b[2J";
 
 /// What to watch and how.
 #[derive(clap::Args, Clone, Debug)]
 pub struct Options {
-    /// The admin HTTP address of the server, HOST:PORT or http://HOST:PORT (an unspecified IP
-    /// such as 0.0.0.0 asked on loopback).
-    #[arg(long, env = "SLUICE_HTTP_ADDR", default_value = "127.0.0.1:8080", value_parser = parse_admin)]
-    pub admin: String,
+    #[command(flatten)]
+    pub admin: Admin,
     /// How often the view is redrawn.
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     pub interval: Duration,
@@ -44,27 +32,6 @@ pub struct Options {
     /// Print one view, without clearing the screen, and exit: 0 when the server answered.
     #[arg(long)]
     pub once: bool,
-}
-
-/// `HOST:PORT` from an admin address or an `http://` URL, an unspecified IP made loopback.
-fn parse_admin(text: &str) -> Result<String, String> {
-    let rest = text.strip_prefix("http://").unwrap_or(text);
-    let authority = rest.split('/').next().unwrap_or_default();
-    if authority.is_empty() || authority.contains('@') || text.starts_with("https://") {
-        return Err(format!("'{text}' is not HOST:PORT or http://HOST:PORT"));
-    }
-    match authority.parse::<SocketAddr>() {
-        Ok(mut addr) if addr.ip().is_unspecified() => {
-            addr.set_ip(match addr {
-                SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
-                SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
-            });
-            Ok(addr.to_string())
-        }
-        Ok(addr) => Ok(addr.to_string()),
-        Err(_) if authority.contains(':') => Ok(authority.to_owned()),
-        Err(_) => Ok(format!("{authority}:80")),
-    }
 }
 
 /// Shows the view once, or until Ctrl-C.
@@ -85,7 +52,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
                 tick.tick().await;
                 match ask(&options).await {
                     Ok(report) => render(&report, &options),
-                    Err(e) => format!("sluice top: {}: {e:#}\n", options.admin),
+                    Err(e) => format!("sluice top: {}: {e:#}\n", options.admin.addr),
                 }
             } => frame,
         };
@@ -97,43 +64,17 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
 
 /// The period asked for, from the server's `/top`.
 async fn ask(options: &Options) -> anyhow::Result<PeriodReport> {
-    let exchange = async {
-        let stream = TcpStream::connect(&options.admin).await?;
-        let (mut sender, connection) =
-            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-        tokio::spawn(connection);
-        let request = Request::get(format!(
-            "/top?period={}&n={}",
-            options.period.name(),
-            options.rows
-        ))
-        .header(HOST, &options.admin)
-        .body(Empty::<Bytes>::new())?;
-        let response = sender.send_request(request).await?;
-        let status = response.status();
-        let body = Limited::new(response.into_body(), MOST_ANSWER_BYTES)
-            .collect()
-            .await
-            .map_err(|e| anyhow::anyhow!("reading /top: {e}"))?
-            .to_bytes();
-        if !status.is_success() {
-            anyhow::bail!("{status}: {}", String::from_utf8_lossy(&body).trim());
-        }
-        let report: Report = serde_json::from_slice(&body).context("reading /top")?;
-        report
-            .periods
-            .into_iter()
-            .find(|p| p.period == options.period)
-            .context("/top has no such period")
-    };
-    tokio::time::timeout(ASK_TIMEOUT, exchange)
-        .await
-        .map_err(|_| {
-            anyhow::anyhow!(
-                "no answer within {}",
-                humantime::format_duration(ASK_TIMEOUT)
-            )
-        })?
+    let path = format!("/top?period={}&n={}", options.period.name(), options.rows);
+    let (status, body) = options.admin.ask("GET", &path, None).await?;
+    if !status.is_success() {
+        anyhow::bail!("{status}: {}", String::from_utf8_lossy(&body).trim());
+    }
+    let report: Report = serde_json::from_slice(&body).context("reading /top")?;
+    report
+        .periods
+        .into_iter()
+        .find(|p| p.period == options.period)
+        .context("/top has no such period")
 }
 
 /// One view of `report`.
@@ -145,7 +86,7 @@ fn render(report: &PeriodReport, options: &Options) -> String {
     let _ = writeln!(
         out,
         "sluice top — {}, the last {} ({:.0} s)",
-        options.admin,
+        options.admin.addr,
         report.period.name(),
         report.seconds
     );
@@ -228,18 +169,6 @@ fn printable(value: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn an_admin_address_is_read_from_an_address_or_a_url() {
-        assert_eq!(parse_admin("127.0.0.1:6070").unwrap(), "127.0.0.1:6070");
-        assert_eq!(
-            parse_admin("http://0.0.0.0:8080/").unwrap(),
-            "127.0.0.1:8080"
-        );
-        assert_eq!(parse_admin("http://admin.local").unwrap(), "admin.local:80");
-        assert!(parse_admin("https://x:1").is_err());
-        assert!(parse_admin("http://u@x:1").is_err());
-    }
 
     #[test]
     fn a_value_cannot_move_the_cursor() {

@@ -17,7 +17,8 @@ use super::readiness::Readiness;
 use super::rls::Rls;
 use super::setup::{JsonAt, Setup};
 use super::shutdown::Shutdown;
-use super::{explain, http};
+use super::{counters, explain, http};
+use crate::store::Store;
 use crate::throttle::Throttle;
 
 /// How long an admin HTTP client may take to send a request's headers, the first or the next
@@ -46,6 +47,8 @@ pub(super) struct Answers {
     pub(super) gauges: Gauges,
     /// The rate limit service `/json` asks.
     pub(super) rls: Arc<Rls>,
+    /// The store `/counters` changes.
+    pub(super) counters_store: Store,
 }
 
 impl Admin {
@@ -64,6 +67,7 @@ impl Admin {
             readiness,
             gauges,
             rls,
+            counters_store,
         } = answers;
         let bound = |name| Connections::new(name, per_listener);
         let metrics = self
@@ -83,6 +87,20 @@ impl Admin {
                 setup.edges.max_request_bytes,
                 token,
             ));
+        admin = admin.merge(counters::route(
+            counters::Parts {
+                rules: setup.rules.clone(),
+                bounds: setup.bounds,
+                answering: setup.answering.clone(),
+                store: counters_store,
+                cache: setup.cache.clone(),
+                leases: setup.leases.clone(),
+                telemetry: setup.telemetry.clone(),
+                redis_key_prefix: setup.backend.redis_key_prefix().map(str::to_owned),
+            },
+            setup.edges.max_request_bytes,
+            token,
+        ));
         let json = http::json_route(rls, setup.edges.max_request_bytes, token);
         if json_at == JsonAt::Http {
             admin = admin.merge(json.clone());
@@ -146,7 +164,8 @@ async fn serve_http(
         let Some(slot) = connections.admit() else {
             continue;
         };
-        let service = Tracked::new(router.clone(), &slot, ADMIN_ANSWER, late);
+        let peer = stream.peer_addr().ok().map(|a| a.ip());
+        let service = Tracked::new(router.clone(), &slot, ADMIN_ANSWER, late).with_peer(peer);
         let http1 = http1.clone();
         let shutdown = shutdown.clone();
         served.spawn(async move {

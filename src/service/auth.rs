@@ -1,5 +1,5 @@
 //! The admin token (`--admin-token-file`): with one, the admin endpoints that show client values
-//! or move counters (`/top`, `/explain`, `/json`) answer 401 unless asked with
+//! or move counters (`/top`, `/explain`, `/counters`, `/json`) answer 401 unless asked with
 //! `Authorization: Bearer <token>`; the probes, `/metrics`, `/config`, `/rlconfig` and `/` stay
 //! open. The file is read again every second, so a token is rotated without a restart; a file
 //! that cannot be read or holds no token is logged, and the token in force stays.

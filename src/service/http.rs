@@ -120,6 +120,10 @@ const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
         "how the rules match a request, counting nothing",
     ),
     (
+        "POST /counters",
+        "shows, resets, sets or adds to a request's counters (a dry run unless \"apply\": true)",
+    ),
+    (
         "POST /json",
         "envoyproxy/ratelimit's JSON API: decides and counts a request",
     ),

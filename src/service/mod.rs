@@ -25,6 +25,7 @@ mod admin;
 mod auth;
 mod conns;
 mod counted;
+mod counters;
 mod decide;
 mod event_loop;
 pub mod explain;

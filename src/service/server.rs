@@ -2,6 +2,7 @@
 //! started, gRPC connections accepted once the store is reached, and the drain at shutdown.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -18,8 +19,9 @@ use super::gauges::Gauges;
 use super::readiness::Readiness;
 use super::setup::{Addrs, JsonAt, Setup};
 use super::shutdown::Shutdown;
-use crate::limiter::lease::Pass;
-use crate::store::Backend;
+use crate::limiter::OverLimitCache;
+use crate::limiter::lease::{Leases, Pass};
+use crate::store::{Backend, Reset};
 
 /// How long gRPC connections wait at the start for the store to be reached.
 const STORE_AT_START: Duration = Duration::from_secs(2);
@@ -44,6 +46,15 @@ pub async fn run(
     let health = HealthReporter::new();
     let readiness = Readiness::new(&setup, shutdown.clone());
     let rls = setup.rls()?;
+    let counters_store = setup.backend.open()?;
+    // Counters another replica reset are forgotten here: room again, leased blocks dropped.
+    if let Some(resets) = setup.backend.listen_resets()? {
+        tokio::spawn(forget_resets(
+            resets,
+            setup.cache.clone(),
+            setup.leases.clone(),
+        ));
+    }
     // A reload that changes a quota rule reaches the streams of the buckets it divides at once.
     setup
         .quotas
@@ -110,6 +121,7 @@ pub async fn run(
         json_at: addrs.json,
         readiness,
         rls,
+        counters_store,
     };
     let admin = admin.serve(answers, budget.admin, shutdown.clone());
     tokio::join!(accept, admin, giver.give_back_until(shutdown.clone()));
@@ -123,6 +135,21 @@ pub async fn run(
     // Every call answered: what the blocks still hold goes back before the process ends.
     let _ = tokio::time::timeout(GIVE_BACK_AT_EXIT, giver.give_back(Pass::Exit)).await;
     Ok(())
+}
+
+/// Forgets, in the over-limit cache and the leases, every counter another replica reset, for
+/// as long as the store tells of them.
+async fn forget_resets(
+    mut resets: mpsc::Receiver<Reset>,
+    cache: Option<Arc<OverLimitCache>>,
+    leases: Arc<Leases>,
+) {
+    while let Some(reset) = resets.recv().await {
+        if let Some(cache) = &cache {
+            cache.forget(&reset.key, reset.requests_per_unit);
+        }
+        leases.forget(&reset.key, reset.requests_per_unit);
+    }
 }
 
 /// Every runtime of the process, by role: this one, the quota service's and the event loops'.

@@ -45,6 +45,9 @@ pub enum Command {
     /// Watch who a running server is limiting: its decision rate, store latency and policy
     /// answers, the values most denied and the rules most denied, from its admin /top.
     Top(crate::top::Options),
+    /// Show, reset, set or add to the counters one request would move, through a running
+    /// server's admin /counters (a dry run unless --apply).
+    Counters(Box<crate::counters::Options>),
 }
 
 /// `--counting`'s values: the limiter's `Counting`, by name.

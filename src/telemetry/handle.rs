@@ -203,6 +203,11 @@ impl Telemetry {
         self.0.metrics.quota_store_error(kind);
     }
 
+    /// `n` counters changed through `/counters` by `action` (`reset`, `set`, `add`).
+    pub fn counter_changes(&self, action: &'static str, n: u64) {
+        self.0.metrics.counter_changes(action, n);
+    }
+
     /// `n` trace spans that ended as `outcome` (`exported`, `dropped`, `failed`).
     pub fn trace_spans(&self, outcome: &'static str, n: u64) {
         self.0.metrics.trace_spans(outcome, n);

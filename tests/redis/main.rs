@@ -11,6 +11,7 @@ mod algorithms;
 mod answers;
 mod calendar;
 mod cluster;
+mod counters;
 mod counting;
 mod dashboard;
 mod data_errors;

@@ -40,6 +40,16 @@ impl OverLimitCache {
             .id(&item.key, u64::from(item.limit.requests_per_unit))
     }
 
+    /// Forgets the counter whose key's bytes are `key` under a limit of `requests_per_unit`:
+    /// reset in the store (`/counters`), it is no longer known to be full.
+    pub fn forget(&self, key: &[u8], requests_per_unit: u32) {
+        self.full.remove(
+            &self
+                .ids
+                .salted_id_of_bytes(key, u64::from(requests_per_unit)),
+        );
+    }
+
     /// The denial of `check` when counters known to be full deny it on their own, else `None`.
     /// A check that gives hits back, names an instant, or charges a counter whatever the
     /// answer (`Counting::Always`), is never answered here: its store call must happen.

@@ -226,8 +226,13 @@ impl CounterIds {
 
     /// The id of `key`, told apart further by `salt`.
     pub fn id(&self, key: &CounterKey, salt: u64) -> u128 {
+        self.salted_id_of_bytes(key.as_bytes(), salt)
+    }
+
+    /// The id of the key whose bytes are `key`, told apart further by `salt`.
+    pub fn salted_id_of_bytes(&self, key: &[u8], salt: u64) -> u128 {
         let mut h = SipHasher13::new_with_keys(self.keys.0, self.keys.1);
-        h.write(key.as_bytes());
+        h.write(key);
         if salt != 0 {
             h.write_u64(salt);
         }
@@ -236,9 +241,7 @@ impl CounterIds {
 
     /// The id (unsalted) of the key whose bytes are `key`, as the store names it.
     pub fn id_of_bytes(&self, key: &[u8]) -> u128 {
-        let mut h = SipHasher13::new_with_keys(self.keys.0, self.keys.1);
-        h.write(key);
-        h.finish128().as_u128()
+        self.salted_id_of_bytes(key, 0)
     }
 }
 

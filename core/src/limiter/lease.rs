@@ -503,6 +503,18 @@ impl Leases {
         admitted
     }
 
+    /// Drops what the blocks of the counter whose key's bytes are `key`, under a limit of
+    /// `requests_per_unit`, hold, giving nothing back: the counter was reset in the store
+    /// (`/counters`), which no longer counts them. Its next request takes a block anew.
+    pub fn forget(&self, key: &[u8], requests_per_unit: u32) {
+        let id = self
+            .ids
+            .salted_id_of_bytes(key, u64::from(requests_per_unit));
+        if let Some(h) = self.held().get_mut(&id) {
+            h.left = 0;
+        }
+    }
+
     /// The next block taken (`took`): made before a `draw` that may answer `Draw::Wait`, so
     /// that a block taken in between is not missed.
     pub fn next_taken(&self) -> tokio::sync::futures::Notified<'_> {

@@ -118,7 +118,7 @@ impl Limit {
     }
 
     /// The most hits the counter can hold at once: a bucket's `burst`, else the limit.
-    pub(crate) fn capacity(&self) -> u32 {
+    pub fn capacity(&self) -> u32 {
         if self.algorithm.is_bucket() {
             self.burst
         } else {

@@ -578,6 +578,18 @@ impl MemoryStore {
             .map(|c| (c.stored.clone(), c.expires_ms))
     }
 
+    /// Deletes the counters of `items`, a fixed window's in the window holding `at_ms` (see
+    /// `Store::reset`).
+    pub(crate) fn reset(&self, items: &[Item], at_ms: u64) {
+        for item in items {
+            let id = self.id(&item.key, &item.limit, at_ms);
+            self.shards[Self::shard_of(id)]
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(id);
+        }
+    }
+
     /// Counters held, expired ones not swept yet included.
     pub(crate) fn counters(&self) -> usize {
         self.shards

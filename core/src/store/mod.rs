@@ -22,7 +22,7 @@ pub use guard::Deadline;
 pub use memory::{MemoryStore, Percent, Stored};
 pub use redis::{RedisStore, RedisTls, Replicas, redis_key};
 
-use crate::limiter::{Check, CounterKey, Decision};
+use crate::limiter::{Check, CounterKey, Decision, Item};
 use crate::observe::Observer;
 use guard::{Breakers, Guard};
 
@@ -133,6 +133,20 @@ impl Backend {
                 tls,
                 ..
             } => RedisStore::listen(url, key_prefix, tls.as_ref()).map(Some),
+        }
+    }
+
+    /// The counters other replicas reset (`Store::reset`), for as long as the receiver is kept;
+    /// `None` on the embedded store, which serves one replica. Call it inside a Tokio runtime.
+    pub fn listen_resets(&self) -> Result<Option<mpsc::Receiver<Reset>>, StoreError> {
+        match self {
+            Backend::Memory(_) => Ok(None),
+            Backend::Redis {
+                url,
+                key_prefix,
+                tls,
+                ..
+            } => RedisStore::listen_resets(url, key_prefix, tls.as_ref()).map(Some),
         }
     }
 
@@ -249,6 +263,43 @@ impl Store {
         }
     }
 
+    /// Resets the counters of `items`: each is deleted, as if it had never been written (a
+    /// window counts nothing, a log holds no entry, a bucket is full), a fixed window's in the
+    /// window holding `at_ms` only; then every replica is told (`unblock`).
+    pub async fn reset(
+        &self,
+        items: &[Item],
+        at_ms: u64,
+        deadline: Deadline,
+    ) -> Result<(), StoreError> {
+        let reset = async {
+            match &self.counters {
+                Counters::Memory(memory) => {
+                    memory.reset(items, at_ms);
+                    Ok(())
+                }
+                Counters::Redis(redis) => {
+                    redis.reset(items, at_ms).await?;
+                    redis.unblock(items).await
+                }
+            }
+        };
+        self.guard.call(deadline, reset).await
+    }
+
+    /// Tells every replica that the counters of `items` may have room again: they forget
+    /// them in their over-limit cache and drop their leased blocks of them
+    /// (`Backend::listen_resets`). Nothing to tell on the embedded store, which serves one.
+    pub async fn unblock(&self, items: &[Item], deadline: Deadline) -> Result<(), StoreError> {
+        let told = async {
+            match &self.counters {
+                Counters::Memory(_) => Ok(()),
+                Counters::Redis(redis) => redis.unblock(items).await,
+            }
+        };
+        self.guard.call(deadline, told).await
+    }
+
     /// Settles a quota bucket for this replica's streams of it (see `demand`).
     pub async fn settle(
         &self,
@@ -274,6 +325,15 @@ pub enum Told {
     Bucket(Bytes),
     /// The store's connection was made again: a restarted store may have lost the buckets.
     Reconnected,
+}
+
+/// A counter a replica reset (`Store::reset`), as every replica hears of it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Reset {
+    /// The bytes of its key.
+    pub key: Bytes,
+    /// Its limit's, which the over-limit cache and the leases know it by.
+    pub requests_per_unit: u32,
 }
 
 /// Why a store could not decide.

@@ -10,8 +10,8 @@ use crate::service::{AdminToken, JsonAt};
 #[derive(Args)]
 #[command(next_help_heading = "Admin authentication")]
 pub struct AdminFlags {
-    /// A file holding the admin token (its first line): /top, /explain and /json then answer 401
-    /// unless asked with `Authorization: Bearer <token>`.
+    /// A file holding the admin token (its first line): /top, /explain, /counters and /json then
+    /// answer 401 unless asked with `Authorization: Bearer <token>`.
     ///
     /// The probes, /metrics, /config, /rlconfig and / stay open. The file is read again every
     /// second: a new token is in force within about a second, and one that cannot be read
@@ -21,17 +21,20 @@ pub struct AdminFlags {
 }
 
 impl AdminFlags {
-    /// The admin token, read now; `None` without one, said in a warning when `/json` (which
-    /// moves counters) is served.
+    /// The admin token, read now; `None` without one, said in a warning: `/counters` (and
+    /// `/json`, when served) move counters.
     pub fn token(&self, json: JsonAt) -> anyhow::Result<Option<AdminToken>> {
         match &self.admin_token_file {
             Some(path) => AdminToken::load(path).map(Some),
             None => {
-                if json != JsonAt::Off {
-                    tracing::warn!(
-                        "the admin endpoints are open to anyone who reaches them: /json moves counters, /top and /explain show client values; --admin-token-file puts them behind a bearer token"
-                    );
-                }
+                let moving = if json == JsonAt::Off {
+                    "/counters resets and sets counters"
+                } else {
+                    "/counters resets and sets counters, /json moves them"
+                };
+                tracing::warn!(
+                    "the admin endpoints are open to anyone who reaches them: {moving}, /top and /explain show client values; --admin-token-file puts them behind a bearer token"
+                );
                 Ok(None)
             }
         }

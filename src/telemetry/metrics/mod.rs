@@ -93,6 +93,7 @@ pub struct Metrics {
     /// Bucket reports that waited their turn past `--quota-max-reports`.
     pub quota_paced: Counter,
     trace_spans: Family<Labels, Counter>,
+    counter_changes: Family<Labels, Counter>,
     /// The mapping of envoyproxy/ratelimit's statsd names in force: `use_mapper`'s, else that
     /// project's built-in one.
     mapper: OnceLock<Mapper>,
@@ -146,6 +147,7 @@ impl Metrics {
             quota_untracked: Family::default(),
             quota_paced: Counter::default(),
             trace_spans: Family::default(),
+            counter_changes: Family::default(),
             mapper: OnceLock::new(),
             top,
         };
@@ -281,7 +283,22 @@ impl Metrics {
             "Trace spans, by outcome: exported, dropped (the export queue was full), failed (the collector did not take them)",
             m.trace_spans.clone(),
         );
+        r.register(
+            "sluice_counter_changes",
+            "Counters changed through the admin API (/counters), by action: reset, set, add",
+            m.counter_changes.clone(),
+        );
+        for action in ["reset", "set", "add"] {
+            drop(m.counter_changes.get_or_create(&[("action", action)]));
+        }
         Metrics { registry, ..m }
+    }
+
+    /// `n` counters changed through `/counters` by `action`.
+    pub fn counter_changes(&self, action: &'static str, n: u64) {
+        self.counter_changes
+            .get_or_create(&[("action", action)])
+            .inc_by(n);
     }
 
     /// A request the store could not decide, for a reason of `kind` (see `StoreError::kind`).

@@ -23,8 +23,8 @@ use tokio::time::Instant;
 
 use super::RedisTls;
 use super::replicas::{self, Primary, Replicas};
+use crate::store::StoreError;
 use crate::store::guard::Breaker;
-use crate::store::{StoreError, Told};
 use crate::throttle::Throttle;
 
 /// How long a TCP connection to Redis may take when a failure is diagnosed.
@@ -299,16 +299,17 @@ fn config_error(e: Error) -> StoreError {
 }
 
 /// Listens on `channel` of `url` for as long as `heard` is open, following reconnections and
-/// re-subscribing after each: every message's payload, less its first `skip` bytes (the key
-/// prefix and hash tag of the bucket it names), goes to `heard`, and `Told::Reconnected` once a
-/// connection is made again, when a restarted server may have lost what it held.
+/// re-subscribing after each: what `read` makes of every message's payload goes to `heard`
+/// (one it makes nothing of is dropped), and `Told::Reconnected` once a connection is made
+/// again, what `reconnected` makes (a restarted server may have lost what it held).
 /// A message that finds `heard` full is dropped.
-pub(super) fn listen(
+pub(super) fn listen<T: Send + 'static>(
     url: &str,
     tls: Option<&RedisTls>,
     channel: Bytes,
-    skip: usize,
-    heard: mpsc::Sender<Told>,
+    heard: mpsc::Sender<T>,
+    read: impl Fn(Bytes) -> Option<T> + Send + 'static,
+    reconnected: impl Fn() -> Option<T> + Send + 'static,
 ) -> Result<(), StoreError> {
     let subscriber = builder(url, tls)?
         .build_subscriber_client()
@@ -322,7 +323,7 @@ pub(super) fn listen(
         let channel = Str::from_inner(channel).unwrap_or_default();
         while let Err(e) = subscriber.subscribe(channel.clone()).await {
             if let Some(n) = FAILED.hit() {
-                tracing::warn!("{n} failed subscription(s) to the quota service's channel: {e}");
+                tracing::warn!("{n} failed subscription(s) to the channel {channel}: {e}");
             }
             tokio::time::sleep(PROBE_INTERVAL).await;
         }
@@ -333,18 +334,20 @@ pub(super) fn listen(
             let heard_now = tokio::select! {
                 message = messages.recv() => match message {
                     Ok(message) => match message.value.into_bytes() {
-                        Some(payload) if payload.len() > skip => {
-                            Told::Bucket(payload.slice(skip..))
-                        }
-                        _ => continue,
+                        Some(payload) => match read(payload) {
+                            Some(told) => told,
+                            None => continue,
+                        },
+                        None => continue,
                     },
                     Err(broadcast::error::RecvError::Lagged(_)) => continue,
                     Err(broadcast::error::RecvError::Closed) => return,
                 },
-                reconnected = reconnections.recv() => match reconnected {
-                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {
-                        Told::Reconnected
-                    }
+                again = reconnections.recv() => match again {
+                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => match reconnected() {
+                        Some(told) => told,
+                        None => continue,
+                    },
                     Err(broadcast::error::RecvError::Closed) => return,
                 },
             };

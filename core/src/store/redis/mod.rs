@@ -43,8 +43,11 @@ use tracing::Instrument;
 
 use super::demand::{Division, Settle};
 use super::guard::{self, Breaker, Queue};
-use super::{Deadline, StoreError, Told};
-use crate::limiter::{Check, CounterKey, Decision};
+use super::{Deadline, Reset, StoreError, Told};
+use fred::prelude::Value;
+use fred::types::{ClusterHash, CustomCommand};
+
+use crate::limiter::{Algorithm, Check, CounterKey, Decision, Item};
 use crate::observe::{Observer, TRACES};
 use batch::Pending;
 use conn::{Conn, Lanes};
@@ -60,6 +63,8 @@ const CLUSTER_LANES: usize = 8;
 
 pub struct RedisStore {
     scripts: Scripts,
+    /// For the commands that are no script: a reset's.
+    conn: Conn,
     prefix: Vec<u8>,
     /// Where requests wait to be batched; `None` on a Cluster, where each request calls per slot.
     queue: Option<Queue<Pending>>,
@@ -101,6 +106,7 @@ impl RedisStore {
         }
         let lanes = confirm.as_ref().map(|c| c.lanes.clone());
         let scripts = Scripts::new(conn.clone(), quota_channel(prefix), confirm);
+        let plain = conn.clone();
         tokio::spawn(conn::probe(conn.clone(), lanes, scripts.all(), breaker));
         let queue = (!conn.clustered()).then(|| {
             let (queue, waiting) = guard::queue();
@@ -114,6 +120,7 @@ impl RedisStore {
         });
         Ok(RedisStore {
             scripts,
+            conn: plain,
             prefix: prefix.as_bytes().to_vec(),
             queue,
             records,
@@ -128,14 +135,73 @@ impl RedisStore {
         tls: Option<&RedisTls>,
     ) -> Result<mpsc::Receiver<Told>, StoreError> {
         let (heard, told) = mpsc::channel(TOLD_WAITING);
-        conn::listen(
-            url,
-            tls,
-            quota_channel(prefix),
-            prefix.len() + TAG_BYTES,
-            heard,
-        )?;
+        let skip = prefix.len() + TAG_BYTES;
+        let read = move |payload: Bytes| {
+            (payload.len() > skip).then(|| Told::Bucket(payload.slice(skip..)))
+        };
+        conn::listen(url, tls, quota_channel(prefix), heard, read, || {
+            Some(Told::Reconnected)
+        })?;
         Ok(told)
+    }
+
+    /// Listens for the counters other replicas reset, on the reset channel under `prefix`
+    /// (see `Backend::listen_resets`).
+    pub(crate) fn listen_resets(
+        url: &str,
+        prefix: &str,
+        tls: Option<&RedisTls>,
+    ) -> Result<mpsc::Receiver<Reset>, StoreError> {
+        let (heard, told) = mpsc::channel(TOLD_WAITING);
+        let skip = prefix.len() + TAG_BYTES;
+        let read = move |payload: Bytes| {
+            let (key, limit) = payload.split_at_checked(payload.len().checked_sub(4)?)?;
+            let requests_per_unit = u32::from_be_bytes(limit.try_into().ok()?);
+            (key.len() > skip).then(|| Reset {
+                key: payload.slice(skip..key.len()),
+                requests_per_unit,
+            })
+        };
+        // What a restarted server held is gone with it: nothing to forget.
+        conn::listen(url, tls, reset_channel(prefix), heard, read, || None)?;
+        Ok(told)
+    }
+
+    /// Resets the counters of `items` (see `Store::reset`).
+    pub(crate) async fn reset(&self, items: &[Item], at_ms: u64) -> Result<(), StoreError> {
+        for item in items {
+            let key = Value::from(self.key(&item.key));
+            let (command, args) = match item.limit.algorithm {
+                Algorithm::FixedWindow => (
+                    "HDEL",
+                    vec![key, Value::from(item.limit.window_at(at_ms).to_string())],
+                ),
+                _ => ("DEL", vec![key]),
+            };
+            let command = CustomCommand::new_static(command, ClusterHash::FirstKey, false);
+            self.conn
+                .send::<Value>(command, args)
+                .await
+                .map_err(conn::failed)?;
+        }
+        Ok(())
+    }
+
+    /// Tells every replica on the reset channel that the counters of `items` may have room
+    /// again (see `Store::unblock`).
+    pub(crate) async fn unblock(&self, items: &[Item]) -> Result<(), StoreError> {
+        let channel = Bytes::from(reset_channel_of(&self.prefix));
+        for item in items {
+            let mut told = self.key(&item.key).to_vec();
+            told.extend_from_slice(&item.limit.requests_per_unit.to_be_bytes());
+            let publish = CustomCommand::new_static("PUBLISH", ClusterHash::Random, false);
+            let args = vec![Value::from(channel.clone()), Value::from(Bytes::from(told))];
+            self.conn
+                .send::<Value>(publish, args)
+                .await
+                .map_err(conn::failed)?;
+        }
+        Ok(())
     }
 
     fn key(&self, key: &CounterKey) -> Bytes {
@@ -207,6 +273,17 @@ const TAG_BYTES: usize = 18;
 /// other replicas have to move.
 fn quota_channel(prefix: &str) -> Bytes {
     Bytes::from(format!("{prefix}quota-moves"))
+}
+
+/// The channel on which a replica that reset counters (`/counters`) names them to every other
+/// under `prefix`: the counter's Redis key, then its limit's requests per unit (4 bytes, big
+/// endian), which the local over-limit cache and the leases know a counter by.
+fn reset_channel(prefix: &str) -> Bytes {
+    Bytes::from(reset_channel_of(prefix.as_bytes()))
+}
+
+fn reset_channel_of(prefix: &[u8]) -> Vec<u8> {
+    [prefix, b"counter-resets"].concat()
 }
 
 /// The Redis key of a counter under `prefix`: the prefix, a hash tag derived from the

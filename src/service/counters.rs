@@ -1,0 +1,498 @@
+//! `POST /counters`: an operator's hand on the counters of one request. Given a domain and
+//! descriptors, as Envoy sends them, it finds the counters the request would move (by the request
+//! path's own plan, as `/explain` does) and shows what each holds, or resets it, sets it or adds
+//! to it. Nothing changes unless the body says `"apply": true`: without it the answer is a dry
+//! run, the counters as they are and what the action would make of them.
+//!
+//! - `reset`: the counter is deleted, as if never written (a window counts nothing, a log holds
+//!   no entry, a bucket is full): in the window now, or, for a `fixed_window`, the one holding
+//!   `"at"`.
+//! - `set`: reset, then `hits` charged (two store calls: a request between them counts too).
+//! - `add`: `hits` charged (counted `always`: past the limit too), or given back when negative
+//!   (down to an empty counter, as Envoy's refunds do).
+//!
+//! Every replica forgets what it knew of a counter reset or given hits back: its local
+//! over-limit cache entry and its leased blocks (dropped, not given back: the store no longer
+//! counts them), this one at once and the others through the store (`Store::reset`). Each change
+//! is logged as an audit line (who, what, before, after) and counted
+//! (`sluice_counter_changes`).
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Extension, Router};
+use serde::Serialize;
+use serde_json::{Map, Value, json};
+
+use super::auth::{AdminToken, guarded};
+use super::conns::Peer;
+use super::http::decode;
+use super::in_force::Rules;
+use super::rls::{Answering, Bounds, descriptors, unix_ms};
+use crate::limiter::lease::Leases;
+use crate::limiter::{Algorithm, Check, Counting, Item, Mode, OverLimitCache, Step};
+use crate::rules::limit_json;
+use crate::rules::plan::Plan;
+use crate::store::{Deadline, Store, redis_key};
+use crate::telemetry::Telemetry;
+
+/// The longest `"by"` an audit line takes.
+const LONGEST_BY: usize = 256;
+/// How long the store has for each call of a change: an operator waits, no request does.
+const STORE_WAIT: Duration = Duration::from_secs(2);
+
+/// What a `/counters` call does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Action {
+    Show,
+    Reset,
+    Set(u64),
+    Add(i64),
+}
+
+impl Action {
+    fn name(self) -> &'static str {
+        match self {
+            Action::Show => "show",
+            Action::Reset => "reset",
+            Action::Set(_) => "set",
+            Action::Add(_) => "add",
+        }
+    }
+
+    /// What the action makes of a counter that holds `used` hits.
+    fn after(self, used: u64) -> u64 {
+        match self {
+            Action::Show => used,
+            Action::Reset => 0,
+            Action::Set(n) => n,
+            Action::Add(n) => used.saturating_add_signed(n),
+        }
+    }
+}
+
+/// A `/counters` call, as its body asks.
+struct Asked {
+    action: Action,
+    apply: bool,
+    /// Names the window of a `fixed_window` (ms since the Unix epoch).
+    at: Option<u64>,
+    /// Only the counters of limits of this name.
+    limit: Option<String>,
+    by: String,
+}
+
+/// One counter's line of the answer.
+#[derive(Serialize)]
+struct Line {
+    /// The request descriptor it is a counter of.
+    descriptor: usize,
+    limit: Value,
+    counter: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    redis_key: Option<String>,
+    before: Held,
+    /// After the change (applied), or what it would make (a dry run).
+    after: Held,
+}
+
+/// What a counter holds.
+#[derive(Clone, Copy, Serialize)]
+struct Held {
+    /// Hits counted (a bucket: its capacity less what it holds), leased blocks included.
+    used: u64,
+    remaining: u64,
+}
+
+/// What `/counters` answers from.
+struct Counters {
+    rules: Rules,
+    bounds: Bounds,
+    answering: Answering,
+    store: Store,
+    cache: Option<Arc<OverLimitCache>>,
+    leases: Arc<Leases>,
+    telemetry: Telemetry,
+    redis_key_prefix: Option<String>,
+}
+
+/// What a `/counters` route is made of.
+pub(super) struct Parts {
+    pub(super) rules: Rules,
+    pub(super) bounds: Bounds,
+    pub(super) answering: Answering,
+    pub(super) store: Store,
+    pub(super) cache: Option<Arc<OverLimitCache>>,
+    pub(super) leases: Arc<Leases>,
+    pub(super) telemetry: Telemetry,
+    pub(super) redis_key_prefix: Option<String>,
+}
+
+/// The `POST /counters` route, bounded to `max_body` bytes and behind `token` when there is one:
+/// 200 with the counters, 400 for a malformed call, 413 past `max_body`, 503 when the store
+/// could not answer (what was applied before is in the log).
+pub(super) fn route(parts: Parts, max_body: usize, token: Option<&AdminToken>) -> Router {
+    let counters = Arc::new(Counters {
+        rules: parts.rules,
+        bounds: parts.bounds,
+        answering: parts.answering,
+        store: parts.store,
+        cache: parts.cache,
+        leases: parts.leases,
+        telemetry: parts.telemetry,
+        redis_key_prefix: parts.redis_key_prefix,
+    });
+    Router::new()
+        .route("/counters", guarded(post(answer), token))
+        .layer(DefaultBodyLimit::max(max_body))
+        .with_state(counters)
+}
+
+async fn answer(
+    State(counters): State<Arc<Counters>>,
+    peer: Option<Extension<Peer>>,
+    body: Bytes,
+) -> Response {
+    let peer = peer.map(|Extension(Peer(ip))| ip);
+    match counters.call(&body, peer).await {
+        Ok(answer) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/json")],
+            answer,
+        )
+            .into_response(),
+        Err((status, message)) => (status, format!("{message}\n")).into_response(),
+    }
+}
+
+type Failed = (StatusCode, String);
+
+fn bad(message: impl Into<String>) -> Failed {
+    (StatusCode::BAD_REQUEST, message.into())
+}
+
+/// Reads the call's own fields off `body`, leaving the request (domain and descriptors).
+fn read_call(body: &[u8]) -> Result<(Asked, Vec<u8>), Failed> {
+    let mut json: Value =
+        serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON: {e}")))?;
+    let object = json
+        .as_object_mut()
+        .ok_or_else(|| bad("the body must be a JSON object"))?;
+    let mut take = |name: &str| object.remove(name).filter(|v| !v.is_null());
+    let hits = take("hits");
+    let hits = match &hits {
+        None => None,
+        Some(v) => Some(
+            v.as_i64()
+                .ok_or_else(|| bad("\"hits\" must be a whole number"))?,
+        ),
+    };
+    let action = match take("action").as_ref().map(|a| a.as_str()) {
+        None | Some(Some("show")) => Action::Show,
+        Some(Some("reset")) => Action::Reset,
+        Some(Some("set")) => match hits {
+            Some(n) if n >= 0 => Action::Set(n as u64),
+            _ => return Err(bad("\"set\" takes \"hits\", a whole number of at least 0")),
+        },
+        Some(Some("add")) => match hits {
+            Some(n) if n != 0 => Action::Add(n),
+            _ => return Err(bad("\"add\" takes \"hits\", a whole number other than 0")),
+        },
+        Some(_) => {
+            return Err(bad(
+                "\"action\" must be \"show\", \"reset\", \"set\" or \"add\"",
+            ));
+        }
+    };
+    if hits.is_some() && matches!(action, Action::Show | Action::Reset) {
+        return Err(bad(format!("\"{}\" takes no \"hits\"", action.name())));
+    }
+    let apply = match take("apply") {
+        None => false,
+        Some(Value::Bool(apply)) => apply,
+        Some(_) => return Err(bad("\"apply\" must be true or false")),
+    };
+    let limit = match take("limit") {
+        None => None,
+        Some(Value::String(name)) => Some(name),
+        Some(_) => return Err(bad("\"limit\" must be a limit's name")),
+    };
+    let by = match take("by") {
+        None => String::new(),
+        Some(Value::String(by)) if by.len() <= LONGEST_BY => by,
+        Some(_) => {
+            return Err(bad(format!(
+                "\"by\" must be a string of at most {LONGEST_BY} bytes"
+            )));
+        }
+    };
+    let at = take("at");
+    if let Some(at) = at {
+        object.insert("at".to_owned(), at);
+    }
+    let request = serde_json::to_vec(&json).expect("a JSON value serializes");
+    Ok((
+        Asked {
+            action,
+            apply,
+            at: None,
+            limit,
+            by,
+        },
+        request,
+    ))
+}
+
+impl Counters {
+    async fn call(&self, body: &[u8], peer: Option<IpAddr>) -> Result<String, Failed> {
+        let (mut asked, request) = read_call(body)?;
+        let (request, at) = decode(&request).map_err(|m| bad(m.trim_end()))?;
+        self.bounds
+            .validate(&request)
+            .map_err(|s| bad(s.message()))?;
+        asked.at = at;
+        let now = unix_ms();
+        if let Some(at) = at
+            && at > now + self.bounds.max_schedule_ahead.as_millis() as u64
+        {
+            return Err(bad(
+                "\"at\" lies further ahead than --max-schedule-ahead allows",
+            ));
+        }
+        let rules = self.rules.in_force();
+        let domain = request.domain.as_slice();
+        let asked_descriptors = descriptors(&request);
+        let (plans, check) = rules.plan(domain, &asked_descriptors, self.answering.global(), false);
+        // Each counter once, with the descriptor it is first a counter of.
+        let mut seen = HashSet::new();
+        let mut found: Vec<(usize, Item)> = Vec::new();
+        for (descriptor, plan) in plans.iter().enumerate() {
+            let Plan::Limited { items, .. } = plan else {
+                continue;
+            };
+            for item in &check.items[items.clone()] {
+                if asked.limit.as_ref().is_some_and(|l| *l != item.limit.name)
+                    || !seen.insert((item.key.clone(), item.limit.requests_per_unit))
+                {
+                    continue;
+                }
+                found.push((descriptor, plain(item)));
+            }
+        }
+        if asked.at.is_some()
+            && let Some((_, item)) = found
+                .iter()
+                .find(|(_, i)| i.limit.algorithm != Algorithm::FixedWindow)
+        {
+            return Err(bad(format!(
+                "\"at\" names a window of a fixed_window only; the limit {} is a {}",
+                limit_json(&item.limit),
+                item.limit.algorithm.name()
+            )));
+        }
+        let items: Vec<Item> = found.iter().map(|(_, i)| i.clone()).collect();
+        let before = self.held(&items, asked.at).await?;
+        let after = if asked.apply && asked.action != Action::Show {
+            self.change(&items, &asked).await?;
+            self.held(&items, asked.at).await?
+        } else {
+            before
+                .iter()
+                .zip(&items)
+                .map(|(held, item)| {
+                    let used = asked.action.after(held.used);
+                    Held {
+                        used,
+                        remaining: u64::from(item.limit.capacity()).saturating_sub(used),
+                    }
+                })
+                .collect()
+        };
+        let lines: Vec<Line> = found
+            .iter()
+            .zip(before.iter().zip(&after))
+            .map(|((descriptor, item), (before, after))| Line {
+                descriptor: *descriptor,
+                limit: limit_json(&item.limit),
+                counter: String::from_utf8_lossy(item.key.as_bytes()).into_owned(),
+                redis_key: self.redis_key_prefix.as_ref().map(|p| {
+                    String::from_utf8_lossy(&redis_key(p.as_bytes(), &item.key)).into_owned()
+                }),
+                before: *before,
+                after: *after,
+            })
+            .collect();
+        let applied = asked.apply && asked.action != Action::Show;
+        if applied {
+            for line in &lines {
+                // At warn, so that a log kept to warnings keeps the audit trail.
+                tracing::warn!(
+                    target: "sluice::audit",
+                    by = %asked.by,
+                    peer = %peer.map_or_else(|| "-".to_owned(), |p| p.to_string()),
+                    action = asked.action.name(),
+                    hits = ?hits_of(asked.action),
+                    domain = %String::from_utf8_lossy(domain),
+                    counter = %line.counter,
+                    limit = %line.limit,
+                    before_used = line.before.used,
+                    after_used = line.after.used,
+                    "counter changed through /counters"
+                );
+            }
+            self.telemetry
+                .counter_changes(asked.action.name(), lines.len() as u64);
+        }
+        let mut answer = Map::new();
+        answer.insert("action".to_owned(), json!(asked.action.name()));
+        if let Some(hits) = hits_of(asked.action) {
+            answer.insert("hits".to_owned(), json!(hits));
+        }
+        answer.insert("applied".to_owned(), json!(applied));
+        answer.insert("domain".to_owned(), json!(String::from_utf8_lossy(domain)));
+        answer.insert("counters".to_owned(), json!(lines));
+        let mut text =
+            serde_json::to_string_pretty(&Value::Object(answer)).expect("an answer serializes");
+        text.push('\n');
+        Ok(text)
+    }
+
+    /// What the counters of `items` hold now (a fixed window: in the window holding `at`).
+    async fn held(&self, items: &[Item], at: Option<u64>) -> Result<Vec<Held>, Failed> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let probe = Check {
+            items: items
+                .iter()
+                .map(|i| Item {
+                    hits: 0,
+                    ..i.clone()
+                })
+                .collect(),
+            at,
+            quota_passes: false,
+        };
+        let decision = self
+            .store
+            .apply(&probe, Deadline::new(STORE_WAIT, None))
+            .await
+            .map_err(unavailable)?;
+        Ok(decision
+            .usages
+            .iter()
+            .zip(items)
+            .map(|(usage, item)| {
+                let capacity = u64::from(item.limit.capacity());
+                let remaining = usage.remaining.min(capacity);
+                Held {
+                    used: capacity - remaining,
+                    remaining,
+                }
+            })
+            .collect())
+    }
+
+    /// Applies `asked`'s action to the counters of `items`.
+    async fn change(&self, items: &[Item], asked: &Asked) -> Result<(), Failed> {
+        let at_ms = asked.at.unwrap_or_else(unix_ms);
+        let deadline = || Deadline::new(STORE_WAIT, None);
+        let charge = |hits: u64, refund: bool| Check {
+            items: items
+                .iter()
+                .map(|i| Item {
+                    hits,
+                    refund,
+                    counting: Counting::Always,
+                    ..i.clone()
+                })
+                .collect(),
+            at: asked.at,
+            quota_passes: false,
+        };
+        match asked.action {
+            Action::Show => {}
+            Action::Reset | Action::Set(_) => {
+                self.store
+                    .reset(items, at_ms, deadline())
+                    .await
+                    .map_err(unavailable)?;
+                self.forget(items);
+            }
+            Action::Add(_) => {}
+        }
+        match asked.action {
+            Action::Show | Action::Reset | Action::Set(0) => {}
+            Action::Set(n) => {
+                self.store
+                    .apply(&charge(n, false), deadline())
+                    .await
+                    .map_err(unavailable)?;
+            }
+            Action::Add(n) if n > 0 => {
+                self.store
+                    .apply(&charge(n.unsigned_abs(), false), deadline())
+                    .await
+                    .map_err(unavailable)?;
+            }
+            Action::Add(n) => {
+                self.store
+                    .apply(&charge(n.unsigned_abs(), true), deadline())
+                    .await
+                    .map_err(unavailable)?;
+                self.store
+                    .unblock(items, deadline())
+                    .await
+                    .map_err(unavailable)?;
+                self.forget(items);
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets what this replica knew of the counters of `items`: they may have room again.
+    fn forget(&self, items: &[Item]) {
+        for item in items {
+            if let Some(cache) = &self.cache {
+                cache.forget(item.key.as_bytes(), item.limit.requests_per_unit);
+            }
+            self.leases
+                .forget(item.key.as_bytes(), item.limit.requests_per_unit);
+        }
+    }
+}
+
+/// The counter of `item` as `/counters` moves it: its own hits, enforced, no lease, no hold.
+fn plain(item: &Item) -> Item {
+    Item {
+        hits: 0,
+        refund: false,
+        mode: Mode::Enforce,
+        counting: Counting::Admitted,
+        leased: false,
+        step: Step::Hits,
+        ..item.clone()
+    }
+}
+
+fn hits_of(action: Action) -> Option<i64> {
+    match action {
+        Action::Set(n) => Some(n as i64),
+        Action::Add(n) => Some(n),
+        Action::Show | Action::Reset => None,
+    }
+}
+
+fn unavailable(e: crate::store::StoreError) -> Failed {
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("the store could not answer: {e}"),
+    )
+}

@@ -1,0 +1,305 @@
+//! The operator's `/counters`, on every store: a reset frees a blocked client at once on every
+//! replica (the local over-limit cache of each forgets the counter, leased blocks are dropped,
+//! not spent past the limit); a dry run shows and changes nothing; every algorithm's counter is
+//! fresh after a reset; `set` and `add` move it by their hits; without the admin token a reset
+//! is refused and changes nothing; every change is an audit line; `sluice counters` speaks to it.
+
+use super::common;
+
+use std::net::SocketAddr;
+use std::process::Command;
+
+use common::{OK, OVER_LIMIT, Sluice, Store, exchange, request, unix_ms};
+use serde_json::{Value, json};
+
+on_every_store!(
+    a_reset_frees_a_blocked_client_at_once_on_every_replica,
+    every_algorithm_is_fresh_after_a_reset_and_a_dry_run_changes_nothing,
+    set_and_add_move_a_counter_by_their_hits,
+    without_the_token_a_reset_is_refused_and_changes_nothing,
+);
+
+const RULES: &str = "\
+domain: ops
+descriptors:
+  - key: user
+    rate_limit: {unit: hour, requests_per_unit: 3}
+  - key: leased
+    lease: auto
+    rate_limit: {unit: hour, requests_per_unit: 20}
+  - key: sliding
+    rate_limit: {unit: hour, requests_per_unit: 3, algorithm: sliding_window}
+  - key: log
+    rate_limit: {unit: hour, requests_per_unit: 3, algorithm: sliding_log}
+  - key: token
+    rate_limit: {unit: hour, requests_per_unit: 3, algorithm: token_bucket}
+  - key: leaky
+    rate_limit: {unit: hour, requests_per_unit: 3, algorithm: leaky_bucket}
+";
+
+/// `POST /counters` with `body`, with the admin `token` if given: the status and the answer.
+fn counters(addr: SocketAddr, token: Option<&str>, body: &Value) -> (u16, String) {
+    let body = body.to_string();
+    let authorization =
+        token.map_or_else(String::new, |t| format!("Authorization: Bearer {t}\r\n"));
+    let request = format!(
+        "POST /counters HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n{authorization}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let (status, _, text) = exchange(addr, request.as_bytes());
+    (status, text)
+}
+
+/// A `/counters` call on the counters of `key`=`value`, asking `action`.
+fn call(key: &str, value: &str, action: &str, apply: bool) -> Value {
+    json!({
+        "domain": "ops",
+        "descriptors": [{"entries": [{"key": key, "value": value}]}],
+        "action": action,
+        "apply": apply,
+        "by": "ops-test",
+    })
+}
+
+/// Asks `key`=`value` of `sluice` `n` times: how many were admitted.
+async fn admitted(sluice: &Sluice, key: &str, value: &str, n: usize) -> usize {
+    let mut admitted = 0;
+    for _ in 0..n {
+        let answer = sluice.ask(request("ops", &[&[(key, value)]])).await;
+        admitted += usize::from(answer.overall_code == OK);
+    }
+    admitted
+}
+
+/// Two replicas sharing the store's counters (one on the embedded store, which serves one).
+async fn replicas(store: Store, flags: &[&str]) -> Vec<Sluice> {
+    let prefix = format!("counters-{}-{}:", std::process::id(), unix_ms());
+    let mut all = vec!["--redis-key-prefix", prefix.as_str()];
+    all.extend_from_slice(flags);
+    let count = if store == Store::Memory { 1 } else { 2 };
+    let mut replicas = Vec::new();
+    for _ in 0..count {
+        replicas.push(Sluice::on(store, &[("rules.yaml", RULES)], &all).await);
+    }
+    replicas
+}
+
+async fn a_reset_frees_a_blocked_client_at_once_on_every_replica(store: Store) {
+    let replicas = replicas(store, &[]).await;
+    // Each replica is denied, and its over-limit cache learns the counter full until the hour
+    // ends.
+    let mut filled = 0;
+    for sluice in &replicas {
+        filled += admitted(sluice, "user", "ann", 4).await;
+        assert_eq!(
+            sluice
+                .ask(request("ops", &[&[("user", "ann")]]))
+                .await
+                .overall_code,
+            OVER_LIMIT
+        );
+    }
+    assert_eq!(filled, 3, "the limit, across the replicas");
+    // Leased blocks held on each replica before the reset.
+    for sluice in &replicas {
+        admitted(sluice, "leased", "ann", 3).await;
+    }
+    let (status, text) = counters(replicas[0].http, None, &call("user", "ann", "reset", true));
+    assert_eq!(status, 200, "{text}");
+    let (status, text) = counters(
+        replicas[0].http,
+        None,
+        &call("leased", "ann", "reset", true),
+    );
+    assert_eq!(status, 200, "{text}");
+    // The replica that reset admits at once; the others as soon as the store tells them.
+    let start = std::time::Instant::now();
+    let mut freed = 0;
+    for sluice in &replicas {
+        loop {
+            let answer = sluice.ask(request("ops", &[&[("user", "ann")]])).await;
+            if answer.overall_code == OK {
+                freed += 1;
+                break;
+            }
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(1),
+                "a replica still denies a second after the reset"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+    assert_eq!(freed, replicas.len());
+    let mut more = 0;
+    for sluice in &replicas {
+        more += admitted(sluice, "user", "ann", 4).await;
+    }
+    assert_eq!(
+        freed + more,
+        3,
+        "after the reset, the limit again across the replicas, not more"
+    );
+    // The blocks held before the reset are dropped: never past the limit after it.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let mut leased = 0;
+    for _ in 0..20 {
+        for sluice in &replicas {
+            leased += admitted(sluice, "leased", "ann", 1).await;
+        }
+    }
+    assert!(
+        (1..=20).contains(&leased),
+        "{leased} of 20 admitted from blocks leased after the reset"
+    );
+}
+
+async fn every_algorithm_is_fresh_after_a_reset_and_a_dry_run_changes_nothing(store: Store) {
+    let replicas = replicas(store, &[]).await;
+    let sluice = &replicas[0];
+    for key in ["user", "sliding", "log", "token", "leaky"] {
+        assert_eq!(admitted(sluice, key, "bo", 5).await, 3, "{key}");
+        let (status, text) = counters(sluice.http, None, &call(key, "bo", "reset", false));
+        assert_eq!(status, 200, "{key}: {text}");
+        let answer: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(answer["applied"], json!(false), "{key}: {text}");
+        let counter = &answer["counters"][0];
+        assert_eq!(counter["before"]["used"], json!(3), "{key}: {text}");
+        assert_eq!(counter["before"]["remaining"], json!(0), "{key}: {text}");
+        assert_eq!(counter["after"]["used"], json!(0), "{key}: {text}");
+        assert!(counter["limit"]["algorithm"].is_string(), "{text}");
+        if store != Store::Memory {
+            assert!(counter["redis_key"].as_str().is_some(), "{text}");
+        }
+        assert_eq!(
+            admitted(sluice, key, "bo", 1).await,
+            0,
+            "{key}: the dry run changed nothing"
+        );
+        let (status, text) = counters(sluice.http, None, &call(key, "bo", "reset", true));
+        assert_eq!(status, 200, "{key}: {text}");
+        let answer: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(answer["applied"], json!(true), "{key}: {text}");
+        assert_eq!(answer["counters"][0]["after"]["used"], json!(0), "{text}");
+        assert_eq!(
+            answer["counters"][0]["after"]["remaining"],
+            json!(3),
+            "{text}"
+        );
+        assert_eq!(
+            admitted(sluice, key, "bo", 5).await,
+            3,
+            "{key}: a fresh counter after the reset"
+        );
+    }
+    let log = sluice.log_text();
+    assert!(
+        log.contains("counter changed through /counters") && log.contains("ops-test"),
+        "an audit line per change: {log}"
+    );
+}
+
+async fn set_and_add_move_a_counter_by_their_hits(store: Store) {
+    let replicas = replicas(store, &[]).await;
+    let sluice = &replicas[0];
+    let with_hits = |action: &str, hits: i64| {
+        let mut body = call("user", "cy", action, true);
+        body["hits"] = json!(hits);
+        let (status, text) = counters(sluice.http, None, &body);
+        assert_eq!(status, 200, "{action} {hits}: {text}");
+        serde_json::from_str::<Value>(&text).unwrap()
+    };
+    let set = with_hits("set", 2);
+    assert_eq!(set["counters"][0]["after"]["used"], json!(2), "{set}");
+    assert_eq!(
+        admitted(sluice, "user", "cy", 3).await,
+        1,
+        "3 less the 2 set"
+    );
+    // A grant: one hit given back lets one more request through.
+    let grant = with_hits("add", -1);
+    assert_eq!(grant["counters"][0]["before"]["used"], json!(3), "{grant}");
+    assert_eq!(grant["counters"][0]["after"]["used"], json!(2), "{grant}");
+    assert_eq!(
+        admitted(sluice, "user", "cy", 3).await,
+        1,
+        "the one granted"
+    );
+    let (status, text) = counters(sluice.http, None, &call("user", "cy", "reset", true));
+    assert_eq!(status, 200, "{text}");
+    let charged = with_hits("add", 3);
+    assert_eq!(
+        charged["counters"][0]["after"]["remaining"],
+        json!(0),
+        "{charged}"
+    );
+    assert_eq!(admitted(sluice, "user", "cy", 1).await, 0, "charged full");
+    // Malformed calls change nothing.
+    for body in [
+        json!({"domain": "ops", "descriptors": [{"entries": [{"key": "user", "value": "cy"}]}], "action": "set"}),
+        json!({"domain": "ops", "descriptors": [{"entries": [{"key": "user", "value": "cy"}]}], "action": "drop", "apply": true}),
+        json!({"domain": "ops", "descriptors": [{"entries": [{"key": "log", "value": "cy"}]}], "action": "reset", "at": "2026-01-01T00:00:00Z", "apply": true}),
+        json!([1, 2]),
+    ] {
+        let (status, text) = counters(sluice.http, None, &body);
+        assert_eq!(status, 400, "{body}: {text}");
+    }
+    assert_eq!(admitted(sluice, "user", "cy", 1).await, 0, "still full");
+}
+
+async fn without_the_token_a_reset_is_refused_and_changes_nothing(store: Store) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("admin-token");
+    std::fs::write(&file, "s3cret\n").unwrap();
+    let path = file.to_str().unwrap().to_owned();
+    let replicas = replicas(store, &["--admin-token-file", &path]).await;
+    let sluice = &replicas[0];
+    assert_eq!(admitted(sluice, "user", "di", 4).await, 3);
+    for token in [None, Some("wrong")] {
+        let (status, _) = counters(sluice.http, token, &call("user", "di", "reset", true));
+        assert_eq!(status, 401, "{token:?}");
+    }
+    assert_eq!(
+        admitted(sluice, "user", "di", 1).await,
+        0,
+        "a refused reset changes nothing"
+    );
+    // `sluice counters`, with the token file: a dry run, then the reset.
+    let cli = |apply: bool| {
+        let mut args = vec![
+            "counters",
+            "reset",
+            "--domain",
+            "ops",
+            "--descriptor",
+            "user=di",
+            "--admin-token-file",
+            &path,
+            "--by",
+            "cli-test",
+        ];
+        if apply {
+            args.push("--apply");
+        }
+        let admin = sluice.http.to_string();
+        let output = Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(&args)
+            .args(["--admin", &admin])
+            .output()
+            .expect("sluice runs");
+        assert!(output.status.success(), "{output:?}");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let dry = cli(false);
+    assert!(
+        dry.contains("dry run") && dry.contains("used 3 -> 0"),
+        "{dry}"
+    );
+    assert_eq!(admitted(sluice, "user", "di", 1).await, 0, "a dry run");
+    let applied = cli(true);
+    assert!(applied.contains("applied"), "{applied}");
+    assert_eq!(admitted(sluice, "user", "di", 4).await, 3, "reset");
+    assert!(
+        sluice.log_text().contains("cli-test"),
+        "the audit line names who"
+    );
+}
