@@ -591,6 +591,7 @@ impl Resource<'_> {
                 },
                 counting: None,
                 lease: None,
+                scope: None,
                 share_threshold: false,
                 detailed_metric: proto.detailed_metric,
                 value_to_metric: false,

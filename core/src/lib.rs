@@ -35,7 +35,7 @@
 //! let (domain, _warnings) = parse(Path::new("api.yaml"), text).expect("valid rules");
 //! let rules = RuleSet::new(vec![domain]);
 //! let store = MemoryStore::new(10_000, Percent(100));
-//! let global = Global { quota_mode: false, counting: Counting::Admitted, lease: Leasing::Off };
+//! let global = Global { quota_mode: false, counting: Counting::Admitted, lease: Leasing::Off, cluster: None };
 //! let asked = [Asked {
 //!     entries: vec![(b"tenant".as_slice(), b"acme".as_slice())],
 //!     hits: 1,

@@ -96,6 +96,9 @@ struct Line {
     descriptor: usize,
     limit: Value,
     counter: String,
+    /// Where it is counted: in the store (`global`, `cluster`), or in this replica's memory
+    /// (`replica`, `split`: the replica answering, alone).
+    scope: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     redis_key: Option<String>,
     before: Held,
@@ -297,7 +300,13 @@ impl Counters {
                 item.limit.algorithm.name()
             )));
         }
-        let items: Vec<Item> = found.iter().map(|(_, i)| i.clone()).collect();
+        // A split limit's counter holds this replica's share.
+        let mut check = Check {
+            items: found.iter().map(|(_, i)| i.clone()).collect(),
+            ..Check::default()
+        };
+        self.store.share(&mut check);
+        let items = check.items;
         let before = self.held(&items, asked.at).await?;
         let after = if asked.apply && asked.action != Action::Show {
             self.change(&items, &asked).await?;
@@ -317,14 +326,20 @@ impl Counters {
         };
         let lines: Vec<Line> = found
             .iter()
+            .zip(&items)
             .zip(before.iter().zip(&after))
-            .map(|((descriptor, item), (before, after))| Line {
+            .map(|(((descriptor, _), item), (before, after))| Line {
                 descriptor: *descriptor,
                 limit: limit_json(&item.limit),
                 counter: String::from_utf8_lossy(item.key.as_bytes()).into_owned(),
-                redis_key: self.redis_key_prefix.as_ref().map(|p| {
-                    String::from_utf8_lossy(&redis_key(p.as_bytes(), &item.key)).into_owned()
-                }),
+                scope: item.scope.name(),
+                redis_key: self
+                    .redis_key_prefix
+                    .as_ref()
+                    .filter(|_| !item.scope.is_local())
+                    .map(|p| {
+                        String::from_utf8_lossy(&redis_key(p.as_bytes(), &item.key)).into_owned()
+                    }),
                 before: *before,
                 after: *after,
             })

@@ -55,6 +55,11 @@ impl Decider {
         }
     }
 
+    /// Gives each `scope: split` item of `check` this replica's share of its limit.
+    pub fn share(&self, check: &mut Check) {
+        self.store.share(check);
+    }
+
     /// Decides `check`; the store must answer by `deadline`. A check without items is admitted
     /// without asking the store; one whose counters are all leased is admitted from their blocks
     /// when they hold its hits; one that counters known to be full deny is denied without asking

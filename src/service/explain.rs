@@ -286,7 +286,9 @@ fn explain_descriptor(
             limit: limit_json(&item.limit),
             modes: item_modes(item),
             counter: text(item.key.as_bytes()),
-            redis_key: redis_key_prefix.map(|p| text(&redis_key(p.as_bytes(), &item.key))),
+            redis_key: redis_key_prefix
+                .filter(|_| !item.scope.is_local())
+                .map(|p| text(&redis_key(p.as_bytes(), &item.key))),
             window: item.limit.calendar.as_ref().map(|calendar| {
                 let now = unix_ms();
                 let span = calendar.span(item.limit.unit, now);
@@ -357,6 +359,7 @@ fn item_modes(item: &Item) -> Map<String, Value> {
         ),
         ("counting", json!(item.counting.name())),
         ("leased", json!(Leases::hold(item))),
+        ("scope", json!(item.scope.name())),
     ]
     .into_iter()
     .map(|(name, on)| (name.to_owned(), on))

@@ -62,6 +62,14 @@ impl Gauges {
                 ConstGauge::new(live as i64),
             );
         }
+        if let Some(live) = self.backend.live_replicas() {
+            r.register(
+                "sluice_replicas_live",
+                "Replicas live as this one last read them from the store's beats (scope: split \
+                 divides by it); 0 until read",
+                ConstGauge::new(i64::from(live)),
+            );
+        }
         if let Some(cache) = &self.cache {
             r.register(
                 "sluice_local_cache_entries",

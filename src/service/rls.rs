@@ -94,6 +94,8 @@ pub struct Answering {
     pub counting: Counting,
     /// Whether rules that do not say are leased (`lease`).
     pub lease: Leasing,
+    /// The cluster `scope: cluster` rules count in (`--cluster-name`).
+    pub cluster_name: Option<String>,
     /// The share of a limit past which hits count as near it, in the metrics.
     pub near_limit_ratio: f64,
     /// Send the limit closest to denying as `RateLimit-*` headers, under these names.
@@ -123,11 +125,12 @@ pub struct Rls {
 
 impl Answering {
     /// What planning applies to every rule.
-    pub(super) fn global(&self) -> Global {
+    pub(super) fn global(&self) -> Global<'_> {
         Global {
             quota_mode: self.quota_mode,
             counting: self.counting,
             lease: self.lease,
+            cluster: self.cluster_name.as_deref(),
         }
     }
 }
@@ -196,6 +199,7 @@ impl Rls {
             }
             check.at = Some(at);
         }
+        self.decider.share(&mut check);
         let deadline = Deadline::new(self.fallback.store_timeout, caller_timeout);
         let decided = self.decider.decide(&check, deadline).await;
         self.telemetry.decided();

@@ -108,6 +108,13 @@ pub async fn run(
         };
         tokio::join!(accept, quota_accept);
     };
+    // This replica's beat, for the split limits, taken back at shutdown.
+    let backend = setup.backend.clone();
+    let beat = async {
+        if let Err(e) = backend.beat(shutdown.clone().wait()).await {
+            tracing::error!("the replicas' beat did not start: {e}");
+        }
+    };
     let answers = Answers {
         gauges: Gauges {
             backend: setup.backend.clone(),
@@ -124,7 +131,7 @@ pub async fn run(
         counters_store,
     };
     let admin = admin.serve(answers, budget.admin, shutdown.clone());
-    tokio::join!(accept, admin, giver.give_back_until(shutdown.clone()));
+    tokio::join!(accept, admin, giver.give_back_until(shutdown.clone()), beat);
     event_loops.finished().await?;
     if let Some(served) = quota_served {
         served

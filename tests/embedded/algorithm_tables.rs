@@ -40,6 +40,7 @@ fn table(limit: Limit, rows: &[Row]) {
                 refund: false,
                 counting: Counting::Admitted,
                 leased: false,
+                scope: Default::default(),
                 step: sluice::limiter::Step::Hits,
             }],
             ..Check::default()

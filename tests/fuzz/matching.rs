@@ -188,6 +188,7 @@ fn each_descriptor_gets_the_limit_of_the_rule_the_model_matches_unless_replaced(
         quota_mode: false,
         counting: Counting::Admitted,
         lease: Leasing::Off,
+        cluster: None,
     };
     fuzz(
         "matching::model",

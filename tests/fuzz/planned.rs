@@ -39,6 +39,7 @@ pub fn all_or_nothing(
         quota_mode: false,
         counting: Counting::Admitted,
         lease: Leasing::Off,
+        cluster: None,
     };
     let (plans, check) = rules.plan(domain, &asked, global, false);
     if plans.len() != asked.len() {

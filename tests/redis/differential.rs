@@ -405,6 +405,7 @@ async fn run(client: &Client, seed: u64, steps: usize, held_only: bool) -> BTree
                     Counting::Admitted
                 },
                 leased: false,
+                scope: Default::default(),
                 step: Step::Hits,
             })
             .collect();

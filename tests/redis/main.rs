@@ -29,6 +29,7 @@ mod redis;
 mod rlqs;
 mod rlqs_grants;
 mod rls;
+mod scope;
 mod statsd;
 mod store_budgets;
 mod xds;

@@ -14,7 +14,9 @@ use super::{
 use crate::limiter::algorithm::{gcra, log};
 use crate::limiter::calendar::{self, Calendar, Weekday};
 use crate::limiter::lease::Leasing;
-use crate::limiter::{Algorithm, Counting, LONGEST_WINDOW_SECONDS, Limit, Mode, OnExpiry, Unit};
+use crate::limiter::{
+    Algorithm, Counting, LONGEST_WINDOW_SECONDS, Limit, Mode, OnExpiry, Scope, Unit,
+};
 
 const ROOT_KEYS: &[&str] = &["domain", "descriptors", "quota_buckets"];
 const QUOTA_KEYS: &[&str] = &["bucket", "rate_limit", "shadow_mode"];
@@ -36,6 +38,7 @@ const DESCRIPTOR_KEYS: &[&str] = &[
     "counting",
     "lease",
     "hold",
+    "scope",
 ];
 const HOLD_KEYS: &[&str] = &["estimate", "ttl", "on_expiry", "most", "largest"];
 const LIMIT_KEYS: &[&str] = &[
@@ -363,6 +366,25 @@ impl Parser<'_> {
             }
             Some(lease)
         });
+        let scope = self.string(map, "scope").and_then(|name| {
+            let at = map.get_node("scope").map_or(line, line_of);
+            let Some(scope) = Scope::parse(&name) else {
+                self.error(
+                    at,
+                    format!("invalid scope '{name}': global, cluster, replica or split"),
+                );
+                return None;
+            };
+            if scope.is_local() && lease == Some(Leasing::Auto) {
+                self.error(
+                    at,
+                    format!(
+                        "scope: {name} counts in the replica's own memory, which takes no leased block (lease: auto)"
+                    ),
+                );
+            }
+            Some(scope)
+        });
         let metadata = map.get_node("metadata").map(|node| {
             yaml_to_json(node, 0).unwrap_or_else(|line| {
                 self.error(
@@ -390,6 +412,8 @@ impl Parser<'_> {
                 self.error(at, refuse(&format!("a {} limit cannot hold: only fixed_window and sliding_window limits can", l.algorithm.name())));
             } else if lease == Some(Leasing::Auto) {
                 self.error(at, refuse("a held rule cannot be leased (lease: auto): a replica deciding from a block would not see the other replicas' holds"));
+            } else if let Some(scope) = scope.filter(|s| s.is_local()) {
+                self.error(at, refuse(&format!("a held rule counts in the store (scope global or cluster), not scope {}: a hold settled on another replica would not find it", scope.name())));
             }
             Some(hold)
         });
@@ -401,6 +425,7 @@ impl Parser<'_> {
             mode,
             counting,
             lease,
+            scope,
             share_threshold,
             detailed_metric: self.flag(map, "detailed_metric"),
             value_to_metric: self.flag(map, "value_to_metric"),
@@ -1312,6 +1337,14 @@ mod tests {
             ]
         );
         assert_eq!(
+            refused(
+                "  - key: request_id\n    hold: {}\n    scope: split\n    rate_limit: {unit: hour, requests_per_unit: 1}\n"
+            ),
+            [
+                "r.yaml:4: hold: a held rule counts in the store (scope global or cluster), not scope split: a hold settled on another replica would not find it"
+            ]
+        );
+        assert_eq!(
             refused("  - key: request_id\n    hold: {}\n"),
             ["r.yaml:4: hold: a held rule needs a rate_limit, and is not unlimited"]
         );
@@ -1498,5 +1531,30 @@ mod tests {
             ),
             ["r.yaml:5: config error, unknown key 'colour'"]
         );
+    }
+
+    #[test]
+    fn a_rule_names_its_scope_and_a_replica_scope_takes_no_lease() {
+        let rule = |extra: &str| {
+            format!(
+                "domain: d\ndescriptors:\n  - key: k\n{extra}    rate_limit: {{unit: hour, requests_per_unit: 1}}\n"
+            )
+        };
+        for name in ["global", "cluster", "replica", "split"] {
+            let (domain, _) = parse(Path::new("r.yaml"), &rule(&format!("    scope: {name}\n")))
+                .expect("a valid scope");
+            assert_eq!(domain.descriptors[0].scope, Scope::parse(name));
+        }
+        assert_eq!(
+            errors(&rule("    scope: region\n")),
+            ["r.yaml:4: invalid scope 'region': global, cluster, replica or split"]
+        );
+        assert_eq!(
+            errors(&rule("    scope: replica\n    lease: auto\n")),
+            [
+                "r.yaml:4: scope: replica counts in the replica's own memory, which takes no leased block (lease: auto)"
+            ]
+        );
+        assert!(errors(&rule("    scope: cluster\n    lease: auto\n")).is_empty());
     }
 }

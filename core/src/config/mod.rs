@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 pub use file::{composite, parse};
 
 use crate::limiter::lease::Leasing;
-use crate::limiter::{Counting, Limit, Mode, OnExpiry};
+use crate::limiter::{Counting, Limit, Mode, OnExpiry, Scope};
 
 /// The deepest a rule file (or an xDS resource) may nest `descriptors`: deeper than any request
 /// can reach under `--max-entries`' default, far from what would strain a stack.
@@ -90,6 +90,8 @@ pub struct DescriptorConfig {
     pub counting: Option<Counting>,
     /// Whether the rule's counters are leased (`lease`), if it says; else `--lease`.
     pub lease: Option<Leasing>,
+    /// Where the rule's counters are counted (`scope`), if it says; else global.
+    pub scope: Option<Scope>,
     pub share_threshold: bool,
     pub detailed_metric: bool,
     pub value_to_metric: bool,

@@ -32,7 +32,7 @@ use tokio::time::Instant;
 
 use super::{
     Algorithm, Check, CounterIds, CounterKey, Counting, Decision, IdHasher, Item, Limit, Mode,
-    RuleId, Source, Step, Usage,
+    RuleId, Scope, Source, Step, Usage,
 };
 
 /// A block takes at most this part of what remains in the store (`lua/check.lua` applies it).
@@ -218,6 +218,8 @@ impl Held {
                 refund: true,
                 counting: Counting::Admitted,
                 leased: true,
+                // In the store, as every leased counter (a cluster's too: its key names it).
+                scope: Scope::Global,
                 step: Step::Return {
                     window: self.window,
                 },
@@ -621,6 +623,7 @@ mod tests {
             refund: false,
             counting: Counting::Admitted,
             leased: true,
+            scope: Default::default(),
             step: Step::Hits,
         }
     }

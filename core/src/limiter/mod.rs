@@ -189,6 +189,47 @@ impl Counting {
     }
 }
 
+/// Where a rule's counters are counted (`scope`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Scope {
+    /// One counter in the store, shared by every replica.
+    #[default]
+    Global,
+    /// One counter in the store per cluster (`--cluster-name`), shared by its replicas.
+    Cluster,
+    /// One counter per replica, in its own memory: no store call.
+    Replica,
+    /// One counter per replica, in its own memory, each holding its share of the limit: the
+    /// limit divided among the replicas live now.
+    Split,
+}
+
+impl Scope {
+    pub fn parse(name: &str) -> Option<Scope> {
+        match name {
+            "global" => Some(Scope::Global),
+            "cluster" => Some(Scope::Cluster),
+            "replica" => Some(Scope::Replica),
+            "split" => Some(Scope::Split),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Scope::Global => "global",
+            Scope::Cluster => "cluster",
+            Scope::Replica => "replica",
+            Scope::Split => "split",
+        }
+    }
+
+    /// Counted in the replica's own memory, never in the shared store.
+    pub fn is_local(self) -> bool {
+        matches!(self, Scope::Replica | Scope::Split)
+    }
+}
+
 /// One counter a request touches.
 #[derive(Clone, Debug)]
 pub struct Item {
@@ -204,6 +245,8 @@ pub struct Item {
     pub counting: Counting,
     /// The rule lets a replica decide this counter from a leased block (`lease: auto`).
     pub leased: bool,
+    /// Where the counter is counted.
+    pub scope: Scope,
     /// What the item does to its counter: a request's hits, or a lease's block taken or given
     /// back.
     pub step: Step,
@@ -357,6 +400,7 @@ mod tests {
             refund: false,
             counting: Counting::Admitted,
             leased: false,
+            scope: Scope::Global,
             step: Step::Hits,
         }
     }

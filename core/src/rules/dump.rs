@@ -224,6 +224,9 @@ fn descriptor_json(d: &DescriptorConfig) -> Value {
     if matches!(d.mode, Mode::Quota | Mode::ShadowQuota) {
         fields.insert("quota_mode".into(), json!(true));
     }
+    if let Some(scope) = d.scope {
+        fields.insert("scope".into(), json!(scope.name()));
+    }
     if let Some(lease) = d.lease {
         fields.insert("lease".into(), json!(lease.name()));
     }
@@ -325,6 +328,9 @@ fn text_lines(parent: &str, d: &DescriptorConfig, out: &mut String) {
             d.mode.is_shadow(),
             matches!(d.mode, Mode::Quota | Mode::ShadowQuota)
         ));
+        if let Some(scope) = d.scope {
+            out.push_str(&format!(", scope: {}", scope.name()));
+        }
         if let Some(lease) = d.lease {
             out.push_str(&format!(", lease: {}", lease.name()));
         }

@@ -99,6 +99,7 @@ impl Node {
             ),
             ("counting", json!(self.counting.map(|c| c.name()))),
             ("lease", json!(self.lease.map(|l| l.name()))),
+            ("scope", json!(self.scope().map(|s| s.name()))),
             ("hold", self.hold().map_or(Value::Null, |h| h.json())),
         ]
         .into_iter()

@@ -27,7 +27,7 @@ use memchr::memmem;
 
 use crate::config::{DescriptorConfig, DomainConfig, HoldRule, Loaded, RuleLimit, Sources};
 use crate::limiter::lease::Leasing;
-use crate::limiter::{Counting, LONGEST_LITERAL, Mode};
+use crate::limiter::{Counting, LONGEST_LITERAL, Mode, Scope};
 use crate::observe::{Observer, RuleCounters, unobserved};
 
 /// Every loaded domain, ready to match.
@@ -170,8 +170,13 @@ impl Flags {
     const NAMED_BY_REQUEST: u8 = 2;
     const DETAILED_METRIC: u8 = 4;
     const VALUE_TO_METRIC: u8 = 8;
+    /// The rule's `scope`, when it says one: one of these.
+    const SCOPE_GLOBAL: u8 = 16;
+    const SCOPE_CLUSTER: u8 = 32;
+    const SCOPE_REPLICA: u8 = 64;
+    const SCOPE_SPLIT: u8 = 128;
 
-    fn of(set: [(u8, bool); 4]) -> Flags {
+    fn of(set: [(u8, bool); 8]) -> Flags {
         Flags(
             set.iter()
                 .filter(|(_, on)| *on)
@@ -193,6 +198,18 @@ impl Node {
     /// The rule's holds (`hold`), if it says.
     pub fn hold(&self) -> Option<&HoldRule> {
         self.extras.as_ref()?.hold.as_ref()
+    }
+
+    /// Where the rule's counters are counted (`scope`), if it says.
+    pub fn scope(&self) -> Option<Scope> {
+        [
+            (Flags::SCOPE_GLOBAL, Scope::Global),
+            (Flags::SCOPE_CLUSTER, Scope::Cluster),
+            (Flags::SCOPE_REPLICA, Scope::Replica),
+            (Flags::SCOPE_SPLIT, Scope::Split),
+        ]
+        .into_iter()
+        .find_map(|(flag, scope)| self.flags.has(flag).then_some(scope))
     }
 
     /// Every value matching the rule's pattern shares one counter (`share_threshold`).
@@ -551,6 +568,10 @@ impl Level {
                     ),
                     (Flags::DETAILED_METRIC, d.detailed_metric),
                     (Flags::VALUE_TO_METRIC, d.value_to_metric),
+                    (Flags::SCOPE_GLOBAL, d.scope == Some(Scope::Global)),
+                    (Flags::SCOPE_CLUSTER, d.scope == Some(Scope::Cluster)),
+                    (Flags::SCOPE_REPLICA, d.scope == Some(Scope::Replica)),
+                    (Flags::SCOPE_SPLIT, d.scope == Some(Scope::Split)),
                 ]),
                 file: building.file.clone(),
                 line: u32::try_from(d.line).unwrap_or(u32::MAX),

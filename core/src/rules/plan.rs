@@ -13,7 +13,7 @@ use crate::limiter::algorithm::{gcra, log};
 use crate::limiter::lease::Leasing;
 use crate::limiter::{
     Algorithm, Check, Counting, Decision, DescriptorKey, Held, HoldId, Item, Limit, Mode, RuleId,
-    Source, Step, Unit,
+    Scope, Source, Step, Unit,
 };
 use crate::observe::{Outcome, RuleCounters};
 
@@ -38,11 +38,14 @@ pub struct Override {
 /// What applies to every rule: `--quota-mode` (every limit a quota limit) and `--counting` (for
 /// rules that do not say).
 #[derive(Clone, Copy, Debug)]
-pub struct Global {
+pub struct Global<'a> {
     pub quota_mode: bool,
     pub counting: Counting,
     /// `--lease`, for rules that do not say.
     pub lease: Leasing,
+    /// `--cluster-name`: the cluster whose counters a rule of `scope: cluster` counts in
+    /// (without one, every replica without one shares them).
+    pub cluster: Option<&'a str>,
 }
 
 /// What one request descriptor turned into.
@@ -167,12 +170,26 @@ impl RuleSet {
                 .as_ref()
                 .and_then(|m| m.node.counting)
                 .unwrap_or(global.counting);
+            let scope = m.as_ref().and_then(|m| m.node.scope()).unwrap_or_default();
             let leased = hold.is_none()
+                && !scope.is_local()
                 && m.as_ref()
                     .and_then(|m| m.node.lease)
                     .unwrap_or(global.lease)
                     == Leasing::Auto;
-            let mut push = |limit: Limit, identity: String, mode: Mode| {
+            let mut push = |limit: Limit, mut identity: String, mode: Mode| {
+                // Counters of another scope are other counters.
+                match scope {
+                    Scope::Global => {}
+                    Scope::Cluster => {
+                        identity.push_str(":cluster:");
+                        identity.push_str(global.cluster.unwrap_or_default());
+                    }
+                    Scope::Replica | Scope::Split => {
+                        identity.push(':');
+                        identity.push_str(scope.name());
+                    }
+                }
                 let key =
                     descriptor_key.get_or_insert_with(|| DescriptorKey::new(domain, &counted));
                 // A limit override that no rule matched belongs to the descriptor's keys.
@@ -210,6 +227,7 @@ impl RuleSet {
                     refund: descriptor.refund && hold.is_none(),
                     counting,
                     leased,
+                    scope,
                     step: match hold {
                         Some((held_by, id)) => {
                             Step::Held(held(&held_by, id, descriptor.hits, &limit))
@@ -424,6 +442,7 @@ descriptors:
         quota_mode: false,
         counting: Counting::Admitted,
         lease: Leasing::Off,
+        cluster: None,
     };
 
     fn items<'a>(plan: &Plan, check: &'a Check) -> &'a [Item] {

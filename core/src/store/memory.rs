@@ -737,6 +737,7 @@ mod tests {
             refund: false,
             counting: Counting::Admitted,
             leased: false,
+            scope: Default::default(),
             step: crate::limiter::Step::Hits,
         }
     }

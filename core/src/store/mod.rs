@@ -7,6 +7,7 @@
 mod demand;
 mod guard;
 mod memory;
+mod peers;
 mod redis;
 
 use std::fmt;
@@ -20,9 +21,10 @@ use tokio::sync::mpsc;
 pub use demand::{Change, Division, Listed, Settle};
 pub use guard::Deadline;
 pub use memory::{MemoryStore, Percent, Stored};
+pub use peers::Peers;
 pub use redis::{RedisStore, RedisTls, Replicas, redis_key};
 
-use crate::limiter::{Check, CounterKey, Decision, Item};
+use crate::limiter::{Check, CounterKey, Counting, Decision, Item, Mode, Scope, Usage};
 use crate::observe::Observer;
 use guard::{Breakers, Guard};
 
@@ -32,6 +34,10 @@ use guard::{Breakers, Guard};
 pub enum Backend {
     Memory(Arc<MemoryStore>),
     Redis {
+        /// The counters of `scope: replica` and `scope: split` rules, in this replica's memory.
+        local: Arc<MemoryStore>,
+        /// The replicas live now, which `scope: split` divides limits by.
+        peers: Peers,
         url: String,
         key_prefix: String,
         tls: Option<RedisTls>,
@@ -51,33 +57,27 @@ impl Backend {
     /// of them, telling `observer` of the counters it refuses. Sweeps expired counters every
     /// second from a task that ends with the store; call it inside a Tokio runtime.
     pub fn memory(max_keys: usize, per_rule: Percent, observer: Arc<dyn Observer>) -> Backend {
-        let store = Arc::new(MemoryStore::new(max_keys, per_rule).observed_by(observer));
-        let weak = Arc::downgrade(&store);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(1));
-            loop {
-                tick.tick().await;
-                match weak.upgrade() {
-                    Some(store) => store.sweep(),
-                    None => break,
-                }
-            }
-        });
-        Backend::Memory(store)
+        Backend::Memory(swept(
+            MemoryStore::new(max_keys, per_rule).observed_by(observer),
+        ))
     }
 
     /// A Redis deployment (see `RedisStore::connect` for the URL forms), reached over TLS as
     /// `tls` says when the URL asks for TLS, whose decisions count once `confirm_replicas`
     /// replicas acknowledge their writes (0: as soon as the primary has them), and whose stores
-    /// tell `observer` of their calls.
+    /// tell `observer` of their calls; the counters of rules scoped to the replica live in
+    /// `local`, an embedded store (swept as `memory`'s; call it inside a Tokio runtime).
     pub fn redis(
         url: String,
         key_prefix: String,
         tls: Option<RedisTls>,
         confirm_replicas: u32,
         observer: Arc<dyn Observer>,
+        local: MemoryStore,
     ) -> Backend {
         Backend::Redis {
+            local: swept(local.observed_by(observer.clone())),
+            peers: Peers::unknown(),
             url,
             key_prefix,
             tls,
@@ -94,8 +94,12 @@ impl Backend {
             Backend::Memory(store) => Ok(Store {
                 guard: Guard::new(None),
                 counters: Counters::Memory(store.clone()),
+                local: store.clone(),
+                peers: Peers::alone(),
             }),
             Backend::Redis {
+                local,
+                peers,
                 url,
                 key_prefix,
                 tls,
@@ -116,6 +120,8 @@ impl Backend {
                 Ok(Store {
                     guard: Guard::new(Some(breaker)),
                     counters: Counters::Redis(Box::new(store)),
+                    local: local.clone(),
+                    peers: peers.clone(),
                 })
             }
         }
@@ -133,6 +139,21 @@ impl Backend {
                 tls,
                 ..
             } => RedisStore::listen(url, key_prefix, tls.as_ref()).map(Some),
+        }
+    }
+
+    /// Beats in the store for this replica (`store::peers`), for `scope: split`, until `stop`
+    /// resolves, then takes the beat back; at once on the embedded store, which serves one.
+    pub async fn beat(&self, stop: impl Future<Output = ()>) -> Result<(), StoreError> {
+        match self {
+            Backend::Memory(_) => Ok(()),
+            Backend::Redis {
+                url,
+                key_prefix,
+                tls,
+                peers,
+                ..
+            } => redis::beat(url, key_prefix, tls.as_ref(), peers.clone(), stop).await,
         }
     }
 
@@ -204,6 +225,15 @@ impl Backend {
         }
     }
 
+    /// The replicas live as this one last read them (`store::peers`); `None` on the embedded
+    /// store, which serves one.
+    pub fn live_replicas(&self) -> Option<u32> {
+        match self {
+            Backend::Memory(_) => None,
+            Backend::Redis { peers, .. } => Some(peers.count()),
+        }
+    }
+
     /// Live counters in the embedded store; `None` on Redis.
     pub fn live_counters(&self) -> Option<usize> {
         match self {
@@ -229,10 +259,15 @@ impl Backend {
     }
 }
 
-/// The counter store an event loop decides against: a backend behind its guard.
+/// The counter store an event loop decides against: a backend behind its guard, and this
+/// replica's own counters (`scope: replica` and `split`), decided with no store call.
 pub struct Store {
     guard: Guard,
     counters: Counters,
+    /// The embedded store of the counters scoped to this replica (on the embedded store, the
+    /// same store).
+    local: Arc<MemoryStore>,
+    peers: Peers,
 }
 
 /// The counter stores sluice can run on.
@@ -242,7 +277,100 @@ enum Counters {
 }
 
 impl Store {
+    /// Gives each `scope: split` item of `check` this replica's share of its limit.
+    pub fn share(&self, check: &mut Check) {
+        for item in check.items.iter_mut().filter(|i| i.scope == Scope::Split) {
+            item.limit.requests_per_unit = self.peers.share(item.limit.requests_per_unit);
+            item.limit.burst = self.peers.share(item.limit.burst);
+        }
+    }
+
+    /// The replicas live now, as this one last read them.
+    pub fn peers(&self) -> &Peers {
+        &self.peers
+    }
+
+    /// Decides `check`, all or nothing. The counters scoped to this replica are decided here,
+    /// first; when they admit, the store decides the rest, and what they charged is given back
+    /// if the store denies, fails, or its caller goes (see `split`).
     pub async fn apply(&self, check: &Check, deadline: Deadline) -> Result<Decision, StoreError> {
+        if matches!(self.counters, Counters::Redis(_))
+            && check.items.iter().any(|i| i.scope.is_local())
+        {
+            return self.split(check, deadline).await;
+        }
+        self.apply_shared(check, deadline).await
+    }
+
+    /// Decides a check some of whose counters are this replica's own (`scope: replica`,
+    /// `split`), in its embedded store, and the others the shared store's, as one check. The own
+    /// counters are decided first, all or nothing among them (their quota limits not denying
+    /// while the store's part has quota limits too). When they deny, the store is not asked,
+    /// save to charge its counters counted `always`, which are charged whatever the answer.
+    /// When they admit, the store decides its part (its quota limits not denying while an own
+    /// quota limit is not over), and what the own counters charged is given back unless the
+    /// store admits: when it denies, fails, or its caller goes first.
+    async fn split(&self, check: &Check, deadline: Deadline) -> Result<Decision, StoreError> {
+        let (own, shared): (Vec<usize>, Vec<usize>) =
+            (0..check.items.len()).partition(|&i| check.items[i].scope.is_local());
+        let quota = |i: &usize| matches!(check.items[*i].mode, Mode::Quota | Mode::ShadowQuota);
+        let part = |at: &[usize], quota_passes: bool| Check {
+            items: at.iter().map(|&i| check.items[i].clone()).collect(),
+            at: check.at,
+            quota_passes,
+        };
+        let own_check = part(&own, check.quota_passes || shared.iter().any(quota));
+        let own_decision = self.local.apply(&own_check)?;
+        let mut usages = vec![Usage::unknown(); check.items.len()];
+        for (&i, usage) in own.iter().zip(&own_decision.usages) {
+            usages[i] = *usage;
+        }
+        if shared.is_empty() || !own_decision.admitted {
+            let always: Vec<usize> = shared
+                .iter()
+                .copied()
+                .filter(|&i| check.items[i].counting == Counting::Always)
+                .collect();
+            if !own_decision.admitted && !always.is_empty() {
+                let charged = self.apply_shared(&part(&always, true), deadline).await?;
+                for (&i, usage) in always.iter().zip(&charged.usages) {
+                    usages[i] = *usage;
+                }
+            }
+            return Ok(Decision {
+                admitted: own_decision.admitted,
+                usages,
+            });
+        }
+        let give_back = GiveBack::of(&self.local, &own_check, &own_decision);
+        let quota_left =
+            own.iter()
+                .zip(&own_decision.usages)
+                .any(|(&i, usage)| match check.items[i].mode {
+                    Mode::Quota => !usage.over,
+                    Mode::ShadowQuota => true,
+                    Mode::Enforce | Mode::Shadow => false,
+                });
+        let shared_check = part(&shared, check.quota_passes || quota_left);
+        let decided = self.apply_shared(&shared_check, deadline).await?;
+        for (&i, usage) in shared.iter().zip(&decided.usages) {
+            usages[i] = *usage;
+        }
+        if decided.admitted {
+            give_back.keep();
+        }
+        Ok(Decision {
+            admitted: decided.admitted,
+            usages,
+        })
+    }
+
+    /// Decides `check` in the shared store.
+    async fn apply_shared(
+        &self,
+        check: &Check,
+        deadline: Deadline,
+    ) -> Result<Decision, StoreError> {
         let call = async {
             match &self.counters {
                 Counters::Memory(memory) => memory.apply(check),
@@ -272,15 +400,21 @@ impl Store {
         at_ms: u64,
         deadline: Deadline,
     ) -> Result<(), StoreError> {
+        let (own, shared): (Vec<Item>, Vec<Item>) =
+            items.iter().cloned().partition(|i| i.scope.is_local());
+        self.local.reset(&own, at_ms);
+        if shared.is_empty() {
+            return Ok(());
+        }
         let reset = async {
             match &self.counters {
                 Counters::Memory(memory) => {
-                    memory.reset(items, at_ms);
+                    memory.reset(&shared, at_ms);
                     Ok(())
                 }
                 Counters::Redis(redis) => {
-                    redis.reset(items, at_ms).await?;
-                    redis.unblock(items).await
+                    redis.reset(&shared, at_ms).await?;
+                    redis.unblock(&shared).await
                 }
             }
         };
@@ -291,10 +425,18 @@ impl Store {
     /// them in their over-limit cache and drop their leased blocks of them
     /// (`Backend::listen_resets`). Nothing to tell on the embedded store, which serves one.
     pub async fn unblock(&self, items: &[Item], deadline: Deadline) -> Result<(), StoreError> {
+        let shared: Vec<Item> = items
+            .iter()
+            .filter(|i| !i.scope.is_local())
+            .cloned()
+            .collect();
+        if shared.is_empty() {
+            return Ok(());
+        }
         let told = async {
             match &self.counters {
                 Counters::Memory(_) => Ok(()),
-                Counters::Redis(redis) => redis.unblock(items).await,
+                Counters::Redis(redis) => redis.unblock(&shared).await,
             }
         };
         self.guard.call(deadline, told).await
@@ -316,6 +458,70 @@ impl Store {
         };
         self.guard.call(deadline, settled).await
     }
+}
+
+/// What a check's own counters charged, given back when dropped unless kept: the store's part
+/// of the check did not admit it, or its caller went first.
+struct GiveBack<'a> {
+    local: &'a MemoryStore,
+    back: Option<Check>,
+}
+
+impl<'a> GiveBack<'a> {
+    /// What `check`, decided as `decision` in `local`, charged: its items counted when admitted
+    /// that were not over, each with its hits to give back.
+    fn of(local: &'a MemoryStore, check: &Check, decision: &Decision) -> GiveBack<'a> {
+        let items: Vec<Item> = check
+            .items
+            .iter()
+            .zip(&decision.usages)
+            .filter(|(item, usage)| {
+                !item.refund && item.hits > 0 && item.counting == Counting::Admitted && !usage.over
+            })
+            .map(|(item, _)| Item {
+                refund: true,
+                ..item.clone()
+            })
+            .collect();
+        GiveBack {
+            local,
+            back: (!items.is_empty()).then(|| Check {
+                items,
+                at: check.at,
+                quota_passes: true,
+            }),
+        }
+    }
+
+    /// Keeps the charges.
+    fn keep(mut self) {
+        self.back = None;
+    }
+}
+
+impl Drop for GiveBack<'_> {
+    fn drop(&mut self) {
+        if let Some(back) = self.back.take() {
+            let _ = self.local.apply(&back);
+        }
+    }
+}
+
+/// `store`, its expired counters swept every second by a task that ends with it.
+fn swept(store: MemoryStore) -> Arc<MemoryStore> {
+    let store = Arc::new(store);
+    let weak = Arc::downgrade(&store);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tick.tick().await;
+            match weak.upgrade() {
+                Some(store) => store.sweep(),
+                None => break,
+            }
+        }
+    });
+    store
 }
 
 /// What the quota service hears from other replicas through the store.

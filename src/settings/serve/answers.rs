@@ -43,6 +43,10 @@ pub struct AnswerFlags {
     /// drops counters unused for --lease-idle (docs/leases.md).
     #[arg(long, env = "SLUICE_LEASE_MAX_COUNTERS", default_value_t = MOST_HELD as u64, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
     lease_max_counters: u64,
+    /// The cluster (a region, a zone) this replica counts `scope: cluster` rules in: replicas
+    /// of one name share those counters, each name has its own (docs/rules.md, Scope).
+    #[arg(long, env = "SLUICE_CLUSTER_NAME", value_parser = parse_cluster_name)]
+    cluster_name: Option<String>,
     /// Send the limit closest to denying (the one that denied, else the one with the least
     /// left) on every answer that has one, as the RateLimit-Limit, RateLimit-Remaining and
     /// RateLimit-Reset headers for Envoy to add to its response.
@@ -91,6 +95,7 @@ impl AnswerFlags {
             quota_mode: self.quota_mode,
             counting: self.counting,
             lease: self.lease,
+            cluster_name: self.cluster_name.clone(),
             near_limit_ratio: self.near_limit_ratio,
             limit_headers: self.limit_response_headers.then(|| LimitHeaders {
                 limit: self.limit_limit_header.clone(),
@@ -100,6 +105,16 @@ impl AnswerFlags {
             dynamic_metadata: self.response_dynamic_metadata,
         }
     }
+}
+
+/// A cluster's name: 1 to 64 letters, digits, `-`, `_` or `.`, as it becomes part of every
+/// counter key of its `scope: cluster` rules.
+fn parse_cluster_name(value: &str) -> Result<String, String> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || "-_.".contains(c);
+    if value.is_empty() || value.len() > 64 || !value.chars().all(allowed) {
+        return Err("1 to 64 letters, digits, '-', '_' or '.', such as eu-west-1".into());
+    }
+    Ok(value.to_owned())
 }
 
 /// An HTTP header name (RFC 9110 token characters), which Envoy can add to its response.

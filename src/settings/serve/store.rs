@@ -9,7 +9,7 @@ use clap::Args;
 use super::at_least_one;
 use crate::limiter::OverLimitCache;
 use crate::observe::Observer;
-use crate::store::{Backend, Percent, RedisTls};
+use crate::store::{Backend, MemoryStore, Percent, RedisTls};
 
 #[derive(Args)]
 #[command(next_help_heading = "Counter store and Redis")]
@@ -89,6 +89,7 @@ impl StoreFlags {
             tls,
             self.redis_confirm_replicas,
             observer,
+            MemoryStore::new(self.max_keys, self.max_keys_per_rule),
         ))
     }
 

@@ -36,6 +36,7 @@ mod tls;
 
 use std::io::Write;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
@@ -43,6 +44,7 @@ use tracing::Instrument;
 
 use super::demand::{Division, Settle};
 use super::guard::{self, Breaker, Queue};
+use super::peers::{self, Peers};
 use super::{Deadline, Reset, StoreError, Told};
 use fred::prelude::Value;
 use fred::types::{ClusterHash, CustomCommand};
@@ -273,6 +275,80 @@ const TAG_BYTES: usize = 18;
 /// other replicas have to move.
 fn quota_channel(prefix: &str) -> Bytes {
     Bytes::from(format!("{prefix}quota-moves"))
+}
+
+/// How soon a beat is sent again while no count of the live replicas was read yet.
+const FIRST_BEAT_RETRY: Duration = Duration::from_millis(50);
+
+/// This replica's beat (`peers`): `KEYS[1]` the set of live replicas (scored by when each
+/// lapses), `ARGV` its id, how long (ms) a beat keeps it counted, and `1` to take its beat back;
+/// answers the ids live now. The clock is Redis `TIME`, the same for every replica.
+const BEAT_SCRIPT: &str = "\
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if ARGV[3] == '1' then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  return {}
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
+return redis.call('ZRANGE', KEYS[1], 0, -1)
+";
+
+/// Beats for `peers` in the Redis of `url` under `prefix` every `peers::BEAT` (see
+/// `store::peers`) until `stop` resolves, then takes the beat back.
+pub(crate) async fn beat(
+    url: &str,
+    prefix: &str,
+    tls: Option<&RedisTls>,
+    peers: Peers,
+    stop: impl Future<Output = ()>,
+) -> Result<(), StoreError> {
+    let conn = Conn::connect(url, tls)?;
+    let key = Bytes::from(format!("{prefix}replicas"));
+    let slot = fred::util::redis_keyslot(&key);
+    let live_ms = Value::from(peers::LIVE_FOR.as_millis() as i64);
+    let call = |leave: bool| {
+        let eval = CustomCommand::new_static("EVAL", ClusterHash::Custom(slot), false);
+        let args = vec![
+            Value::from(BEAT_SCRIPT),
+            Value::from(1),
+            Value::from(key.clone()),
+            Value::from(peers.id()),
+            live_ms.clone(),
+            Value::from(if leave { "1" } else { "0" }),
+        ];
+        let conn = conn.clone();
+        async move { conn.send::<Vec<String>>(eval, args).await }
+    };
+    tokio::pin!(stop);
+    loop {
+        match tokio::time::timeout(peers::BEAT, call(false)).await {
+            Ok(Ok(mut live)) => {
+                // By id, an order every replica reading the same set agrees on.
+                live.sort_unstable();
+                match live.iter().position(|id| id == peers.id()) {
+                    Some(place) => peers.saw(live.len() as u32, place as u32),
+                    None => tracing::debug!("this replica's beat was not among the live ones"),
+                }
+            }
+            Ok(Err(e)) => tracing::debug!("the replicas' beat failed: {e}"),
+            Err(_) => tracing::debug!("the replicas' beat took longer than a beat"),
+        }
+        // Until the first count is read, sooner: the split limits deny meanwhile.
+        let next = if peers.count() == 0 {
+            FIRST_BEAT_RETRY
+        } else {
+            peers::BEAT
+        };
+        tokio::select! {
+            () = &mut stop => break,
+            () = tokio::time::sleep(next) => {}
+        }
+    }
+    let _ = tokio::time::timeout(peers::BEAT, call(true)).await;
+    Ok(())
 }
 
 /// The channel on which a replica that reset counters (`/counters`) names them to every other
