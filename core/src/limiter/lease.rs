@@ -144,6 +144,9 @@ struct Held {
     period: (u64, Instant, u64),
     /// A block is on its way.
     taking: bool,
+    /// The counter was reset while a block was on its way: the block may have been counted
+    /// before the reset, which erased it, so it is not spent.
+    forgotten: bool,
     /// The counter's key, rule and limit, to give the block back with, once it took one.
     counter: Option<(CounterKey, RuleId, Limit)>,
 }
@@ -159,6 +162,7 @@ impl Held {
             drawn: now,
             period: (item.hits, now, 0),
             taking: false,
+            forgotten: false,
             counter: None,
         }
     }
@@ -466,6 +470,9 @@ impl Leases {
                 continue;
             };
             h.taking = false;
+            if std::mem::take(&mut h.forgotten) {
+                continue;
+            }
             let Some(decision) = decided.filter(|d| d.admitted) else {
                 continue;
             };
@@ -507,14 +514,21 @@ impl Leases {
 
     /// Drops what the blocks of the counter whose key's bytes are `key`, under a limit of
     /// `requests_per_unit`, hold, giving nothing back: the counter was reset in the store
-    /// (`/counters`), which no longer counts them. Its next request takes a block anew.
+    /// (`/counters`), which no longer counts them; and a block on its way is dropped when it
+    /// comes (counted before the reset, it was erased; after it, it stays counted unspent,
+    /// which never admits more than the limit). Its next request takes a block anew.
     pub fn forget(&self, key: &[u8], requests_per_unit: u32) {
         let id = self
             .ids
             .salted_id_of_bytes(key, u64::from(requests_per_unit));
         if let Some(h) = self.held().get_mut(&id) {
             h.left = 0;
+            h.forgotten = h.taking;
         }
+        let mut returning = self.returning();
+        returning.retain(|r| {
+            r.item.key.as_bytes() != key || r.item.limit.requests_per_unit != requests_per_unit
+        });
     }
 
     /// The next block taken (`took`): made before a `draw` that may answer `Draw::Wait`, so
@@ -693,6 +707,29 @@ mod tests {
             "one block on its way per counter"
         );
         assert_eq!(leases.totals().admitted, 3);
+    }
+
+    #[test]
+    fn a_reset_counter_drops_its_blocks_and_the_one_on_its_way() {
+        let leases = Leases::new(IDLE, MOST_HELD);
+        let now = Instant::now();
+        let one = check(item(2000, 1));
+        take(&leases, &one, now, 40);
+        let key = one.items[0].key.as_bytes().to_vec();
+        leases.forget(&key, 2000);
+        let Draw::Take(at, _) = leases.draw(&one, now) else {
+            panic!("nothing held after the reset: a block to take");
+        };
+        // Reset again while that block is on its way: it may have been counted before.
+        leases.forget(&key, 2000);
+        assert!(
+            leases
+                .took(&one, &at, Some(&answer(40, 1000)), now)
+                .is_none(),
+            "a block taken before the reset is not spent"
+        );
+        assert!(matches!(leases.draw(&one, now), Draw::Take(..)));
+        assert_eq!(leases.left(now), 0);
     }
 
     #[test]
