@@ -13,7 +13,8 @@
 //!
 //! Every replica forgets what it knew of a counter reset or given hits back: its local
 //! over-limit cache entry and its leased blocks (dropped, not given back: the store no longer
-//! counts them), this one at once and the others through the store (`Store::reset`). Each change
+//! counts them), this one at once and the others through the store (`Store::reset`); a leased
+//! counter on Redis only after the give-backs on their way have landed (see `change`). Each change
 //! is logged as an audit line (who, what, before, after) and counted
 //! (`sluice_counter_changes`).
 
@@ -33,6 +34,7 @@ use serde_json::{Map, Value, json};
 
 use super::auth::{AdminToken, guarded};
 use super::conns::Peer;
+use super::decide::GIVE_BACK_TIMEOUT;
 use super::http::decode;
 use super::in_force::Rules;
 use super::rls::{Answering, Bounds, descriptors, unix_ms};
@@ -47,6 +49,9 @@ use crate::telemetry::Telemetry;
 const LONGEST_BY: usize = 256;
 /// How long the store has for each call of a change: an operator waits, no request does.
 const STORE_WAIT: Duration = Duration::from_secs(2);
+/// How long past a give-back's own deadline a reset of leased counters waits before it deletes
+/// them.
+const RESET_MARGIN: Duration = Duration::from_millis(100);
 
 /// What a `/counters` call does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -275,6 +280,8 @@ impl Counters {
         let (plans, check) = rules.plan(domain, &asked_descriptors, self.answering.global(), false);
         // Each counter once, with the descriptor it is first a counter of.
         let mut seen = HashSet::new();
+        // Whether replicas may hold leased blocks of one of the counters.
+        let mut leased = false;
         let mut found: Vec<(usize, Item)> = Vec::new();
         for (descriptor, plan) in plans.iter().enumerate() {
             let Plan::Limited { items, .. } = plan else {
@@ -286,6 +293,7 @@ impl Counters {
                 {
                     continue;
                 }
+                leased |= Leases::hold(item);
                 found.push((descriptor, plain(item)));
             }
         }
@@ -309,7 +317,7 @@ impl Counters {
         let items = check.items;
         let before = self.held(&items, asked.at).await?;
         let after = if asked.apply && asked.action != Action::Show {
-            self.change(&items, &asked).await?;
+            self.change(&items, &asked, leased).await?;
             self.held(&items, asked.at).await?
         } else {
             before
@@ -415,8 +423,9 @@ impl Counters {
             .collect())
     }
 
-    /// Applies `asked`'s action to the counters of `items`.
-    async fn change(&self, items: &[Item], asked: &Asked) -> Result<(), Failed> {
+    /// Applies `asked`'s action to the counters of `items`, `leased` when replicas may hold
+    /// blocks of them.
+    async fn change(&self, items: &[Item], asked: &Asked, leased: bool) -> Result<(), Failed> {
         let at_ms = asked.at.unwrap_or_else(unix_ms);
         let deadline = || Deadline::new(STORE_WAIT, None);
         let charge = |hits: u64, refund: bool| Check {
@@ -435,6 +444,17 @@ impl Counters {
         match asked.action {
             Action::Show => {}
             Action::Reset | Action::Set(_) => {
+                // Leased blocks on Redis: every replica drops them first, and the give-backs
+                // already on their way land (or time out) before the counter goes: one landing
+                // after it would free hits the reset erased.
+                if leased && self.redis_key_prefix.is_some() {
+                    self.store
+                        .unblock(items, deadline())
+                        .await
+                        .map_err(unavailable)?;
+                    self.forget(items);
+                    tokio::time::sleep(GIVE_BACK_TIMEOUT + RESET_MARGIN).await;
+                }
                 self.store
                     .reset(items, at_ms, deadline())
                     .await

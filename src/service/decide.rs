@@ -23,7 +23,7 @@ const DRAWS: usize = 6;
 pub const GIVE_BACK_COUNTERS: usize = 256;
 /// How long one give-back call may take: its own deadline, not a request's, since nobody waits
 /// for it and one that does not land leaves its hits unusable until their window ends.
-const GIVE_BACK_TIMEOUT: Duration = Duration::from_secs(1);
+pub(super) const GIVE_BACK_TIMEOUT: Duration = Duration::from_secs(1);
 /// Failed give-backs, logged at most once a second.
 static GIVE_BACK_FAILED: Throttle = Throttle::new();
 

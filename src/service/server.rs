@@ -109,9 +109,10 @@ pub async fn run(
         tokio::join!(accept, quota_accept);
     };
     // This replica's beat, for the split limits, taken back at shutdown.
-    let backend = setup.backend.clone();
+    let (backend, rules) = (setup.backend.clone(), setup.rules.clone());
     let beat = async {
-        if let Err(e) = backend.beat(shutdown.clone().wait()).await {
+        let wanted = move || rules.in_force().has_split();
+        if let Err(e) = backend.beat(shutdown.clone().wait(), wanted).await {
             tracing::error!("the replicas' beat did not start: {e}");
         }
     };

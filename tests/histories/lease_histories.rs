@@ -1,8 +1,9 @@
 //! Generated histories of leased counters: replicas of sluice on one real `redis-server`, driven
 //! through events a seeded generator picks (bursts and trickles on a few hot and many cold
 //! counters, idle periods, a replica paused or killed and started again, Redis paused or
-//! restarted with its data, a reload changing a limit, a window's end), with the invariants of
-//! docs/leases.md checked on a model of every answer after every step:
+//! restarted with its data, a reload changing a limit, a window's end, a counter reset through
+//! `/counters`), with the invariants of docs/leases.md checked on a model of every answer after
+//! every step (a reset window counting afresh from the reset):
 //!
 //! - together the replicas never admit more than the limit in a window;
 //! - once every replica is idle past the bound (1.5 × `--lease-idle` and a store call), the store
@@ -155,6 +156,9 @@ enum Event {
     Reload { rule: usize, limit: u64 },
     /// Nothing is sent until `rule`'s window ends on the store's clock.
     WindowEnd { rule: usize },
+    /// The counter's window now reset through `replica`'s `/counters`: every replica drops its
+    /// blocks of it, and the window counts afresh.
+    Reset { replica: usize, counter: usize },
 }
 
 /// What one request was answered: its window named by its end (ms since the Unix epoch).
@@ -183,6 +187,9 @@ struct Tally {
     drawn_by: [bool; REPLICAS],
     /// Replicas killed that may have held a block of it.
     kills: u64,
+    /// Resets through `/counters`: each may leave a block per replica counted unspent (taken
+    /// after the counter went, before its replica heard of it).
+    resets: u64,
 }
 
 /// A replica denied on a counter's window at every request since `since`, asking at least
@@ -224,7 +231,8 @@ impl Model {
     /// What may stay counted in the store beyond what was admitted: a block per killed holder
     /// (an eighth of what remained, and a request's hit) and a hit per failed call.
     fn slack(&self, counter: usize, tally: &Tally) -> u64 {
-        tally.kills * (tally.cap / SHARE + 1) + self.errors[counter]
+        (tally.kills + tally.resets * REPLICAS as u64) * (tally.cap / SHARE + 1)
+            + self.errors[counter]
     }
 
     fn exempt(&self, at: Instant) -> bool {
@@ -310,6 +318,17 @@ impl Model {
                 t.drawn_by[replica] = false;
             }
         }
+    }
+
+    /// `counter`'s `window` was reset: it counts afresh, no replica holding a block of it, and
+    /// its denials so far are forgotten.
+    fn reset(&mut self, counter: usize, window: u64) {
+        let t = self.tally(counter, window);
+        t.admitted = 0;
+        t.drawn_by = [false; REPLICAS];
+        t.kills = 0;
+        t.resets += 1;
+        self.runs.retain(|&(_, c), _| c != counter);
     }
 
     /// `rule`'s limit is `limit` on every replica now: a window may admit no more than that, or
@@ -687,6 +706,7 @@ impl World {
                 self.redis.start();
             }
             Event::Reload { rule, limit } => self.reload(*rule, *limit).await,
+            Event::Reset { replica, counter } => self.reset(*replica, *counter),
             Event::WindowEnd { rule } => {
                 let window = self.rules[*rule].window_ms;
                 let (now, _) = dump(self.redis.port, &self.prefix);
@@ -700,6 +720,40 @@ impl World {
             }
         }
         self.check();
+    }
+
+    /// Resets `counter`'s window now through `replica`'s `/counters`, unless it ends within 3 s
+    /// (the model could not tell which window the reset took).
+    fn reset(&mut self, replica: usize, counter: usize) {
+        let (key, value, window) = self.targets[counter].clone();
+        let (now, _) = dump(self.redis.port, &self.prefix);
+        let end = (now / window + 1) * window;
+        if end - now < 3_000 {
+            self.note("  skipped: the window ends within 3 s".to_owned());
+            return;
+        }
+        let body = serde_json::json!({
+            "domain": DOMAIN,
+            "descriptors": [{"entries": [{"key": key, "value": value}]}],
+            "action": "reset",
+            "apply": true,
+        });
+        let sent = Instant::now();
+        let (status, _, text) = common::http(
+            self.replicas[replica].http,
+            "POST",
+            "/counters",
+            &body.to_string(),
+        );
+        if status != 200 {
+            self.fail(&format!("the reset was answered {status}: {text}"));
+        }
+        self.model.reset(counter, end);
+        self.note(format!(
+            "  reset window {end} of {} in {} ms",
+            self.model.name(counter),
+            sent.elapsed().as_millis()
+        ));
     }
 
     async fn reload(&mut self, rule: usize, limit: u64) {
@@ -912,7 +966,7 @@ fn generate(seed: u64, steps: usize) -> Vec<Event> {
     let mut rng = Rng(seed);
     let mut events = Vec::new();
     while events.len() < steps {
-        let event = match rng.weighted(&[30, 20, 14, 6, 5, 4, 3, 5, 2]) {
+        let event = match rng.weighted(&[30, 20, 14, 6, 5, 4, 3, 5, 2, 4]) {
             0 => {
                 let counters = some_counters(&mut rng);
                 let n = rng.range(1, REPLICAS as u64) as usize;
@@ -985,7 +1039,11 @@ fn generate(seed: u64, steps: usize) -> Vec<Event> {
                     limit: rng.range(base / 2, base * 2),
                 }
             }
-            _ => Event::WindowEnd { rule: COLD },
+            8 => Event::WindowEnd { rule: COLD },
+            _ => Event::Reset {
+                replica: rng.index(REPLICAS),
+                counter: rng.index(3),
+            },
         };
         events.push(event);
     }

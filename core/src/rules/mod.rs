@@ -45,6 +45,8 @@ pub struct RuleSet {
     rendered: dump::Rendered,
     /// What its rules' counters are, and what is told of requests for unknown domains.
     observer: Arc<dyn Observer>,
+    /// A rule has `scope: split`: the replica beats in the store (`store::peers`).
+    split: bool,
 }
 
 impl Default for RuleSet {
@@ -57,6 +59,7 @@ impl Default for RuleSet {
             awaiting: false,
             rendered: dump::Rendered::default(),
             observer: unobserved(),
+            split: false,
         }
     }
 }
@@ -293,6 +296,16 @@ impl RuleSet {
         sources: Sources,
         observer: Arc<dyn Observer>,
     ) -> Self {
+        let split = domains.iter().any(|d| {
+            let mut rules: Vec<&DescriptorConfig> = d.descriptors.iter().collect();
+            while let Some(rule) = rules.pop() {
+                if rule.scope == Some(Scope::Split) {
+                    return true;
+                }
+                rules.extend(&rule.descriptors);
+            }
+            false
+        });
         let mut levels: HashMap<Vec<u8>, Level> = HashMap::new();
         let mut limits = HashSet::new();
         let mut quota: HashMap<Vec<u8>, quota::QuotaLevel> = HashMap::new();
@@ -325,7 +338,13 @@ impl RuleSet {
             awaiting: false,
             rendered: dump::Rendered::default(),
             observer,
+            split,
         }
+    }
+
+    /// Whether a rule has `scope: split`.
+    pub fn has_split(&self) -> bool {
+        self.split
     }
 
     /// No rules, because none have come over xDS yet: every request is refused until some do,

@@ -142,9 +142,14 @@ impl Backend {
         }
     }
 
-    /// Beats in the store for this replica (`store::peers`), for `scope: split`, until `stop`
-    /// resolves, then takes the beat back; at once on the embedded store, which serves one.
-    pub async fn beat(&self, stop: impl Future<Output = ()>) -> Result<(), StoreError> {
+    /// Beats in the store for this replica (`store::peers`) while `wanted` says so (the rules
+    /// in force have a `scope: split` rule), until `stop` resolves, then takes the beat back;
+    /// at once on the embedded store, which serves one.
+    pub async fn beat(
+        &self,
+        stop: impl Future<Output = ()>,
+        wanted: impl Fn() -> bool,
+    ) -> Result<(), StoreError> {
         match self {
             Backend::Memory(_) => Ok(()),
             Backend::Redis {
@@ -153,7 +158,7 @@ impl Backend {
                 tls,
                 peers,
                 ..
-            } => redis::beat(url, key_prefix, tls.as_ref(), peers.clone(), stop).await,
+            } => redis::beat(url, key_prefix, tls.as_ref(), peers.clone(), stop, wanted).await,
         }
     }
 

@@ -297,13 +297,15 @@ return redis.call('ZRANGE', KEYS[1], 0, -1)
 ";
 
 /// Beats for `peers` in the Redis of `url` under `prefix` every `peers::BEAT` (see
-/// `store::peers`) until `stop` resolves, then takes the beat back.
+/// `store::peers`) while `wanted` says so, taking the beat back when it no longer does, until
+/// `stop` resolves.
 pub(crate) async fn beat(
     url: &str,
     prefix: &str,
     tls: Option<&RedisTls>,
     peers: Peers,
     stop: impl Future<Output = ()>,
+    wanted: impl Fn() -> bool,
 ) -> Result<(), StoreError> {
     let conn = Conn::connect(url, tls)?;
     let key = Bytes::from(format!("{prefix}replicas"));
@@ -323,21 +325,35 @@ pub(crate) async fn beat(
         async move { conn.send::<Vec<String>>(eval, args).await }
     };
     tokio::pin!(stop);
+    let mut beating = false;
     loop {
-        match tokio::time::timeout(peers::BEAT, call(false)).await {
-            Ok(Ok(mut live)) => {
-                // By id, an order every replica reading the same set agrees on.
-                live.sort_unstable();
-                match live.iter().position(|id| id == peers.id()) {
-                    Some(place) => peers.saw(live.len() as u32, place as u32),
-                    None => tracing::debug!("this replica's beat was not among the live ones"),
+        let want = wanted();
+        if want {
+            beating = true;
+            match tokio::time::timeout(peers::BEAT, call(false)).await {
+                Ok(Ok(mut live)) => {
+                    // By id, an order every replica reading the same set agrees on.
+                    live.sort_unstable();
+                    match live.iter().position(|id| id == peers.id()) {
+                        Some(place) => peers.saw(live.len() as u32, place as u32),
+                        None => {
+                            tracing::debug!("this replica's beat was not among the live ones");
+                        }
+                    }
                 }
+                Ok(Err(e)) => tracing::debug!("the replicas' beat failed: {e}"),
+                Err(_) => tracing::debug!("the replicas' beat took longer than a beat"),
             }
-            Ok(Err(e)) => tracing::debug!("the replicas' beat failed: {e}"),
-            Err(_) => tracing::debug!("the replicas' beat took longer than a beat"),
+        } else if beating
+            && matches!(
+                tokio::time::timeout(peers::BEAT, call(true)).await,
+                Ok(Ok(_))
+            )
+        {
+            beating = false;
         }
         // Until the first count is read, sooner: the split limits deny meanwhile.
-        let next = if peers.count() == 0 {
+        let next = if want && peers.count() == 0 {
             FIRST_BEAT_RETRY
         } else {
             peers::BEAT
@@ -347,7 +363,9 @@ pub(crate) async fn beat(
             () = tokio::time::sleep(next) => {}
         }
     }
-    let _ = tokio::time::timeout(peers::BEAT, call(true)).await;
+    if beating {
+        let _ = tokio::time::timeout(peers::BEAT, call(true)).await;
+    }
     Ok(())
 }
 
