@@ -105,7 +105,7 @@ impl Quotas {
         let mut rounds = 0;
         loop {
             let listed = self.listed(id, moving);
-            let call = Settle {
+            let mut call = Settle {
                 limit: total,
                 grow: true,
                 stays_ms: stays.as_millis() as u64,
@@ -126,7 +126,7 @@ impl Quotas {
             };
             let span = traces::division_span(&self.telemetry, &rule.path, call.streams.len());
             let sent = Instant::now();
-            let division = match self.record(key, call).instrument(span.clone()).await {
+            let division = match self.record(key, &mut call).instrument(span.clone()).await {
                 Ok(division) => division,
                 Err(e) => {
                     traces::store_failed(&span, &e);
@@ -137,7 +137,8 @@ impl Quotas {
             moving = None;
             rounds += 1;
             if !division.again || shrunk.is_empty() || rounds == SETTLE_ROUNDS {
-                self.wake_when_free(id, &division, sent.elapsed() > GROWS_WITHIN);
+                let late = call.grow_until_ms != 0 && sent.elapsed() > GROWS_WITHIN;
+                self.wake_when_free(id, &division, late);
                 return Ok(division);
             }
             taken(&shrunk).await;
@@ -146,11 +147,11 @@ impl Quotas {
 
     /// When a stream of this replica has less than its share of bucket `id`, settles the bucket
     /// again: once the stream of another replica that holds some of it stops being counted (a
-    /// replica that died is not told to shrink); and, when the call took longer than
-    /// `GROWS_WITHIN` (`late`), after `LATE_RETRY`: the store may have grown nothing for it (a
-    /// loaded host, whose calls arrive late while the load lasts), and the next call may be
-    /// quicker. Its Envoy gets its grant then, not at its next report. One wake-up at a time per
-    /// bucket.
+    /// replica that died is not told to shrink); and, when the call was held to `GROWS_WITHIN`
+    /// (it named no server) and took longer (`late`), after `LATE_RETRY`: the store may have
+    /// grown nothing for it (a loaded host, whose calls arrive late while the load lasts), and
+    /// the next call may be quicker, or name the server its answer named. Its Envoy gets its
+    /// grant then, not at its next report. One wake-up at a time per bucket.
     fn wake_when_free(self: &Arc<Self>, id: u128, division: &Division, late: bool) {
         // The store's clock, not this one: how long from now, with a little for the two to
         // differ in their reading of the lapse.

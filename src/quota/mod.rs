@@ -56,9 +56,11 @@ const REPORT_INTERVAL: Duration = Duration::from_secs(5);
 /// How long a stream's demand stays counted without a new report: three report intervals, so
 /// that one late or lost report does not take its share away.
 const DEMAND_STAYS: Duration = Duration::from_secs(3 * REPORT_INTERVAL.as_secs());
-/// How soon after it is sent a settle call may grow a grant (on the store's clock): one that
-/// took longer may have waited out a restart that emptied the store, which it cannot tell from a
-/// bucket no stream holds yet. Far longer than a call takes, far shorter than a restart.
+/// How soon after it is sent a settle call that names no server may grow a grant (on the store's
+/// clock): one that took longer may have waited out a restart that emptied the store, which it
+/// cannot tell from a bucket no stream holds yet. Far longer than a call takes, far shorter than
+/// a restart. A call that names the server it last heard from needs no such bound: the store
+/// grows nothing for one that meets another, whenever it gets there.
 const GROWS_WITHIN: Duration = Duration::from_millis(100);
 /// The most a demand record may take. No request waits for it: the Envoy keeps enforcing its
 /// last assignment meanwhile.
@@ -93,8 +95,8 @@ const RULES_READ: Duration = Duration::from_millis(100);
 const ONE_SECOND: Duration = Duration::from_secs(1);
 /// How long after a stream of another replica lapses its bucket is settled again.
 const WAKE_SLACK: Duration = Duration::from_millis(20);
-/// How soon a bucket with a stream short of its share is settled again after a call that took
-/// longer than `GROWS_WITHIN`, which may have grown nothing for it.
+/// How soon a bucket with a stream short of its share is settled again after a call held to
+/// `GROWS_WITHIN` that took longer, which may have grown nothing for it.
 const LATE_RETRY: Duration = Duration::from_millis(250);
 /// Answers waiting to be written to one stream (each of at most `BUCKETS_AT_A_TIME` buckets); a
 /// push that finds it full is dropped (the stream's next report is answered anyway), and an answer

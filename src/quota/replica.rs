@@ -350,18 +350,19 @@ impl Quotas {
 
     /// One settle call, once one of the replica's `RECORDS_IN_FLIGHT` is free, changing nothing
     /// if it reaches the store past its deadline (on the store's clock, as far as this replica
-    /// knows it): held up by a reconnection, it may list what the streams no longer hold; and
-    /// growing nothing past `GROWS_WITHIN`: it may have waited out a restart of the store. It
-    /// grows nothing either while the store has failed this replica's last calls, nor for
-    /// `FROZEN_AFTER_RECONNECTION` after the store's connection was made again, answered again or
-    /// answered from another server; and it names the server it last heard from for the
-    /// bucket, so that the store grows nothing when it meets another. One that fails for want
-    /// of the store stops every grant growing until one succeeds, and then every bucket is
-    /// listed again: the store may be a new one, empty.
+    /// knows it): held up by a reconnection, it may list what the streams no longer hold. It
+    /// names the server it last heard from for the bucket, so that the store grows nothing when
+    /// it meets another, a restarted one that may have lost what every replica's streams hold;
+    /// one that can name none grows nothing past `GROWS_WITHIN` (`call.grow_until_ms`): it may
+    /// have waited out a restart. It grows nothing either while the store has failed this
+    /// replica's last calls, nor for `FROZEN_AFTER_RECONNECTION` after the store's connection was
+    /// made again, answered again or answered from another server. One that fails for want of
+    /// the store stops every grant growing until one succeeds, and then every bucket is listed
+    /// again: the store may be a new one, empty.
     pub(super) async fn record(
         &self,
         bucket: &CounterKey,
-        mut call: Settle<'_>,
+        call: &mut Settle<'_>,
     ) -> Result<Division, StoreError> {
         let _in_flight = self
             .records
@@ -384,11 +385,18 @@ impl Quotas {
         if ahead.is_some() {
             call.not_after_ms = at(STORE_DEADLINE).unwrap_or(0);
         }
-        // Before the first answer the store's clock is taken for this one's: a call that waits
-        // out a restart of the store still grows nothing, and a late answer still teaches the
-        // offset.
-        call.grow_until_ms = at(GROWS_WITHIN).unwrap_or(0);
-        let settled = self.store.settle(bucket, &call, deadline).await;
+        // A call that names a server grows nothing on another, whenever it gets there: only its
+        // deadline bounds it. Held to `GROWS_WITHIN` as well, it would grow nothing on a loaded
+        // host, whose answers are read hundreds of ms late for seconds at a time: the store's
+        // clock, as they teach it, is behind by as much, and every call looks late. One that
+        // names none (this replica's first, or any where Redis refuses `INFO`) has only its
+        // timing to tell a restart by. Before the first answer the store's clock is taken for
+        // this one's: a call that waits out a restart still grows nothing, and a late answer
+        // still teaches the offset.
+        if call.heard.is_none() {
+            call.grow_until_ms = at(GROWS_WITHIN).unwrap_or(0);
+        }
+        let settled = self.store.settle(bucket, call, deadline).await;
         if let Ok(division) = &settled {
             let (local, now) = (unix_ms(), Instant::now());
             let anew = division
