@@ -137,8 +137,15 @@ impl Quotas {
             moving = None;
             rounds += 1;
             if !division.again || shrunk.is_empty() || rounds == SETTLE_ROUNDS {
-                let late = call.grow_until_ms != 0 && sent.elapsed() > GROWS_WITHIN;
-                self.wake_when_free(id, &division, late);
+                let again = if call.grow_until_ms != 0 && sent.elapsed() > GROWS_WITHIN {
+                    Some(LATE_RETRY)
+                } else if !call.grow {
+                    // Held back by a freeze: settled again once it thaws.
+                    Some(self.frozen_for() + WAKE_SLACK)
+                } else {
+                    None
+                };
+                self.wake_when_free(id, &division, again);
                 return Ok(division);
             }
             taken(&shrunk).await;
@@ -147,26 +154,22 @@ impl Quotas {
 
     /// When a stream of this replica has less than its share of bucket `id`, settles the bucket
     /// again: once the stream of another replica that holds some of it stops being counted (a
-    /// replica that died is not told to shrink); and, when the call was held to `GROWS_WITHIN`
-    /// (it named no server) and took longer (`late`), after `LATE_RETRY`: the store may have
-    /// grown nothing for it (a loaded host, whose calls arrive late while the load lasts), and
-    /// the next call may be quicker, or name the server its answer named. Its Envoy gets its
-    /// grant then, not at its next report. One wake-up at a time per bucket.
-    fn wake_when_free(self: &Arc<Self>, id: u128, division: &Division, late: bool) {
+    /// replica that died is not told to shrink); and after `again`, when the call could grow
+    /// nothing: held to `GROWS_WITHIN` (it named no server) and took longer, `LATE_RETRY` (a
+    /// loaded host, whose calls arrive late while the load lasts: the next call may be quicker,
+    /// or name the server its answer named), or held back by a freeze, once it thaws. Its Envoy
+    /// gets its grant then, not at its next report. One wake-up at a time per bucket.
+    fn wake_when_free(self: &Arc<Self>, id: u128, division: &Division, again: Option<Duration>) {
         // The store's clock, not this one: how long from now, with a little for the two to
         // differ in their reading of the lapse.
         let freed = division.lapse_ms.map(|lapse_ms| {
             Duration::from_millis(lapse_ms.saturating_sub(division.now_ms)) + WAKE_SLACK
         });
-        let Some(after) = [freed, late.then_some(LATE_RETRY)]
-            .into_iter()
-            .flatten()
-            .min()
-        else {
+        let Some(after) = [freed, again].into_iter().flatten().min() else {
             return;
         };
-        // A retry for lateness takes a record of `--quota-max-records`, as a report's does: a
-        // loaded store is not asked more than that.
+        // A retry for lateness or a freeze takes a record of `--quota-max-records`, as a
+        // report's does: a loaded store is not asked more than that.
         let retry = freed.is_none_or(|freed| freed > after);
         {
             let mut buckets = self.buckets();

@@ -225,6 +225,13 @@ impl Quotas {
     }
 
     /// No grant grows for `FROZEN_AFTER_RECONNECTION` from now.
+    /// How long growth stays frozen from now.
+    pub(super) fn frozen_for(&self) -> Duration {
+        self.heard()
+            .frozen_until
+            .saturating_duration_since(Instant::now())
+    }
+
     fn freeze(&self) {
         self.heard().frozen_until = Instant::now() + FROZEN_AFTER_RECONNECTION;
     }
@@ -396,7 +403,20 @@ impl Quotas {
         if call.heard.is_none() {
             call.grow_until_ms = at(GROWS_WITHIN).unwrap_or(0);
         }
+        let sent = Instant::now();
         let settled = self.store.settle(bucket, call, deadline).await;
+        if matches!(settled, Err(StoreError::Timeout))
+            && call.not_after_ms != 0
+            && sent.elapsed() < STORE_DEADLINE
+        {
+            // Refused by the store for coming past its deadline, well before the deadline here:
+            // the store's clock was past `not_after_ms` when it ran, before now. A lower bound
+            // of the offset, which lifts one taken from an answer read late (else every call
+            // would be refused, and teach nothing, for as long as that reading is kept).
+            let store = i64::try_from(call.not_after_ms).unwrap_or(i64::MAX);
+            self.store_clock
+                .read(store, unix_ms(), Instant::now(), false);
+        }
         if let Ok(division) = &settled {
             let (local, now) = (unix_ms(), Instant::now());
             let anew = division

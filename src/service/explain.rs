@@ -21,7 +21,7 @@ use super::http::decode;
 use super::in_force::Rules;
 use super::rls::{Answering, Bounds, descriptors, unix_ms};
 use crate::limiter::lease::Leases;
-use crate::limiter::{Item, Mode};
+use crate::limiter::{Item, Mode, Scope};
 use crate::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use crate::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use crate::pb::envoy::service::ratelimit::v3::RateLimitRequest;
@@ -359,7 +359,11 @@ fn item_modes(item: &Item) -> Map<String, Value> {
         ),
         ("counting", json!(item.counting.name())),
         ("leased", json!(Leases::hold(item))),
-        ("scope", json!(item.scope.name())),
+        // Only where it is not the default, as the rule's own (`Node::modes`) says it.
+        (
+            "scope",
+            json!((item.scope != Scope::Global).then(|| item.scope.name())),
+        ),
     ]
     .into_iter()
     .map(|(name, on)| (name.to_owned(), on))
