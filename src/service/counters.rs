@@ -35,6 +35,7 @@ use serde_json::{Map, Value, json};
 use super::auth::{AdminToken, guarded};
 use super::conns::Peer;
 use super::decide::GIVE_BACK_TIMEOUT;
+use super::explain::text;
 use super::http::decode;
 use super::in_force::Rules;
 use super::rls::{Answering, Bounds, descriptors, unix_ms};
@@ -186,7 +187,7 @@ fn bad(message: impl Into<String>) -> Failed {
     (StatusCode::BAD_REQUEST, message.into())
 }
 
-/// Reads the call's own fields off `body`, leaving the request (domain and descriptors).
+/// Reads the call's own fields off `body`, leaving the request (domain, descriptors and `"at"`).
 fn read_call(body: &[u8]) -> Result<(Asked, Vec<u8>), Failed> {
     let mut json: Value =
         serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON: {e}")))?;
@@ -199,7 +200,10 @@ fn read_call(body: &[u8]) -> Result<(Asked, Vec<u8>), Failed> {
         None => None,
         Some(v) => Some(
             v.as_i64()
-                .ok_or_else(|| bad("\"hits\" must be a whole number"))?,
+                .filter(|n| n.unsigned_abs() <= u64::from(u32::MAX))
+                .ok_or_else(|| {
+                    bad("\"hits\" must be a whole number from -4294967295 to 4294967295")
+                })?,
         ),
     };
     let action = match take("action").as_ref().map(|a| a.as_str()) {
@@ -234,17 +238,17 @@ fn read_call(body: &[u8]) -> Result<(Asked, Vec<u8>), Failed> {
     };
     let by = match take("by") {
         None => String::new(),
-        Some(Value::String(by)) if by.len() <= LONGEST_BY => by,
+        // No control character: the audit line is one line.
+        Some(Value::String(by)) if by.len() <= LONGEST_BY && !by.chars().any(char::is_control) => {
+            by
+        }
         Some(_) => {
             return Err(bad(format!(
-                "\"by\" must be a string of at most {LONGEST_BY} bytes"
+                "\"by\" must be a string of at most {LONGEST_BY} bytes, without control characters"
             )));
         }
     };
-    let at = take("at");
-    if let Some(at) = at {
-        object.insert("at".to_owned(), at);
-    }
+    // What is left is the request, `"at"` included.
     let request = serde_json::to_vec(&json).expect("a JSON value serializes");
     Ok((
         Asked {
@@ -339,15 +343,13 @@ impl Counters {
             .map(|(((descriptor, _), item), (before, after))| Line {
                 descriptor: *descriptor,
                 limit: limit_json(&item.limit),
-                counter: String::from_utf8_lossy(item.key.as_bytes()).into_owned(),
+                counter: text(item.key.as_bytes()),
                 scope: item.scope.name(),
                 redis_key: self
                     .redis_key_prefix
                     .as_ref()
                     .filter(|_| !item.scope.is_local())
-                    .map(|p| {
-                        String::from_utf8_lossy(&redis_key(p.as_bytes(), &item.key)).into_owned()
-                    }),
+                    .map(|p| text(&redis_key(p.as_bytes(), &item.key))),
                 before: *before,
                 after: *after,
             })
@@ -362,8 +364,8 @@ impl Counters {
                     peer = %peer.map_or_else(|| "-".to_owned(), |p| p.to_string()),
                     action = asked.action.name(),
                     hits = ?hits_of(asked.action),
-                    domain = %String::from_utf8_lossy(domain),
-                    counter = %line.counter,
+                    domain = ?text(domain),
+                    counter = ?line.counter,
                     limit = %line.limit,
                     before_used = line.before.used,
                     after_used = line.after.used,

@@ -392,7 +392,7 @@ fn stop_message(stop: Stop, walk: &Walk, descriptor: &RateLimitDescriptor, entry
 
 /// Request bytes as text: UTF-8 as it is, a backslash as `\\`, any other byte as `\xNN` (as
 /// redis-cli reads them between double quotes).
-fn text(bytes: &[u8]) -> String {
+pub(super) fn text(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len());
     for chunk in bytes.utf8_chunks() {
         for c in chunk.valid().chars() {

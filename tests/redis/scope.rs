@@ -121,7 +121,7 @@ async fn each_scope_counts_where_it_says(store: Store) {
         "{keys:?}"
     );
     assert!(
-        !keys.iter().any(|k| k.contains("7:replica")),
+        !keys.iter().any(|k| k.contains("7:replica1:v")),
         "no replica-scoped key in Redis: {keys:?}"
     );
 
