@@ -179,16 +179,22 @@ for k = 1, #KEYS do
     end
     local shares = divide(limit, wants)
     -- A grant within 2 % of its share stays, unless the grants add up to more than the limit (a
-    -- lowered limit): then every grant above its share shrinks.
-    local held_all = 0
-    for _, id in ipairs(ids) do
-      held_all = held_all + streams[id].h
+    -- lowered limit), or a stream is short of its share by more: then every grant above its
+    -- share shrinks, so that the short one finds room.
+    local held_all, short = 0, false
+    for i, id in ipairs(ids) do
+      local stream = streams[id]
+      held_all = held_all + stream.h
+      if stream.g < shares[i] and not settled(stream.g, shares[i]) then
+        short = true
+      end
     end
     local over = held_all > limit
+    local shrink = over or short
     local taken = 0
     for i, id in ipairs(ids) do
       local stream = streams[id]
-      if mine[id] and stream.g > shares[i] and (over or not settled(stream.g, shares[i])) then
+      if mine[id] and stream.g > shares[i] and (shrink or not settled(stream.g, shares[i])) then
         -- Sent now: it lives as long as a grant sent with a report.
         stream.g, stream.e, changed = shares[i], math.max(stream.e, now + stays), true
       end
@@ -207,7 +213,7 @@ for k = 1, #KEYS do
         if stream.h > stream.g then
           again = 1
         end
-      elseif not settled(stream.g, shares[i]) or (over and stream.g > shares[i]) then
+      elseif not settled(stream.g, shares[i]) or (shrink and stream.g > shares[i]) then
         others = true
       end
     end

@@ -710,6 +710,51 @@ pub fn explained(sluice: &Sluice, domain: &str, entries: &[(&str, &str)]) -> ser
     serde_json::from_str(&text).expect("JSON")
 }
 
+/// The limit `sluice` decides the counter of `key`=`value` in `domain` with, as its
+/// `/counters` shows it (a `split` rule's: this replica's share); `None` unless it answers 200.
+pub fn counted_limit(sluice: &Sluice, domain: &str, key: &str, value: &str) -> Option<u64> {
+    let body = serde_json::json!({
+        "domain": domain,
+        "descriptors": [{"entries": [{"key": key, "value": value}]}],
+    });
+    let (status, _, text) = http(sluice.http, "POST", "/counters", &body.to_string());
+    let answer: serde_json::Value = serde_json::from_str(&text).ok().filter(|_| status == 200)?;
+    answer["counters"][0]["limit"]["requests_per_unit"].as_u64()
+}
+
+/// Runs the generated histories of `name`: `run(seed, steps)` for the seed
+/// `<NAME>_HISTORY_SEED` names, else for fresh seeds during `<NAME>_HISTORY_MINUTES` minutes,
+/// else for `seeds`; each of `<NAME>_HISTORY_STEPS` steps (`steps` unless set), in one window of
+/// `window`.
+pub async fn histories(
+    name: &str,
+    seeds: &[u64],
+    steps: usize,
+    window: Duration,
+    mut run: impl AsyncFnMut(u64, usize),
+) {
+    let knob = |what: &str| format!("{name}_HISTORY_{what}");
+    let steps = env_number(&knob("STEPS")).unwrap_or(steps);
+    if let Some(seed) = env_number::<u64>(&knob("SEED")) {
+        return in_one_window(window, async || run(seed, steps).await).await;
+    }
+    let Some(minutes) = env_number::<u64>(&knob("MINUTES")) else {
+        for &seed in seeds {
+            in_one_window(window, async || run(seed, steps).await).await;
+        }
+        return;
+    };
+    let until = Instant::now() + Duration::from_secs(minutes * 60);
+    let mut fresh = rng::Rng(unix_ms());
+    let mut histories = 0;
+    while Instant::now() < until {
+        let seed = fresh.next();
+        in_one_window(window, async || run(seed, steps).await).await;
+        histories += 1;
+    }
+    println!("{histories} histories in {minutes} minutes");
+}
+
 /// Sends a raw HTTP/1.1 request to `addr` and returns (status, headers, body).
 pub fn http(
     addr: SocketAddr,

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use common::redis::Controlled;
 use common::rng::Rng;
-use common::{HOUR, OVER_LIMIT, Sluice, Store, in_one_window, request};
+use common::{HOUR, OVER_LIMIT, Sluice, Store, request};
 use envoy_types::pb::google::protobuf::UInt64Value;
 
 const DOMAIN: &str = "hist";
@@ -419,27 +419,5 @@ fn check(h: &History, step: usize, redis: &Controlled, user: usize, key: &str) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn generated_histories_never_hold_past_the_budget_and_charge_each_request_once() {
-    let steps = common::env_number("HOLD_HISTORY_STEPS").unwrap_or(STEPS);
-    let seeds: Vec<u64> = match (
-        common::env_number::<u64>("HOLD_HISTORY_SEED"),
-        common::env_number::<u64>("HOLD_HISTORY_MINUTES"),
-    ) {
-        (Some(seed), _) => vec![seed],
-        (None, Some(minutes)) => {
-            let until = Instant::now() + Duration::from_secs(minutes * 60);
-            let mut fresh = Rng(common::unix_ms());
-            let mut histories = 0;
-            while Instant::now() < until {
-                let seed = fresh.next();
-                in_one_window(HOUR, async || run(seed, steps).await).await;
-                histories += 1;
-            }
-            println!("{histories} histories in {minutes} minutes");
-            return;
-        }
-        (None, None) => SEEDS.to_vec(),
-    };
-    for seed in seeds {
-        in_one_window(HOUR, async || run(seed, steps).await).await;
-    }
+    common::histories("HOLD", &SEEDS, STEPS, HOUR, run).await;
 }

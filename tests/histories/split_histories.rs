@@ -22,8 +22,7 @@ use std::time::{Duration, Instant};
 
 use common::redis::Controlled;
 use common::rng::Rng;
-use common::{HOUR, OK, Sluice, Store, exchange, in_one_window, request};
-use serde_json::{Value, json};
+use common::{HOUR, OK, Sluice, Store, request};
 
 const DOMAIN: &str = "hist";
 const LIMIT: u64 = 12;
@@ -126,22 +125,6 @@ impl History {
             self.log.join("\n")
         )
     }
-}
-
-/// The share `sluice` decides with now, as its `/counters` shows the split counter's limit.
-fn share(sluice: &Sluice) -> Option<u64> {
-    let body = json!({
-        "domain": DOMAIN,
-        "descriptors": [{"entries": [{"key": "client", "value": "probe"}]}],
-    })
-    .to_string();
-    let request = format!(
-        "POST /counters HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    let (status, _, text) = exchange(sluice.http, request.as_bytes());
-    let answer: Value = serde_json::from_str(&text).ok().filter(|_| status == 200)?;
-    answer["counters"][0]["limit"]["requests_per_unit"].as_u64()
 }
 
 fn signal(sluice: &Sluice, name: &str) {
@@ -262,7 +245,10 @@ async fn settled(h: &mut History, step: usize, slots: &[Slot]) {
     let n = running.len() as u64;
     let start = Instant::now();
     loop {
-        let shares: Vec<Option<u64>> = running.iter().map(|s| share(s)).collect();
+        let shares: Vec<Option<u64>> = running
+            .iter()
+            .map(|s| common::counted_limit(s, DOMAIN, "client", "probe"))
+            .collect();
         let even = shares
             .iter()
             .all(|s| s.is_some_and(|s| s == LIMIT / n || s == LIMIT.div_ceil(n)));
@@ -288,27 +274,5 @@ async fn settled(h: &mut History, step: usize, slots: &[Slot]) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn generated_histories_decide_each_share_alone_and_divide_the_limit_among_the_live() {
-    let steps = common::env_number("SPLIT_HISTORY_STEPS").unwrap_or(STEPS);
-    let seeds: Vec<u64> = match (
-        common::env_number::<u64>("SPLIT_HISTORY_SEED"),
-        common::env_number::<u64>("SPLIT_HISTORY_MINUTES"),
-    ) {
-        (Some(seed), _) => vec![seed],
-        (None, Some(minutes)) => {
-            let until = Instant::now() + Duration::from_secs(minutes * 60);
-            let mut fresh = Rng(common::unix_ms());
-            let mut histories = 0;
-            while Instant::now() < until {
-                let seed = fresh.next();
-                in_one_window(HOUR, async || run(seed, steps).await).await;
-                histories += 1;
-            }
-            println!("{histories} histories in {minutes} minutes");
-            return;
-        }
-        (None, None) => SEEDS.to_vec(),
-    };
-    for seed in seeds {
-        in_one_window(HOUR, async || run(seed, steps).await).await;
-    }
+    common::histories("SPLIT", &SEEDS, STEPS, HOUR, run).await;
 }

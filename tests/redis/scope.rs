@@ -11,8 +11,7 @@ use super::common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{OK, Sluice, Store, exchange, request, unix_ms};
-use serde_json::{Value, json};
+use common::{OK, Sluice, Store, request, unix_ms};
 
 on_stores!(redis: Redis, cluster: Cluster; each_scope_counts_where_it_says, a_split_limit_follows_the_replicas_that_join_and_leave);
 on_stores!(memory: Memory; a_split_limit_follows_the_replicas_that_join_and_leave);
@@ -158,21 +157,7 @@ async fn each_scope_counts_where_it_says(store: Store) {
 
 /// This replica's share of the split limit, as its `/counters` shows it.
 fn share(sluice: &Sluice) -> u64 {
-    let body = json!({
-        "domain": "scoped",
-        "descriptors": [{"entries": [{"key": "split", "value": "probe"}]}],
-    })
-    .to_string();
-    let request = format!(
-        "POST /counters HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    let (status, _, text) = exchange(sluice.http, request.as_bytes());
-    assert_eq!(status, 200, "{text}");
-    let answer: Value = serde_json::from_str(&text).expect("JSON");
-    answer["counters"][0]["limit"]["requests_per_unit"]
-        .as_u64()
-        .expect("a limit")
+    common::counted_limit(sluice, "scoped", "split", "probe").expect("/counters answers")
 }
 
 /// Waits, at most `within`, until the replicas' shares are `shares`.

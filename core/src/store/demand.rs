@@ -212,10 +212,16 @@ impl DemandBoard {
         let wants: Vec<u64> = streams.iter().map(|s| s.demand).collect();
         let shares = divide(call.limit, &wants);
         // A grant within 2 % of its share stays, unless the grants add up to more than the limit
-        // (a lowered limit): then every grant above its share shrinks.
+        // (a lowered limit), or a stream is short of its share by more: then every grant above
+        // its share shrinks, so that the short one finds room.
         let over = streams.iter().map(|s| s.held).sum::<u64>() > call.limit;
+        let short = streams
+            .iter()
+            .zip(&shares)
+            .any(|(s, &share)| s.grant < share && !settled(s.grant, share));
+        let shrink = over || short;
         for (s, &share) in streams.iter_mut().zip(&shares) {
-            if is_mine(s) && s.grant > share && (over || !settled(s.grant, share)) {
+            if is_mine(s) && s.grant > share && (shrink || !settled(s.grant, share)) {
                 s.grant = share;
                 s.until_ms = s.until_ms.max(now_ms + call.stays_ms);
             }
@@ -397,6 +403,23 @@ mod tests {
         };
         let d = board.settle(&bucket("b"), &call, 50).unwrap();
         assert_eq!(grants(&d), [("a", 9_800), ("b", 9_800)]);
+    }
+
+    #[test]
+    fn a_stream_short_of_its_share_makes_a_grant_kept_above_its_own_shrink() {
+        let board = DemandBoard::new(10);
+        // Shares of 10,000: b holds 9,800 (short by more than 2 %), a 10,200 (within 2 % of its
+        // share, which the keep rule would keep): nothing is free for b.
+        settle_with(&board, false, &[("b", Change::Keep, LIMIT, 9_800)], 0);
+        let d = settle_with(&board, false, &[("a", Change::Keep, LIMIT, 10_200)], 10);
+        assert_eq!(
+            grants(&d),
+            [("a", 10_000), ("b", 9_800)],
+            "a gives up what b is short of"
+        );
+        settle(&board, &[("a", Change::Keep, LIMIT, 10_000)], 20);
+        let d = settle(&board, &[("b", Change::Keep, LIMIT, 9_800)], 30);
+        assert_eq!(grants(&d), [("a", 10_000), ("b", 10_000)]);
     }
 
     #[test]
