@@ -15,7 +15,7 @@
 --          Redis' clock counts), burst, hits, change ('0' charges the hits, '1' gives them back; for a
 --          window, 'u<n>' takes a leased block: as many of the hits as fit in 1/LEASE_SHARE of
 --          what remains, at least n, over when n do not fit; 'r<w>' gives a block's hits back
---          in window w only; 'h<estimate> <ttl> <charge> <most> <id>' holds for request id, or
+--          in window w only; 'h<estimate> <ttl> <charge> <most> <settle> <id>' holds for request id, or
 --          settles its hold at the hits: see the hold section), mode ('e' enforce, 's' shadow,
 --          'q' quota, 'p' shadow and quota: a quota limit never over), counting ('1' always: charged whatever the answer, over
 --          only when the count is above the limit).
@@ -25,8 +25,8 @@
 --          then per counter: over (1|0), remaining if admitted, remaining if not, ms until reset if
 --          admitted, ms until reset if not, what its write charges (hits, log entries or
 --          bucket units; 0 for none), the window it counts in (instant / window, or a calendar
---          window's start; 0 for a log or a bucket), and for a held counter what it did (1 held, 2 settled, 3 settled
---          again, 4 settled unheld, 5 table full) plus 8 per expired hold it found (0: not held). lua/undo.lua takes back what a request wrote, given this
+--          window's start; 0 for a log or a bucket), and for a held counter what it did (1 held, 2 settled, 3 id
+--          reused, 4 settled unheld, 5 table full) plus 8 per expired hold it found (0: not held). lua/undo.lua takes back what a request wrote, given this
 --          time. A request one of whose keys holds what no counter does (another type, or
 --          fields that do not read as numbers) is answered -1, the counter's place in it (from
 --          1), the key's type and the error instead, and writes nothing.
@@ -463,72 +463,90 @@ end
 
 -- Holds (hold.rs) ------------------------------------------------------------------------------
 -- A held counter at `key` keeps its table beside it, in its slot: the hash `key~h` of each
--- request's entry ('h <amount> <window>' held, 's' settled, 'x' lapsed: its hold expired) and of
--- '~' ('<window> <held>': what the holds of that window hold), and the sorted set `key~e` of the
--- entries by when they are due. Both live two times to live after the table's last change.
+-- request's entry ('h <amount>' held, 's' settled, 'x <charged>' lapsed: its hold expired,
+-- which charged that) and of '~' (what the holds outstanding hold), the sorted set `key~e` of
+-- the holds by when they expire and the sorted set `key~m` of the marks (settled, lapsed) by
+-- when they are forgotten. All three live two times to live after the table's last change.
 
--- The most due entries one call tidies (hold::MOST_DUE).
+-- The most due holds, and the most due marks, one call tidies (hold::MOST_DUE).
 local MOST_DUE = 16
 
 -- What the held counter at `key` does for a request of `hits` (a settle's cost) whose change is
--- 'h<estimate> <ttl> <1: charge expired holds> <most entries> <request id>'; its table is tidied
--- whatever the answer, and the hold taken only if the request is admitted.
+-- 'h<estimate> <ttl> <1: charge expired holds> <most entries> <1: settle> <request id>'; its
+-- table is tidied whatever the answer, and the hold taken only if the request is admitted.
 local function hold_step(sliding, key, latest, limit, window, hits, change)
-  local estimate, ttl, charge_expired, most, id = match(change, '^h(%d+) (%d+) (%d) (%d+) (%x+)$')
+  local estimate, ttl, charge_expired, most, settle, id =
+    match(change, '^h(%d+) (%d+) (%d) (%d+) (%d) (%x+)$')
   estimate, ttl, most = tonumber(estimate), tonumber(ttl), tonumber(most)
-  local hkey, ekey = key .. '~h', key .. '~e'
-  local index, _, finish = bounds(window, now)
-  local tw = index
-  if sliding then tw = 0 end
+  local hkey, ekey, mkey = key .. '~h', key .. '~e', key .. '~m'
   local head = call('HGET', hkey, '~')
-  local held, count = 0, call('HLEN', hkey)
-  if head then
-    count = count - 1
-    local w, h = match(head, '^(%d+) (%d+)$')
-    if tonumber(w) == tw then held = tonumber(h) end
-  end
-  local entries, sets, dels, dues = {}, {}, {}, {}
+  local held, count = 0, 0
+  if head then held, count = tonumber(head), call('HLEN', hkey) - 1 end
+  -- What this call read and changed: entries (false: none), fields to set, fields to delete,
+  -- holds to add and remove, marks to add and remove.
+  local entries, sets, dels, holds, unholds, marks, unmarks = {}, {}, {}, {}, {}, {}, {}
   local function entry(rid)
     if entries[rid] == nil then entries[rid] = call('HGET', hkey, rid) or false end
     return entries[rid]
   end
-  local function put(rid, e, due)
-    entries[rid], sets[#sets + 1], dues[#dues + 1] = e, { rid, e }, { due, rid }
+  local function put(rid, e) entries[rid], sets[#sets + 1] = e, { rid, e } end
+  local function forget(rid)
+    entries[rid], dels[#dels + 1], unmarks[#unmarks + 1] = false, rid, rid
+    count = count - 1
   end
   local expired, charge = 0, 0
+  local fresh = {}
   for _, rid in ipairs(call('ZRANGEBYSCORE', ekey, '-inf', int(now), 'LIMIT', 0, MOST_DUE)) do
-    local e = entry(rid)
-    local amount, w = false, false
-    if e then amount, w = match(e, '^h (%d+) (%d+)$') end
+    local amount = match(entry(rid) or '', '^h (%d+)$')
+    unholds[#unholds + 1] = rid
     if amount then
-      if tonumber(w) == tw then
-        held = held - tonumber(amount)
-        if charge_expired == '1' then charge = charge + tonumber(amount) end
-      end
+      amount = tonumber(amount)
+      held = held - amount
+      local charged = 0
+      if charge_expired == '1' then charged = amount end
+      charge = charge + charged
       expired = expired + 1
-      put(rid, 'x', now + ttl)
-    else
-      entries[rid] = false
-      dels[#dels + 1] = rid
-      if e then count = count - 1 end
+      put(rid, 'x ' .. int(charged))
+      marks[#marks + 1], fresh[rid] = { now + ttl, rid }, true
     end
   end
-  local e = entry(id)
+  for _, rid in ipairs(call('ZRANGEBYSCORE', mkey, '-inf', int(now), 'LIMIT', 0, MOST_DUE)) do
+    if entry(rid) then forget(rid) else unmarks[#unmarks + 1] = rid end
+  end
+  -- Forgets the oldest mark this call did not make, if there is one.
+  local function forget_oldest()
+    for _, rid in ipairs(call('ZRANGE', mkey, 0, #unmarks)) do
+      if entry(rid) and not fresh[rid] then
+        forget(rid)
+        return true
+      end
+    end
+    return false
+  end
+  local own = entry(id)
   local outcome
-  local amount, w = false, false
-  if e then amount, w = match(e, '^h (%d+) (%d+)$') end
-  if amount then
-    if tonumber(w) == tw then held = held - tonumber(amount) end
-    charge = charge + hits
-    put(id, 's', now + ttl)
-    outcome = 2
-  elseif e == 's' then
+  if settle == '1' then
+    local amount = match(own or '', '^h (%d+)$')
+    local charged = match(own or '', '^x (%d+)$')
+    if amount then
+      held = held - tonumber(amount)
+      charge = charge + hits
+      unholds[#unholds + 1] = id
+      put(id, 's')
+      marks[#marks + 1] = { now + ttl, id }
+      outcome = 2
+    elseif charged then
+      charge = charge + max(hits - tonumber(charged), 0)
+      put(id, 's')
+      marks[#marks + 1] = { now + ttl, id }
+      outcome = 4
+    else
+      charge = charge + hits
+      outcome = 4
+    end
+  elseif own then
     outcome = 3
-  elseif e == 'x' then
-    charge = charge + hits
-    put(id, 's', now + ttl)
-    outcome = 4
-  elseif count >= most then
+  elseif count >= most and not forget_oldest() then
     outcome = 5
   else
     outcome = 1
@@ -539,49 +557,67 @@ local function hold_step(sliding, key, latest, limit, window, hits, change)
     charged = window_step(sliding, key, latest, room, window, now, charge, false, true, nil, nil)
   end
   local step
-  if outcome == 1 or outcome == 5 then
-    local kept = latest[key]
-    step = window_step(sliding, key, latest, room, window, now, estimate, false, false, nil, nil)
-    latest[key] = kept
-    if outcome == 5 then step.over = true end
-  else
+  local kept = latest[key]
+  if settle == '1' then
     step = window_step(sliding, key, latest, room, window, now, 0, false, true, nil, nil)
     step.over = false
+  else
+    step = window_step(sliding, key, latest, room, window, now, estimate, false, false, nil, nil)
+    local without = window_step(sliding, key, latest, limit, window, now, estimate, false, false,
+      nil, nil)
+    latest[key] = kept
+    -- Over for the holds in flight alone (or a table full of them): room comes back when the
+    -- next hold is due.
+    if outcome == 5 or (step.over and not without.over) then
+      local gone = {}
+      for _, rid in ipairs(unholds) do gone[rid] = true end
+      local next_due = call('ZRANGE', ekey, 0, #unholds, 'WITHSCORES')
+      for i = 1, #next_due, 2 do
+        if not gone[next_due[i]] then
+          local wait = max(tonumber(next_due[i + 1]) - now, 1)
+          step.reset_before = min(step.reset_before, wait)
+          step.reset_after = min(step.reset_after, wait)
+          break
+        end
+      end
+    end
+    if outcome == 3 or outcome == 5 then step.over = true end
   end
   step.charged = 0
   step.hold = outcome + 8 * expired
   step.write = charged and charged.write
   step.always = true
-  local to_end = finish - now
-  local due = now + min(ttl, to_end)
-  if sliding then due = now + min(ttl, window) end
   local take = outcome == 1 and not step.over
   step.tidy = function(admitted)
     local left = count
     if take and admitted then
-      put(id, 'h ' .. int(estimate) .. ' ' .. int(tw), due)
+      put(id, 'h ' .. int(estimate))
+      holds[#holds + 1] = { now + ttl, id }
       held = held + estimate
       left = left + 1
     end
     if left == 0 then
-      call('DEL', hkey, ekey)
+      call('DEL', hkey, ekey, mkey)
       return
     end
-    if #dels > 0 then
-      call('HDEL', hkey, unpack(dels))
-      call('ZREM', ekey, unpack(dels))
-    end
-    local fields, scores = { '~', int(tw) .. ' ' .. int(held) }, {}
+    if #dels > 0 then call('HDEL', hkey, unpack(dels)) end
+    if #unholds > 0 then call('ZREM', ekey, unpack(unholds)) end
+    if #unmarks > 0 then call('ZREM', mkey, unpack(unmarks)) end
+    local fields = { '~', int(held) }
     for _, s in ipairs(sets) do
       fields[#fields + 1], fields[#fields + 2] = s[1], s[2]
     end
-    for _, d in ipairs(dues) do
-      scores[#scores + 1], scores[#scores + 2] = int(d[1]), d[2]
-    end
     call('HSET', hkey, unpack(fields))
-    if #scores > 0 then call('ZADD', ekey, unpack(scores)) end
-    call('PEXPIREAT', hkey, int(now + 2 * ttl))
-    call('PEXPIREAT', ekey, int(now + 2 * ttl))
+    local function scored(list)
+      local scores = {}
+      for _, d in ipairs(list) do
+        scores[#scores + 1], scores[#scores + 2] = int(d[1]), d[2]
+      end
+      return scores
+    end
+    if #holds > 0 then call('ZADD', ekey, unpack(scored(holds))) end
+    if #marks > 0 then call('ZADD', mkey, unpack(scored(marks))) end
+    for _, k in ipairs({ hkey, ekey, mkey }) do call('PEXPIREAT', k, int(now + 2 * ttl)) end
   end
   return step
 end

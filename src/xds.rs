@@ -597,6 +597,7 @@ impl Resource<'_> {
                 value_to_metric: false,
                 metadata,
                 hold: None,
+                weights: Vec::new(),
                 descriptors,
             });
         }

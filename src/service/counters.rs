@@ -115,8 +115,15 @@ struct Line {
 /// What a counter holds.
 #[derive(Clone, Copy, Serialize)]
 struct Held {
-    /// Hits counted (a bucket: its capacity less what it holds), leased blocks included.
+    /// Hits counted (a bucket: its capacity less what it holds), leased blocks included; a
+    /// window's past its limit too (charges counted always, settles).
     used: u64,
+    /// What a held counter's requests in flight hold (`hold`), and how many they are.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    held: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    holds: Option<usize>,
+    /// What a new request finds: the limit less what is used and held.
     remaining: u64,
 }
 
@@ -287,6 +294,8 @@ impl Counters {
         // Whether replicas may hold leased blocks of one of the counters.
         let mut leased = false;
         let mut found: Vec<(usize, Item)> = Vec::new();
+        // Whether each counter found is a held rule's.
+        let mut holding: Vec<bool> = Vec::new();
         for (descriptor, plan) in plans.iter().enumerate() {
             let Plan::Limited { items, .. } = plan else {
                 continue;
@@ -298,6 +307,7 @@ impl Counters {
                     continue;
                 }
                 leased |= Leases::hold(item);
+                holding.push(matches!(item.step, Step::Held(_)));
                 found.push((descriptor, plain(item)));
             }
         }
@@ -319,19 +329,29 @@ impl Counters {
         };
         self.store.share(&mut check);
         let items = check.items;
-        let before = self.held(&items, asked.at).await?;
+        let before = self.held(&items, &holding, asked.at).await?;
         let after = if asked.apply && asked.action != Action::Show {
             self.change(&items, &asked, leased).await?;
-            self.held(&items, asked.at).await?
+            self.held(&items, &holding, asked.at).await?
         } else {
             before
                 .iter()
                 .zip(&items)
                 .map(|(held, item)| {
                     let used = asked.action.after(held.used);
+                    // A reset or a set drops the holds in flight with the counter.
+                    let (in_flight, holds) = match asked.action {
+                        Action::Reset | Action::Set(_) => {
+                            (held.held.map(|_| 0), held.holds.map(|_| 0))
+                        }
+                        _ => (held.held, held.holds),
+                    };
                     Held {
                         used,
-                        remaining: u64::from(item.limit.capacity()).saturating_sub(used),
+                        held: in_flight,
+                        holds,
+                        remaining: u64::from(item.limit.capacity())
+                            .saturating_sub(used + in_flight.unwrap_or(0)),
                     }
                 })
                 .collect()
@@ -389,17 +409,37 @@ impl Counters {
         Ok(text)
     }
 
-    /// What the counters of `items` hold now (a fixed window: in the window holding `at`).
-    async fn held(&self, items: &[Item], at: Option<u64>) -> Result<Vec<Held>, Failed> {
+    /// What the counters of `items` hold now (a fixed window: in the window holding `at`), and
+    /// what their holds hold where `holding` says they are a held rule's.
+    async fn held(
+        &self,
+        items: &[Item],
+        holding: &[bool],
+        at: Option<u64>,
+    ) -> Result<Vec<Held>, Failed> {
         if items.is_empty() {
             return Ok(Vec::new());
         }
+        // A window is probed under the largest limit, so that a count past its own shows
+        // whole; its counter is the same whatever the limit.
+        let counts_past = |i: &Item| {
+            matches!(
+                i.limit.algorithm,
+                Algorithm::FixedWindow | Algorithm::SlidingWindow
+            )
+        };
         let probe = Check {
             items: items
                 .iter()
-                .map(|i| Item {
-                    hits: 0,
-                    ..i.clone()
+                .map(|i| {
+                    let mut probe = Item {
+                        hits: 0,
+                        ..i.clone()
+                    };
+                    if counts_past(i) {
+                        probe.limit.requests_per_unit = u32::MAX;
+                    }
+                    probe
                 })
                 .collect(),
             at,
@@ -410,16 +450,32 @@ impl Counters {
             .apply(&probe, Deadline::new(STORE_WAIT, None))
             .await
             .map_err(unavailable)?;
+        let held = if holding.iter().any(|h| *h) {
+            self.store
+                .held(items, Deadline::new(STORE_WAIT, None))
+                .await
+                .map_err(unavailable)?
+        } else {
+            vec![(0, 0); items.len()]
+        };
         Ok(decision
             .usages
             .iter()
             .zip(items)
-            .map(|(usage, item)| {
+            .zip(held)
+            .zip(holding)
+            .map(|(((usage, item), (in_flight, holds)), &is_held)| {
                 let capacity = u64::from(item.limit.capacity());
-                let remaining = usage.remaining.min(capacity);
+                let used = if counts_past(item) {
+                    u64::from(u32::MAX) - usage.remaining.min(u64::from(u32::MAX))
+                } else {
+                    capacity - usage.remaining.min(capacity)
+                };
                 Held {
-                    used: capacity - remaining,
-                    remaining,
+                    used,
+                    held: is_held.then_some(in_flight),
+                    holds: is_held.then_some(holds),
+                    remaining: capacity.saturating_sub(used + in_flight),
                 }
             })
             .collect())

@@ -21,7 +21,7 @@ use super::http::decode;
 use super::in_force::Rules;
 use super::rls::{Answering, Bounds, descriptors, unix_ms};
 use crate::limiter::lease::Leases;
-use crate::limiter::{Item, Mode, Scope};
+use crate::limiter::{Item, Mode, Scope, Step as ItemStep};
 use crate::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use crate::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use crate::pb::envoy::service::ratelimit::v3::RateLimitRequest;
@@ -155,6 +155,10 @@ struct Counter {
     /// left until it ends.
     #[serde(skip_serializing_if = "Option::is_none")]
     window: Option<Value>,
+    /// What a held rule's call does: `{"holds": n}` at the request, `{"settles": hits}` at the
+    /// response.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hold: Option<Value>,
 }
 
 /// Explains `request` against `rules` after the checks of the request path (within `bounds`),
@@ -229,6 +233,12 @@ fn explain_descriptor(
                     ("wildcard", Some(text(p)), Some(node.source()))
                 }
                 Some((Matched::Key, node)) => ("key", None, Some(node.source())),
+                // Taken by the rule of the last step: its settle entry, a weight's entry.
+                None if i < walk.steps.len() + walk.taken => (
+                    "taken",
+                    None,
+                    walk.steps.last().map(|(_, node)| node.source()),
+                ),
                 None if i == walk.steps.len() => ("none", None, None),
                 None => ("not_reached", None, None),
             };
@@ -238,7 +248,7 @@ fn explain_descriptor(
                 how,
                 pattern,
                 rule,
-                counted_value: counted.map(|c| text(c[i])),
+                counted_value: counted.and_then(|c| c.get(i)).map(|v| text(v)),
             }
         })
         .collect();
@@ -289,6 +299,11 @@ fn explain_descriptor(
             redis_key: redis_key_prefix
                 .filter(|_| !item.scope.is_local())
                 .map(|p| text(&redis_key(p.as_bytes(), &item.key))),
+            hold: match item.step {
+                ItemStep::Held(h) if h.settle => Some(json!({"settles": item.hits})),
+                ItemStep::Held(h) => Some(json!({"holds": h.estimate})),
+                _ => None,
+            },
             window: item.limit.calendar.as_ref().map(|calendar| {
                 let now = unix_ms();
                 let span = calendar.span(item.limit.unit, now);
@@ -473,6 +488,9 @@ impl Descriptor {
             for limit in &rule.limits {
                 line(2, format!("limit {}", limit_text(limit)));
             }
+            if let Some(hold) = rule.modes.get("hold").filter(|h| h.is_object()) {
+                line(2, format!("hold: {}", hold_text(hold)));
+            }
         }
         for r in &self.replaced {
             let by: Vec<String> = r.by.iter().map(|i| format!("descriptor {i}")).collect();
@@ -504,6 +522,16 @@ impl Descriptor {
             if let Some(key) = &c.redis_key {
                 line(2, format!("redis key {key}"));
             }
+            if let Some(hold) = &c.hold {
+                if let Some(n) = hold.get("holds") {
+                    line(2, format!("holds {n} until the response settles it"));
+                } else if let Some(n) = hold.get("settles") {
+                    line(
+                        2,
+                        format!("settles: charges {n} and releases the request's hold"),
+                    );
+                }
+            }
             if let Some(window) = &c.window {
                 line(
                     2,
@@ -519,13 +547,32 @@ impl Descriptor {
     }
 }
 
+/// A rule's `hold` as `HoldRule::json` writes it, in words.
+fn hold_text(hold: &Value) -> String {
+    let field = |name: &str| match &hold[name] {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    format!(
+        "estimate {}, settled by {}={}, ttl {}, on expiry {}, at most {} entries, largest {}",
+        field("estimate"),
+        hold["settle"]["key"].as_str().unwrap_or_default(),
+        hold["settle"]["value"].as_str().unwrap_or_default(),
+        field("ttl"),
+        field("on_expiry"),
+        field("most"),
+        field("largest"),
+    )
+}
+
 /// The modes that are on: ` [shadow_mode]`, or nothing.
 fn modes_text(modes: &Map<String, Value>) -> String {
     let on: Vec<String> = modes
         .iter()
         .filter_map(|(name, value)| match value {
             Value::Bool(true) => Some(name.clone()),
-            Value::Bool(false) | Value::Null => None,
+            // A mapping (a rule's hold) has a line of its own.
+            Value::Bool(false) | Value::Null | Value::Object(_) => None,
             Value::String(s) => Some(format!("{name}={s}")),
             other => Some(format!("{name}={other}")),
         })

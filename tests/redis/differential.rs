@@ -1,6 +1,6 @@
 //! The two stores agree: random requests (every algorithm, limits, hits, check-only requests,
 //! refunds, modes, both countings, a descriptor passing as a quota, a counter named twice,
-//! scheduled instants, leased blocks, holds taken, settled, settled again, expired and refused
+//! scheduled instants, leased blocks, holds taken, settled, refused for a known id, settled unheld, expired and refused
 //! by a full table, calendar windows crossing a boundary in a time zone) go through `lua/check.lua` on a real Redis and through the embedded store at
 //! the instant the script read from Redis `TIME`; the answers (admitted, then eight numbers per
 //! counter) and the stored state after every request (contents and expiry instants) must be
@@ -202,11 +202,12 @@ fn args(check: &Check, counters: &[&Counter]) -> Vec<Value> {
                 Step::Take { least } => format!("u{least}"),
                 Step::Return { window } => format!("r{window}"),
                 Step::Held(held) => format!(
-                    "h{} {} {} {} {}",
+                    "h{} {} {} {} {} {}",
                     held.estimate,
                     held.ttl_ms,
                     u8::from(held.on_expiry == OnExpiry::Charge),
                     held.most,
+                    u8::from(held.settle),
                     held.id.hex()
                 ),
             }),
@@ -447,8 +448,9 @@ async fn run(client: &Client, seed: u64, steps: usize, held_only: bool) -> BTree
                 if held_only {
                     item.hits = rng.below(9);
                 }
-                // Held: a few requests, each held then settled (or found settled, expired, or
-                // refused by a full table), with times to live that end within the run.
+                // Held: a few requests, each held (or refused: its id known, its table full of
+                // holds) or settled (its hold found, expired or gone), with times to live that
+                // end within the run.
                 item.step = Step::Held(Held {
                     id: HoldId::of(&[rng.below(requests) as u8]),
                     estimate: rng.below(4) + u64::from(held_only),
@@ -459,6 +461,7 @@ async fn run(client: &Client, seed: u64, steps: usize, held_only: bool) -> BTree
                         OnExpiry::Release
                     },
                     most: 1 + rng.below(6) as u32,
+                    settle: rng.chance(45),
                 });
                 item.refund = false;
             }
@@ -497,7 +500,7 @@ async fn run(client: &Client, seed: u64, steps: usize, held_only: bool) -> BTree
                 let outcome = match seen.outcome {
                     Outcome::Hold => 1,
                     Outcome::Settle => 2,
-                    Outcome::Duplicate => 3,
+                    Outcome::Reused => 3,
                     Outcome::Unheld => 4,
                     Outcome::Full => 5,
                 };
@@ -560,7 +563,7 @@ async fn random_requests_get_the_same_answers_and_leave_the_same_state_in_both_s
     assert_eq!(
         holds,
         BTreeSet::from([1, 2, 3, 4, 5, 8]),
-        "held counters were held, settled, settled again, settled after their hold expired, \
-         refused by a full table, and found holds expired"
+        "held counters were held, settled, refused for an id they knew, settled with no hold, \
+         refused by a table full of holds, and found holds expired"
     );
 }

@@ -8,15 +8,13 @@ use marked_yaml::types::{MarkedMappingNode, MarkedScalarNode, MarkedSequenceNode
 use marked_yaml::{LoadError, LoaderOptions, Node};
 
 use super::{
-    ConfigError, DescriptorConfig, DomainConfig, HoldRule, MOST_BUCKET_KEYS, MOST_DESCRIPTOR_DEPTH,
+    ConfigError, DescriptorConfig, DomainConfig, MOST_BUCKET_KEYS, MOST_DESCRIPTOR_DEPTH,
     MOST_METADATA_DEPTH, MOST_YAML_DEPTH, QuotaBucketConfig, RuleLimit,
 };
 use crate::limiter::algorithm::{gcra, log};
 use crate::limiter::calendar::{self, Calendar, Weekday};
 use crate::limiter::lease::Leasing;
-use crate::limiter::{
-    Algorithm, Counting, LONGEST_WINDOW_SECONDS, Limit, Mode, OnExpiry, Scope, Unit,
-};
+use crate::limiter::{Algorithm, Counting, LONGEST_WINDOW_SECONDS, Limit, Mode, Scope, Unit};
 
 const ROOT_KEYS: &[&str] = &["domain", "descriptors", "quota_buckets"];
 const QUOTA_KEYS: &[&str] = &["bucket", "rate_limit", "shadow_mode"];
@@ -38,9 +36,9 @@ const DESCRIPTOR_KEYS: &[&str] = &[
     "counting",
     "lease",
     "hold",
+    "weights",
     "scope",
 ];
-const HOLD_KEYS: &[&str] = &["estimate", "ttl", "on_expiry", "most", "largest"];
 const LIMIT_KEYS: &[&str] = &[
     "unit",
     "requests_per_unit",
@@ -72,6 +70,8 @@ pub fn parse(
         _ => Err(p.errors),
     }
 }
+
+mod held;
 
 struct Parser<'a> {
     file: &'a Path,
@@ -397,26 +397,9 @@ impl Parser<'_> {
         let path = format!("{parent}{}.", composite(&key, value.as_deref()));
         let descriptors = self.descriptors(map, &path, depth + 1);
         let hold = map.get_node("hold").and_then(|node| {
-            let hold = self.hold(node)?;
-            let at = line_of(node);
-            let refuse = |why: &str| format!("hold: {why}");
-            if value.is_some() {
-                self.error(at, refuse("a held rule's entry names the request (an x-request-id): it takes any value, and has no 'value'"));
-            } else if !descriptors.is_empty() {
-                self.error(at, refuse("a held rule has no descriptors under it: its entry names the request"));
-            } else if limits.is_empty() || limits.iter().any(|l| l.limit.is_none()) {
-                self.error(at, refuse("a held rule needs a rate_limit, and is not unlimited"));
-            } else if let Some(l) = limits.iter().filter_map(|l| l.limit.as_ref()).find(|l| {
-                !matches!(l.algorithm, Algorithm::FixedWindow | Algorithm::SlidingWindow)
-            }) {
-                self.error(at, refuse(&format!("a {} limit cannot hold: only fixed_window and sliding_window limits can", l.algorithm.name())));
-            } else if lease == Some(Leasing::Auto) {
-                self.error(at, refuse("a held rule cannot be leased (lease: auto): a replica deciding from a block would not see the other replicas' holds"));
-            } else if let Some(scope) = scope.filter(|s| s.is_local()) {
-                self.error(at, refuse(&format!("a held rule counts in the store (scope global or cluster), not scope {}: a hold settled on another replica would not find it", scope.name())));
-            }
-            Some(hold)
+            self.held_rule(node, value.as_deref(), &descriptors, &limits, lease, scope)
         });
+        let weights = self.weights(map, &key, hold.as_ref(), &descriptors);
         Some(DescriptorConfig {
             line,
             key,
@@ -431,77 +414,8 @@ impl Parser<'_> {
             value_to_metric: self.flag(map, "value_to_metric"),
             metadata,
             hold,
+            weights,
             descriptors,
-        })
-    }
-
-    /// A rule's `hold` mapping, its defaults filled in.
-    fn hold(&mut self, node: &Node) -> Option<HoldRule> {
-        let Some(map) = node.as_mapping() else {
-            self.error(
-                line_of(node),
-                "'hold' must be a mapping (estimate, ttl, on_expiry, most, largest)",
-            );
-            return None;
-        };
-        self.check_keys(map, HOLD_KEYS);
-        let at = |key: &str| map.get_node(key).map_or(line_of(node), line_of);
-        let ttl_ms = match self.string(map, "ttl") {
-            None => HoldRule::TTL_MS,
-            Some(text) => match humantime::parse_duration(&text) {
-                Ok(ttl)
-                    if (1_000..=HoldRule::LONGEST_TTL_MS).contains(&(ttl.as_millis() as u64)) =>
-                {
-                    ttl.as_millis() as u64
-                }
-                _ => {
-                    self.error(
-                        at("ttl"),
-                        format!(
-                            "hold: invalid ttl '{text}': a duration from 1s to 1h, such as 60s"
-                        ),
-                    );
-                    return None;
-                }
-            },
-        };
-        let on_expiry = match self.string(map, "on_expiry") {
-            None => OnExpiry::Release,
-            Some(name) => {
-                let Some(on_expiry) = OnExpiry::parse(&name) else {
-                    self.error(
-                        at("on_expiry"),
-                        format!("hold: invalid on_expiry '{name}': release or charge"),
-                    );
-                    return None;
-                };
-                on_expiry
-            }
-        };
-        let most = self.number(map, "most").unwrap_or(HoldRule::MOST);
-        if most == 0 {
-            self.error(at("most"), "hold: 'most' must be at least 1");
-            return None;
-        }
-        let largest = match self.string(map, "largest") {
-            None => 100,
-            Some(text) => match text.trim_end_matches('%').parse::<u8>() {
-                Ok(p) if (1..=100).contains(&p) => p,
-                _ => {
-                    self.error(
-                        at("largest"),
-                        format!("hold: invalid largest '{text}': a percentage of the limit from 1% to 100%"),
-                    );
-                    return None;
-                }
-            },
-        };
-        Some(HoldRule {
-            estimate: u64::from(self.number(map, "estimate").unwrap_or(0)),
-            ttl_ms,
-            on_expiry,
-            most,
-            largest,
         })
     }
 
@@ -1252,110 +1166,6 @@ mod tests {
         assert!(q.shadow);
         assert_eq!(q.limit.as_ref().map(|l| l.requests_per_unit), Some(60));
         assert!(d.quota_buckets[1].limit.is_none());
-    }
-
-    #[test]
-    fn a_hold_names_the_request_by_its_own_entry_on_a_window_limit() {
-        let held = |hold: &str, rest: &str| {
-            format!(
-                "domain: d\ndescriptors:\n  - key: user\n    descriptors:\n      - key: request_id\n        hold: {hold}\n        rate_limit: {{unit: hour, requests_per_unit: 100}}\n{rest}"
-            )
-        };
-        let d = ok(&held(
-            "{estimate: 10, ttl: 30s, on_expiry: charge, most: 50, largest: 20%}",
-            "",
-        ));
-        assert_eq!(
-            d.descriptors[0].descriptors[0].hold,
-            Some(HoldRule {
-                estimate: 10,
-                ttl_ms: 30_000,
-                on_expiry: OnExpiry::Charge,
-                most: 50,
-                largest: 20,
-            })
-        );
-        assert_eq!(
-            ok(&held("{}", "")).descriptors[0].descriptors[0].hold,
-            Some(HoldRule {
-                estimate: 0,
-                ttl_ms: HoldRule::TTL_MS,
-                on_expiry: OnExpiry::Release,
-                most: HoldRule::MOST,
-                largest: 100,
-            })
-        );
-        for (hold, error) in [
-            (
-                "{ttl: 2h}",
-                "r.yaml:6: hold: invalid ttl '2h': a duration from 1s to 1h, such as 60s",
-            ),
-            (
-                "{on_expiry: keep}",
-                "r.yaml:6: hold: invalid on_expiry 'keep': release or charge",
-            ),
-            ("{most: 0}", "r.yaml:6: hold: 'most' must be at least 1"),
-            (
-                "{largest: 0%}",
-                "r.yaml:6: hold: invalid largest '0%': a percentage of the limit from 1% to 100%",
-            ),
-            (
-                "{estimate: -1}",
-                "r.yaml:6: 'estimate' must be a whole number from 0 to 4294967295, not '-1'",
-            ),
-            ("{size: 1}", "r.yaml:6: config error, unknown key 'size'"),
-            (
-                "yes",
-                "r.yaml:6: 'hold' must be a mapping (estimate, ttl, on_expiry, most, largest)",
-            ),
-        ] {
-            assert_eq!(errors(&held(hold, "")), [error], "{hold}");
-        }
-        let refused = |rule: &str| errors(&format!("domain: d\ndescriptors:\n{rule}"));
-        assert_eq!(
-            refused(
-                "  - key: request_id\n    value: x\n    hold: {}\n    rate_limit: {unit: hour, requests_per_unit: 1}\n"
-            ),
-            [
-                "r.yaml:5: hold: a held rule's entry names the request (an x-request-id): it takes any value, and has no 'value'"
-            ]
-        );
-        assert_eq!(
-            refused(
-                "  - key: request_id\n    hold: {}\n    rate_limit: {unit: hour, requests_per_unit: 1, algorithm: token_bucket}\n"
-            ),
-            [
-                "r.yaml:4: hold: a token_bucket limit cannot hold: only fixed_window and sliding_window limits can"
-            ]
-        );
-        assert_eq!(
-            refused(
-                "  - key: request_id\n    hold: {}\n    lease: auto\n    rate_limit: {unit: hour, requests_per_unit: 1}\n"
-            ),
-            [
-                "r.yaml:4: hold: a held rule cannot be leased (lease: auto): a replica deciding from a block would not see the other replicas' holds"
-            ]
-        );
-        assert_eq!(
-            refused(
-                "  - key: request_id\n    hold: {}\n    scope: split\n    rate_limit: {unit: hour, requests_per_unit: 1}\n"
-            ),
-            [
-                "r.yaml:4: hold: a held rule counts in the store (scope global or cluster), not scope split: a hold settled on another replica would not find it"
-            ]
-        );
-        assert_eq!(
-            refused("  - key: request_id\n    hold: {}\n"),
-            ["r.yaml:4: hold: a held rule needs a rate_limit, and is not unlimited"]
-        );
-        assert_eq!(
-            refused(
-                "  - key: request_id\n    hold: {}\n    rate_limit: {unit: hour, requests_per_unit: 1}\n    descriptors:\n      - key: x\n        rate_limit: {unit: hour, requests_per_unit: 1}\n"
-            ),
-            [
-                "r.yaml:4: hold: a held rule has no descriptors under it: its entry names the request"
-            ]
-        );
     }
 
     #[test]

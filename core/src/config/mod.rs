@@ -98,15 +98,17 @@ pub struct DescriptorConfig {
     pub metadata: Option<serde_json::Value>,
     /// Its hits held at the request and settled at the response (`hold`), if it says.
     pub hold: Option<HoldRule>,
+    /// Its hits weighed by entries of the descriptor (`weights`).
+    pub weights: Vec<Weights>,
     pub descriptors: Vec<DescriptorConfig>,
 }
 
 /// A rule whose hits are held at the request and settled at the response (`hold`): its own
 /// entry's value names the request (an `x-request-id`), and is left out of the counter.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct HoldRule {
-    /// What a hold takes unless the request-time call brings more than one hit (an estimate of
-    /// its own); 0: the call's hits alone.
+    /// What a hold takes at least: a request-time call that brings more (an estimate of its
+    /// own, from a `max_tokens` header) holds that, up to `largest`.
     pub estimate: u64,
     /// How long a hold lives at most (and a mark of its settle after it), in ms.
     pub ttl_ms: u64,
@@ -115,6 +117,16 @@ pub struct HoldRule {
     pub most: u32,
     /// The largest part of the limit one hold takes, in percent: a larger estimate holds that.
     pub largest: u8,
+    /// The entry only the response-time call carries, which the route configuration adds and
+    /// no client can: a call with it settles.
+    pub settle: SettleEntry,
+}
+
+/// The entry that marks a settle (`hold.settle`): a key and its value.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SettleEntry {
+    pub key: String,
+    pub value: String,
 }
 
 impl HoldRule {
@@ -122,6 +134,7 @@ impl HoldRule {
     pub fn json(&self) -> serde_json::Value {
         serde_json::json!({
             "estimate": self.estimate,
+            "settle": {"key": self.settle.key, "value": self.settle.value},
             "ttl": humantime::format_duration(std::time::Duration::from_millis(self.ttl_ms))
                 .to_string(),
             "on_expiry": self.on_expiry.name(),
@@ -136,6 +149,51 @@ impl HoldRule {
     pub const MOST: u32 = 10_000;
     /// The longest time to live a rule may give its holds.
     pub const LONGEST_TTL_MS: u64 = 3_600_000;
+}
+
+/// A table of weights (`weights`): a call's hits are multiplied by the weight of the value of
+/// its entry `key` (a model's name, a kind of token), so that a budget counts money.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Weights {
+    pub key: String,
+    /// Each value's weight, in thousandths.
+    pub values: std::collections::BTreeMap<String, u64>,
+    /// The weight of a value not listed, in thousandths; without one, the dearest listed.
+    pub default: Option<u64>,
+}
+
+impl Weights {
+    /// The most weight tables a rule has.
+    pub const MOST_TABLES: usize = 4;
+    /// The most values one table lists.
+    pub const MOST_VALUES: usize = 10_000;
+    /// The largest weight, in thousandths.
+    pub const LARGEST: u64 = 1_000_000_000;
+
+    /// The weight of `value`, in thousandths.
+    pub fn of(&self, value: &[u8]) -> u64 {
+        std::str::from_utf8(value)
+            .ok()
+            .and_then(|v| self.values.get(v))
+            .copied()
+            .or(self.default)
+            .unwrap_or_else(|| self.values.values().copied().max().unwrap_or(1_000))
+    }
+
+    /// The table as a rule file writes it.
+    pub fn json(&self) -> serde_json::Value {
+        let weight = |milli: u64| serde_json::json!(milli as f64 / 1000.0);
+        let values: serde_json::Map<String, serde_json::Value> = self
+            .values
+            .iter()
+            .map(|(k, v)| (k.clone(), weight(*v)))
+            .collect();
+        let mut table = serde_json::json!({"key": self.key, "values": values});
+        if let Some(d) = self.default {
+            table["default"] = weight(d);
+        }
+        table
+    }
 }
 
 /// A limit as a rule declares it.

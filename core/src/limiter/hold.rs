@@ -1,21 +1,28 @@
 //! Holds: a rule whose hits are held at the request and settled at the response, as a token
-//! budget needs when the cost of a request is known only once its response is done. The first
-//! call that names a request (by a descriptor entry such as `x-request-id`) holds an estimate:
-//! admitted only if the counter's count, every hold outstanding and the estimate fit the limit.
-//! The second call for the same request settles: it charges the real cost in full (whatever the
-//! estimate was) and releases the hold, in one step. A third charges nothing.
+//! budget needs when the cost of a request is known only once its response is done. The
+//! request-time call names a request (by a descriptor entry such as `x-request-id`) and holds an
+//! estimate: admitted only if the counter's count, every hold outstanding and the estimate fit
+//! the limit. The response-time call carries an entry only the route configuration adds (the
+//! rule's `settle` entry: no client can forge it) and settles: it charges the real cost in full
+//! (whatever the estimate was) and releases the hold, in one step.
+//!
+//! A request id is the client's word, so nothing rests on it but the pairing of the two calls:
+//! a request-time call naming an id the counter knows (held, settled or lapsed) is refused and
+//! charges nothing; a settle that finds no hold of its id charges its cost in full. Nothing is
+//! ever admitted uncharged.
 //!
 //! Each counter keeps a table of its holds beside it: per request, its entry (held, settled, or
-//! lapsed: a hold that expired unsettled), and the total held in the window the holds count in.
-//! Entries are due at a time (a hold's expiry, a mark's end): each call first tidies at most
-//! `MOST_DUE` entries that are due, so no call scans the table. A hold expires at the earliest of
-//! its rule's time to live and the end of its window (a fixed window; a sliding window's at most
-//! one window); expired, it is released (nothing charged) or charged its estimate, as its rule
-//! says. Marks of settled and lapsed requests stay for one time to live more, so that a second
-//! settle charges nothing and a late one is charged in full. Mirrored by the hold section of
-//! `lua/check.lua`, which keeps the table in the hash `<key>~h` and the sorted set `<key>~e`.
-//! A request holds on a counter once, however many of its descriptors name it (`RuleSet::plan`
-//! sees to it): the stores decide a held counter once per request.
+//! lapsed: a hold that expired unsettled), and the total held. Holds are due when they expire,
+//! marks of settled and lapsed requests when they are forgotten (one time to live after): each
+//! call first tidies at most `MOST_DUE` holds and `MOST_DUE` marks that are due, so no call scans
+//! the table. A hold lives its rule's time to live, across a window's end (its settle is charged
+//! in the window it comes in); expired, it is charged its estimate or released, as its rule
+//! says. A table keeps at most its rule's `most` entries: a new hold past them makes room by
+//! forgetting the oldest mark, and only a table full of holds refuses one. Mirrored by the hold
+//! section of `lua/check.lua`, which keeps the table in the hash `<key>~h` and the sorted sets
+//! `<key>~e` (holds) and `<key>~m` (marks). A request holds on a counter once, however many of
+//! its descriptors name it (`RuleSet::plan` sees to it): the stores decide a held counter once
+//! per request.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt::Write as _;
@@ -24,7 +31,7 @@ use sha2::{Digest, Sha256};
 
 use super::algorithm::{Algorithm, Ask, Verdict, window};
 
-/// The most due entries one call tidies.
+/// The most due holds, and the most due marks, one call tidies.
 pub(crate) const MOST_DUE: usize = 16;
 
 /// The identity of a request for its hold: the first 16 bytes of the SHA-256 of the value that
@@ -50,8 +57,8 @@ impl HoldId {
     }
 }
 
-/// What a held rule's item asks of its counter: hold `estimate` for the request `id` or, when
-/// that request holds already, settle it at the item's hits.
+/// What a held rule's item asks of its counter: hold `estimate` for the request `id` (the
+/// request-time call) or settle its hold at the item's hits (the response-time call).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Held {
     pub id: HoldId,
@@ -60,19 +67,20 @@ pub struct Held {
     /// How long a hold lives at most, and a mark after it.
     pub ttl_ms: u64,
     pub on_expiry: OnExpiry,
-    /// The most entries (holds and marks) the counter's table keeps: a hold past them is over.
+    /// The most entries (holds and marks) the counter's table keeps.
     pub most: u32,
+    /// The call is the response-time call: it settles.
+    pub settle: bool,
 }
 
 /// What an expired hold does.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum OnExpiry {
-    /// Nothing is charged: a request that never settles costs nothing.
+    /// Its estimate is charged: a request that never settles costs its estimate.
     #[default]
-    Release,
-    /// Its estimate is charged (in its window only): a request that never settles costs its
-    /// estimate.
     Charge,
+    /// Nothing is charged: a request that never settles costs nothing.
+    Release,
 }
 
 impl OnExpiry {
@@ -99,11 +107,11 @@ pub enum Outcome {
     Hold,
     /// Settled its hold: charged its hits, released the hold.
     Settle,
-    /// A second settle: charged nothing.
-    Duplicate,
-    /// A settle whose hold had expired: charged its hits in full.
+    /// A request-time call naming a request the counter knows: over, nothing held or charged.
+    Reused,
+    /// A settle that found no hold of its request: charged its hits in full.
     Unheld,
-    /// The counter's table was full: over, nothing held.
+    /// The counter's table was full of holds: over, nothing held.
     Full,
 }
 
@@ -113,7 +121,7 @@ impl Outcome {
         Some(match code {
             1 => Outcome::Hold,
             2 => Outcome::Settle,
-            3 => Outcome::Duplicate,
+            3 => Outcome::Reused,
             4 => Outcome::Unheld,
             5 => Outcome::Full,
             _ => return None,
@@ -124,10 +132,15 @@ impl Outcome {
         match self {
             Outcome::Hold => "hold",
             Outcome::Settle => "settle",
-            Outcome::Duplicate => "duplicate",
+            Outcome::Reused => "reused",
             Outcome::Unheld => "unheld",
             Outcome::Full => "full",
         }
+    }
+
+    /// A refusal that is the hold's own, not the counter's: the answer says what is left.
+    pub fn refused(self) -> bool {
+        matches!(self, Outcome::Reused | Outcome::Full)
     }
 }
 
@@ -151,25 +164,18 @@ impl Seen {
 /// One request's entry in a counter's table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Entry {
-    /// Holds `amount` in window `window`.
-    Held {
-        amount: u64,
-        window: u64,
-        due: u64,
-    },
-    Settled {
-        due: u64,
-    },
-    /// Its hold expired unsettled.
-    Lapsed {
-        due: u64,
-    },
+    /// Holds `amount` until `due`.
+    Held { amount: u64, due: u64 },
+    /// Settled; forgotten at `due`.
+    Settled { due: u64 },
+    /// Its hold expired unsettled, which charged `charged`; forgotten at `due`.
+    Lapsed { charged: u64, due: u64 },
 }
 
 impl Entry {
     fn due(self) -> u64 {
         match self {
-            Entry::Held { due, .. } | Entry::Settled { due } | Entry::Lapsed { due } => due,
+            Entry::Held { due, .. } | Entry::Settled { due } | Entry::Lapsed { due, .. } => due,
         }
     }
 }
@@ -178,9 +184,11 @@ impl Entry {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Table {
     entries: HashMap<HoldId, Entry>,
-    due: BTreeSet<(u64, HoldId)>,
-    /// The window whose holds `held` counts (a fixed window's index; 0 for a sliding window).
-    window: u64,
+    /// Holds by when they expire.
+    holds: BTreeSet<(u64, HoldId)>,
+    /// Marks by when they are forgotten.
+    marks: BTreeSet<(u64, HoldId)>,
+    /// What the holds outstanding hold.
     held: u64,
 }
 
@@ -194,21 +202,57 @@ impl Table {
         self.entries.is_empty()
     }
 
-    /// What the holds outstanding in `window` hold.
-    pub fn held(&self, window: u64) -> u64 {
-        if self.window == window { self.held } else { 0 }
+    /// What the holds outstanding hold.
+    pub fn held(&self) -> u64 {
+        self.held
+    }
+
+    /// Holds outstanding.
+    pub fn holds(&self) -> usize {
+        self.holds.len()
+    }
+
+    /// When the next hold is due, if one is outstanding.
+    pub fn next_due(&self) -> Option<u64> {
+        self.holds.first().map(|(due, _)| *due)
     }
 
     fn put(&mut self, id: HoldId, entry: Entry) {
-        if let Some(old) = self.entries.insert(id, entry) {
-            self.due.remove(&(old.due(), id));
-        }
-        self.due.insert((entry.due(), id));
+        self.remove(id);
+        match entry {
+            Entry::Held { .. } => self.holds.insert((entry.due(), id)),
+            _ => self.marks.insert((entry.due(), id)),
+        };
+        self.entries.insert(id, entry);
     }
 
     fn remove(&mut self, id: HoldId) {
         if let Some(old) = self.entries.remove(&id) {
-            self.due.remove(&(old.due(), id));
+            match old {
+                Entry::Held { .. } => self.holds.remove(&(old.due(), id)),
+                _ => self.marks.remove(&(old.due(), id)),
+            };
+        }
+    }
+
+    /// Forgets the oldest mark, if there is one.
+    pub(crate) fn forget_a_mark(&mut self) -> bool {
+        self.forget_oldest(&[])
+    }
+
+    /// Forgets the oldest mark not in `fresh`, if there is one.
+    fn forget_oldest(&mut self, fresh: &[HoldId]) -> bool {
+        let oldest = self
+            .marks
+            .iter()
+            .find(|(_, id)| !fresh.contains(id))
+            .map(|(_, id)| *id);
+        match oldest {
+            Some(id) => {
+                self.remove(id);
+                true
+            }
+            None => false,
         }
     }
 }
@@ -227,59 +271,68 @@ pub(crate) struct Tidied {
     pub held: u64,
 }
 
-/// Tidies `table` at `now` (ms) for a call of `held` in window `window` (0 for a sliding
-/// window), settling the item's hold if it has one, and says what the item does and is charged
-/// (`hits`: its real cost, for a settle). A hold is taken by `take`, if the request is admitted.
-pub(crate) fn tidy(table: &mut Table, held: &Held, hits: u64, window: u64, now: u64) -> Tidied {
-    if table.window != window {
-        table.window = window;
-        table.held = 0;
-    }
+/// Tidies `table` at `now` (ms) for a call of `held`, settling the item's hold if it settles,
+/// and says what the item does and is charged (`hits`: its real cost, for a settle). A hold is
+/// taken by `take`, if the request is admitted.
+pub(crate) fn tidy(table: &mut Table, held: &Held, hits: u64, now: u64) -> Tidied {
     let keep = held.ttl_ms;
-    let due: Vec<(u64, HoldId)> = table
-        .due
-        .iter()
-        .take_while(|(at, _)| *at <= now)
-        .take(MOST_DUE)
-        .copied()
-        .collect();
+    let due = |set: &BTreeSet<(u64, HoldId)>| -> Vec<HoldId> {
+        set.iter()
+            .take_while(|(at, _)| *at <= now)
+            .take(MOST_DUE)
+            .map(|(_, id)| *id)
+            .collect()
+    };
     let (mut expired, mut charge) = (0, 0);
-    for (_, id) in due {
-        match table.entries[&id] {
-            Entry::Held {
-                amount, window: w, ..
-            } => {
-                if w == table.window {
-                    table.held -= amount;
-                    if held.on_expiry == OnExpiry::Charge {
-                        charge += amount;
-                    }
-                }
-                expired += 1;
-                table.put(id, Entry::Lapsed { due: now + keep });
-            }
-            Entry::Settled { .. } | Entry::Lapsed { .. } => table.remove(id),
+    // Marks made by this call: never the oldest to forget.
+    let mut fresh = Vec::new();
+    for id in due(&table.holds) {
+        if let Some(Entry::Held { amount, .. }) = table.entries.get(&id).copied() {
+            table.held -= amount;
+            let charged = match held.on_expiry {
+                OnExpiry::Charge => amount,
+                OnExpiry::Release => 0,
+            };
+            charge += charged;
+            expired += 1;
+            table.put(
+                id,
+                Entry::Lapsed {
+                    charged,
+                    due: now + keep,
+                },
+            );
+            fresh.push(id);
         }
     }
-    let outcome = match table.entries.get(&held.id).copied() {
-        Some(Entry::Held {
-            amount, window: w, ..
-        }) => {
-            if w == table.window {
+    for id in due(&table.marks) {
+        table.remove(id);
+    }
+    let own = table.entries.get(&held.id).copied();
+    let outcome = if held.settle {
+        match own {
+            Some(Entry::Held { amount, .. }) => {
                 table.held -= amount;
+                charge += hits;
+                table.put(held.id, Entry::Settled { due: now + keep });
+                Outcome::Settle
             }
-            charge += hits;
-            table.put(held.id, Entry::Settled { due: now + keep });
-            Outcome::Settle
+            Some(Entry::Lapsed { charged, .. }) => {
+                charge += hits.saturating_sub(charged);
+                table.put(held.id, Entry::Settled { due: now + keep });
+                Outcome::Unheld
+            }
+            Some(Entry::Settled { .. }) | None => {
+                charge += hits;
+                Outcome::Unheld
+            }
         }
-        Some(Entry::Settled { .. }) => Outcome::Duplicate,
-        Some(Entry::Lapsed { .. }) => {
-            charge += hits;
-            table.put(held.id, Entry::Settled { due: now + keep });
-            Outcome::Unheld
-        }
-        None if table.len() >= held.most as usize => Outcome::Full,
-        None => Outcome::Hold,
+    } else if own.is_some() {
+        Outcome::Reused
+    } else if table.len() >= held.most as usize && !table.forget_oldest(&fresh) {
+        Outcome::Full
+    } else {
+        Outcome::Hold
     };
     Tidied {
         outcome,
@@ -289,14 +342,13 @@ pub(crate) fn tidy(table: &mut Table, held: &Held, hits: u64, window: u64, now: 
     }
 }
 
-/// Takes the hold of `held` in `table` (tidied for the call), as `take` says.
-pub(crate) fn take(table: &mut Table, held: &Held, take: Take) {
+/// Takes the hold of `held` in `table` (tidied for the call), due at `due`.
+pub(crate) fn take(table: &mut Table, held: &Held, due: u64) {
     table.put(
         held.id,
         Entry::Held {
             amount: held.estimate,
-            window: take.window,
-            due: take.due,
+            due,
         },
     );
     table.held += held.estimate;
@@ -309,22 +361,18 @@ pub(crate) struct Step {
     /// The counter after what it is charged whatever the answer (expired estimates, a settle),
     /// when it is charged anything.
     pub charged: Option<window::Step>,
-    /// The hold taken once the request is admitted, if one is.
-    pub take: Option<Take>,
-}
-
-/// A hold to take: the window its table counts it in, and when it is due (its expiry).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Take {
-    pub window: u64,
-    pub due: u64,
+    /// When the hold taken once the request is admitted is due, if one is taken.
+    pub take: Option<u64>,
 }
 
 /// Evaluates a held window counter of `algorithm` for `ask` (its hits: a settle's real cost) at
 /// the store's clock, `stored` its state, `table` its holds (tidied here whatever the answer).
 /// The verdict's remaining counts the holds outstanding; a settle is never over, and reports
 /// the counter as it leaves it. Nothing it charges is ever taken back (`charged` is 0): a
-/// settle's caller that is not answered has its cost charged all the same.
+/// settle's caller that is not answered has its cost charged all the same. A request refused
+/// while the holds in flight leave no room for its own, or by a table full of holds, is told
+/// to try again when the next hold is due; one refused by the hold itself (`Outcome::refused`)
+/// is told what is left.
 pub(crate) fn evaluate(
     algorithm: Algorithm,
     ask: &Ask,
@@ -332,11 +380,8 @@ pub(crate) fn evaluate(
     stored: Option<window::State>,
     table: &mut Table,
 ) -> Step {
-    let sliding = algorithm == Algorithm::SlidingWindow;
-    let (now, window_ms) = (ask.now_ms, ask.window_ms);
-    let (index, _, end) = window::bounds(&Ask { at_ms: now, ..*ask });
-    let table_window = if sliding { 0 } else { index };
-    let tidied = tidy(table, held, ask.hits, table_window, now);
+    let now = ask.now_ms;
+    let tidied = tidy(table, held, ask.hits, now);
     // Held counters count at the clock, never at an instant a request names.
     let base = Ask {
         at_ms: now,
@@ -357,43 +402,49 @@ pub(crate) fn evaluate(
             stored,
         )
     });
+    let state = charged.map(|c| c.next).or(stored);
     let seen = Seen {
         outcome: tidied.outcome,
         expired: tidied.expired,
     };
-    let mut verdict = match tidied.outcome {
-        Outcome::Hold | Outcome::Full => {
-            let hold = Ask {
-                limit: room,
+    let holding = !held.settle;
+    let mut verdict = window::evaluate(
+        algorithm,
+        &Ask {
+            limit: room,
+            hits: if holding { held.estimate } else { 0 },
+            always: !holding,
+            ..base
+        },
+        state,
+    )
+    .verdict;
+    if holding {
+        // Over for the holds in flight alone (or a table full of them): room comes back when
+        // the next hold is due.
+        let without = window::evaluate(
+            algorithm,
+            &Ask {
                 hits: held.estimate,
                 always: false,
                 ..base
-            };
-            let mut verdict =
-                window::evaluate(algorithm, &hold, charged.map(|c| c.next).or(stored)).verdict;
-            verdict.over |= tidied.outcome == Outcome::Full;
-            verdict
+            },
+            state,
+        )
+        .verdict;
+        let waits = tidied.outcome == Outcome::Full || (verdict.over && !without.over);
+        if let Some(due) = table.next_due().filter(|_| waits) {
+            let wait = due.saturating_sub(now).max(1);
+            verdict.reset_before_ms = verdict.reset_before_ms.min(wait);
+            verdict.reset_after_ms = verdict.reset_after_ms.min(wait);
         }
-        Outcome::Settle | Outcome::Unheld | Outcome::Duplicate => {
-            let after = Ask {
-                limit: room,
-                hits: 0,
-                always: true,
-                ..base
-            };
-            let mut verdict =
-                window::evaluate(algorithm, &after, charged.map(|c| c.next).or(stored)).verdict;
-            verdict.over = false;
-            verdict
-        }
-    };
+        verdict.over |= tidied.outcome.refused();
+    } else {
+        verdict.over = false;
+    }
     verdict.charged = 0;
     verdict.hold = Some(seen);
-    let to_end = end - now;
-    let take = (tidied.outcome == Outcome::Hold && !verdict.over).then(|| Take {
-        window: table_window,
-        due: now + held.ttl_ms.min(if sliding { window_ms } else { to_end }),
-    });
+    let take = (tidied.outcome == Outcome::Hold && !verdict.over).then_some(now + held.ttl_ms);
     Step {
         verdict,
         charged,
@@ -410,106 +461,114 @@ mod tests {
             id: HoldId::of(id.as_bytes()),
             estimate,
             ttl_ms: 1_000,
-            on_expiry: OnExpiry::Release,
+            on_expiry: OnExpiry::Charge,
             most: 4,
+            settle: false,
         }
     }
 
+    fn settle(h: Held) -> Held {
+        Held { settle: true, ..h }
+    }
+
+    fn holding(table: &mut Table, h: &Held, now: u64) -> Tidied {
+        let tidied = tidy(table, h, 0, now);
+        if tidied.outcome == Outcome::Hold {
+            take(table, h, now + h.ttl_ms);
+        }
+        tidied
+    }
+
     #[test]
-    fn a_request_holds_then_settles_then_charges_nothing() {
+    fn a_request_holds_settles_once_and_its_id_is_never_held_again() {
         let mut table = Table::default();
         let a = held("a", 100);
-        let first = tidy(&mut table, &a, 7, 0, 10);
+        let first = holding(&mut table, &a, 10);
         assert_eq!(
             (first.outcome, first.charge, first.held),
             (Outcome::Hold, 0, 0)
         );
-        take(
-            &mut table,
-            &a,
-            Take {
-                window: 0,
-                due: 1_010,
-            },
-        );
-        assert_eq!(table.held(0), 100);
-        let second = tidy(&mut table, &a, 30, 0, 20);
+        assert_eq!(table.held(), 100);
+        let again = tidy(&mut table, &a, 0, 15);
         assert_eq!(
-            (second.outcome, second.charge, second.held),
+            (again.outcome, again.charge, again.held),
+            (Outcome::Reused, 0, 100),
+            "a request-time call naming a held id is refused"
+        );
+        let settled = tidy(&mut table, &settle(a), 30, 20);
+        assert_eq!(
+            (settled.outcome, settled.charge, settled.held),
             (Outcome::Settle, 30, 0)
         );
-        let third = tidy(&mut table, &a, 30, 0, 30);
-        assert_eq!((third.outcome, third.charge), (Outcome::Duplicate, 0));
+        let twice = tidy(&mut table, &settle(a), 30, 30);
+        assert_eq!(
+            (twice.outcome, twice.charge),
+            (Outcome::Unheld, 30),
+            "a settle that finds no hold is charged in full"
+        );
+        assert_eq!(tidy(&mut table, &a, 0, 40).outcome, Outcome::Reused);
+        let stranger = tidy(&mut table, &settle(held("b", 100)), 70, 50);
+        assert_eq!((stranger.outcome, stranger.charge), (Outcome::Unheld, 70));
+        assert_eq!(table.len(), 1, "a settle of an unknown id leaves no mark");
     }
 
     #[test]
-    fn an_expired_hold_is_released_or_charged_and_its_late_settle_charged_in_full() {
-        for (on_expiry, charged) in [(OnExpiry::Release, 0), (OnExpiry::Charge, 100)] {
+    fn an_expired_hold_is_charged_or_released_and_its_late_settle_charged_the_rest() {
+        for (on_expiry, charged, late) in [(OnExpiry::Charge, 100, 40), (OnExpiry::Release, 0, 140)]
+        {
             let mut table = Table::default();
             let a = Held {
                 on_expiry,
                 ..held("a", 100)
             };
-            tidy(&mut table, &a, 0, 0, 0);
-            take(
-                &mut table,
-                &a,
-                Take {
-                    window: 0,
-                    due: 1_000,
-                },
-            );
+            holding(&mut table, &a, 0);
             let b = Held {
                 on_expiry,
                 ..held("b", 1)
             };
-            let later = tidy(&mut table, &b, 0, 0, 1_000);
+            let later = tidy(&mut table, &b, 0, 1_000);
             assert_eq!((later.expired, later.charge, later.held), (1, charged, 0));
-            let late = tidy(&mut table, &a, 40, 0, 1_500);
-            assert_eq!((late.outcome, late.charge), (Outcome::Unheld, 40));
+            let settled = tidy(&mut table, &settle(a), 140, 1_500);
+            assert_eq!((settled.outcome, settled.charge), (Outcome::Unheld, late));
         }
     }
 
     #[test]
-    fn holds_of_a_window_over_count_nothing_and_charge_nothing() {
+    fn a_hold_lives_its_time_to_live_whatever_the_window() {
         let mut table = Table::default();
-        let a = Held {
-            on_expiry: OnExpiry::Charge,
-            ..held("a", 100)
-        };
-        tidy(&mut table, &a, 0, 5, 0);
-        take(
-            &mut table,
-            &a,
-            Take {
-                window: 5,
-                due: 900,
-            },
-        );
-        let b = held("b", 1);
-        let next = tidy(&mut table, &b, 0, 6, 1_000);
-        assert_eq!((next.expired, next.charge, next.held), (1, 0, 0));
+        holding(&mut table, &held("a", 100), 0);
+        let next = tidy(&mut table, &held("b", 1), 0, 999);
+        assert_eq!((next.expired, next.held), (0, 100));
     }
 
     #[test]
-    fn a_full_table_takes_no_hold_and_a_call_tidies_at_most_most_due() {
+    fn marks_make_room_for_new_holds_and_only_holds_fill_a_table() {
         let mut table = Table::default();
         for i in 0..4 {
             let h = held(&i.to_string(), 1);
-            tidy(&mut table, &h, 0, 0, 0);
-            take(
-                &mut table,
-                &h,
-                Take {
-                    window: 0,
-                    due: 100,
-                },
-            );
+            holding(&mut table, &h, i);
+            if i < 2 {
+                tidy(&mut table, &settle(h), 1, 10 + i);
+            }
         }
+        assert_eq!((table.len(), table.holds()), (4, 2));
         assert_eq!(
-            tidy(&mut table, &held("x", 1), 0, 0, 50).outcome,
-            Outcome::Full
+            holding(&mut table, &held("x", 1), 20).outcome,
+            Outcome::Hold
         );
+        assert_eq!(
+            tidy(&mut table, &held("0", 1), 0, 21).outcome,
+            Outcome::Hold,
+            "mark 0 went first"
+        );
+        take(&mut table, &held("0", 1), 1_021);
+        let full = tidy(&mut table, &held("y", 1), 0, 22);
+        assert_eq!((full.outcome, table.holds()), (Outcome::Full, 4));
+        assert_eq!(table.next_due(), Some(1_002));
+    }
+
+    #[test]
+    fn a_call_tidies_at_most_most_due_holds() {
         let mut big = Table::default();
         let many = Held {
             most: 100,
@@ -520,15 +579,7 @@ mod tests {
                 id: HoldId::of(i.to_string().as_bytes()),
                 ..many
             };
-            tidy(&mut big, &h, 0, 0, 0);
-            take(
-                &mut big,
-                &h,
-                Take {
-                    window: 0,
-                    due: 100,
-                },
-            );
+            holding(&mut big, &h, 0);
         }
         let seen = tidy(
             &mut big,
@@ -537,8 +588,7 @@ mod tests {
                 ..many
             },
             0,
-            0,
-            200,
+            2_000,
         );
         assert_eq!(seen.expired, MOST_DUE as u64);
         assert_eq!(seen.held, 3);

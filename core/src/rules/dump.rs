@@ -236,6 +236,10 @@ fn descriptor_json(d: &DescriptorConfig) -> Value {
     if let Some(hold) = &d.hold {
         fields.insert("hold".into(), hold.json());
     }
+    if !d.weights.is_empty() {
+        let weights: Vec<Value> = d.weights.iter().map(|w| w.json()).collect();
+        fields.insert("weights".into(), Value::Array(weights));
+    }
     for (flag, on) in [
         ("share_threshold", d.share_threshold),
         ("detailed_metric", d.detailed_metric),
@@ -339,6 +343,9 @@ fn text_lines(parent: &str, d: &DescriptorConfig, out: &mut String) {
         }
         if let Some(hold) = &d.hold {
             out.push_str(&format!(", hold: {}", hold.json()));
+        }
+        for weights in &d.weights {
+            out.push_str(&format!(", weights: {}", weights.json()));
         }
         if !l.name.is_empty() {
             out.push_str(&format!(", name: {}", l.name));

@@ -17,6 +17,8 @@ pub struct Walk<'a> {
     /// What the request path resolves the descriptor to (the rule of the last entry and the
     /// values its counters count under), when every entry matched.
     pub matched: Option<Match<'a>>,
+    /// The entries after the last step that its rule takes (its settle entry, its weights').
+    pub taken: usize,
 }
 
 /// Why an entry matched no rule.
@@ -51,13 +53,22 @@ impl RuleSet {
     pub fn explain<'a>(&'a self, domain: &[u8], entries: &[(&'a [u8], &'a [u8])]) -> Walk<'a> {
         let mut steps = Vec::with_capacity(entries.len());
         self.walk(domain, entries, |node, how, _, _| steps.push((how, node)));
+        let (matched, taken) = match self.resolve_taking(domain, entries) {
+            Some((m, n)) => {
+                steps.truncate(n);
+                (Some(m), entries.len() - n)
+            }
+            None => (None, 0),
+        };
         let stop = entries
             .get(steps.len())
+            .filter(|_| matched.is_none())
             .map(|(key, _)| self.why_stopped(domain, steps.last().map(|(_, n)| *n), key));
         Walk {
-            matched: self.resolve(domain, entries),
+            matched,
             steps,
             stop,
+            taken,
         }
     }
 

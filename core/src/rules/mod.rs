@@ -25,7 +25,9 @@ use std::time::SystemTime;
 
 use memchr::memmem;
 
-use crate::config::{DescriptorConfig, DomainConfig, HoldRule, Loaded, RuleLimit, Sources};
+use crate::config::{
+    DescriptorConfig, DomainConfig, HoldRule, Loaded, RuleLimit, Sources, Weights,
+};
 use crate::limiter::lease::Leasing;
 use crate::limiter::{Counting, LONGEST_LITERAL, Mode, Scope};
 use crate::observe::{Observer, RuleCounters, unobserved};
@@ -47,6 +49,8 @@ pub struct RuleSet {
     observer: Arc<dyn Observer>,
     /// A rule has `scope: split`: the replica beats in the store (`store::peers`).
     split: bool,
+    /// A rule takes entries after its own (`hold.settle`, `weights`): `plan` looks for them.
+    trailing: bool,
 }
 
 impl Default for RuleSet {
@@ -60,6 +64,7 @@ impl Default for RuleSet {
             rendered: dump::Rendered::default(),
             observer: unobserved(),
             split: false,
+            trailing: false,
         }
     }
 }
@@ -162,6 +167,7 @@ struct Extras {
     /// sends for a descriptor that passed it.
     metadata: Option<serde_json::Map<String, serde_json::Value>>,
     hold: Option<HoldRule>,
+    weights: Vec<Weights>,
 }
 
 /// A rule's yes-or-no settings, in one byte.
@@ -201,6 +207,19 @@ impl Node {
     /// The rule's holds (`hold`), if it says.
     pub fn hold(&self) -> Option<&HoldRule> {
         self.extras.as_ref()?.hold.as_ref()
+    }
+
+    /// The rule's weight tables (`weights`).
+    pub fn weights(&self) -> &[Weights] {
+        self.extras.as_ref().map_or(&[], |e| &e.weights)
+    }
+
+    /// Whether the entry (`key`, `value`) may follow the rule's own: its settle entry, or a
+    /// weight's entry.
+    pub(crate) fn takes_after(&self, key: &[u8], value: &[u8]) -> bool {
+        self.hold()
+            .is_some_and(|h| h.settle.key.as_bytes() == key && h.settle.value.as_bytes() == value)
+            || self.weights().iter().any(|w| w.key.as_bytes() == key)
     }
 
     /// Where the rule's counters are counted (`scope`), if it says.
@@ -296,16 +315,20 @@ impl RuleSet {
         sources: Sources,
         observer: Arc<dyn Observer>,
     ) -> Self {
-        let split = domains.iter().any(|d| {
-            let mut rules: Vec<&DescriptorConfig> = d.descriptors.iter().collect();
-            while let Some(rule) = rules.pop() {
-                if rule.scope == Some(Scope::Split) {
-                    return true;
+        let any_rule = |has: fn(&DescriptorConfig) -> bool| {
+            domains.iter().any(|d| {
+                let mut rules: Vec<&DescriptorConfig> = d.descriptors.iter().collect();
+                while let Some(rule) = rules.pop() {
+                    if has(rule) {
+                        return true;
+                    }
+                    rules.extend(&rule.descriptors);
                 }
-                rules.extend(&rule.descriptors);
-            }
-            false
-        });
+                false
+            })
+        };
+        let split = any_rule(|r| r.scope == Some(Scope::Split));
+        let trailing = any_rule(|r| r.hold.is_some() || !r.weights.is_empty());
         let mut levels: HashMap<Vec<u8>, Level> = HashMap::new();
         let mut limits = HashSet::new();
         let mut quota: HashMap<Vec<u8>, quota::QuotaLevel> = HashMap::new();
@@ -339,6 +362,7 @@ impl RuleSet {
             rendered: dump::Rendered::default(),
             observer,
             split,
+            trailing,
         }
     }
 
@@ -445,6 +469,33 @@ impl RuleSet {
     /// The quota rule of a bucket id (its entries sorted by key) reported for `domain`.
     pub fn quota_rule(&self, domain: &[u8], bucket: &[(&str, &[u8])]) -> Option<&Arc<QuotaRule>> {
         self.quota.get(domain)?.resolve(bucket)
+    }
+
+    /// The node matched by the descriptor's entries, if every entry matched, or every entry
+    /// but those after it that the node takes (`Node::takes_after`, each key once), and how
+    /// many entries the rules matched.
+    pub(crate) fn resolve_taking<'a>(
+        &'a self,
+        domain: &[u8],
+        entries: &[(&'a [u8], &'a [u8])],
+    ) -> Option<(Match<'a>, usize)> {
+        if let Some(m) = self.resolve(domain, entries) {
+            return Some((m, entries.len()));
+        }
+        if !self.trailing {
+            return None;
+        }
+        (1..entries.len())
+            .rev()
+            .take(Weights::MOST_TABLES + 1)
+            .find_map(|n| {
+                let m = self.resolve(domain, &entries[..n])?;
+                let after = &entries[n..];
+                let taken = after.iter().enumerate().all(|(i, (k, v))| {
+                    m.node.takes_after(k, v) && after[..i].iter().all(|(other, _)| other != k)
+                });
+                taken.then_some((m, n))
+            })
     }
 
     /// The node matched by the descriptor's last entry, if every entry matched.
@@ -600,10 +651,11 @@ impl Level {
                         Some(serde_json::Value::Object(m)) if !m.is_empty() => Some(m),
                         _ => None,
                     };
-                    (metadata.is_some() || d.hold.is_some()).then(|| {
+                    (metadata.is_some() || d.hold.is_some() || !d.weights.is_empty()).then(|| {
                         Box::new(Extras {
                             metadata,
                             hold: d.hold,
+                            weights: d.weights,
                         })
                     })
                 },

@@ -8,8 +8,8 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::{Match, RuleSet};
-use crate::config::{HoldRule, RuleLimit};
-use crate::limiter::algorithm::{gcra, log};
+use crate::config::{HoldRule, RuleLimit, Weights};
+use crate::limiter::algorithm::{MOST_COUNT, gcra, log};
 use crate::limiter::lease::Leasing;
 use crate::limiter::{
     Algorithm, Check, Counting, Decision, DescriptorKey, Held, HoldId, Item, Limit, Mode, RuleId,
@@ -72,24 +72,33 @@ pub enum Stats<'a> {
     Request(Arc<dyn RuleCounters>),
 }
 
-/// The hold an item of a rule held `rule` asks for, for the request `id`: the request-time
-/// call's hits when it brings more than one (an estimate of its own, from a `max_tokens`
-/// header), else the rule's estimate (a call without `hits_addend` brings 1, `hits_addend: 0`
-/// none), at most the rule's `largest` part of `limit`.
-fn held(rule: &HoldRule, id: HoldId, hits: u64, limit: &Limit) -> Held {
+/// The hold an item of a held `rule` asks for, for the request `id`: a settle (`settle`), or a
+/// hold of the rule's estimate at least, of the request-time call's `hits` when it brings more
+/// (an estimate of its own, from a `max_tokens` header), and at most the rule's `largest` part
+/// of `limit`.
+fn held(rule: &HoldRule, id: HoldId, hits: u64, limit: &Limit, settle: bool) -> Held {
     let largest = (u64::from(limit.requests_per_unit) * u64::from(rule.largest)).div_ceil(100);
-    let estimate = if hits > 1 {
-        hits
-    } else {
-        rule.estimate.max(hits)
-    };
     Held {
         id,
-        estimate: estimate.min(largest),
+        estimate: rule.estimate.max(hits).min(largest).max(1),
         ttl_ms: rule.ttl_ms,
         on_expiry: rule.on_expiry,
         most: rule.most,
+        settle,
     }
+}
+
+/// `hits` weighed by each of `weights` whose entry is among `after` (rounded up; an entry
+/// absent weighs 1), within what a count holds exactly.
+fn weighed(hits: u64, weights: &[Weights], after: &[(&[u8], &[u8])]) -> u64 {
+    let mut weighed = u128::from(hits);
+    for table in weights {
+        if let Some((_, value)) = after.iter().find(|(k, _)| *k == table.key.as_bytes()) {
+            weighed = (weighed * u128::from(table.of(value))).div_ceil(1000);
+            weighed = weighed.min(u128::from(MOST_COUNT));
+        }
+    }
+    weighed as u64
 }
 
 impl Plan<'_> {
@@ -132,10 +141,15 @@ impl RuleSet {
             }
             return (asked.iter().map(|_| Plan::Free).collect(), check);
         }
-        let matches: Vec<Option<Match>> = asked
+        // Each match, with how many of the descriptor's entries the rules matched: a rule may
+        // take entries after its own (its settle entry, its weights').
+        let (matches, matched): (Vec<Option<Match>>, Vec<usize>) = asked
             .iter()
-            .map(|d| self.resolve(domain, &d.entries))
-            .collect();
+            .map(|d| match self.resolve_taking(domain, &d.entries) {
+                Some((m, n)) => (Some(m), n),
+                None => (None, d.entries.len()),
+            })
+            .unzip();
         // A limit named in any matched rule's `replaces` is dropped from every descriptor.
         let replaced: Vec<&str> = matches
             .iter()
@@ -144,24 +158,32 @@ impl RuleSet {
             .flat_map(|l| l.replaces.iter().map(String::as_str))
             .collect();
         let mut plans = Vec::with_capacity(matches.len());
-        for (descriptor, m) in asked.iter().zip(&matches) {
-            let entries = &descriptor.entries;
+        for ((descriptor, m), &n) in asked.iter().zip(&matches).zip(&matched) {
+            let (entries, after) = descriptor.entries.split_at(n);
             let mut counted: Vec<(&[u8], &[u8])> = match m {
                 Some(m) => entries
                     .iter()
                     .zip(&m.counted_values)
                     .map(|((k, _), v)| (*k, *v))
                     .collect(),
-                None => entries.clone(),
+                None => entries.to_vec(),
             };
-            // A held rule's own entry names the request, not the counter.
+            let hits = match m {
+                Some(m) if !m.node.weights().is_empty() => {
+                    weighed(descriptor.hits, m.node.weights(), after)
+                }
+                _ => descriptor.hits,
+            };
+            // A held rule's own entry names the request, not the counter; a call carrying its
+            // settle entry settles.
             let hold = m
                 .as_ref()
                 .and_then(|m| m.node.hold())
                 .zip(entries.last())
                 .map(|(rule, (_, id))| {
                     counted.pop();
-                    (*rule, HoldId::of(id))
+                    let settle = after.iter().any(|(k, _)| *k == rule.settle.key.as_bytes());
+                    (rule, HoldId::of(id), settle)
                 });
             let start = check.items.len();
             let mut descriptor_key = None;
@@ -206,13 +228,20 @@ impl RuleSet {
                 });
                 let key = key.counter(&identity);
                 // A request holds (or settles) once on a counter, however many of its
-                // descriptors name it: the stores decide a held counter once per request.
-                if let Some((_, id)) = hold
-                    && check
+                // descriptors name it: the stores decide a held counter once per request. The
+                // settles of one call add up (input and output tokens priced apart).
+                if let Some((_, id, settle)) = hold
+                    && let Some(earlier) = check
                         .items
-                        .iter()
-                        .any(|i| i.key == key && matches!(i.step, Step::Held(h) if h.id == id))
+                        .iter_mut()
+                        .find(|i| i.key == key && matches!(i.step, Step::Held(h) if h.id == id))
                 {
+                    if let Step::Held(h) = earlier.step
+                        && h.settle
+                        && settle
+                    {
+                        earlier.hits = earlier.hits.saturating_add(hits).min(MOST_COUNT);
+                    }
                     return;
                 }
                 check.items.push(Item {
@@ -223,14 +252,14 @@ impl RuleSet {
                     } else {
                         mode
                     },
-                    hits: descriptor.hits,
+                    hits,
                     refund: descriptor.refund && hold.is_none(),
                     counting,
                     leased,
                     scope,
                     step: match hold {
-                        Some((held_by, id)) => {
-                            Step::Held(held(&held_by, id, descriptor.hits, &limit))
+                        Some((held_by, id, settle)) => {
+                            Step::Held(held(held_by, id, hits, &limit, settle))
                         }
                         None => Step::Hits,
                     },
@@ -466,41 +495,89 @@ descriptors:
     }
 
     #[test]
-    fn a_held_rule_counts_without_the_request_id_and_holds_at_most_its_largest_part() {
-        let yaml = "domain: d\ndescriptors:\n  - key: user\n    descriptors:\n      - key: id\n        hold: {estimate: 30, largest: 25%}\n        rate_limit: {unit: hour, requests_per_unit: 100}\n";
+    fn a_held_rule_counts_without_the_request_id_holds_its_estimate_at_least_and_settles_by_its_entry()
+     {
+        let yaml = "domain: d\ndescriptors:\n  - key: user\n    descriptors:\n      - key: id\n        hold: {estimate: 10, largest: 25%, settle: {key: phase, value: done}}\n        weights:\n          - key: model\n            values: {big: 2.5, small: 1}\n        rate_limit: {unit: hour, requests_per_unit: 100}\n";
         let (domain, _) = crate::config::parse(Path::new("t.yaml"), yaml).expect("valid rules");
         let rules = RuleSet::new(vec![domain]);
-        let call = |id: &'static str, hits: u64| Asked {
-            entries: vec![
+        let call = |id: &'static str, hits: u64, after: &[(&'static str, &'static str)]| {
+            let mut entries = vec![
                 (b"user".as_slice(), b"u".as_slice()),
                 (b"id", id.as_bytes()),
-            ],
-            hits,
-            refund: false,
-            limit: None,
+            ];
+            entries.extend(after.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())));
+            Asked {
+                entries,
+                hits,
+                refund: false,
+                limit: None,
+            }
         };
-        let request = [call("a", 0), call("b", 40), call("a", 7), call("c", 1)];
+        let done = ("phase", "done");
+        let request = [
+            call("a", 0, &[]),
+            call("b", 40, &[]),
+            call("a", 7, &[]),
+            call("c", 2, &[]),
+            call("d", 8, &[("model", "big")]),
+            call("e", 30, &[done]),
+            call("f", 30, &[("model", "big"), done]),
+            call("f", 3, &[done, ("model", "small")]),
+            call("g", 1, &[("phase", "other")]),
+        ];
         let (plans, check) = rules.plan(b"d", &request, GLOBAL, false);
-        let held: Vec<Held> = check
+        let held: Vec<(Held, u64)> = check
             .items
             .iter()
             .map(|i| match i.step {
-                Step::Held(held) => held,
+                Step::Held(held) => (held, i.hits),
                 other => panic!("{other:?}"),
             })
             .collect();
-        assert_eq!(held.len(), 3, "request a is named twice: it holds once");
+        assert_eq!(held.len(), 6, "request a is named twice: it holds once");
         assert!(matches!(plans[2], Plan::Free));
-        assert_eq!(
-            check.items[0].key, check.items[1].key,
+        assert!(
+            matches!(plans[8], Plan::Free),
+            "an entry after the rule's own that it does not take matches nothing"
+        );
+        assert!(
+            check.items.iter().all(|i| i.key == check.items[0].key),
             "one counter per user"
         );
-        assert_eq!((held[0].id, held[0].estimate), (HoldId::of(b"a"), 25));
-        assert_eq!((held[1].id, held[1].estimate), (HoldId::of(b"b"), 25));
-        assert_eq!(check.items[1].hits, 40, "a settle charges the call's hits");
+        let does = |i: usize| {
+            (
+                held[i].0.id,
+                held[i].0.estimate,
+                held[i].0.settle,
+                held[i].1,
+            )
+        };
         assert_eq!(
-            held[2].estimate, 25,
-            "a call without hits_addend (1) holds the rule's estimate"
+            does(0),
+            (HoldId::of(b"a"), 10, false, 0),
+            "the estimate is a floor"
+        );
+        assert_eq!(
+            does(1),
+            (HoldId::of(b"b"), 25, false, 40),
+            "a larger cost holds, up to largest"
+        );
+        assert_eq!(
+            does(2),
+            (HoldId::of(b"c"), 10, false, 2),
+            "a tiny cost holds the estimate"
+        );
+        assert_eq!(
+            does(3),
+            (HoldId::of(b"d"), 20, false, 20),
+            "weighed: 8 × 2.5"
+        );
+        assert_eq!(does(4).2, true, "the settle entry settles");
+        assert_eq!(does(4).3, 30);
+        assert_eq!(
+            (does(5).0, does(5).2, does(5).3),
+            (HoldId::of(b"f"), true, 75 + 3),
+            "two settles of one request in one call add up, each weighed"
         );
     }
 

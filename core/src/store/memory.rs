@@ -19,11 +19,14 @@
 //!
 //! Holds. A held counter's table of holds (`limiter::hold`) lives in the shard of the counter's
 //! key (whatever its window), and lives two of its holds' time to live after its last change:
-//! every entry is due a time to live before.
-//! A shard keeps at most as many entries of every table together as it holds counters: a hold
-//! past them is over, as one past its counter's own bound is.
+//! every entry is due a time to live before. Each table keeps at most its rule's `most`
+//! entries, and the store at most as many entries of every table together as it holds
+//! counters (`--max-keys`): a new hold past them makes room by forgetting its table's oldest
+//! mark, and is refused (`full`) only when its table has none, so that one counter's holds
+//! never refuse another's while marks can go.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::StoreError;
@@ -61,6 +64,8 @@ pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,
     room: Room,
     max_keys: usize,
+    /// Entries of every hold table together, at most about `max_keys`.
+    hold_entries: AtomicUsize,
     ids: CounterIds,
     /// Quota buckets' demands, at most `max_keys` buckets.
     demand: DemandBoard,
@@ -124,8 +129,6 @@ struct Shard {
     counters: HashMap<Id, Counter, IdHasher>,
     /// Held counters' tables, by the id of the counter's key.
     holds: HashMap<Id, Holds, IdHasher>,
-    /// Entries of every table together.
-    hold_entries: usize,
     /// Counters held per holder, expired ones not swept yet included; no holder with none.
     held: HashMap<Holder, usize, IdHasher>,
     /// Scheduled counters held.
@@ -205,12 +208,12 @@ impl Shard {
         self.held.get(&holder).copied().unwrap_or(0)
     }
 
-    fn sweep(&mut self, now_ms: u64) {
-        let entries = &mut self.hold_entries;
+    /// Drops what expired by `now_ms`: the hold entries dropped, counted off `hold_entries`.
+    fn sweep(&mut self, now_ms: u64, hold_entries: &AtomicUsize) {
         self.holds.retain(|_, h| {
             let live = h.expires_ms > now_ms;
             if !live {
-                *entries -= h.table.len();
+                hold_entries.fetch_sub(h.table.len(), Ordering::Relaxed);
             }
             live
         });
@@ -269,6 +272,7 @@ impl MemoryStore {
                 rule_scheduled: per_rule.of(scheduled),
             },
             max_keys,
+            hold_entries: AtomicUsize::new(0),
             ids: CounterIds::new(),
             demand: DemandBoard::new(max_keys),
             observer: unobserved(),
@@ -346,8 +350,8 @@ impl MemoryStore {
         let mut verdicts: Vec<Verdict> = Vec::with_capacity(check.items.len());
         let mut pending: Vec<Pending> = Vec::new();
         let mut refusals: Vec<Share> = Vec::new();
-        // Holds to take once the request is admitted, in their tables.
-        let mut holds: Vec<(Id, hold::Held, hold::Take)> = Vec::new();
+        // Holds to take once the request is admitted, in their tables, with when each is due.
+        let mut holds: Vec<(Id, hold::Held, u64)> = Vec::new();
         for (i, item) in check.items.iter().enumerate() {
             let home = slot(homes[i]);
             let earlier = pending.iter().rev().find(|p| p.id == ids[i]);
@@ -383,8 +387,8 @@ impl MemoryStore {
                     };
                     let shard = &mut guards[slot(Self::shard_of(table))].1;
                     let step = self.hold(shard, table, item, &ask, &held, state);
-                    if let Some(take) = step.take {
-                        holds.push((table, held, take));
+                    if let Some(due) = step.take {
+                        holds.push((table, held, due));
                     }
                     let write = step.charged.map(|c| {
                         Some(Counter::of(item, Stored::Window(c.next), now_ms + c.ttl_ms))
@@ -441,13 +445,13 @@ impl MemoryStore {
             .filter(|p| admitted || p.always)
             .collect();
         self.make_room(&landing, &guards, &slot)?;
-        for (table, held, take) in holds {
+        for (table, held, due) in holds {
             let shard = &mut guards[slot(Self::shard_of(table))].1;
             if admitted {
                 let holds = shard.holds.entry(table).or_default();
-                hold::take(&mut holds.table, &held, take);
+                hold::take(&mut holds.table, &held, due);
                 holds.expires_ms = now_ms + 2 * held.ttl_ms;
-                shard.hold_entries += 1;
+                self.hold_entries.fetch_add(1, Ordering::Relaxed);
             } else if shard.holds.get(&table).is_some_and(|h| h.table.is_empty()) {
                 shard.holds.remove(&table);
             }
@@ -467,8 +471,8 @@ impl MemoryStore {
     }
 
     /// Evaluates the held item `item` (`ask`, `held`) on its counter's `state` and tidies its
-    /// table `table` in `shard`, whatever the answer; a hold past the entries the shard keeps
-    /// is over.
+    /// table `table` in `shard`, whatever the answer; a new hold past the entries the store
+    /// keeps forgets its table's oldest mark, or is over when its table has none.
     fn hold(
         &self,
         shard: &mut Shard,
@@ -480,22 +484,34 @@ impl MemoryStore {
     ) -> hold::Step {
         let holds = shard.holds.entry(table).or_default();
         if holds.expires_ms <= ask.now_ms {
-            shard.hold_entries -= holds.table.len();
+            self.hold_entries
+                .fetch_sub(holds.table.len(), Ordering::Relaxed);
             holds.table = Table::default();
         }
         let before = holds.table.len();
         let mut step = hold::evaluate(item.limit.algorithm, ask, held, state, &mut holds.table);
-        shard.hold_entries = shard.hold_entries + holds.table.len() - before;
-        if !holds.table.is_empty() {
-            holds.expires_ms = ask.now_ms + 2 * held.ttl_ms;
-        }
-        if step.take.is_some() && shard.hold_entries >= self.room.shard {
+        if step.take.is_some()
+            && self.hold_entries.load(Ordering::Relaxed) + holds.table.len()
+                >= self.max_keys + before
+            && !holds.table.forget_a_mark()
+        {
             step.take = None;
             step.verdict.over = true;
             step.verdict.hold = step.verdict.hold.map(|seen| hold::Seen {
                 outcome: Outcome::Full,
                 ..seen
             });
+        }
+        let after = holds.table.len();
+        if after < before {
+            self.hold_entries
+                .fetch_sub(before - after, Ordering::Relaxed);
+        } else {
+            self.hold_entries
+                .fetch_add(after - before, Ordering::Relaxed);
+        }
+        if !holds.table.is_empty() {
+            holds.expires_ms = ask.now_ms + 2 * held.ttl_ms;
         }
         // No table is kept empty: a hold refused leaves none behind.
         if step.take.is_none() && holds.table.is_empty() {
@@ -580,6 +596,7 @@ impl MemoryStore {
 
     /// Deletes the counters of `items`, a fixed window's in the window holding `at_ms` (see
     /// `Store::reset`).
+    /// A held counter's holds go with it: their settles find none and are charged in full.
     pub(crate) fn reset(&self, items: &[Item], at_ms: u64) {
         for item in items {
             let id = self.id(&item.key, &item.limit, at_ms);
@@ -587,7 +604,28 @@ impl MemoryStore {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(id);
+            let table = self.ids.id(&item.key, 0);
+            let gone = self.shards[Self::shard_of(table)]
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .holds
+                .remove(&table);
+            if let Some(gone) = gone {
+                self.hold_entries
+                    .fetch_sub(gone.table.len(), Ordering::Relaxed);
+            }
         }
+    }
+
+    /// What the holds of the counter of `key` hold now, and how many there are.
+    pub(crate) fn held(&self, key: &CounterKey) -> (u64, usize) {
+        let table = self.ids.id(key, 0);
+        self.shards[Self::shard_of(table)]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .holds
+            .get(&table)
+            .map_or((0, 0), |h| (h.table.held(), h.table.holds()))
     }
 
     /// Counters held, expired ones not swept yet included.
@@ -619,7 +657,7 @@ impl MemoryStore {
             shard
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .sweep(now_ms);
+                .sweep(now_ms, &self.hold_entries);
         }
     }
 }

@@ -426,6 +426,22 @@ impl Store {
         self.guard.call(deadline, reset).await
     }
 
+    /// What the holds of each counter of `items` hold now, and how many are outstanding
+    /// (`limiter::hold`): none for a counter no rule holds.
+    pub async fn held(
+        &self,
+        items: &[Item],
+        deadline: Deadline,
+    ) -> Result<Vec<(u64, usize)>, StoreError> {
+        let read = async {
+            match &self.counters {
+                Counters::Memory(memory) => Ok(items.iter().map(|i| memory.held(&i.key)).collect()),
+                Counters::Redis(redis) => redis.held(items).await,
+            }
+        };
+        self.guard.call(deadline, read).await
+    }
+
     /// Tells every replica that the counters of `items` may have room again: they forget
     /// them in their over-limit cache and drop their leased blocks of them
     /// (`Backend::listen_resets`). Nothing to tell on the embedded store, which serves one.

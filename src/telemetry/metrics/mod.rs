@@ -215,7 +215,7 @@ impl Metrics {
         );
         r.register(
             "sluice_holds",
-            "Calls on held counters, per rule and outcome: held (a hold taken), denied (the hold did not fit, or the request was denied), settle (a hold settled), duplicate (a second settle, charged nothing), unheld (a settle whose hold had expired, charged in full), full (the counter's table of holds was full)",
+            "Calls on held counters, per rule and outcome: held (a hold taken), denied (the hold did not fit, or the request was denied), settle (a hold settled), unheld (a settle that found no hold of its request, charged in full), reused (a request-time call naming a request the counter knows, refused), full (the counter's table was full of holds)",
             m.holds.clone(),
         );
         r.register(

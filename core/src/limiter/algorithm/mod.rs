@@ -149,7 +149,13 @@ impl Verdict {
         };
         Usage {
             over: self.over,
-            remaining: if self.over { 0 } else { after },
+            // A hold refused for itself (its request id reused, its table full of holds) says
+            // what is left.
+            remaining: if self.over && !self.hold.is_some_and(|h| h.outcome.refused()) {
+                0
+            } else {
+                after
+            },
             left_before: self.remaining_before,
             reset: Duration::from_millis(reset),
             // Holds settle and expire before the counter resets: the cache would keep it over

@@ -185,8 +185,52 @@ impl RedisStore {
                 .send::<Value>(command, args)
                 .await
                 .map_err(conn::failed)?;
+            // A held counter's holds go with it (they share its slot).
+            let table: Vec<Value> = ["~h", "~e", "~m"]
+                .iter()
+                .map(|suffix| {
+                    let mut key = self.key(&item.key).to_vec();
+                    key.extend_from_slice(suffix.as_bytes());
+                    Value::from(Bytes::from(key))
+                })
+                .collect();
+            let delete = CustomCommand::new_static("DEL", ClusterHash::FirstKey, false);
+            self.conn
+                .send::<Value>(delete, table)
+                .await
+                .map_err(conn::failed)?;
         }
         Ok(())
+    }
+
+    /// What the holds of each counter of `items` hold, and how many are outstanding (see
+    /// `Store::held`).
+    pub(crate) async fn held(&self, items: &[Item]) -> Result<Vec<(u64, usize)>, StoreError> {
+        let mut out = Vec::with_capacity(items.len());
+        for item in items {
+            let table = |suffix: &str| {
+                let mut key = self.key(&item.key).to_vec();
+                key.extend_from_slice(suffix.as_bytes());
+                Value::from(Bytes::from(key))
+            };
+            let hget = CustomCommand::new_static("HGET", ClusterHash::FirstKey, false);
+            let held: Option<String> = self
+                .conn
+                .send(hget, vec![table("~h"), Value::from("~")])
+                .await
+                .map_err(conn::failed)?;
+            let zcard = CustomCommand::new_static("ZCARD", ClusterHash::FirstKey, false);
+            let holds: u64 = self
+                .conn
+                .send(zcard, vec![table("~e")])
+                .await
+                .map_err(conn::failed)?;
+            out.push((
+                held.and_then(|h| h.parse().ok()).unwrap_or(0),
+                holds as usize,
+            ));
+        }
+        Ok(out)
     }
 
     /// Tells every replica on the reset channel that the counters of `items` may have room

@@ -399,11 +399,12 @@ pub(super) fn encode(check: &Check, at: &[usize], quota_here: bool) -> Vec<Value
             Step::Take { least } => Value::from(format!("u{least}")),
             Step::Return { window } => Value::from(format!("r{window}")),
             Step::Held(held) => Value::from(format!(
-                "h{} {} {} {} {}",
+                "h{} {} {} {} {} {}",
                 held.estimate,
                 held.ttl_ms,
                 u8::from(held.on_expiry == OnExpiry::Charge),
                 held.most,
+                u8::from(held.settle),
                 held.id.hex()
             )),
         });
