@@ -48,6 +48,7 @@
 -- Locals: every global lookup in a Redis script goes through the protected globals table.
 local call, floor, max, min, tonumber, format, match, unpack, type = redis.call, math.floor,
   math.max, math.min, tonumber, string.format, string.match, unpack, type
+local gsub, char = string.gsub, string.char
 
 -- The most a window counts and a bucket holds (limiter::algorithm::MOST_COUNT, gcra::MOST_LEVEL):
 -- past them a charge is clamped, so that every number stays exact in a double.
@@ -478,6 +479,8 @@ local function hold_step(sliding, key, latest, limit, window, hits, change)
   local estimate, ttl, charge_expired, most, settle, id =
     match(change, '^h(%d+) (%d+) (%d) (%d+) (%d) (%x+)$')
   estimate, ttl, most = tonumber(estimate), tonumber(ttl), tonumber(most)
+  -- The table keeps the id's 16 bytes, not its 32 hex digits.
+  id = gsub(id, '%x%x', function(h) return char(tonumber(h, 16)) end)
   local hkey, ekey, mkey = key .. '~h', key .. '~e', key .. '~m'
   local head = call('HGET', hkey, '~')
   local held, count = 0, 0
@@ -563,6 +566,7 @@ local function hold_step(sliding, key, latest, limit, window, hits, change)
     step.over = false
   else
     step = window_step(sliding, key, latest, room, window, now, estimate, false, false, nil, nil)
+    latest[key] = kept
     local without = window_step(sliding, key, latest, limit, window, now, estimate, false, false,
       nil, nil)
     latest[key] = kept

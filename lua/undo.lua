@@ -8,7 +8,8 @@
 --          'f' (fixed window): the window index, the hits;
 --          's' (sliding window): the window index (the call's time / window), the hits;
 --          'l' (sliding log): the instant the entries were logged at, the hits;
---          'b' (bucket): the call's time, the units added (hits × window), the limit.
+--          'b' (bucket): the call's time, the units added (hits × window), the limit;
+--          'h' (a hold taken, check.lua's hold section): the request id, the amount held.
 --          The fourth value is '0' where unused.
 -- Reply    the number of counters written: none on a node whose replication ID is not the one
 --          named, such as a replica promoted after its primary failed, which may never have
@@ -55,6 +56,17 @@ local function undo(key, kind, a, b, c)
       call('ZREM', key, unpack(gone))
       return 1
     end
+  elseif kind == 'h' then
+    -- Released only if it is still the request's hold: settled or expired, it is not. The
+    -- table keeps the id's 16 bytes.
+    a = string.gsub(a, '%x%x', function(h) return string.char(tonumber(h, 16)) end)
+    local hkey = key .. '~h'
+    if call('HGET', hkey, a) == 'h ' .. int(b) then
+      call('HDEL', hkey, a)
+      call('ZREM', key .. '~e', a)
+      call('HSET', hkey, '~', int(max((tonumber(call('HGET', hkey, '~')) or 0) - b, 0)))
+      return 1
+    end
   elseif kind == 'b' then
     local h = call('HMGET', key, 't', 'l')
     if h[1] then
@@ -75,7 +87,8 @@ end
 local undone = 0
 for i, key in ipairs(KEYS) do
   local o = 4 * i - 3
-  local a, b, c = tonumber(ARGV[o + 2]), tonumber(ARGV[o + 3]), tonumber(ARGV[o + 4])
+  local a, b, c = ARGV[o + 2], tonumber(ARGV[o + 3]), tonumber(ARGV[o + 4])
+  if ARGV[o + 1] ~= 'h' then a = tonumber(a) end
   local done, e = pcall(undo, key, ARGV[o + 1], a, b, c)
   if done then
     undone = undone + e

@@ -146,6 +146,14 @@ fn render(answer: &Value) -> String {
             c["before"]["remaining"],
             c["after"]["remaining"]
         );
+        // A held rule's counter: what its requests in flight hold.
+        if c["before"]["held"].is_number() {
+            let _ = writeln!(
+                out,
+                "  held {} -> {} by {} -> {} requests in flight",
+                c["before"]["held"], c["after"]["held"], c["before"]["holds"], c["after"]["holds"]
+            );
+        }
     }
     out
 }

@@ -7,8 +7,8 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -53,10 +53,14 @@ pub fn envoy_binary() -> PathBuf {
 /// A tiny HTTP/1.1 server on loopback answering every request `200 OK`, one request per
 /// connection; it stops when dropped. A request's `x-cost` header comes back as the response's
 /// `x-tokens`, as an LLM backend reports the tokens a call used; its `x-delay-ms` delays the
-/// answer, as a model generating does.
+/// answer, as a model generating does; its `x-fail` makes it fail as a model server does:
+/// `reset` closes the connection without an answer (as a server that crashed), `no-tokens`
+/// answers `503` without `x-tokens` (as an overloaded one). It keeps the `x-request-id` of every
+/// request as it arrives (before any delay).
 pub struct Upstream {
     pub addr: SocketAddr,
     served: Arc<AtomicUsize>,
+    received: Arc<Mutex<Vec<String>>>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -68,17 +72,18 @@ impl Upstream {
         // Non-blocking accept lets the thread notice `stop` without a wake-up connection.
         listener.set_nonblocking(true).unwrap();
         let served = Arc::new(AtomicUsize::new(0));
+        let received = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
-            let (served, stop) = (served.clone(), stop.clone());
+            let (served, received, stop) = (served.clone(), received.clone(), stop.clone());
             std::thread::spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
                     match listener.accept() {
                         // Each connection on a thread of its own: a delayed answer keeps no
                         // other waiting.
                         Ok((stream, _)) => {
-                            let served = served.clone();
-                            std::thread::spawn(move || answer(stream, &served));
+                            let (served, received) = (served.clone(), received.clone());
+                            std::thread::spawn(move || answer(stream, &served, &received));
                         }
                         // WouldBlock, or a transient accept error: try again shortly.
                         Err(_) => std::thread::sleep(Duration::from_millis(5)),
@@ -89,21 +94,35 @@ impl Upstream {
         Upstream {
             addr,
             served,
+            received,
             stop,
             thread: Some(thread),
         }
     }
 
-    /// How many requests it has answered.
+    /// How many requests it has answered (a reset is no answer).
     pub fn served(&self) -> usize {
         self.served.load(Ordering::SeqCst)
+    }
+
+    /// Whether a request with the `x-request-id` `id` has arrived (answered or not yet).
+    pub fn received(&self, id: &str) -> bool {
+        self.received
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|r| r == id)
     }
 }
 
 /// Reads one request head (Envoy forwards these GETs without a body) and answers it, closing
 /// the connection so Envoy never reuses it. The request is counted before the answer leaves, so
 /// the count is final by the time the client sees the response.
-fn answer(mut stream: TcpStream, served: &AtomicUsize) -> std::io::Result<()> {
+fn answer(
+    mut stream: TcpStream,
+    served: &AtomicUsize,
+    received: &Mutex<Vec<String>>,
+) -> std::io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
     let mut head = Vec::new();
@@ -123,16 +142,26 @@ fn answer(mut stream: TcpStream, served: &AtomicUsize) -> std::io::Result<()> {
                 .then(|| value.trim().to_owned())
         })
     };
+    if let Some(id) = header("x-request-id") {
+        received.lock().unwrap_or_else(|e| e.into_inner()).push(id);
+    }
     if let Some(ms) = header("x-delay-ms").and_then(|ms| ms.parse().ok()) {
         std::thread::sleep(Duration::from_millis(ms));
     }
+    let fail = header("x-fail");
+    if fail.as_deref() == Some("reset") {
+        // Closed with no answer: Envoy sees its stream reset before any response header.
+        return stream.shutdown(std::net::Shutdown::Both);
+    }
     served.fetch_add(1, Ordering::SeqCst);
-    let tokens = header("x-cost")
-        .map(|cost| format!("x-tokens: {cost}\r\n"))
-        .unwrap_or_default();
+    let (status, tokens) = match (fail.as_deref(), header("x-cost")) {
+        (Some("no-tokens"), _) => ("503 Service Unavailable", String::new()),
+        (_, Some(cost)) => ("200 OK", format!("x-tokens: {cost}\r\n")),
+        (_, None) => ("200 OK", String::new()),
+    };
     write!(
         stream,
-        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n{tokens}Connection: close\r\n\r\n{UPSTREAM_BODY}",
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n{tokens}Connection: close\r\n\r\n{UPSTREAM_BODY}",
         UPSTREAM_BODY.len()
     )?;
     stream.flush()?;
@@ -611,8 +640,8 @@ fn transport_socket(tls: &UpstreamTls) -> String {
     )
 }
 
-/// The repository's file `path` (an Envoy configuration), each `from` of `changes` (which must
-/// appear there exactly once) replaced by its `to`: ports and timeouts for a test.
+/// The repository's file `path` (an Envoy configuration, a rule file), each `from` of `changes`
+/// (which must appear there exactly once) replaced by its `to`: ports and timeouts for a test.
 pub fn replaced_once(path: &str, changes: &[(&str, String)]) -> String {
     let mut yaml =
         std::fs::read_to_string(super::repo_file(path)).unwrap_or_else(|e| panic!("{path}: {e}"));

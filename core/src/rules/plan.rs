@@ -572,7 +572,7 @@ descriptors:
             (HoldId::of(b"d"), 20, false, 20),
             "weighed: 8 × 2.5"
         );
-        assert_eq!(does(4).2, true, "the settle entry settles");
+        assert!(does(4).2, "the settle entry settles");
         assert_eq!(does(4).3, 30);
         assert_eq!(
             (does(5).0, does(5).2, does(5).3),

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::conn::{self, Conn, Lanes};
 use super::replicas::Replicas;
 use crate::limiter::algorithm::Verdict;
-use crate::limiter::hold::Seen;
+use crate::limiter::hold::{HoldId, Outcome, Seen};
 use crate::limiter::{Algorithm, Check, Counting, Item, Mode, OnExpiry, Step};
 use crate::store::StoreError;
 use crate::store::demand::{Change, Division, Granted, Settle};
@@ -296,6 +296,8 @@ pub(super) struct Charge {
     at: Option<u64>,
     /// Counted `always`: the charge landed whether the request was admitted or not.
     pub(super) always: bool,
+    /// The hold a request-time call of a held rule takes once admitted: its request and amount.
+    hold: Option<(HoldId, u64)>,
 }
 
 impl Charge {
@@ -306,6 +308,10 @@ impl Charge {
             window_ms: item.limit.window_ms(),
             at,
             always: item.counting == Counting::Always,
+            hold: match item.step {
+                Step::Held(held) if !held.settle => Some((held.id, held.estimate)),
+                _ => None,
+            },
         }
     }
 
@@ -346,7 +352,21 @@ impl Undo {
 
     /// Adds what the check script charged to `key` as `verdict` says (a sliding log or a
     /// bucket records nothing for hits that do not fit, unless counted `always`).
+    /// A hold taken is released: nobody was answered for it.
     pub(super) fn add(&mut self, key: &Bytes, charge: Charge, verdict: &Verdict) {
+        if let Some((id, amount)) = charge.hold
+            && verdict
+                .hold
+                .is_some_and(|seen| seen.outcome == Outcome::Hold && !verdict.over)
+        {
+            self.keys.push(key.clone());
+            self.args.push(Value::from_static_str("h"));
+            self.args.extend([
+                Value::from(id.hex()),
+                Value::from(amount as i64),
+                Value::from(0),
+            ]);
+        }
         if verdict.charged == 0 {
             return;
         }
