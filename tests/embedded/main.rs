@@ -10,6 +10,7 @@ mod algorithm_tables;
 mod check_config;
 mod docs;
 mod erl_fixtures;
+mod holds;
 mod http;
 mod invalid;
 mod layers;

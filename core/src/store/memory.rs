@@ -20,10 +20,10 @@
 //! Holds. A held counter's table of holds (`limiter::hold`) lives in the shard of the counter's
 //! key (whatever its window), and lives two of its holds' time to live after its last change:
 //! every entry is due a time to live before. Each table keeps at most its rule's `most`
-//! entries, and the store at most as many entries of every table together as it holds
-//! counters (`--max-keys`): a new hold past them makes room by forgetting its table's oldest
-//! mark, and is refused (`full`) only when its table has none, so that one counter's holds
-//! never refuse another's while marks can go.
+//! entries, and the store at most as many holds, and as many marks, of every table together
+//! as it holds counters (`--max-keys`): a new hold past the holds is refused (`full`), and
+//! marks past theirs are forgotten, the table's oldest first, so that one user's marks never
+//! refuse another user's hold.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -64,8 +64,8 @@ pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,
     room: Room,
     max_keys: usize,
-    /// Entries of every hold table together, at most about `max_keys`.
-    hold_entries: AtomicUsize,
+    /// Holds and marks of every hold table together, each at most about `max_keys`.
+    hold_entries: Entries,
     ids: CounterIds,
     /// Quota buckets' demands, at most `max_keys` buckets.
     demand: DemandBoard,
@@ -82,6 +82,39 @@ struct Room {
     scheduled: usize,
     /// A rule's scheduled counters.
     rule_scheduled: usize,
+}
+
+/// The holds and the marks of every hold table together.
+#[derive(Default)]
+struct Entries {
+    holds: AtomicUsize,
+    marks: AtomicUsize,
+}
+
+impl Entries {
+    /// The holds and marks of `table`.
+    fn of(table: &Table) -> (usize, usize) {
+        (table.holds(), table.len() - table.holds())
+    }
+
+    /// Counts a table that went from `before` to `after` (holds, marks).
+    fn moved(&self, before: (usize, usize), after: (usize, usize)) {
+        for (count, (b, a)) in [
+            (&self.holds, (before.0, after.0)),
+            (&self.marks, (before.1, after.1)),
+        ] {
+            if a >= b {
+                count.fetch_add(a - b, Ordering::Relaxed);
+            } else {
+                count.fetch_sub(b - a, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Counts `table` gone.
+    fn gone(&self, table: &Table) {
+        self.moved(Entries::of(table), (0, 0));
+    }
 }
 
 /// A counter's identity in this store: the keyed 128-bit hash of its `CounterKey`.
@@ -209,11 +242,11 @@ impl Shard {
     }
 
     /// Drops what expired by `now_ms`: the hold entries dropped, counted off `hold_entries`.
-    fn sweep(&mut self, now_ms: u64, hold_entries: &AtomicUsize) {
+    fn sweep(&mut self, now_ms: u64, hold_entries: &Entries) {
         self.holds.retain(|_, h| {
             let live = h.expires_ms > now_ms;
             if !live {
-                hold_entries.fetch_sub(h.table.len(), Ordering::Relaxed);
+                hold_entries.gone(&h.table);
             }
             live
         });
@@ -272,7 +305,7 @@ impl MemoryStore {
                 rule_scheduled: per_rule.of(scheduled),
             },
             max_keys,
-            hold_entries: AtomicUsize::new(0),
+            hold_entries: Entries::default(),
             ids: CounterIds::new(),
             demand: DemandBoard::new(max_keys),
             observer: unobserved(),
@@ -451,7 +484,7 @@ impl MemoryStore {
                 let holds = shard.holds.entry(table).or_default();
                 hold::take(&mut holds.table, &held, due);
                 holds.expires_ms = now_ms + 2 * held.ttl_ms;
-                self.hold_entries.fetch_add(1, Ordering::Relaxed);
+                self.hold_entries.holds.fetch_add(1, Ordering::Relaxed);
             } else if shard.holds.get(&table).is_some_and(|h| h.table.is_empty()) {
                 shard.holds.remove(&table);
             }
@@ -471,8 +504,10 @@ impl MemoryStore {
     }
 
     /// Evaluates the held item `item` (`ask`, `held`) on its counter's `state` and tidies its
-    /// table `table` in `shard`, whatever the answer; a new hold past the entries the store
-    /// keeps forgets its table's oldest mark, or is over when its table has none.
+    /// table `table` in `shard`, whatever the answer. A new hold past the holds the store keeps
+    /// is over (`full`); marks past those it keeps are forgotten, the table's oldest first: a
+    /// mark only makes a reused id refused and a late settle charged less, so one user's marks
+    /// never refuse another user's hold.
     fn hold(
         &self,
         shard: &mut Shard,
@@ -484,17 +519,12 @@ impl MemoryStore {
     ) -> hold::Step {
         let holds = shard.holds.entry(table).or_default();
         if holds.expires_ms <= ask.now_ms {
-            self.hold_entries
-                .fetch_sub(holds.table.len(), Ordering::Relaxed);
+            self.hold_entries.gone(&holds.table);
             holds.table = Table::default();
         }
-        let before = holds.table.len();
+        let before = Entries::of(&holds.table);
         let mut step = hold::evaluate(item.limit.algorithm, ask, held, state, &mut holds.table);
-        if step.take.is_some()
-            && self.hold_entries.load(Ordering::Relaxed) + holds.table.len()
-                >= self.max_keys + before
-            && !holds.table.forget_a_mark()
-        {
+        if step.take.is_some() && self.hold_entries.holds.load(Ordering::Relaxed) >= self.max_keys {
             step.take = None;
             step.verdict.over = true;
             step.verdict.hold = step.verdict.hold.map(|seen| hold::Seen {
@@ -502,14 +532,12 @@ impl MemoryStore {
                 ..seen
             });
         }
-        let after = holds.table.len();
-        if after < before {
-            self.hold_entries
-                .fetch_sub(before - after, Ordering::Relaxed);
-        } else {
-            self.hold_entries
-                .fetch_add(after - before, Ordering::Relaxed);
-        }
+        let marks = |t: &Table| t.len() - t.holds();
+        while self.hold_entries.marks.load(Ordering::Relaxed) + marks(&holds.table)
+            > self.max_keys + before.1
+            && holds.table.forget_a_mark()
+        {}
+        self.hold_entries.moved(before, Entries::of(&holds.table));
         if !holds.table.is_empty() {
             holds.expires_ms = ask.now_ms + 2 * held.ttl_ms;
         }
@@ -611,8 +639,7 @@ impl MemoryStore {
                 .holds
                 .remove(&table);
             if let Some(gone) = gone {
-                self.hold_entries
-                    .fetch_sub(gone.table.len(), Ordering::Relaxed);
+                self.hold_entries.gone(&gone.table);
             }
         }
     }
