@@ -268,15 +268,18 @@ fn explain_descriptor(
         share_threshold: node.share_threshold(),
         limits: node.limits.iter().map(rule_limit_json).collect(),
     });
-    // A rule's limit missing from the plan was dropped by a `replaces` of the request's rules.
+    // A rule's named limit missing from the plan was dropped by a `replaces` of the request's
+    // rules (an unnamed one of a held rule, by the request's earlier descriptor of the same
+    // request: it holds once).
     let replaced = match (node, plan) {
         (Some(node), Plan::Limited { .. } | Plan::Free) if descriptor.limit.is_none() => node
             .limits
             .iter()
             .filter(|l| {
-                l.limit
-                    .as_ref()
-                    .is_some_and(|limit| !items.iter().any(|i| i.limit == *limit))
+                !l.name.is_empty()
+                    && l.limit
+                        .as_ref()
+                        .is_some_and(|limit| !items.iter().any(|i| i.limit == *limit))
             })
             .map(|l| Replaced {
                 name: l.name.clone(),
