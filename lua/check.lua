@@ -92,7 +92,8 @@ end
 
 -- Of the calendar boundaries 'b0 b1 b2 b3' the replica sent (three windows in a row around its
 -- own clock), the window holding Redis' clock: the replicas agree on it whatever their clocks
--- say. A replica more than a window from Redis' clock fails the request (`unreadable`).
+-- say, with the end of the window after it where the replica sent it. A replica more than a
+-- window from Redis' clock fails the request (`unreadable`).
 local function calendar(text)
   local b = { match(text, '^(%d+) (%d+) (%d+) (%d+)$') }
   for i = 1, 4 do b[i] = tonumber(b[i]) end
@@ -100,8 +101,8 @@ local function calendar(text)
     error({ calendar = true }, 0)
   end
   if now >= b[3] then return { b[3], b[4] } end
-  if now >= b[2] then return { b[2], b[3] } end
-  return { b[1], b[2] }
+  if now >= b[2] then return { b[2], b[3], b[4] } end
+  return { b[1], b[2], b[3] }
 end
 
 local function weigh(previous, overlap, window)
@@ -467,7 +468,8 @@ end
 -- request's entry ('h <amount>' held, 's' settled, 'x <charged>' lapsed: its hold expired,
 -- which charged that) and of '~' (what the holds outstanding hold), the sorted set `key~e` of
 -- the holds by when they expire and the sorted set `key~m` of the marks (settled, lapsed) by
--- when they are forgotten. All three live two times to live after the table's last change.
+-- when they are forgotten. All three live two times to live after the table's last change,
+-- and at least until the window in which its newest hold may expire ends.
 
 -- The most due holds, and the most due marks, one call tidies (hold::MOST_DUE).
 local MOST_DUE = 16
@@ -621,7 +623,14 @@ local function hold_step(sliding, key, latest, limit, window, hits, change)
     end
     if #holds > 0 then call('ZADD', ekey, unpack(scored(holds))) end
     if #marks > 0 then call('ZADD', mkey, unpack(scored(marks))) end
-    for _, k in ipairs({ hkey, ekey, mkey }) do call('PEXPIREAT', k, int(now + 2 * ttl)) end
+    -- Two times to live, and not before the window in which the newest hold may expire ends
+    -- (a sliding window's, a window later): a hold that expires unsettled is found and charged
+    -- while its window counts, however long its user stays away.
+    local _, _, finish = bounds(window, now + ttl)
+    if type(window) == 'table' and now + ttl >= finish and window[3] then finish = window[3] end
+    if sliding then finish = finish + window end
+    local keep = int(max(now + 2 * ttl, finish))
+    for _, k in ipairs({ hkey, ekey, mkey }) do call('PEXPIREAT', k, keep) end
   end
   return step
 end

@@ -84,6 +84,7 @@ on_every_store!(
     request_time_costs_below_the_estimate_hold_the_estimate,
     a_request_that_never_settles_is_charged_its_estimate_when_its_hold_expires,
     with_on_expiry_release_a_request_that_never_settles_is_charged_nothing,
+    a_hold_never_settled_is_charged_however_long_its_user_stays_away,
     marks_make_room_oldest_first_and_a_table_full_of_holds_says_what_is_left_and_when,
     a_request_refused_for_the_holds_in_flight_retries_when_the_next_hold_is_due,
     counters_shows_used_past_the_limit_held_and_holds_and_a_reset_drops_the_holds,
@@ -377,6 +378,25 @@ async fn a_request_that_never_settles_is_charged_its_estimate_when_its_hold_expi
 
 async fn with_on_expiry_release_a_request_that_never_settles_is_charged_nothing(store: Store) {
     expires(store, "free", 0).await;
+}
+
+/// A request that never settles, its user away past twice its time to live (when its table
+/// would have gone, and the hold with it, uncharged): the user's next call in the window finds
+/// the hold expired and charges it.
+async fn a_hold_never_settled_is_charged_however_long_its_user_stays_away(store: Store) {
+    in_one_window(HOUR, async || {
+        let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
+        let user = User::new(&sluice, "quick").await;
+        assert_eq!(user.hold("a").await, (false, 9_000));
+        tokio::time::sleep(2 * SHORT_TTL + Duration::from_millis(500)).await;
+        assert_eq!(
+            user.hold("b").await,
+            (false, 8_000),
+            "a's estimate charged, b held"
+        );
+        assert_eq!(holds(&sluice, "quick", "expired"), 1.0);
+    })
+    .await;
 }
 
 /// `tenant`'s table keeps 50 entries. Before, 50 settled requests filled it (refused new holds

@@ -84,6 +84,21 @@ struct Room {
     rule_scheduled: usize,
 }
 
+/// Until when a held counter's table lives after a change at `now_ms`: two times to live, and
+/// not before the window in which its newest hold may expire ends (a sliding window's, a window
+/// later), so that a hold that expires unsettled is found and charged while its window counts,
+/// however long its user stays away.
+fn table_until(limit: &Limit, now_ms: u64, ttl_ms: u64) -> u64 {
+    let due = now_ms + ttl_ms;
+    let window = limit.window_ms();
+    let end = match limit.calendar_span(due) {
+        Some(span) => span.end,
+        None if limit.algorithm == Algorithm::SlidingWindow => (due / window + 2) * window,
+        None => (due / window + 1) * window,
+    };
+    end.max(now_ms + 2 * ttl_ms)
+}
+
 /// The holds and the marks of every hold table together.
 #[derive(Default)]
 struct Entries {
@@ -383,8 +398,9 @@ impl MemoryStore {
         let mut verdicts: Vec<Verdict> = Vec::with_capacity(check.items.len());
         let mut pending: Vec<Pending> = Vec::new();
         let mut refusals: Vec<Share> = Vec::new();
-        // Holds to take once the request is admitted, in their tables, with when each is due.
-        let mut holds: Vec<(Id, hold::Held, u64)> = Vec::new();
+        // Holds to take once the request is admitted, in their tables, with when each is due and
+        // until when its table lives.
+        let mut holds: Vec<(Id, hold::Held, u64, u64)> = Vec::new();
         for (i, item) in check.items.iter().enumerate() {
             let home = slot(homes[i]);
             let earlier = pending.iter().rev().find(|p| p.id == ids[i]);
@@ -421,7 +437,8 @@ impl MemoryStore {
                     let shard = &mut guards[slot(Self::shard_of(table))].1;
                     let step = self.hold(shard, table, item, &ask, &held, state);
                     if let Some(due) = step.take {
-                        holds.push((table, held, due));
+                        let until = table_until(&item.limit, now_ms, held.ttl_ms);
+                        holds.push((table, held, due, until));
                     }
                     let write = step.charged.map(|c| {
                         Some(Counter::of(item, Stored::Window(c.next), now_ms + c.ttl_ms))
@@ -478,12 +495,12 @@ impl MemoryStore {
             .filter(|p| admitted || p.always)
             .collect();
         self.make_room(&landing, &guards, &slot)?;
-        for (table, held, due) in holds {
+        for (table, held, due, until) in holds {
             let shard = &mut guards[slot(Self::shard_of(table))].1;
             if admitted {
                 let holds = shard.holds.entry(table).or_default();
                 hold::take(&mut holds.table, &held, due);
-                holds.expires_ms = now_ms + 2 * held.ttl_ms;
+                holds.expires_ms = until;
                 self.hold_entries.holds.fetch_add(1, Ordering::Relaxed);
             } else if shard.holds.get(&table).is_some_and(|h| h.table.is_empty()) {
                 shard.holds.remove(&table);
@@ -539,7 +556,7 @@ impl MemoryStore {
         {}
         self.hold_entries.moved(before, Entries::of(&holds.table));
         if !holds.table.is_empty() {
-            holds.expires_ms = ask.now_ms + 2 * held.ttl_ms;
+            holds.expires_ms = table_until(&item.limit, ask.now_ms, held.ttl_ms);
         }
         // No table is kept empty: a hold refused leaves none behind.
         if step.take.is_none() && holds.table.is_empty() {
