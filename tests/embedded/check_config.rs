@@ -3,7 +3,7 @@
 
 use std::process::{Command, ExitStatus};
 
-fn check(files: &[(&str, &str)]) -> (ExitStatus, String) {
+pub(crate) fn check(files: &[(&str, &str)]) -> (ExitStatus, String) {
     let dir = tempfile::tempdir().unwrap();
     for (name, text) in files {
         std::fs::write(dir.path().join(name), text).unwrap();

@@ -15,16 +15,8 @@ use serde_json::{Value, json};
 /// `sluice check-config` on a directory holding `rules.yaml`: whether it passed, and what it
 /// printed, the directory's path taken out.
 fn check(rules: &str) -> (bool, String) {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("rules.yaml"), rules).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .arg("check-config")
-        .arg(dir.path())
-        .output()
-        .expect("sluice runs");
-    let text =
-        String::from_utf8_lossy(&out.stdout).replace(&format!("{}/", dir.path().display()), "");
-    (out.status.success(), text)
+    let (status, text) = super::check_config::check(&[("rules.yaml", rules)]);
+    (status.success(), text)
 }
 
 #[test]

@@ -949,14 +949,14 @@ fn yaml_to_json(node: &Node, depth: usize) -> Result<serde_json::Value, usize> {
 mod tests {
     use super::*;
 
-    fn errors(text: &str) -> Vec<String> {
+    pub(super) fn errors(text: &str) -> Vec<String> {
         match parse(Path::new("r.yaml"), text) {
             Ok(_) => Vec::new(),
             Err(e) => e.iter().map(ToString::to_string).collect(),
         }
     }
 
-    fn ok(text: &str) -> DomainConfig {
+    pub(super) fn ok(text: &str) -> DomainConfig {
         match parse(Path::new("r.yaml"), text) {
             Ok((d, _)) => d,
             Err(e) => panic!("{e:?}"),

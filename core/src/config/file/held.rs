@@ -307,24 +307,9 @@ impl Parser<'_> {
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
-
-    use crate::config::{DomainConfig, HoldRule, SettleEntry, parse};
+    use crate::config::file::tests::{errors, ok};
+    use crate::config::{HoldRule, SettleEntry};
     use crate::limiter::OnExpiry;
-
-    fn errors(text: &str) -> Vec<String> {
-        match parse(Path::new("r.yaml"), text) {
-            Ok(_) => Vec::new(),
-            Err(e) => e.iter().map(ToString::to_string).collect(),
-        }
-    }
-
-    fn ok(text: &str) -> DomainConfig {
-        match parse(Path::new("r.yaml"), text) {
-            Ok((d, _)) => d,
-            Err(e) => panic!("{e:?}"),
-        }
-    }
 
     const SETTLE: &str = "settle: {key: phase, value: response}";
 
