@@ -518,13 +518,22 @@ local function hold_step(sliding, key, latest, limit, window, hits, change)
   for _, rid in ipairs(call('ZRANGEBYSCORE', mkey, '-inf', int(now), 'LIMIT', 0, MOST_DUE)) do
     if entry(rid) then forget(rid) else unmarks[#unmarks + 1] = rid end
   end
-  -- Forgets the oldest mark this call did not make, if there is one.
+  -- Forgets the oldest mark this call did not make or, if there is none, the least of those it
+  -- made (all due at once), if there is one.
   local function forget_oldest()
     for _, rid in ipairs(call('ZRANGE', mkey, 0, #unmarks)) do
       if entry(rid) and not fresh[rid] then
         forget(rid)
         return true
       end
+    end
+    local least = nil
+    for rid in pairs(fresh) do
+      if entries[rid] and (least == nil or rid < least) then least = rid end
+    end
+    if least then
+      forget(least)
+      return true
     end
     return false
   end
@@ -609,20 +618,22 @@ local function hold_step(sliding, key, latest, limit, window, hits, change)
     if #dels > 0 then call('HDEL', hkey, unpack(dels)) end
     if #unholds > 0 then call('ZREM', ekey, unpack(unholds)) end
     if #unmarks > 0 then call('ZREM', mkey, unpack(unmarks)) end
+    -- What this call set and then forgot (a mark it made) is not written.
     local fields = { '~', int(held) }
     for _, s in ipairs(sets) do
-      fields[#fields + 1], fields[#fields + 2] = s[1], s[2]
+      if entries[s[1]] == s[2] then fields[#fields + 1], fields[#fields + 2] = s[1], s[2] end
     end
     call('HSET', hkey, unpack(fields))
     local function scored(list)
       local scores = {}
       for _, d in ipairs(list) do
-        scores[#scores + 1], scores[#scores + 2] = int(d[1]), d[2]
+        if entries[d[2]] then scores[#scores + 1], scores[#scores + 2] = int(d[1]), d[2] end
       end
       return scores
     end
-    if #holds > 0 then call('ZADD', ekey, unpack(scored(holds))) end
-    if #marks > 0 then call('ZADD', mkey, unpack(scored(marks))) end
+    local held_scores, mark_scores = scored(holds), scored(marks)
+    if #held_scores > 0 then call('ZADD', ekey, unpack(held_scores)) end
+    if #mark_scores > 0 then call('ZADD', mkey, unpack(mark_scores)) end
     -- Two times to live, and not before the window in which the newest hold may expire ends
     -- (a sliding window's, a window later): a hold that expires unsettled is found and charged
     -- while its window counts, however long its user stays away.

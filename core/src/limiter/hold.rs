@@ -240,12 +240,14 @@ impl Table {
         self.forget_oldest(&[])
     }
 
-    /// Forgets the oldest mark not in `fresh`, if there is one.
+    /// Forgets the oldest mark not in `fresh` or, if there is none, the first of `fresh` (made
+    /// by this call, all due at once: the least id), if there is one.
     fn forget_oldest(&mut self, fresh: &[HoldId]) -> bool {
         let oldest = self
             .marks
             .iter()
             .find(|(_, id)| !fresh.contains(id))
+            .or_else(|| self.marks.iter().find(|(_, id)| fresh.contains(id)))
             .map(|(_, id)| *id);
         match oldest {
             Some(id) => {
@@ -565,6 +567,17 @@ mod tests {
         let full = tidy(&mut table, &held("y", 1), 0, 22);
         assert_eq!((full.outcome, table.holds()), (Outcome::Full, 4));
         assert_eq!(table.next_due(), Some(1_002));
+    }
+
+    #[test]
+    fn a_table_whose_holds_all_expired_takes_a_new_hold() {
+        let mut table = Table::default();
+        for i in 0..4 {
+            holding(&mut table, &held(&i.to_string(), 1), 0);
+        }
+        let new = tidy(&mut table, &held("x", 1), 0, 1_500);
+        assert_eq!((new.outcome, new.expired), (Outcome::Hold, 4));
+        assert_eq!(table.len(), 3, "a mark the call made went");
     }
 
     #[test]
