@@ -61,32 +61,25 @@
 //!   `a + max(c - a, 0)` (its mark found) or `a + c` (forgotten), or `a` if never settled; plus
 //!   each settle of an id no one held.
 //!
-//! Known deviations of the stores, each a hand-picked history in `CASES` (a generated history
-//! fails on the first almost always):
-//!
-//! - a counter's table expires 2 × ttl after its last change (lua/check.lua: PEXPIREAT now + 2 ×
-//!   ttl; core/src/store/memory.rs: `expires_ms`), the holds still in it with it: a hold that
-//!   expires unsettled while no call comes on its counter for one ttl after it is due is never
-//!   charged (a client that lets its requests go unsettled and waits 2 × ttl gets them free);
-//! - a call that finds expired every hold of a table full of holds refuses its own hold `full`:
-//!   the marks it just made are never forgotten to make room (hold.rs `forget_oldest(&fresh)`,
-//!   check.lua `forget_oldest`), though only holds in flight should fill a table; no hold left in
-//!   flight, it says to retry at the window's end (the next call is admitted).
-//!
-//! `HOLD_HISTORY_KNOWN_BUGS=1` takes them as given (tables expire: the holds in them leave `U`
-//! uncharged; a call's own marks fill a table), to look past them. The first of `CASES` is a
-//! third, fixed in cca0fae: on Redis, a request refused for the holds in flight alone was told to
-//! retry at the window's end when its count plus twice its hold passed the limit.
+//! Found by these histories, each now a hand-picked history in `CASES`: a counter's table
+//! expired 2 × ttl after its last change with the holds still in it, never charged, so a client
+//! that let its requests go unsettled and stayed away 2 × ttl got them free (fixed in a5b7a67: the
+//! table lives until the window in which its newest hold may expire ends); a call that found
+//! expired every hold of a table full of holds refused its own hold `full`, the marks it had just
+//! made not being forgotten, and, no hold left in flight, said to retry at the window's end (fixed
+//! in 4e00089). The first of `CASES` is one the differential test found meanwhile (fixed in
+//! cca0fae): on Redis, a request refused for the holds in flight alone was told to retry at the
+//! window's end when its count plus twice its hold passed the limit.
 //!
 //! CI runs the hand-picked `CASES` and the fixed `SEEDS`, every one even past a failing one.
 //! `HOLD_HISTORY_SEED=<u64>` replays one seed (`HOLD_HISTORY_STEPS=<n>` steps, 24 unless set);
 //! `HOLD_HISTORY_MINUTES=<n>` runs fresh seeds for n minutes, goes on past a failing one, prints
 //! the figures at the end (histories, steps, answers checked, settles the model could only
-//! bound, histories ending with `U` exact, holds dropped with their table), then fails naming
-//! the seeds that failed (`HOLD_HISTORY_MINUTES=30 cargo test --test histories hold_histories`,
-//! `-- --nocapture` to see each history). A failure prints the seed, the step and the history so
-//! far (every call, its span and its answer, in ms since the history began); with
-//! `--nocapture`, a history that passes prints it too.
+//! bound, histories ending with `U` exact), then fails naming the seeds that failed
+//! (`HOLD_HISTORY_MINUTES=30 cargo test --test histories hold_histories`, `-- --nocapture` to
+//! see each history). A failure prints the seed, the step and the history so far (every call,
+//! its span and its answer, in ms since the history began); with `--nocapture`, a history that
+//! passes prints it too.
 
 use super::common;
 
@@ -117,7 +110,8 @@ const GUARD_MS: u64 = 250;
 const REPLICAS: usize = 2;
 /// The seeds CI runs: the first two this file's earlier histories ran; the last three, from a
 /// 30-minute run, each with Redis restarted, a replica killed, floods and calls under one id
-/// together (the last with settles the model could only bound, and tables expired).
+/// together (the last with settles the model could only bound, and 18 holds left unsettled on
+/// counters then idle past 2 × ttl: those the expired tables took).
 const SEEDS: [u64; 8] = [
     38,
     2026,
@@ -340,8 +334,6 @@ struct Req {
     /// never made (a settle that found no entry leaves none).
     maybe_gone: bool,
     surely_gone: bool,
-    /// Its hold may have gone with its table, uncharged (`known_bugs`).
-    maybe_dropped: bool,
 }
 
 impl Req {
@@ -380,8 +372,6 @@ struct Counter {
     since: i64,
     /// The span of the last call on it.
     last: Option<Span>,
-    /// How long no call came on it before the last one (ms).
-    gap: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -394,11 +384,6 @@ enum Known {
 /// The model: every admitted request, and what every counter may hold.
 #[derive(Default)]
 struct Model {
-    /// The stores' known deviations from the spec are taken as given
-    /// (`HOLD_HISTORY_KNOWN_BUGS`; see the header).
-    known_bugs: bool,
-    /// Holds the model knows went so.
-    dropped: u64,
     epoch: u32,
     reqs: Vec<Req>,
     counters: [Counter; USERS.len()],
@@ -420,45 +405,10 @@ impl Model {
             .collect()
     }
 
-    /// With `known_bugs`: the table of `user`'s counter expired by `at` (2 × ttl after the last
-    /// call on it), if it may have, with every entry and the holds in it, never charged.
-    fn expire(&mut self, user: usize, at: Span) {
-        let Some(last) = self.counters[user].last.filter(|_| self.known_bugs) else {
-            return;
-        };
-        if at.r < last.s + 2 * TTL_MS {
-            return;
-        }
-        let surely = at.s >= last.r + 2 * TTL_MS;
-        let live = self.live_indices(user);
-        let counter = &mut self.counters[user];
-        for i in live {
-            let q = &mut self.reqs[i];
-            if q.open() && q.tidied_by.is_none() && !q.maybe_dropped {
-                counter.lo -= q.amount as i64;
-            }
-            if surely && q.open() && !q.maybe_tidied {
-                counter.hi -= q.amount as i64;
-                self.dropped += 1;
-            }
-            if surely {
-                // Gone with the table: its id new to the counter, its settle unheld.
-                q.epoch = u32::MAX;
-                continue;
-            }
-            if q.open() {
-                q.maybe_dropped = true;
-                q.maybe_tidied = true;
-            }
-            q.maybe_gone = true;
-        }
-    }
-
     /// What a call on `user`'s counter over `at` may have tidied, as the script does first:
     /// at most `MOST_DUE` of the holds due (earliest due first), then at most `MOST_DUE` of the
     /// marks due (made before the call).
     fn tidy(&mut self, user: usize, at: Span) {
-        self.expire(user, at);
         let live = self.live_indices(user);
         let marks: Vec<(usize, u64, Option<u64>)> = live
             .iter()
@@ -499,9 +449,7 @@ impl Model {
                 }
             }
         }
-        let counter = &mut self.counters[user];
-        counter.gap = counter.last.map_or(0, |last| at.s.saturating_sub(last.r));
-        counter.last = Some(at);
+        self.counters[user].last = Some(at);
     }
 
     /// Whether `user`'s counter knows `id` (once the call is tidied).
@@ -514,9 +462,8 @@ impl Model {
         }
     }
 
-    /// Holds in flight: (surely, at most). Before a call is tidied, with `known_bugs`: the
-    /// entries the call cannot make room by forgetting (holds in flight, and the marks of those
-    /// it finds expired); after, by the spec: those that fill a table.
+    /// Holds in flight: (surely, at most). Once a call is tidied, those that fill a table: the
+    /// marks it made of those it found expired make room as any other.
     fn in_flight(&self, user: usize) -> (usize, usize) {
         let open = || self.live(user).filter(|q| q.open());
         (
@@ -594,7 +541,7 @@ impl Model {
                 if q.maybe_tidied && !q.surely_gone {
                     cases.push((c - a).max(0));
                 }
-                let unmarked = (q.maybe_tidied && q.maybe_gone) || q.maybe_dropped;
+                let unmarked = q.maybe_tidied && q.maybe_gone;
                 if unmarked {
                     cases.push(c);
                 }
@@ -654,16 +601,12 @@ struct Figures {
     bounded: u64,
     /// Histories whose model ended with `U` exact on every counter.
     exact: u64,
-    /// Holds gone uncharged with their table (`HOLD_HISTORY_KNOWN_BUGS`).
-    dropped: u64,
 }
 
 /// The history so far, the model, and the processes.
 struct History {
     /// The seed and how to replay it, or the hand-picked history's name.
     label: String,
-    /// What may explain a failure of the calls being checked.
-    hint: String,
     began: u64,
     step: usize,
     log: Vec<String>,
@@ -706,25 +649,11 @@ impl History {
 
     fn fail(&self, what: String) -> ! {
         panic!(
-            "hold history {}, step {}: {what}{}\n{}",
+            "hold history {}, step {}: {what}\n{}",
             self.label,
             self.step,
-            self.hint,
             self.log.join("\n")
         )
-    }
-
-    /// Why a call over `at` on `user`'s counter may have found it other than the model says:
-    /// its table may have expired since the last call on it (2 × ttl after it).
-    fn hint(&self, user: usize, at: Span) -> String {
-        match self.model.counters[user].last {
-            Some(last) if at.r >= last.s + 2 * TTL_MS && !self.model.known_bugs => format!(
-                " (the counter's last call came {} ms before: its table may have expired with \
-                 holds in it never charged)",
-                at.s.saturating_sub(last.r)
-            ),
-            _ => String::new(),
-        }
     }
 
     fn fresh(&mut self, prefix: &str) -> String {
@@ -770,25 +699,11 @@ impl History {
             .into_iter()
             .map(|a| a.unwrap_or_else(|e| self.fail(format!("a request-time call failed: {e}"))))
             .collect();
-        let s = answers.iter().map(|a| a.at.s).min().unwrap_or(0);
-        let r = answers.iter().map(|a| a.at.r).max().unwrap_or(0);
-        self.hint = self.hint(user, Span { s, r });
-        // The counter as the calls found it: its table may have expired meanwhile.
-        self.model.expire(user, Span { s, r });
-        let unforgettable = self.model.in_flight(user);
         let (lo, hi) = (self.model.counters[user].lo, self.model.counters[user].hi);
         for a in &answers {
             self.model.tidy(user, a.at);
         }
-        let in_flight = self.model.in_flight(user);
-        // With `known_bugs`, a call's own marks of the holds it finds expired fill a table too:
-        // surely so only for a call alone (of calls sent together, those after the first find
-        // them made by another).
-        let (sure, most) = match (self.model.known_bugs, asking.len()) {
-            (false, _) => in_flight,
-            (true, 1) => unforgettable,
-            (true, _) => (in_flight.0, unforgettable.1),
-        };
+        let (sure, most) = self.model.in_flight(user);
         let known: Vec<Known> = asking
             .iter()
             .map(|a| self.model.known(user, &a.id))
@@ -846,9 +761,9 @@ impl History {
                 self.fail(format!(
                     "{} refused: its id is new to the counter, U + {amount} <= {hi} + {amount} \
                      fits the limit of {LIMIT}, and at most {most} + {others_n} holds were in \
-                     flight once the call found those expired ({} before: only holds in flight \
-                     fill a table)",
-                    a.id, unforgettable.1
+                     flight once the call found those due expired (only holds in flight fill a \
+                     table)",
+                    a.id
                 ));
             }
             let maybe_reused = known[i] != Known::Not || same;
@@ -862,16 +777,14 @@ impl History {
                     self.fail(format!(
                         "{} refused, told {} left: only a reused id or a full table tell what \
                          is left ({left:?} then), and neither {} (at most {most} + {others_n} \
-                         holds were in flight once the call found those expired, {} before: \
-                         only holds in flight fill a table)",
+                         holds were in flight once the call found those due expired)",
                         a.id,
                         answer.remaining,
                         if maybe_reused || maybe_full {
                             "fits"
                         } else {
                             "may be"
-                        },
-                        unforgettable.1
+                        }
                     ));
                 }
             } else if hi + amount <= LIMIT && !((maybe_reused || maybe_full) && hi >= LIMIT) {
@@ -886,7 +799,7 @@ impl History {
                     let charged = hi.saturating_sub(held_lo);
                     charged + amount <= LIMIT
                 };
-            let surely_full = known[i] == Known::Not && !same && full && in_flight.0 > 0;
+            let surely_full = known[i] == Known::Not && !same && full;
             if (waits_for_holds || surely_full) && answer.reset_s > TTL_MS.div_ceil(1000) as i64 {
                 self.fail(format!(
                     "{} refused {}: told to retry in {} s, not when the next hold is due \
@@ -907,11 +820,10 @@ impl History {
                  of {LIMIT}"
             ));
         }
-        if in_flight.0 + admitted.len() > MOST {
+        if sure + admitted.len() > MOST {
             self.fail(format!(
-                "{} holds admitted together beside {} in flight: past most = {MOST}",
-                admitted.len(),
-                in_flight.0
+                "{} holds admitted together beside {sure} in flight: past most = {MOST}",
+                admitted.len()
             ));
         }
         if same {
@@ -956,7 +868,6 @@ impl History {
                 tidied_by: None,
                 maybe_gone: false,
                 surely_gone: false,
-                maybe_dropped: false,
             });
             let c = &mut self.model.counters[user];
             c.lo += amount as i64;
@@ -969,7 +880,6 @@ impl History {
             }
         }
         answers.clear();
-        self.hint.clear();
     }
 
     /// A settle of `id` on `user`'s counter at `cost` (`req`: the request it settles, if any).
@@ -979,7 +889,6 @@ impl History {
         let answer = ask(sluice, user, id, cost, true)
             .await
             .unwrap_or_else(|e| self.fail(format!("a settle failed: {e}")));
-        self.hint = self.hint(user, answer.at);
         self.model.tidy(user, answer.at);
         let (lo, hi) = self.model.settle(user, id, cost, answer.at);
         if let Some(i) = req
@@ -1016,7 +925,6 @@ impl History {
                 answer.remaining
             ));
         }
-        self.hint.clear();
     }
 
     /// What Redis holds for `user`'s counter.
@@ -1057,10 +965,8 @@ impl History {
 
     /// The invariants on `user`'s counter, against what Redis holds now.
     fn check(&mut self, user: usize) -> Stored {
-        let s = common::unix_ms();
         let stored = self.read(user);
         let r = common::unix_ms();
-        self.model.expire(user, Span { s, r });
         let c = self.model.counters[user];
         let (held_lo, held_hi, holds_lo, holds_hi) = self.model.held(user);
         let (entries_lo, entries_hi) = self.model.entries(user, r);
@@ -1078,21 +984,11 @@ impl History {
             stored.pttl,
             self.model_of(user)
         );
-        // The table may have expired, 2 × ttl after a call, before the next came.
-        let expired = since_last >= 2 * TTL_MS as i64 || c.gap >= 2 * TTL_MS;
-        let dropped = if expired && !self.model.known_bugs {
-            " (no call came on the counter for 2 × ttl: its table expired with holds in it \
-             never charged)"
-        } else {
-            ""
-        };
         let broken = if stored.entries > MOST || stored.holds > MOST {
             Some(format!("the table keeps more than most = {MOST} entries"))
         } else if stored.held < held_lo || stored.holds < holds_lo {
-            Some(if stored.pttl == -2 && expired {
-                "holds surely in flight are gone uncharged: the table expired (2 × ttl after \
-                 its last change) with holds due and never found expired"
-                    .to_owned()
+            Some(if stored.pttl == -2 {
+                "holds surely in flight are gone uncharged with their table".to_owned()
             } else {
                 "less is held than the holds surely in flight".to_owned()
             })
@@ -1102,8 +998,7 @@ impl History {
             Some("the table keeps other entries than the holds and marks it may".into())
         } else if u < c.lo || u > c.hi {
             Some(format!(
-                "charged + held = {u} is not what the admitted requests and the settles \
-                 cost{dropped}"
+                "charged + held = {u} is not what the admitted requests and the settles cost"
             ))
         } else if u > LIMIT as i64 + c.since {
             Some(format!(
@@ -1386,14 +1281,10 @@ async fn run(label: String, seed: u64, events: Vec<Event>) -> Figures {
         .collect();
     let mut h = History {
         label,
-        hint: String::new(),
         began: common::unix_ms(),
         step: 0,
         log: Vec::new(),
-        model: Model {
-            known_bugs: std::env::var_os("HOLD_HISTORY_KNOWN_BUGS").is_some(),
-            ..Model::default()
-        },
+        model: Model::default(),
         figures: Figures::default(),
         rng: Rng(seed ^ 0x5eed),
         next_id: 0,
@@ -1413,10 +1304,8 @@ async fn run(label: String, seed: u64, events: Vec<Event>) -> Figures {
     }
     h.step = steps;
     h.finish().await;
-    h.figures.dropped = h.model.dropped;
     println!(
-        "hold history {}: {} steps, {} answers checked, {} settles bounded, {}, {} \
-         holds dropped\n{}",
+        "hold history {}: {} steps, {} answers checked, {} settles bounded, {}\n{}",
         h.label,
         h.figures.steps,
         h.figures.answers,
@@ -1426,7 +1315,6 @@ async fn run(label: String, seed: u64, events: Vec<Event>) -> Figures {
         } else {
             "bounded at the end"
         },
-        h.figures.dropped,
         h.log.join("\n")
     );
     h.figures
@@ -1486,7 +1374,6 @@ impl Tally {
                 self.all.answers += f.answers;
                 self.all.bounded += f.bounded;
                 self.all.exact += f.exact;
-                self.all.dropped += f.dropped;
             }
             Err(why) => self.failed.push(why),
         }
@@ -1526,14 +1413,13 @@ async fn generated_histories_never_hold_past_the_budget_and_charge_each_request_
     } = tally;
     println!(
         "{histories} hold histories{}, {} passed: {} steps, {} answers checked, {} settles \
-         bounded, {} ended exact, {} holds dropped uncharged with their table",
+         bounded, {} ended exact",
         minutes.map_or(String::new(), |m| format!(" in {m} minutes")),
         histories - failed.len() as u64,
         all.steps,
         all.answers,
         all.bounded,
-        all.exact,
-        all.dropped
+        all.exact
     );
     assert!(
         failed.is_empty(),
