@@ -188,11 +188,7 @@ impl RedisStore {
             // A held counter's holds go with it (they share its slot).
             let table: Vec<Value> = ["~h", "~e", "~m"]
                 .iter()
-                .map(|suffix| {
-                    let mut key = self.key(&item.key).to_vec();
-                    key.extend_from_slice(suffix.as_bytes());
-                    Value::from(Bytes::from(key))
-                })
+                .map(|suffix| self.table_key(&item.key, suffix))
                 .collect();
             let delete = CustomCommand::new_static("DEL", ClusterHash::FirstKey, false);
             self.conn
@@ -208,11 +204,7 @@ impl RedisStore {
     pub(crate) async fn held(&self, items: &[Item]) -> Result<Vec<(u64, usize)>, StoreError> {
         let mut out = Vec::with_capacity(items.len());
         for item in items {
-            let table = |suffix: &str| {
-                let mut key = self.key(&item.key).to_vec();
-                key.extend_from_slice(suffix.as_bytes());
-                Value::from(Bytes::from(key))
-            };
+            let table = |suffix: &str| self.table_key(&item.key, suffix);
             let hget = CustomCommand::new_static("HGET", ClusterHash::FirstKey, false);
             let held: Option<String> = self
                 .conn
@@ -252,6 +244,14 @@ impl RedisStore {
 
     fn key(&self, key: &CounterKey) -> Bytes {
         redis_key(&self.prefix, key)
+    }
+
+    /// The key of a held counter's table beside the counter of `key`, in its slot: `~h`, `~e`
+    /// or `~m` (lua/check.lua's hold section).
+    fn table_key(&self, key: &CounterKey, suffix: &str) -> Value {
+        let mut table = self.key(key).to_vec();
+        table.extend_from_slice(suffix.as_bytes());
+        Value::from(Bytes::from(table))
     }
 
     /// Decides `check`, queued for the next batched call, or in calls per slot on a Cluster;
