@@ -301,6 +301,12 @@ impl Tally {
             .sum()
     }
 
+    /// The first second in which a request was denied: its Envoy enforced an assignment by then
+    /// (before its first, it lets everything through).
+    pub fn first_denied(&self) -> Option<usize> {
+        self.seconds.iter().position(|s| s.1 > 0)
+    }
+
     /// The admitted count of each second, for failure messages.
     pub fn admitted_per_second(&self) -> Vec<u64> {
         self.seconds.iter().map(|s| s.0).collect()
