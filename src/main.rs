@@ -284,7 +284,7 @@ async fn run(args: ServeArgs, telemetry: Telemetry) -> anyhow::Result<()> {
         healthcheck: args.erl.healthcheck(),
         quotas,
         telemetry: telemetry.clone(),
-        admin_token: args.admin.token(args.addrs().json)?,
+        admin: args.admin.access(args.addrs().json, telemetry.clone())?,
     };
     // Once the start has gone well so far: a failed one logs its error alone.
     if let Some(told) = top_view {

@@ -5,13 +5,19 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{Method, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use super::accept::accept;
-use super::conns::{self, CLOSE_GRACE, Connections, Timers, Tracked};
+use super::conns::{self, BodyReader, CLOSE_GRACE, Connections, Timers, Tracked};
 use super::gauges::Gauges;
 use super::readiness::Readiness;
 use super::rls::Rls;
@@ -23,7 +29,10 @@ use crate::throttle::Throttle;
 
 /// How long an admin HTTP client may take to send a request's headers, the first or the next
 /// on a kept-alive connection, before the connection is closed.
-const HEADER_READ: Duration = Duration::from_secs(10);
+const HEADER_READ: Duration = Duration::from_secs(5);
+/// How long an admin HTTP client may take to send a request's body once its headers are in:
+/// past it, 408 and the connection closed.
+const BODY_READ: Duration = Duration::from_secs(5);
 /// How long an admin HTTP request may take to be answered, its body read included: past it, 408.
 const ADMIN_ANSWER: Duration = Duration::from_secs(30);
 
@@ -70,22 +79,24 @@ impl Admin {
             counters_store,
         } = answers;
         let bound = |name| Connections::new(name, per_listener);
+        let max_body = setup.edges.max_request_bytes;
+        let gate = |router| Gate::new(per_listener, max_body).over(router);
         let metrics = self
             .metrics
             .map(|(listener, path)| (listener, http::metrics_route(&path, gauges.clone())));
         // `/explain` moves no counter: it stays on the admin port wherever `/json` is served.
-        let token = setup.admin_token.as_ref();
-        if let Some(token) = token {
+        let access = &setup.admin;
+        if let Some(token) = access.token() {
             tokio::spawn(token.clone().watch());
         }
         let mut admin =
-            http::admin(readiness, setup.rules.clone(), gauges, token).merge(explain::route(
+            http::admin(readiness, setup.rules.clone(), gauges, access).merge(explain::route(
                 setup.rules.clone(),
                 setup.bounds,
                 setup.answering.clone(),
                 setup.backend.redis_key_prefix().map(str::to_owned),
                 setup.edges.max_request_bytes,
-                token,
+                access,
             ));
         admin = admin.merge(counters::route(
             counters::Parts {
@@ -99,37 +110,112 @@ impl Admin {
                 redis_key_prefix: setup.backend.redis_key_prefix().map(str::to_owned),
             },
             setup.edges.max_request_bytes,
-            token,
+            access,
         ));
-        let json = http::json_route(rls, setup.edges.max_request_bytes, token);
+        let json = http::json_route(rls, setup.edges.max_request_bytes, access);
         if json_at == JsonAt::Http {
             admin = admin.merge(json.clone());
         }
         admin = admin.merge(http::index(json_at == JsonAt::Http));
-        let admin = serve_http(self.http, admin, bound("admin HTTP"), shutdown.clone());
+        let admin = serve_http(
+            self.http,
+            gate(admin),
+            bound("admin HTTP"),
+            shutdown.clone(),
+        );
         let json = async {
             if let Some(listener) = self.json {
-                serve_http(listener, json, bound("/json"), shutdown.clone()).await;
+                serve_http(listener, gate(json), bound("/json"), shutdown.clone()).await;
             }
         };
         let metrics = async {
             if let Some((listener, route)) = metrics {
-                serve_http(listener, route, bound("metrics"), shutdown.clone()).await;
+                serve_http(listener, gate(route), bound("metrics"), shutdown.clone()).await;
             }
         };
         let debug = async {
             if let Some(listener) = self.debug {
                 let route = http::debug(setup.rules.clone());
-                serve_http(listener, route, bound("debug HTTP"), shutdown.clone()).await;
+                serve_http(listener, gate(route), bound("debug HTTP"), shutdown.clone()).await;
             }
         };
         tokio::join!(admin, json, metrics, debug);
     }
 }
 
+/// What keeps the probes of a listener answered whatever other clients send: a request with a
+/// body (anything but `GET` and `HEAD`) takes one of half the listener's connections, and has
+/// `BODY_READ` to send its body in full. Past either, it is answered at once (503, 408) and its
+/// connection closed; and while it sends its body, its connection may be closed to make room
+/// for a new one (`Connections::admit`). So slow or many bodies never hold every connection: a
+/// probe (`GET`) always finds one to take.
+#[derive(Clone)]
+struct Gate {
+    bodies: Arc<Semaphore>,
+    max_body: usize,
+}
+
+impl Gate {
+    /// The gate of a listener of `per_listener` connections.
+    fn new(per_listener: usize, max_body: usize) -> Gate {
+        Gate {
+            bodies: Arc::new(Semaphore::new((per_listener / 2).max(1))),
+            max_body,
+        }
+    }
+
+    /// `router`, behind this gate.
+    fn over(self, router: axum::Router) -> axum::Router {
+        router.layer(middleware::from_fn_with_state(self, pass))
+    }
+}
+
+async fn pass(State(gate): State<Gate>, request: Request, next: Next) -> Response {
+    if matches!(*request.method(), Method::GET | Method::HEAD) {
+        return next.run(request).await;
+    }
+    let closing = |status: StatusCode, message: String| {
+        (status, [(header::CONNECTION, "close")], message).into_response()
+    };
+    let Ok(_permit) = gate.bodies.try_acquire() else {
+        return closing(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "busy: too many admin requests with a body in flight; try again\n".to_owned(),
+        );
+    };
+    // Meanwhile, the connection may be closed to make room for another.
+    let _reading = request
+        .extensions()
+        .get::<BodyReader>()
+        .map(BodyReader::reading);
+    let (parts, body) = request.into_parts();
+    let read = axum::body::to_bytes(body, gate.max_body);
+    let bytes = match tokio::time::timeout(BODY_READ, read).await {
+        Ok(Ok(bytes)) => bytes,
+        Ok(Err(_)) => {
+            return closing(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!(
+                    "the body is larger than --max-request-bytes ({} bytes) or was cut short\n",
+                    gate.max_body
+                ),
+            );
+        }
+        Err(_) => {
+            return closing(
+                StatusCode::REQUEST_TIMEOUT,
+                format!("the body did not arrive within {}s\n", BODY_READ.as_secs()),
+            );
+        }
+    };
+    next.run(Request::from_parts(parts, Body::from(bytes)))
+        .await
+}
+
 /// Serves `router` over HTTP/1.1 on `listener` until `shutdown` fires, then lets the
 /// connections finish what they are answering. Each connection has `HEADER_READ` to send the
-/// headers of a request and `ADMIN_ANSWER` for its answer; `connections` bounds how many.
+/// headers of a request, `BODY_READ` for its body (`Gate`) and `ADMIN_ANSWER` for its answer;
+/// `connections` bounds how many.
 async fn serve_http(
     listener: TcpListener,
     router: axum::Router,
@@ -147,7 +233,6 @@ async fn serve_http(
         ..Timers::default()
     };
     let late = || {
-        use axum::response::IntoResponse;
         let message = format!("no answer within {}s\n", ADMIN_ANSWER.as_secs());
         (axum::http::StatusCode::REQUEST_TIMEOUT, message).into_response()
     };
@@ -165,7 +250,9 @@ async fn serve_http(
             continue;
         };
         let peer = stream.peer_addr().ok().map(|a| a.ip());
-        let service = Tracked::new(router.clone(), &slot, ADMIN_ANSWER, late).with_peer(peer);
+        let service = Tracked::new(router.clone(), &slot, ADMIN_ANSWER, late)
+            .with_peer(peer)
+            .with_body_reader();
         let http1 = http1.clone();
         let shutdown = shutdown.clone();
         served.spawn(async move {

@@ -170,6 +170,8 @@ pub(super) struct Conn {
     calls: AtomicU32,
     /// Requests whose answer is not sent in full yet (a stream's included).
     answers: AtomicU32,
+    /// Requests still receiving their body (said by what reads it, `Body::reading`).
+    reading: AtomicU32,
     /// Whether it has ever sent a request.
     used: AtomicBool,
     /// When a request last started or ended, in ms after `opened`.
@@ -185,6 +187,7 @@ impl Conn {
             opened: Instant::now(),
             calls: AtomicU32::new(0),
             answers: AtomicU32::new(0),
+            reading: AtomicU32::new(0),
             used: AtomicBool::new(false),
             active_ms: AtomicU64::new(0),
             evict: Notify::new(),
@@ -204,16 +207,21 @@ impl Conn {
         self.answers.load(Ordering::Relaxed) == 0
     }
 
-    /// Which connection makes room first (the least), or `None` while a request awaits its
-    /// answer.
+    /// Which connection makes room first (the least): one that never sent a request, then one
+    /// still sending a request's body, then an idle one, then one only receiving an answer (a
+    /// stream); `None` while a request whose body is in awaits its answer.
     fn rank(&self) -> Option<(u8, Instant)> {
-        if self.calls.load(Ordering::Relaxed) > 0 {
-            return None;
-        }
-        let tier = match (self.used.load(Ordering::Relaxed), self.idle()) {
-            (false, _) => 0,
-            (true, true) => 1,
-            (true, false) => 2,
+        let tier = if self.calls.load(Ordering::Relaxed) > 0 {
+            if self.reading.load(Ordering::Relaxed) == 0 {
+                return None;
+            }
+            1
+        } else {
+            match (self.used.load(Ordering::Relaxed), self.idle()) {
+                (false, _) => 0,
+                (true, true) => 2,
+                (true, false) => 3,
+            }
         };
         Some((tier, self.last_active()))
     }
@@ -354,6 +362,30 @@ pub(super) struct Tracked<S, B> {
     answer_within: Duration,
     late: fn() -> Response<B>,
     peer: Option<Peer>,
+    body_reader: bool,
+}
+
+/// A request's connection, as a request extension where the listener asks for it
+/// (`Tracked::with_body_reader`): what reads the request's body says so (`reading`), and the
+/// connection may then be closed to make room, as one that never sent a request may.
+#[derive(Clone)]
+pub(super) struct BodyReader(Arc<Conn>);
+
+impl BodyReader {
+    /// Counts the request as receiving its body until the guard is dropped.
+    pub(super) fn reading(&self) -> Reading {
+        self.0.reading.fetch_add(1, Ordering::Relaxed);
+        Reading(self.0.clone())
+    }
+}
+
+/// A request receiving its body, until dropped.
+pub(super) struct Reading(Arc<Conn>);
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        self.0.reading.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// The address of the client a request came from, as a request extension: the quota service
@@ -369,6 +401,7 @@ impl<S: Clone, B> Clone for Tracked<S, B> {
             answer_within: self.answer_within,
             late: self.late,
             peer: self.peer,
+            body_reader: self.body_reader,
         }
     }
 }
@@ -386,6 +419,7 @@ impl<S, B> Tracked<S, B> {
             answer_within,
             late,
             peer: None,
+            body_reader: false,
         }
     }
 
@@ -393,6 +427,14 @@ impl<S, B> Tracked<S, B> {
     pub(super) fn with_peer(self, peer: Option<IpAddr>) -> Self {
         Tracked {
             peer: peer.map(Peer),
+            ..self
+        }
+    }
+
+    /// Each request it serves carries its connection's `BodyReader`.
+    pub(super) fn with_body_reader(self) -> Self {
+        Tracked {
+            body_reader: true,
             ..self
         }
     }
@@ -416,6 +458,11 @@ where
     fn call(&mut self, mut request: Request<R>) -> Self::Future {
         if let Some(peer) = self.peer {
             request.extensions_mut().insert(peer);
+        }
+        if self.body_reader {
+            request
+                .extensions_mut()
+                .insert(BodyReader(self.conn.clone()));
         }
         let (call, answer) = InFlight::start(&self.conn);
         let answering = self.inner.call(request);
@@ -523,6 +570,20 @@ mod tests {
         let _fifth = pool.admit().expect("room made");
         assert!(!pool.open().contains_key(&used.conn.id));
         assert!(pool.open().contains_key(&busy.conn.id));
+    }
+
+    #[test]
+    fn at_the_cap_a_connection_still_sending_a_body_makes_room_before_an_idle_one() {
+        let pool = Connections::new("test", 2);
+        let idle = pool.admit().unwrap();
+        drop(InFlight::start(&idle.conn));
+        let slow = pool.admit().unwrap();
+        let _slow_in_flight = InFlight::start(&slow.conn);
+        let reading = BodyReader(slow.conn.clone()).reading();
+        let _third = pool.admit().expect("room made");
+        assert!(!pool.open().contains_key(&slow.conn.id));
+        assert!(pool.open().contains_key(&idle.conn.id));
+        drop(reading);
     }
 
     #[test]

@@ -32,7 +32,7 @@ use axum::{Extension, Router};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
-use super::auth::{AdminToken, guarded};
+use super::auth::{AdminAccess, Refusal, guarded};
 use super::conns::Peer;
 use super::decide::GIVE_BACK_TIMEOUT;
 use super::explain::text;
@@ -137,6 +137,7 @@ struct Counters {
     leases: Arc<Leases>,
     telemetry: Telemetry,
     redis_key_prefix: Option<String>,
+    access: AdminAccess,
 }
 
 /// What a `/counters` route is made of.
@@ -151,10 +152,11 @@ pub(super) struct Parts {
     pub(super) redis_key_prefix: Option<String>,
 }
 
-/// The `POST /counters` route, bounded to `max_body` bytes and behind `token` when there is one:
-/// 200 with the counters, 400 for a malformed call, 413 past `max_body`, 503 when the store
-/// could not answer (what was applied before is in the log).
-pub(super) fn route(parts: Parts, max_body: usize, token: Option<&AdminToken>) -> Router {
+/// The `POST /counters` route, bounded to `max_body` bytes and behind the admin token when there
+/// is one: 200 with the counters, 400 for a malformed call, 403 for a change without the token
+/// on an untrusted port, 413 past `max_body`, 503 when the store could not answer (what was
+/// applied before is in the log).
+pub(super) fn route(parts: Parts, max_body: usize, access: &AdminAccess) -> Router {
     let counters = Arc::new(Counters {
         rules: parts.rules,
         bounds: parts.bounds,
@@ -164,9 +166,10 @@ pub(super) fn route(parts: Parts, max_body: usize, token: Option<&AdminToken>) -
         leases: parts.leases,
         telemetry: parts.telemetry,
         redis_key_prefix: parts.redis_key_prefix,
+        access: access.clone(),
     });
     Router::new()
-        .route("/counters", guarded(post(answer), token))
+        .route("/counters", guarded(post(answer), access))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(counters)
 }
@@ -272,6 +275,16 @@ fn read_call(body: &[u8]) -> Result<(Asked, Vec<u8>), Failed> {
 impl Counters {
     async fn call(&self, body: &[u8], peer: Option<IpAddr>) -> Result<String, Failed> {
         let (mut asked, request) = read_call(body)?;
+        if asked.apply && asked.action != Action::Show && !self.access.may_change() {
+            self.access.refuse(Refusal::Untrusted, peer, "/counters");
+            return Err((
+                StatusCode::FORBIDDEN,
+                "refused: /counters changes counters only when asked with the admin token \
+                 (--admin-token-file), or on an admin port declared trusted \
+                 (--trust-admin-port); nothing was changed"
+                    .to_owned(),
+            ));
+        }
         let (request, at) = decode(&request).map_err(|m| bad(m.trim_end()))?;
         self.bounds
             .validate(&request)

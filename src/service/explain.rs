@@ -16,7 +16,7 @@ use axum::routing::post;
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
-use super::auth::{AdminToken, guarded};
+use super::auth::{AdminAccess, guarded};
 use super::http::decode;
 use super::in_force::Rules;
 use super::rls::{Answering, Bounds, descriptors, unix_ms};
@@ -645,7 +645,7 @@ pub(super) fn route(
     answering: Answering,
     redis_key_prefix: Option<String>,
     max_body: usize,
-    token: Option<&AdminToken>,
+    access: &AdminAccess,
 ) -> Router {
     let explainer = Arc::new(Explainer {
         rules,
@@ -654,7 +654,7 @@ pub(super) fn route(
         redis_key_prefix,
     });
     Router::new()
-        .route("/explain", guarded(post(answer), token))
+        .route("/explain", guarded(post(answer), access))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(explainer)
 }

@@ -20,7 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor};
 
-use super::auth::{AdminToken, guarded};
+use super::auth::{AdminAccess, guarded};
 use super::gauges::Gauges;
 use super::in_force::Rules;
 use super::readiness::Readiness;
@@ -42,12 +42,7 @@ fn message(name: &str) -> MessageDescriptor {
 }
 
 /// The admin routes: probes, metrics and the rules in force.
-pub fn admin(
-    readiness: Readiness,
-    rules: Rules,
-    gauges: Gauges,
-    token: Option<&AdminToken>,
-) -> Router {
+pub fn admin(readiness: Readiness, rules: Rules, gauges: Gauges, access: &AdminAccess) -> Router {
     let config = rules.clone();
     let telemetry = gauges.telemetry.clone();
     Router::new()
@@ -58,7 +53,7 @@ pub fn admin(
             let rules = rules.clone();
             guarded(
                 get(move |uri: Uri| top_page(renders, telemetry, rules, uri)),
-                token,
+                access,
             )
         })
         .route(
@@ -293,9 +288,9 @@ async fn metrics_page(renders: Arc<Renders<(), Option<Bytes>>>, gauges: Gauges) 
 }
 
 /// The `/json` route, bounded to `max_body` bytes.
-pub fn json_route(rls: Arc<Rls>, max_body: usize, token: Option<&AdminToken>) -> Router {
+pub fn json_route(rls: Arc<Rls>, max_body: usize, access: &AdminAccess) -> Router {
     Router::new()
-        .route("/json", guarded(post(json), token))
+        .route("/json", guarded(post(json), access))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(rls)
 }

@@ -43,7 +43,7 @@ mod setup;
 mod shutdown;
 pub mod tls;
 
-pub use auth::AdminToken;
+pub use auth::{AdminAccess, AdminToken};
 pub use conns::MaxAge;
 pub use in_force::Rules;
 pub use readiness::{Healthcheck, Readiness};

@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use super::auth::AdminToken;
+use super::auth::AdminAccess;
 use super::conns::MaxAge;
 use super::decide::Decider;
 use super::in_force::Rules;
@@ -55,8 +55,8 @@ pub struct Setup {
     pub quotas: Arc<Quotas>,
     /// What every part tells of what it does.
     pub telemetry: Telemetry,
-    /// The token `/top`, `/explain` and `/json` ask for; `None`: they are open.
-    pub admin_token: Option<AdminToken>,
+    /// Who may use the admin endpoints, and change counters through `/counters`.
+    pub admin: AdminAccess,
 }
 
 impl Setup {

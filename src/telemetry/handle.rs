@@ -208,6 +208,11 @@ impl Telemetry {
         self.0.metrics.counter_changes(action, n);
     }
 
+    /// An admin request refused for `reason` (`token`, `cooling`, `untrusted`).
+    pub fn admin_refused(&self, reason: &'static str) {
+        self.0.metrics.admin_refused(reason);
+    }
+
     /// `n` trace spans that ended as `outcome` (`exported`, `dropped`, `failed`).
     pub fn trace_spans(&self, outcome: &'static str, n: u64) {
         self.0.metrics.trace_spans(outcome, n);

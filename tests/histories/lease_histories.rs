@@ -536,6 +536,7 @@ impl World {
             prefix.as_str(),
             "--lease-idle",
             idle_flag.as_str(),
+            "--trust-admin-port",
         ];
         flags.extend_from_slice(extra);
         let files = [("rules.yaml", yaml(&rules))];

@@ -491,7 +491,7 @@ async fn a_request_refused_for_the_holds_in_flight_retries_when_the_next_hold_is
 async fn counters_shows_used_past_the_limit_held_and_holds_and_a_reset_drops_the_holds(
     store: Store,
 ) {
-    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &[]).await;
+    let sluice = Sluice::on(store, &[("rules.yaml", RULES)], &["--trust-admin-port"]).await;
     let user = User::new(&sluice, "user").await;
     for i in 0..10 {
         assert!(!user.hold(&format!("r{i}")).await.0);

@@ -94,6 +94,7 @@ pub struct Metrics {
     pub quota_paced: Counter,
     trace_spans: Family<Labels, Counter>,
     counter_changes: Family<Labels, Counter>,
+    admin_refused: Family<Labels, Counter>,
     /// The mapping of envoyproxy/ratelimit's statsd names in force: `use_mapper`'s, else that
     /// project's built-in one.
     mapper: OnceLock<Mapper>,
@@ -148,6 +149,7 @@ impl Metrics {
             quota_paced: Counter::default(),
             trace_spans: Family::default(),
             counter_changes: Family::default(),
+            admin_refused: Family::default(),
             mapper: OnceLock::new(),
             top,
         };
@@ -291,6 +293,14 @@ impl Metrics {
         for action in ["reset", "set", "add"] {
             drop(m.counter_changes.get_or_create(&[("action", action)]));
         }
+        r.register(
+            "sluice_admin_refused",
+            "Admin requests refused, by reason: token (without the admin token or with a wrong one), cooling (a peer refused less than a second before), untrusted (a change through /counters without the token on a port not declared trusted)",
+            m.admin_refused.clone(),
+        );
+        for reason in ["token", "cooling", "untrusted"] {
+            drop(m.admin_refused.get_or_create(&[("reason", reason)]));
+        }
         Metrics { registry, ..m }
     }
 
@@ -299,6 +309,13 @@ impl Metrics {
         self.counter_changes
             .get_or_create(&[("action", action)])
             .inc_by(n);
+    }
+
+    /// An admin request refused for `reason`.
+    pub fn admin_refused(&self, reason: &'static str) {
+        self.admin_refused
+            .get_or_create(&[("reason", reason)])
+            .inc();
     }
 
     /// A request the store could not decide, for a reason of `kind` (see `StoreError::kind`).
