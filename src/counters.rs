@@ -45,7 +45,7 @@ pub struct Options {
     /// Change the counters; without it, a dry run shows what the action would make of them.
     #[arg(long)]
     pub apply: bool,
-    /// Who asks, for the server's audit line.
+    /// Who asks, for the server's audit line (which says `unknown` when it is empty).
     #[arg(long, env = "USER", default_value = "")]
     pub by: String,
     /// Print the server's answer as JSON.
@@ -137,6 +137,14 @@ fn render(answer: &Value) -> String {
         let _ = writeln!(out, "  {}", c["counter"].as_str().unwrap_or_default());
         if let Some(key) = c["redis_key"].as_str() {
             let _ = writeln!(out, "  redis key {key}");
+        }
+        if let Some(window) = c["window"].as_object() {
+            let _ = writeln!(
+                out,
+                "  window {} to {}",
+                window["start"].as_str().unwrap_or_default(),
+                window["end"].as_str().unwrap_or_default()
+            );
         }
         let _ = writeln!(
             out,

@@ -21,7 +21,7 @@ use super::http::decode;
 use super::in_force::Rules;
 use super::rls::{Answering, Bounds, descriptors, unix_ms};
 use crate::limiter::lease::Leases;
-use crate::limiter::{Item, Mode, Scope, Step as ItemStep};
+use crate::limiter::{Item, Limit, Mode, Scope, Step as ItemStep};
 use crate::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use crate::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use crate::pb::envoy::service::ratelimit::v3::RateLimitRequest;
@@ -307,15 +307,7 @@ fn explain_descriptor(
                 ItemStep::Held(h) => Some(json!({"holds": h.estimate})),
                 _ => None,
             },
-            window: item.limit.calendar.as_ref().map(|calendar| {
-                let now = unix_ms();
-                let span = calendar.span(item.limit.unit, now);
-                json!({
-                    "start": calendar.civil(span.start),
-                    "end": calendar.civil(span.end),
-                    "ends_in_seconds": (span.end - now).div_ceil(1000),
-                })
-            }),
+            window: calendar_window(&item.limit, unix_ms()),
         })
         .collect();
     Descriptor {
@@ -585,6 +577,19 @@ fn modes_text(modes: &Map<String, Value>) -> String {
     } else {
         format!(" [{}]", on.join(", "))
     }
+}
+
+/// A calendar limit's window holding `at_ms`: its start and end in the limit's zone, and the
+/// seconds from `at_ms` to its end; `None` off the calendar.
+pub(super) fn calendar_window(limit: &Limit, at_ms: u64) -> Option<Value> {
+    limit.calendar.as_ref().map(|calendar| {
+        let span = calendar.span(limit.unit, at_ms);
+        json!({
+            "start": calendar.civil(span.start),
+            "end": calendar.civil(span.end),
+            "ends_in_seconds": span.end.saturating_sub(at_ms).div_ceil(1000),
+        })
+    })
 }
 
 /// A limit as `limit_json` writes it, in words: `10 per minute, fixed_window, name per_ip`.

@@ -22,6 +22,7 @@ use super::shutdown::Shutdown;
 use crate::limiter::OverLimitCache;
 use crate::limiter::lease::{Leases, Pass};
 use crate::store::{Backend, Reset};
+use crate::throttle::Throttle;
 
 /// How long gRPC connections wait at the start for the store to be reached.
 const STORE_AT_START: Duration = Duration::from_secs(2);
@@ -146,17 +147,38 @@ pub async fn run(
 }
 
 /// Forgets, in the over-limit cache and the leases, every counter another replica reset, for
-/// as long as the store tells of them.
+/// as long as the store tells of them; and everything, once resets may have been missed.
 async fn forget_resets(
     mut resets: mpsc::Receiver<Reset>,
     cache: Option<Arc<OverLimitCache>>,
     leases: Arc<Leases>,
 ) {
     while let Some(reset) = resets.recv().await {
-        if let Some(cache) = &cache {
-            cache.forget(&reset.key, reset.requests_per_unit);
+        match reset {
+            Reset::Counter {
+                key,
+                requests_per_unit,
+            } => {
+                if let Some(cache) = &cache {
+                    cache.forget(&key, requests_per_unit);
+                }
+                leases.forget(&key, requests_per_unit);
+            }
+            Reset::Missed => {
+                static MISSED: Throttle = Throttle::new();
+                if let Some(cache) = &cache {
+                    cache.forget_all();
+                }
+                leases.forget_all();
+                if let Some(n) = MISSED.hit() {
+                    tracing::warn!(
+                        "counter resets may have been missed ({n} time(s)): the reset channel's \
+                         connection was made again; every leased block is dropped and the \
+                         over-limit cache emptied"
+                    );
+                }
+            }
         }
-        leases.forget(&reset.key, reset.requests_per_unit);
     }
 }
 

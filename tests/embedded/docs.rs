@@ -299,3 +299,76 @@ fn every_serve_flag_is_documented_in_docs() {
             .join("\n")
     );
 }
+
+/// The `sh` blocks of `page` under the heading `heading` (up to the next heading of any level).
+fn sh_blocks(page: &str, heading: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(Path::new(ROOT).join(page)).unwrap();
+    let mut blocks = Vec::new();
+    let (mut inside, mut block): (bool, Option<String>) = (false, None);
+    for line in text.lines() {
+        match &mut block {
+            Some(lines) if is_fence(line) => {
+                blocks.push(std::mem::take(lines));
+                block = None;
+            }
+            Some(lines) => {
+                lines.push_str(line);
+                lines.push('\n');
+            }
+            None if line.starts_with('#') => {
+                inside = line.trim_start_matches('#').trim() == heading
+            }
+            None if inside && line.trim_start() == "```sh" => block = Some(String::new()),
+            None => {}
+        }
+    }
+    blocks
+}
+
+/// The admin snippets of docs/operating.md (Authentication, Counters by hand) run as written,
+/// in a shell with a home of its own and the built `sluice` first on its path, from the
+/// repository's root: they make a token, start a server with it, and ask it. The server each
+/// starts (on the default ports 8080 and 8081) is stopped when its block ends.
+#[test]
+fn the_admin_snippets_of_the_operating_manual_run_as_written() {
+    let home = tempfile::tempdir().unwrap();
+    let binary = Path::new(env!("CARGO_BIN_EXE_sluice"));
+    let path = format!(
+        "{}:{}",
+        binary.parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut ran = 0;
+    for heading in ["Authentication", "Counters by hand"] {
+        for block in sh_blocks("docs/operating.md", heading)
+            .into_iter()
+            .filter(|b| b.contains("sluice serve"))
+        {
+            let script = format!(
+                "set -euo pipefail\ntrap 'kill $(jobs -p) 2>/dev/null; wait' EXIT\n{block}"
+            );
+            let out = Command::new("bash")
+                .args(["-c", &script])
+                .current_dir(ROOT)
+                .env("HOME", home.path())
+                .env("PATH", &path)
+                .env_remove("SLUICE_ADMIN_TOKEN_FILE")
+                .env_remove("SLUICE_HTTP_ADDR")
+                .env_remove("SLUICE_GRPC_ADDR")
+                .output()
+                .expect("bash runs");
+            assert!(
+                out.status.success(),
+                "{heading}: the snippet fails:\n{block}\nstdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(
+                !out.stdout.is_empty(),
+                "{heading}: the snippet printed nothing"
+            );
+            ran += 1;
+        }
+    }
+    assert_eq!(ran, 2, "one snippet under each heading");
+}

@@ -205,3 +205,35 @@ async fn the_health_command_asks_where_serve_listens_by_default() {
     let elsewhere = probe(format!("127.0.0.1:{}", common::free_port()));
     assert!(!elsewhere.status.success());
 }
+
+/// `serve --help` names every endpoint the admin port lists at `/`, under `--http-addr`.
+#[tokio::test(flavor = "multi_thread")]
+async fn serve_help_names_every_admin_endpoint() {
+    let sluice = Sluice::start(RULES).await;
+    let (status, _, listed) = http(sluice.http, "GET", "/", "");
+    assert_eq!(status, 200);
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["serve", "--help"])
+        .output()
+        .expect("sluice runs");
+    let help = String::from_utf8_lossy(&help.stdout);
+    let http_addr = help
+        .split("--http-addr")
+        .nth(1)
+        .and_then(|rest| rest.split("\n      --").next())
+        .expect("--http-addr is in the help");
+    let paths: Vec<&str> = listed
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(1))
+        .map(|p| p.trim_end_matches(':'))
+        .collect();
+    assert!(paths.len() >= 10, "{listed}");
+    for path in paths {
+        assert!(
+            http_addr.contains(&format!("{path},"))
+                || http_addr.contains(&format!("{path} "))
+                || http_addr.contains(&format!("{path}\n")),
+            "--http-addr's help does not name {path}: {http_addr}"
+        );
+    }
+}

@@ -50,6 +50,11 @@ impl OverLimitCache {
         );
     }
 
+    /// Forgets every counter: resets may have been missed.
+    pub fn forget_all(&self) {
+        self.full.clear();
+    }
+
     /// The denial of `check` when counters known to be full deny it on their own, else `None`.
     /// A check that gives hits back, names an instant, or charges a counter whatever the
     /// answer (`Counting::Always`), is never answered here: its store call must happen.

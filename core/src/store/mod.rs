@@ -554,13 +554,19 @@ pub enum Told {
     Reconnected,
 }
 
-/// A counter a replica reset (`Store::reset`), as every replica hears of it.
+/// What a replica hears on the reset channel.
 #[derive(Debug, PartialEq, Eq)]
-pub struct Reset {
-    /// The bytes of its key.
-    pub key: Bytes,
-    /// Its limit's, which the over-limit cache and the leases know it by.
-    pub requests_per_unit: u32,
+pub enum Reset {
+    /// A counter a replica reset (`Store::reset`).
+    Counter {
+        /// The bytes of its key.
+        key: Bytes,
+        /// Its limit's, which the over-limit cache and the leases know it by.
+        requests_per_unit: u32,
+    },
+    /// Resets may have been missed: the channel's connection was made again, or notices came
+    /// faster than they were read. Any counter may have been reset meanwhile.
+    Missed,
 }
 
 /// Why a store could not decide.

@@ -20,7 +20,8 @@ const MAX_HEADER_LIST_RANGE: std::ops::RangeInclusive<u32> = 64 * 1024..=8 * 102
 #[derive(Args)]
 #[command(next_help_heading = "Listeners")]
 pub struct ListenerFlags {
-    /// Address of the gRPC server (rate limit service, health, reflection).
+    /// Address of the gRPC server: the rate limit service, the quota service (RLQS), health and
+    /// reflection.
     #[arg(long, env = "SLUICE_GRPC_ADDR", default_value = "0.0.0.0:8081")]
     grpc_addr: SocketAddr,
     /// Address of a gRPC server of the quota service (RLQS) alone (with health and reflection),
@@ -32,8 +33,9 @@ pub struct ListenerFlags {
     /// The quota service stays on --grpc-addr too.
     #[arg(long, env = "SLUICE_QUOTA_ADDR")]
     quota_addr: Option<SocketAddr>,
-    /// Address of the admin HTTP server (/healthz, /readyz, /metrics, /config, /rlconfig,
-    /// /explain, and /json unless --json-addr moves it).
+    /// Address of the admin HTTP server: /healthz, /readyz, /healthcheck, /metrics, /config,
+    /// /rlconfig, /top, /explain, /counters, / (the list of them), and /json unless --json-addr
+    /// moves it.
     #[arg(long, env = "SLUICE_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     http_addr: SocketAddr,
     /// Where /json (which moves counters) is served: an address of its own, or `off`. Without

@@ -34,6 +34,9 @@ const PROBE_INTERVAL: Duration = Duration::from_millis(200);
 /// How often, and how patiently, a closed breaker's probe pings Redis, so that an outage is
 /// noticed (and reported by readiness) even when no request comes.
 const PING_INTERVAL: Duration = Duration::from_secs(1);
+/// How soon a listener whose channel to its reader was full tries again to tell it that
+/// messages were missed.
+const MISSED_RETRY: Duration = Duration::from_millis(10);
 /// Error replies meaning the connection now reaches a node that cannot run the scripts: a
 /// primary demoted behind a fixed address (a Kubernetes Service, a cloud primary endpoint, DNS),
 /// a replica cut off from its primary, a node loading its data. fred drops the connection the
@@ -300,16 +303,17 @@ fn config_error(e: Error) -> StoreError {
 
 /// Listens on `channel` of `url` for as long as `heard` is open, following reconnections and
 /// re-subscribing after each: what `read` makes of every message's payload goes to `heard`
-/// (one it makes nothing of is dropped), and `Told::Reconnected` once a connection is made
-/// again, what `reconnected` makes (a restarted server may have lost what it held).
-/// A message that finds `heard` full is dropped.
+/// (one it makes nothing of is dropped), and what `missed` makes once messages may have been
+/// missed: a connection made again (a restarted server may also have lost what it held), a
+/// message that found `heard` full (told once there is room), or messages the client could not
+/// keep up with.
 pub(super) fn listen<T: Send + 'static>(
     url: &str,
     tls: Option<&RedisTls>,
     channel: Bytes,
     heard: mpsc::Sender<T>,
     read: impl Fn(Bytes) -> Option<T> + Send + 'static,
-    reconnected: impl Fn() -> Option<T> + Send + 'static,
+    missed: impl Fn() -> Option<T> + Send + 'static,
 ) -> Result<(), StoreError> {
     let subscriber = builder(url, tls)?
         .build_subscriber_client()
@@ -330,7 +334,16 @@ pub(super) fn listen<T: Send + 'static>(
         // The connections made until the subscription are no reconnections: nothing was held
         // before them.
         let mut reconnections = reconnections.resubscribe();
+        // A message dropped for want of room: `missed` is told as soon as there is room.
+        let mut dropped = false;
         loop {
+            if dropped {
+                match missed().map(|told| heard.try_send(told)) {
+                    None | Some(Ok(())) => dropped = false,
+                    Some(Err(mpsc::error::TrySendError::Full(_))) => {}
+                    Some(Err(mpsc::error::TrySendError::Closed(_))) => return,
+                }
+            }
             let heard_now = tokio::select! {
                 message = messages.recv() => match message {
                     Ok(message) => match message.value.into_bytes() {
@@ -340,19 +353,25 @@ pub(super) fn listen<T: Send + 'static>(
                         },
                         None => continue,
                     },
-                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
-                    Err(broadcast::error::RecvError::Closed) => return,
-                },
-                again = reconnections.recv() => match again {
-                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => match reconnected() {
+                    Err(broadcast::error::RecvError::Lagged(_)) => match missed() {
                         Some(told) => told,
                         None => continue,
                     },
                     Err(broadcast::error::RecvError::Closed) => return,
                 },
+                again = reconnections.recv() => match again {
+                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => match missed() {
+                        Some(told) => told,
+                        None => continue,
+                    },
+                    Err(broadcast::error::RecvError::Closed) => return,
+                },
+                () = tokio::time::sleep(MISSED_RETRY), if dropped => continue,
             };
-            if let Err(mpsc::error::TrySendError::Closed(_)) = heard.try_send(heard_now) {
-                return;
+            match heard.try_send(heard_now) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(_)) => dropped = true,
+                Err(mpsc::error::TrySendError::Closed(_)) => return,
             }
         }
     });

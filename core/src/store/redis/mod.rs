@@ -159,13 +159,15 @@ impl RedisStore {
         let read = move |payload: Bytes| {
             let (key, limit) = payload.split_at_checked(payload.len().checked_sub(4)?)?;
             let requests_per_unit = u32::from_be_bytes(limit.try_into().ok()?);
-            (key.len() > skip).then(|| Reset {
+            (key.len() > skip).then(|| Reset::Counter {
                 key: payload.slice(skip..key.len()),
                 requests_per_unit,
             })
         };
-        // What a restarted server held is gone with it: nothing to forget.
-        conn::listen(url, tls, reset_channel(prefix), heard, read, || None)?;
+        // A reset told while the connection was being made again is missed.
+        conn::listen(url, tls, reset_channel(prefix), heard, read, || {
+            Some(Reset::Missed)
+        })?;
         Ok(told)
     }
 

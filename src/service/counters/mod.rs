@@ -32,10 +32,13 @@ use axum::{Extension, Router};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
+mod asked;
+mod audit;
+mod change;
+
 use super::auth::{AdminAccess, Refusal, guarded};
 use super::conns::Peer;
-use super::decide::GIVE_BACK_TIMEOUT;
-use super::explain::text;
+use super::explain::{calendar_window, text};
 use super::http::decode;
 use super::in_force::Rules;
 use super::rls::{Answering, Bounds, descriptors, unix_ms};
@@ -45,55 +48,14 @@ use crate::rules::limit_json;
 use crate::rules::plan::Plan;
 use crate::store::{Deadline, Store, redis_key};
 use crate::telemetry::Telemetry;
+use asked::{Action, check_at, check_room, dry_run, hits_of, read_call};
+use change::Outcome;
 
-/// The longest `"by"` an audit line takes.
-const LONGEST_BY: usize = 256;
 /// How long the store has for each call of a change: an operator waits, no request does.
 const STORE_WAIT: Duration = Duration::from_secs(2);
 /// How long past a give-back's own deadline a reset of leased counters waits before it deletes
 /// them.
 const RESET_MARGIN: Duration = Duration::from_millis(100);
-
-/// What a `/counters` call does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Action {
-    Show,
-    Reset,
-    Set(u64),
-    Add(i64),
-}
-
-impl Action {
-    fn name(self) -> &'static str {
-        match self {
-            Action::Show => "show",
-            Action::Reset => "reset",
-            Action::Set(_) => "set",
-            Action::Add(_) => "add",
-        }
-    }
-
-    /// What the action makes of a counter that holds `used` hits.
-    fn after(self, used: u64) -> u64 {
-        match self {
-            Action::Show => used,
-            Action::Reset => 0,
-            Action::Set(n) => n,
-            Action::Add(n) => used.saturating_add_signed(n),
-        }
-    }
-}
-
-/// A `/counters` call, as its body asks.
-struct Asked {
-    action: Action,
-    apply: bool,
-    /// Names the window of a `fixed_window` (ms since the Unix epoch).
-    at: Option<u64>,
-    /// Only the counters of limits of this name.
-    limit: Option<String>,
-    by: String,
-}
 
 /// One counter's line of the answer.
 #[derive(Serialize)]
@@ -107,9 +69,13 @@ struct Line {
     scope: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     redis_key: Option<String>,
+    /// A calendar limit's window the call acts on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    window: Option<Value>,
     before: Held,
-    /// After the change (applied), or what it would make (a dry run).
-    after: Held,
+    /// After the change (applied), or what it would make (a dry run); absent when the change
+    /// was applied but the counters could not be read back.
+    after: Option<Held>,
 }
 
 /// What a counter holds.
@@ -197,81 +163,6 @@ fn bad(message: impl Into<String>) -> Failed {
     (StatusCode::BAD_REQUEST, message.into())
 }
 
-/// Reads the call's own fields off `body`, leaving the request (domain, descriptors and `"at"`).
-fn read_call(body: &[u8]) -> Result<(Asked, Vec<u8>), Failed> {
-    let mut json: Value =
-        serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON: {e}")))?;
-    let object = json
-        .as_object_mut()
-        .ok_or_else(|| bad("the body must be a JSON object"))?;
-    let mut take = |name: &str| object.remove(name).filter(|v| !v.is_null());
-    let hits = take("hits");
-    let hits = match &hits {
-        None => None,
-        Some(v) => Some(
-            v.as_i64()
-                .filter(|n| n.unsigned_abs() <= u64::from(u32::MAX))
-                .ok_or_else(|| {
-                    bad("\"hits\" must be a whole number from -4294967295 to 4294967295")
-                })?,
-        ),
-    };
-    let action = match take("action").as_ref().map(|a| a.as_str()) {
-        None | Some(Some("show")) => Action::Show,
-        Some(Some("reset")) => Action::Reset,
-        Some(Some("set")) => match hits {
-            Some(n) if n >= 0 => Action::Set(n as u64),
-            _ => return Err(bad("\"set\" takes \"hits\", a whole number of at least 0")),
-        },
-        Some(Some("add")) => match hits {
-            Some(n) if n != 0 => Action::Add(n),
-            _ => return Err(bad("\"add\" takes \"hits\", a whole number other than 0")),
-        },
-        Some(_) => {
-            return Err(bad(
-                "\"action\" must be \"show\", \"reset\", \"set\" or \"add\"",
-            ));
-        }
-    };
-    if hits.is_some() && matches!(action, Action::Show | Action::Reset) {
-        return Err(bad(format!("\"{}\" takes no \"hits\"", action.name())));
-    }
-    let apply = match take("apply") {
-        None => false,
-        Some(Value::Bool(apply)) => apply,
-        Some(_) => return Err(bad("\"apply\" must be true or false")),
-    };
-    let limit = match take("limit") {
-        None => None,
-        Some(Value::String(name)) => Some(name),
-        Some(_) => return Err(bad("\"limit\" must be a limit's name")),
-    };
-    let by = match take("by") {
-        None => String::new(),
-        // No control character: the audit line is one line.
-        Some(Value::String(by)) if by.len() <= LONGEST_BY && !by.chars().any(char::is_control) => {
-            by
-        }
-        Some(_) => {
-            return Err(bad(format!(
-                "\"by\" must be a string of at most {LONGEST_BY} bytes, without control characters"
-            )));
-        }
-    };
-    // What is left is the request, `"at"` included.
-    let request = serde_json::to_vec(&json).expect("a JSON value serializes");
-    Ok((
-        Asked {
-            action,
-            apply,
-            at: None,
-            limit,
-            by,
-        },
-        request,
-    ))
-}
-
 impl Counters {
     async fn call(&self, body: &[u8], peer: Option<IpAddr>) -> Result<String, Failed> {
         let (mut asked, request) = read_call(body)?;
@@ -300,6 +191,15 @@ impl Counters {
         }
         let rules = self.rules.in_force();
         let domain = request.domain.as_slice();
+        if !rules.has_domain(domain) {
+            return Err((
+                StatusCode::NOT_FOUND,
+                format!(
+                    "no rules in force for the domain {}: no counter to show or change",
+                    text(domain)
+                ),
+            ));
+        }
         let asked_descriptors = descriptors(&request);
         let (plans, check) = rules.plan(domain, &asked_descriptors, self.answering.global(), false);
         // Each counter once, with the descriptor it is first a counter of.
@@ -324,16 +224,8 @@ impl Counters {
                 found.push((descriptor, plain(item)));
             }
         }
-        if asked.at.is_some()
-            && let Some((_, item)) = found
-                .iter()
-                .find(|(_, i)| i.limit.algorithm != Algorithm::FixedWindow)
-        {
-            return Err(bad(format!(
-                "\"at\" names a window of a fixed_window only; the limit {} is a {}",
-                limit_json(&item.limit),
-                item.limit.algorithm.name()
-            )));
+        if let Some(at) = asked.at {
+            check_at(&found, at, now)?;
         }
         // A split limit's counter holds this replica's share.
         let mut check = Check {
@@ -343,37 +235,31 @@ impl Counters {
         self.store.share(&mut check);
         let items = check.items;
         let before = self.held(&items, &holding, asked.at).await?;
-        let after = if asked.apply && asked.action != Action::Show {
-            self.change(&items, &asked, leased).await?;
-            self.held(&items, &holding, asked.at).await?
-        } else {
-            before
-                .iter()
-                .zip(&items)
-                .map(|(held, item)| {
-                    let used = asked.action.after(held.used);
-                    // A reset or a set drops the holds in flight with the counter.
-                    let (in_flight, holds) = match asked.action {
-                        Action::Reset | Action::Set(_) => {
-                            (held.held.map(|_| 0), held.holds.map(|_| 0))
-                        }
-                        _ => (held.held, held.holds),
+        check_room(&items, &before, asked.action)?;
+        let applying = asked.apply && asked.action != Action::Show;
+        let (after, outcome) = if applying {
+            match self.change(&items, &asked, leased).await {
+                Ok(()) => match self.held(&items, &holding, asked.at).await {
+                    Ok(after) => (after, Outcome::Applied),
+                    Err(_) => (Vec::new(), Outcome::AppliedUnread),
+                },
+                Err(e) => {
+                    let outcome = if e.surely_not_applied {
+                        Outcome::Failed
+                    } else {
+                        Outcome::Unknown
                     };
-                    Held {
-                        used,
-                        held: in_flight,
-                        holds,
-                        remaining: u64::from(item.limit.capacity())
-                            .saturating_sub(used + in_flight.unwrap_or(0)),
-                    }
-                })
-                .collect()
+                    (Vec::new(), outcome.with(e.message))
+                }
+            }
+        } else {
+            (dry_run(&items, &before, asked.action), Outcome::DryRun)
         };
         let lines: Vec<Line> = found
             .iter()
             .zip(&items)
-            .zip(before.iter().zip(&after))
-            .map(|(((descriptor, _), item), (before, after))| Line {
+            .zip(before.iter().enumerate())
+            .map(|(((descriptor, _), item), (i, before))| Line {
                 descriptor: *descriptor,
                 limit: limit_json(&item.limit),
                 counter: text(item.key.as_bytes()),
@@ -383,37 +269,27 @@ impl Counters {
                     .as_ref()
                     .filter(|_| !item.scope.is_local())
                     .map(|p| text(&redis_key(p.as_bytes(), &item.key))),
+                window: calendar_window(&item.limit, asked.at.unwrap_or(now)),
                 before: *before,
-                after: *after,
+                after: after.get(i).copied(),
             })
             .collect();
-        let applied = asked.apply && asked.action != Action::Show;
-        if applied {
-            for line in &lines {
-                // At warn, so that a log kept to warnings keeps the audit trail.
-                tracing::warn!(
-                    target: "sluice::audit",
-                    by = %asked.by,
-                    peer = %peer.map_or_else(|| "-".to_owned(), |p| p.to_string()),
-                    action = asked.action.name(),
-                    hits = ?hits_of(asked.action),
-                    domain = ?text(domain),
-                    counter = ?line.counter,
-                    limit = %line.limit,
-                    before_used = line.before.used,
-                    after_used = line.after.used,
-                    "counter changed through /counters"
-                );
+        if applying {
+            self.audit(&asked, peer, domain, &lines, &outcome);
+            if outcome.changed() {
+                self.telemetry
+                    .counter_changes(asked.action.name(), lines.len() as u64);
             }
-            self.telemetry
-                .counter_changes(asked.action.name(), lines.len() as u64);
+        }
+        if let Some((status, message)) = outcome.failure() {
+            return Err((status, message));
         }
         let mut answer = Map::new();
         answer.insert("action".to_owned(), json!(asked.action.name()));
         if let Some(hits) = hits_of(asked.action) {
             answer.insert("hits".to_owned(), json!(hits));
         }
-        answer.insert("applied".to_owned(), json!(applied));
+        answer.insert("applied".to_owned(), json!(applying));
         answer.insert("domain".to_owned(), json!(String::from_utf8_lossy(domain)));
         answer.insert("counters".to_owned(), json!(lines));
         let mut text =
@@ -494,75 +370,6 @@ impl Counters {
             .collect())
     }
 
-    /// Applies `asked`'s action to the counters of `items`, `leased` when replicas may hold
-    /// blocks of them.
-    async fn change(&self, items: &[Item], asked: &Asked, leased: bool) -> Result<(), Failed> {
-        let at_ms = asked.at.unwrap_or_else(unix_ms);
-        let deadline = || Deadline::new(STORE_WAIT, None);
-        let charge = |hits: u64, refund: bool| Check {
-            items: items
-                .iter()
-                .map(|i| Item {
-                    hits,
-                    refund,
-                    counting: Counting::Always,
-                    ..i.clone()
-                })
-                .collect(),
-            at: asked.at,
-            quota_passes: false,
-        };
-        match asked.action {
-            Action::Show => {}
-            Action::Reset | Action::Set(_) => {
-                // Leased blocks on Redis: every replica drops them first, and the give-backs
-                // already on their way land (or time out) before the counter goes: one landing
-                // after it would free hits the reset erased.
-                if leased && self.redis_key_prefix.is_some() {
-                    self.store
-                        .unblock(items, deadline())
-                        .await
-                        .map_err(unavailable)?;
-                    self.forget(items);
-                    tokio::time::sleep(GIVE_BACK_TIMEOUT + RESET_MARGIN).await;
-                }
-                self.store
-                    .reset(items, at_ms, deadline())
-                    .await
-                    .map_err(unavailable)?;
-                self.forget(items);
-            }
-            Action::Add(_) => {}
-        }
-        match asked.action {
-            Action::Show | Action::Reset | Action::Set(0) => {}
-            Action::Set(n) => {
-                self.store
-                    .apply(&charge(n, false), deadline())
-                    .await
-                    .map_err(unavailable)?;
-            }
-            Action::Add(n) if n > 0 => {
-                self.store
-                    .apply(&charge(n.unsigned_abs(), false), deadline())
-                    .await
-                    .map_err(unavailable)?;
-            }
-            Action::Add(n) => {
-                self.store
-                    .apply(&charge(n.unsigned_abs(), true), deadline())
-                    .await
-                    .map_err(unavailable)?;
-                self.store
-                    .unblock(items, deadline())
-                    .await
-                    .map_err(unavailable)?;
-                self.forget(items);
-            }
-        }
-        Ok(())
-    }
-
     /// Forgets what this replica knew of the counters of `items`: they may have room again.
     fn forget(&self, items: &[Item]) {
         for item in items {
@@ -585,14 +392,6 @@ fn plain(item: &Item) -> Item {
         leased: false,
         step: Step::Hits,
         ..item.clone()
-    }
-}
-
-fn hits_of(action: Action) -> Option<i64> {
-    match action {
-        Action::Set(n) => Some(n as i64),
-        Action::Add(n) => Some(n),
-        Action::Show | Action::Reset => None,
     }
 }
 
