@@ -55,6 +55,15 @@ impl Gauges {
                 ConstGauge::new(short as i64),
             );
         }
+        if let Some(skew) = self.backend.clock_skew_ms() {
+            r.register(
+                "sluice_clock_skew_seconds",
+                "How far Redis' clock reads ahead of this replica's (behind, when negative), \
+                 measured every second; past the shortest calendar window, calendar limits \
+                 cannot be counted and /readyz reports not ready",
+                ConstGauge::new(skew as f64 / 1000.0),
+            );
+        }
         if let Some(live) = self.backend.live_counters() {
             r.register(
                 "sluice_memory_counters",

@@ -31,6 +31,8 @@ pub(super) const RLS: &str =
     <RateLimitServiceServer<super::rls::Rls> as tonic::server::NamedService>::NAME;
 /// The name envoyproxy/ratelimit reports its health under in gRPC health.
 const ERL_HEALTH: &str = "ratelimit";
+/// How often readiness looks again at the clock's skew.
+const SKEW_CHECK: Duration = Duration::from_secs(1);
 /// How long Watch streams have to see NOT_SERVING at shutdown before they are ended.
 const WATCHERS_SEE: Duration = Duration::from_millis(100);
 
@@ -71,8 +73,25 @@ impl Readiness {
                 None => "the counter store is unreachable".into(),
             })
         } else {
-            self.backend.unconfirmable()
+            self.skewed().or_else(|| self.backend.unconfirmable())
         }
+    }
+
+    /// Why the calendar limits in force cannot be counted: this replica's clock is further from
+    /// Redis' than their shortest window (a request with one fails, and is answered by
+    /// `--on-store-error`); `None` while it is not, or without calendar limits.
+    fn skewed(&self) -> Option<String> {
+        let skew = self.backend.clock_skew_ms()?;
+        let window = self.rules.in_force().shortest_calendar_window_ms()?;
+        (skew.unsigned_abs() > window).then(|| {
+            format!(
+                "this replica's clock is {:.1} s {} Redis' clock, more than the shortest \
+                 calendar window ({} s): calendar limits cannot be counted; set both by NTP",
+                skew.unsigned_abs() as f64 / 1000.0,
+                if skew > 0 { "behind" } else { "ahead of" },
+                window / 1000
+            )
+        })
     }
 
     /// Whether the store is reachable now, remembering that it was.
@@ -112,7 +131,19 @@ impl Readiness {
             }
         };
         let mut last = None;
+        let mut was_skewed = false;
+        let mut tick = tokio::time::interval(SKEW_CHECK);
         loop {
+            let skewed = self.skewed();
+            if skewed.is_some() != was_skewed {
+                was_skewed = skewed.is_some();
+                match skewed {
+                    Some(why) => tracing::warn!("not ready: {why}"),
+                    None => tracing::info!(
+                        "this replica's clock is back within a calendar window of Redis' clock"
+                    ),
+                }
+            }
             let ready = serving(self.problem().is_none());
             let healthy = serving(self.healthy());
             if last != Some((ready, healthy)) {
@@ -134,6 +165,8 @@ impl Readiness {
                 () = self.rules.replaced() => {}
                 () = self.backend.changed() => {}
                 () = self.shutdown.clone().wait() => {}
+                // The clock's skew is measured every second, and moves with no notice.
+                _ = tick.tick() => {}
             }
         }
     }

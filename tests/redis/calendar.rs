@@ -14,6 +14,8 @@ use std::time::Duration;
 
 use common::{OK, OVER_LIMIT, Sluice, Store, explained, redis_key, request, unix_ms};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use tonic::transport::Channel;
 
 on_every_store!(calendar_windows_end_at_their_boundaries_in_their_zones);
 
@@ -400,4 +402,99 @@ fn pexpiretime(ports: &[u16], key: &str) -> i64 {
         .trim()
         .parse()
         .expect("an expiry instant")
+}
+
+/// A replica whose clock reads two days ahead of Redis' (`--clock-skew-ms`, for tests): four
+/// callers of a daily calendar rule and one of a plain rule, for 3 s. Every calendar request
+/// fails (answered by `--on-store-error`, here `error`), and counts nothing against the
+/// store's health: every plain request is decided, and Redis stays marked up. `/readyz` says
+/// not ready, naming the skew, and the metric shows it; the replica whose clock agrees with
+/// Redis' serves both.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_skewed_replica_fails_only_its_calendar_requests_and_is_not_ready() {
+    const RULES: &str = "\
+domain: skew
+descriptors:
+  - key: cal
+    rate_limit: {unit: day, requests_per_unit: 1000000, calendar: {time_zone: Europe/Berlin}}
+  - key: plain
+    rate_limit: {unit: hour, requests_per_unit: 1000000}
+";
+    let two_days = (2 * DAY * 1000).to_string();
+    let skew = format!("--clock-skew-ms={two_days}");
+    let skewed = Sluice::on(Store::Redis, &[("rules.yaml", RULES)], &[skew.as_str()]).await;
+    let agreed = Sluice::on(Store::Redis, &[("rules.yaml", RULES)], &[]).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let not_ready = loop {
+        let (status, _, text) = common::http(skewed.http, "GET", "/readyz", "");
+        if status == 503 {
+            break text;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "/readyz still {status} after 10 s: {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        not_ready.contains("172800.") && not_ready.contains("ahead of Redis' clock"),
+        "{not_ready}"
+    );
+    let skew_metric = common::metrics::scrape(skewed.http)
+        .get("sluice_clock_skew_seconds", &[])
+        .expect("the skew is a metric");
+    assert!((skew_metric + 172_800.0).abs() < 5.0, "{skew_metric}");
+
+    let until = std::time::Instant::now() + Duration::from_secs(3);
+    let calendar = |mut client: RateLimitServiceClient<Channel>| async move {
+        let (mut failed, mut decided) = (0, 0);
+        while std::time::Instant::now() < until {
+            match client
+                .should_rate_limit(request("skew", &[&[("cal", "c")]]))
+                .await
+            {
+                Ok(_) => decided += 1,
+                Err(_) => failed += 1,
+            }
+        }
+        (failed, decided)
+    };
+    let plain = |mut client: RateLimitServiceClient<Channel>| async move {
+        let (mut failed, mut decided) = (0, 0);
+        while std::time::Instant::now() < until {
+            match client
+                .should_rate_limit(request("skew", &[&[("plain", "p")]]))
+                .await
+            {
+                Ok(answer) if answer.get_ref().overall_code == OK => decided += 1,
+                _ => failed += 1,
+            }
+        }
+        (failed, decided)
+    };
+    let (c1, c2, c3, c4, p) = tokio::join!(
+        calendar(skewed.client().await),
+        calendar(skewed.client().await),
+        calendar(skewed.client().await),
+        calendar(skewed.client().await),
+        plain(skewed.client().await)
+    );
+    let calendar_decided = c1.1 + c2.1 + c3.1 + c4.1;
+    assert_eq!(calendar_decided, 0, "no calendar request is placed");
+    assert!(c1.0 + c2.0 + c3.0 + c4.0 > 20, "the calendar callers ran");
+    assert_eq!(p.0, 0, "every plain request decided ({} of them)", p.1);
+    assert!(p.1 > 20, "the plain caller ran: {}", p.1);
+    assert_eq!(
+        common::metrics::scrape(skewed.http)
+            .get("sluice_store_reachable", &[])
+            .unwrap_or(0.0),
+        1.0,
+        "the calendar failures did not mark Redis down"
+    );
+    // The replica whose clock agrees serves both, and is ready.
+    assert_eq!(common::http(agreed.http, "GET", "/readyz", "").0, 200);
+    for entries in [[("cal", "c")], [("plain", "p")]] {
+        let answer = agreed.ask(request("skew", &[&entries])).await;
+        assert_eq!(answer.overall_code, OK, "{entries:?}");
+    }
 }

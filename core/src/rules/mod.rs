@@ -437,6 +437,18 @@ impl RuleSet {
             .collect()
     }
 
+    /// The shortest calendar window of the rules in force, in ms (its nominal length: a day is
+    /// 24 h); `None` without a limit on the calendar. A replica whose clock is further than
+    /// this from the store's cannot place a calendar request.
+    pub fn shortest_calendar_window_ms(&self) -> Option<u64> {
+        self.nodes()
+            .flat_map(|node| node.limits.iter())
+            .filter_map(|l| l.limit.as_ref())
+            .filter(|limit| limit.calendar.is_some())
+            .map(|limit| limit.window_ms())
+            .min()
+    }
+
     /// Every rule, in no order.
     fn nodes(&self) -> impl Iterator<Item = &Node> {
         let mut levels: Vec<&Level> = self.domains.values().collect();

@@ -12,6 +12,7 @@ mod redis;
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -190,6 +191,16 @@ impl Backend {
         match self {
             Backend::Memory(_) => true,
             Backend::Redis { breakers, .. } => breakers.all_closed(),
+        }
+    }
+
+    /// How far (ms) Redis' clock read ahead of this replica's (behind, when negative) when last
+    /// measured (every second, with the probe's `TIME`); `None` on the embedded store, which
+    /// counts on this replica's clock, or before the first measure.
+    pub fn clock_skew_ms(&self) -> Option<i64> {
+        match self {
+            Backend::Memory(_) => None,
+            Backend::Redis { breakers, .. } => breakers.skew_ms(),
         }
     }
 
@@ -595,6 +606,13 @@ pub enum StoreError {
     /// The request's Cluster slot is moving to another node (Redis answered MOVED or ASK): it
     /// was not decided. Redis answered, so it is not counted as down.
     Redirected,
+    /// A calendar counter's window was asked around this replica's clock, which is more than a
+    /// window from Redis' clock: it cannot be placed. Redis answered, so it is not counted as
+    /// down: only the requests with a calendar limit fail.
+    Skewed {
+        /// The key, its bytes escaped as ASCII.
+        key: String,
+    },
     /// Fewer replicas than `--redis-confirm-replicas` asks for acknowledged the request's writes
     /// before its deadline: they were refunded, so a failover cannot find them missing. Redis
     /// answered, so it is not counted as down.
@@ -638,6 +656,11 @@ impl fmt::Display for StoreError {
             StoreError::Redirected => {
                 f.write_str("the counter's Cluster slot is moving to another node (MOVED or ASK)")
             }
+            StoreError::Skewed { key } => write!(
+                f,
+                "the calendar window of the Redis key \"{key}\" was asked around this replica's \
+                 clock, which is more than a window from Redis' clock: set both by NTP"
+            ),
             StoreError::Unconfirmed { confirmed, asked } => write!(
                 f,
                 "{confirmed} of the {asked} replica(s) --redis-confirm-replicas asks for \
@@ -659,7 +682,7 @@ impl fmt::Display for StoreError {
 
 impl StoreError {
     /// The kind, as the metrics label it: full, timeout, shed, down, unavailable, data,
-    /// redirected or unconfirmed.
+    /// redirected, skewed or unconfirmed.
     pub fn kind(&self) -> &'static str {
         match self {
             StoreError::Full { .. } => "full",
@@ -669,18 +692,20 @@ impl StoreError {
             StoreError::Unavailable(_) | StoreError::Config(_) => "unavailable",
             StoreError::Data { .. } => "data",
             StoreError::Redirected => "redirected",
+            StoreError::Skewed { .. } => "skewed",
             StoreError::Unconfirmed { .. } | StoreError::Unreplicated { .. } => "unconfirmed",
         }
     }
 
     /// Redis answered, and the request failed by what it found: a key it cannot read, a slot
-    /// on the move, or replicas that did not confirm or are not there. It says nothing of
-    /// whether Redis is up.
+    /// on the move, a calendar window this replica's clock cannot place, or replicas that did
+    /// not confirm or are not there. It says nothing of whether Redis is up.
     pub(crate) fn answered(&self) -> bool {
         matches!(
             self,
             StoreError::Data { .. }
                 | StoreError::Redirected
+                | StoreError::Skewed { .. }
                 | StoreError::Unconfirmed { .. }
                 | StoreError::Unreplicated { .. }
         )
@@ -692,7 +717,17 @@ impl std::error::Error for StoreError {}
 /// This process's clock, in ms since the Unix epoch: the embedded store's clock, and the one a
 /// replica picks calendar windows around for Redis.
 pub(crate) fn unix_ms() -> u64 {
-    SystemTime::now()
+    let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+        .map_or(0, |d| d.as_millis() as u64);
+    now.saturating_add_signed(TEST_CLOCK_SKEW_MS.load(Ordering::Relaxed))
+}
+
+/// For tests only (`--clock-skew-ms`): how far this replica's clock reads ahead of the host's
+/// (behind, when negative), as a replica whose clock is off would.
+static TEST_CLOCK_SKEW_MS: AtomicI64 = AtomicI64::new(0);
+
+/// Sets this replica's clock `ms` ahead of the host's (tests only).
+pub fn set_test_clock_skew(ms: i64) {
+    TEST_CLOCK_SKEW_MS.store(ms, Ordering::Relaxed);
 }

@@ -48,6 +48,16 @@ pub struct RuleFlags {
         allow_negative_numbers = true
     )]
     calendar_clock_offset_ms: i64,
+    /// For tests only: this replica's clock reads this many ms ahead of the host's (behind,
+    /// when negative), as the clock of a replica that is off does.
+    #[arg(
+        long,
+        env = "SLUICE_CLOCK_SKEW_MS",
+        hide = true,
+        default_value_t = 0,
+        allow_negative_numbers = true
+    )]
+    clock_skew_ms: i64,
     #[command(flatten)]
     xds: XdsFlags,
 }
@@ -60,9 +70,11 @@ impl RuleFlags {
         )
     }
 
-    /// Sets the calendar's clock as `--calendar-clock-offset-ms` says (tests only).
+    /// Sets the calendar's clock as `--calendar-clock-offset-ms` says, and this replica's as
+    /// `--clock-skew-ms` does (tests only).
     pub fn set_calendar_clock(&self) {
         calendar::set_test_offset(self.calendar_clock_offset_ms);
+        crate::store::set_test_clock_skew(self.clock_skew_ms);
     }
 
     /// Where the rules come from, an xDS server's TLS files read and checked now.

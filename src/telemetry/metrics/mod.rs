@@ -172,7 +172,7 @@ impl Metrics {
         );
         r.register(
             "sluice_store_errors",
-            "Requests the store could not decide, by kind (full, timeout, shed, down, unavailable; data: a key sluice cannot read)",
+            "Requests the store could not decide, by kind (full, timeout, shed, down, unavailable; data: a key sluice cannot read; redirected: a Cluster slot moving; skewed: a calendar window this replica's clock cannot place; unconfirmed)",
             m.store_errors.clone(),
         );
         r.register(
@@ -266,6 +266,7 @@ impl Metrics {
             "unavailable",
             "data",
             "redirected",
+            "skewed",
             "unconfirmed",
         ] {
             drop(m.store_errors.get_or_create(&[("kind", kind)]));

@@ -5,7 +5,7 @@
 //! anything. Only Redis' own failures count: a reply saying that one key cannot be read is an
 //! answer, and one bad key must not take the store away from every other request.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
@@ -27,17 +27,28 @@ pub(crate) struct Breaker {
     changed: Arc<Notify>,
     /// Told why the store could not be reached.
     observer: Arc<dyn Observer>,
+    /// How far the store's clock reads from this replica's, as its deployment last measured.
+    skew: Arc<AtomicI64>,
 }
 
+/// No skew measured yet.
+const UNKNOWN_SKEW: i64 = i64::MIN;
+
 impl Breaker {
-    fn new(changed: Arc<Notify>, observer: Arc<dyn Observer>) -> Self {
+    fn new(changed: Arc<Notify>, observer: Arc<dyn Observer>, skew: Arc<AtomicI64>) -> Self {
         Breaker {
             open: AtomicBool::new(true),
             failures: AtomicU32::new(0),
             cause: Mutex::new(None),
             changed,
             observer,
+            skew,
         }
+    }
+
+    /// The store's clock read `ms` ahead of this replica's (behind, when negative).
+    pub(crate) fn measured_skew(&self, ms: i64) {
+        self.skew.store(ms.max(UNKNOWN_SKEW + 1), Ordering::Relaxed);
     }
 
     pub(crate) fn is_open(&self) -> bool {
@@ -125,6 +136,8 @@ pub struct Breakers {
     changed: Arc<Notify>,
     /// What each tells why the store could not be reached.
     observer: Arc<dyn Observer>,
+    /// How far the store's clock reads from this replica's, as last measured by any of them.
+    skew: Arc<AtomicI64>,
 }
 
 impl Breakers {
@@ -133,12 +146,24 @@ impl Breakers {
             all: Arc::default(),
             changed: Arc::default(),
             observer,
+            skew: Arc::new(AtomicI64::new(UNKNOWN_SKEW)),
         }
     }
 
     /// A new breaker (open) for a store on the deployment, counted once `add`ed.
     pub(crate) fn breaker(&self) -> Arc<Breaker> {
-        Arc::new(Breaker::new(self.changed.clone(), self.observer.clone()))
+        Arc::new(Breaker::new(
+            self.changed.clone(),
+            self.observer.clone(),
+            self.skew.clone(),
+        ))
+    }
+
+    /// How far (ms) the store's clock read ahead of this replica's (behind, when negative) when
+    /// last measured; `None` before the first measure.
+    pub(crate) fn skew_ms(&self) -> Option<i64> {
+        let skew = self.skew.load(Ordering::Relaxed);
+        (skew != UNKNOWN_SKEW).then_some(skew)
     }
 
     pub(crate) fn add(&self, breaker: Arc<Breaker>) {
@@ -188,7 +213,11 @@ mod tests {
 
     #[test]
     fn it_opens_after_failures_in_a_row_and_only_the_probe_closes_it() {
-        let b = Breaker::new(Arc::default(), crate::observe::unobserved());
+        let b = Breaker::new(
+            Arc::default(),
+            crate::observe::unobserved(),
+            Arc::new(AtomicI64::new(UNKNOWN_SKEW)),
+        );
         assert!(b.is_open(), "closed only once the store was reached");
         b.close();
         for _ in 1..FAILURES_TO_OPEN {

@@ -442,14 +442,31 @@ pub(super) async fn probe(
             }
         } else if last_ping.elapsed() >= PING_INTERVAL {
             last_ping = tokio::time::Instant::now();
-            let ping = conn.at_once.ping::<()>(None);
-            match tokio::time::timeout(PING_INTERVAL, ping).await {
-                Ok(Ok(())) => {}
+            // TIME, which answers as PING does, and tells how far Redis' clock is from this
+            // replica's: read halfway between the ask and the answer.
+            let asked = crate::store::unix_ms();
+            let time = CustomCommand::new_static("TIME", ClusterHash::Random, false);
+            let time = conn.send::<Vec<String>>(time, Vec::<Value>::new());
+            match tokio::time::timeout(PING_INTERVAL, time).await {
+                Ok(Ok(time)) => {
+                    let answered = crate::store::unix_ms();
+                    if let Some(redis_ms) = time_ms(&time) {
+                        let here = (asked + answered) / 2;
+                        breaker.measured_skew(redis_ms as i64 - here as i64);
+                    }
+                }
                 Ok(Err(e)) => breaker.trip(&e),
-                Err(_) => breaker.trip(&"no answer to PING within 1 s"),
+                Err(_) => breaker.trip(&"no answer to TIME within 1 s"),
             }
         }
     }
+}
+
+/// Redis' `TIME` answer (seconds, then microseconds) in ms since the Unix epoch.
+fn time_ms(time: &[String]) -> Option<u64> {
+    let seconds: u64 = time.first()?.parse().ok()?;
+    let micros: u64 = time.get(1)?.parse().ok()?;
+    Some(seconds * 1000 + micros / 1000)
 }
 
 /// Tells `breaker` why each connection of its client could not be made or was dropped: these

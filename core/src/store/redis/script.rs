@@ -526,10 +526,9 @@ pub(super) fn take_request(reply: &mut &[Value], keys: &[Bytes]) -> Answer {
 /// type name), and reading it failed with `error`.
 fn unreadable(key: &[u8], held: &str, error: &str) -> StoreError {
     if held == "calendar" {
-        return StoreError::Config(format!(
-            "the calendar window of the Redis key \"{}\" was asked around this replica's clock, which is more than a window from Redis' clock: set both by NTP",
-            key.escape_ascii()
-        ));
+        return StoreError::Skewed {
+            key: key.escape_ascii().to_string(),
+        };
     }
     let why = if error.starts_with("WRONGTYPE") {
         format!("it holds a {held}")
