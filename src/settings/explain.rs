@@ -41,6 +41,10 @@ pub struct ExplainArgs {
     /// Explain as `serve --counting` counts rules that do not say.
     #[arg(long, env = "SLUICE_COUNTING", value_parser = super::counting(), default_value = "admitted")]
     counting: Counting,
+    /// Explain as a replica of `serve --cluster-name` counts: the keys of `scope: cluster`
+    /// rules carry the name.
+    #[arg(long, env = "SLUICE_CLUSTER_NAME", value_parser = super::serve::parse_cluster_name)]
+    cluster_name: Option<String>,
     /// Print the explanation as JSON (as `POST /explain` answers) instead of a text tree.
     #[arg(long)]
     json: bool,
@@ -86,6 +90,7 @@ impl ExplainArgs {
         Answering {
             quota_mode: self.quota_mode,
             counting: self.counting,
+            cluster_name: self.cluster_name.clone(),
             ..Answering::default()
         }
     }

@@ -483,3 +483,44 @@ fn the_manuals_explain_sample_is_what_explain_prints() {
     );
     assert_eq!(String::from_utf8_lossy(&out.stdout), printed);
 }
+
+/// Offline, `--cluster-name` explains as a replica of that cluster counts: a `scope: cluster`
+/// rule's counter and Redis key carry the name, as `/explain` of a replica started with it
+/// shows them; without it they carry none.
+#[tokio::test]
+async fn offline_explain_names_a_cluster_rules_key_as_a_replica_of_that_cluster_does() {
+    const SCOPED: &str =
+        "domain: d\ndescriptors:\n  - key: k\n    scope: cluster\n    rate_limit: {unit: hour, requests_per_unit: 3}\n";
+    let offline = |args: &[&str]| {
+        let mut all = vec!["--json", "--domain", "d", "--descriptor", "k=v"];
+        all.extend_from_slice(args);
+        let (out, stdout, stderr) = run(&[("rules.yaml", SCOPED)], &all, "");
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
+        let x: Value = serde_json::from_str(&stdout).expect("JSON output");
+        x["descriptors"][0]["counters"][0]["redis_key"]
+            .as_str()
+            .expect("a Redis key")
+            .to_owned()
+    };
+    let named = offline(&["--cluster-name", "eu", "--redis-key-prefix", "p:"]);
+    let sluice = Sluice::on(
+        Store::Redis,
+        &[("rules.yaml", SCOPED)],
+        &["--cluster-name", "eu", "--redis-key-prefix", "p:"],
+    )
+    .await;
+    let (status, text) = post(
+        &sluice,
+        r#"{"domain":"d","descriptors":[{"entries":[{"key":"k","value":"v"}]}]}"#,
+    );
+    assert_eq!(status, 200, "{text}");
+    let served: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        served["descriptors"][0]["counters"][0]["redis_key"].as_str(),
+        Some(named.as_str()),
+        "offline and served name one key"
+    );
+    assert!(named.contains("eu"), "{named}");
+    let unnamed = offline(&["--redis-key-prefix", "p:"]);
+    assert_ne!(unnamed, named);
+}

@@ -109,7 +109,7 @@ impl AnswerFlags {
 
 /// A cluster's name: 1 to 64 letters, digits, `-`, `_` or `.`, as it becomes part of every
 /// counter key of its `scope: cluster` rules.
-fn parse_cluster_name(value: &str) -> Result<String, String> {
+pub(in crate::settings) fn parse_cluster_name(value: &str) -> Result<String, String> {
     let allowed = |c: char| c.is_ascii_alphanumeric() || "-_.".contains(c);
     if value.is_empty() || value.len() > 64 || !value.chars().all(allowed) {
         return Err("1 to 64 letters, digits, '-', '_' or '.', such as eu-west-1".into());

@@ -4,6 +4,7 @@
 
 mod admin;
 mod answers;
+pub(super) use answers::parse_cluster_name;
 mod compat;
 mod listen;
 mod policy;
