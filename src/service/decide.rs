@@ -55,9 +55,10 @@ impl Decider {
         }
     }
 
-    /// Gives each `scope: split` item of `check` this replica's share of its limit.
-    pub fn share(&self, check: &mut Check) {
-        self.store.share(check);
+    /// Gives each `scope: split` item of `check` this replica's share of its limit (see
+    /// `Store::share`).
+    pub fn share(&self, check: &mut Check) -> Result<(), StoreError> {
+        self.store.share(check)
     }
 
     /// Decides `check`; the store must answer by `deadline`. A check without items is admitted

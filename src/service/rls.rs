@@ -199,9 +199,11 @@ impl Rls {
             }
             check.at = Some(at);
         }
-        self.decider.share(&mut check);
         let deadline = Deadline::new(self.fallback.store_timeout, caller_timeout);
-        let decided = self.decider.decide(&check, deadline).await;
+        let decided = match self.decider.share(&mut check) {
+            Ok(()) => self.decider.decide(&check, deadline).await,
+            Err(e) => Err(e),
+        };
         self.telemetry.decided();
         match decided {
             Ok(decision) => {

@@ -16,6 +16,7 @@ use super::conns::{Budget, Connections};
 use super::decide::Decider;
 use super::event_loop::{EventLoops, Grpc};
 use super::gauges::Gauges;
+use super::in_force::Rules;
 use super::readiness::Readiness;
 use super::setup::{Addrs, JsonAt, Setup};
 use super::shutdown::Shutdown;
@@ -111,10 +112,17 @@ pub async fn run(
     };
     // This replica's beat, for the split limits, taken back at shutdown.
     let (backend, rules) = (setup.backend.clone(), setup.rules.clone());
+    let (live, in_force) = (setup.backend.clone(), setup.rules.clone());
     let beat = async {
         let wanted = move || rules.in_force().has_split();
-        if let Err(e) = backend.beat(shutdown.clone().wait(), wanted).await {
-            tracing::error!("the replicas' beat did not start: {e}");
+        let beating = async {
+            if let Err(e) = backend.beat(shutdown.clone().wait(), wanted).await {
+                tracing::error!("the replicas' beat did not start: {e}");
+            }
+        };
+        tokio::select! {
+            () = beating => {}
+            () = warn_small_splits(live, in_force) => {}
         }
     };
     let answers = Answers {
@@ -144,6 +152,34 @@ pub async fn run(
     // Every call answered: what the blocks still hold goes back before the process ends.
     let _ = tokio::time::timeout(GIVE_BACK_AT_EXIT, giver.give_back(Pass::Exit)).await;
     Ok(())
+}
+
+/// How often the split limits are compared with the live replicas (as often as a replica beats).
+const SPLIT_CHECK: Duration = Duration::from_secs(1);
+
+/// Warns, at start, on every reload and whenever the live replicas change, when a `scope: split`
+/// limit is smaller than the live replicas: some replicas then have a share of 0, and their
+/// clients are always denied.
+async fn warn_small_splits(backend: Backend, rules: Rules) {
+    let mut warned = None;
+    loop {
+        let smallest = rules.in_force().smallest_split_limit();
+        let live = backend.live_replicas().unwrap_or(1);
+        let now = smallest.map(|(limit, source)| (limit, source, live));
+        if now != warned {
+            if let Some((limit, source, live)) = &now
+                && live > limit
+            {
+                tracing::warn!(
+                    "the split limit of {limit} of the rule at {source} is smaller than the {live} \
+                     live replicas: {} of them have a share of 0 and deny every request of it",
+                    live - limit
+                );
+            }
+            warned = now;
+        }
+        tokio::time::sleep(SPLIT_CHECK).await;
+    }
 }
 
 /// Forgets, in the over-limit cache and the leases, every counter another replica reset, for

@@ -489,8 +489,7 @@ fn the_manuals_explain_sample_is_what_explain_prints() {
 /// shows them; without it they carry none.
 #[tokio::test]
 async fn offline_explain_names_a_cluster_rules_key_as_a_replica_of_that_cluster_does() {
-    const SCOPED: &str =
-        "domain: d\ndescriptors:\n  - key: k\n    scope: cluster\n    rate_limit: {unit: hour, requests_per_unit: 3}\n";
+    const SCOPED: &str = "domain: d\ndescriptors:\n  - key: k\n    scope: cluster\n    rate_limit: {unit: hour, requests_per_unit: 3}\n";
     let offline = |args: &[&str]| {
         let mut all = vec!["--json", "--domain", "d", "--descriptor", "k=v"];
         all.extend_from_slice(args);

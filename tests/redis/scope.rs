@@ -229,3 +229,61 @@ async fn a_split_limit_follows_the_replicas_that_join_and_leave(store: Store) {
     );
     b.kill();
 }
+
+/// A split limit smaller than the live replicas leaves some of them a share of 0: each replica
+/// says so in a warning, naming the rule, once the replicas are read (and again on a reload
+/// that brings another such limit, or when the live replicas change).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_split_limit_smaller_than_the_live_replicas_warns() {
+    const SMALL: &str = "domain: small\ndescriptors:\n  - key: k\n    scope: split\n    rate_limit: {unit: hour, requests_per_unit: 1}\n";
+    let prefix = format!("small-{}-{}:", std::process::id(), unix_ms());
+    let flags = ["--redis-key-prefix", prefix.as_str()];
+    let a = Sluice::on(Store::Redis, &[("rules.yaml", SMALL)], &flags).await;
+    let b = Sluice::on(Store::Redis, &[("rules.yaml", SMALL)], &flags).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for replica in [&a, &b] {
+        while !replica.log_text().contains(
+            "rules.yaml:3 is smaller than the 2 live replicas: 1 of them have a share of 0",
+        ) {
+            assert!(Instant::now() < deadline, "{}", replica.log_text());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// A replica that could not read the live replicas (Redis down since its start) has no share
+/// of a split limit: its split requests are answered by `--on-store-error`, as every request
+/// the store cannot decide, not denied.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_that_never_read_the_live_replicas_answers_split_requests_by_the_policy() {
+    let unused = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://127.0.0.1:{}", unused.local_addr().unwrap().port());
+    drop(unused);
+    let flags = ["--redis-url", url.as_str(), "--on-store-error", "allow"];
+    let sluice = Sluice::spawn(&[("rules.yaml", RULES)], &flags, None, common::Wait::Live).await;
+    // gRPC is served once the store is not reached within 2 s of the start.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let answer = loop {
+        let mut client = sluice.client().await;
+        if let Ok(answer) = client
+            .should_rate_limit(request("scoped", &[&[("split", "s")]]))
+            .await
+        {
+            break answer.into_inner();
+        }
+        assert!(Instant::now() < deadline, "never served");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(
+        answer.overall_code, OK,
+        "answered by --on-store-error allow"
+    );
+    assert!(
+        sluice
+            .log_text()
+            .contains("answered by --on-store-error allow")
+            && sluice.log_text().contains("has not read the live replicas"),
+        "{}",
+        sluice.log_text()
+    );
+}

@@ -437,6 +437,21 @@ impl RuleSet {
             .collect()
     }
 
+    /// The smallest limit (above 0) of a `scope: split` rule, with the rule's `file:line`;
+    /// `None` without one. Fewer requests than live replicas leave some replicas a share of 0.
+    pub fn smallest_split_limit(&self) -> Option<(u32, String)> {
+        self.nodes()
+            .filter(|node| node.scope() == Some(Scope::Split))
+            .flat_map(|node| {
+                node.limits
+                    .iter()
+                    .filter_map(|l| l.limit.as_ref())
+                    .filter(|limit| limit.requests_per_unit > 0)
+                    .map(move |limit| (limit.requests_per_unit, node.source()))
+            })
+            .min_by_key(|(requests, _)| *requests)
+    }
+
     /// The shortest calendar window of the rules in force, in ms (its nominal length: a day is
     /// 24 h); `None` without a limit on the calendar. A replica whose clock is further than
     /// this from the store's cannot place a calendar request.

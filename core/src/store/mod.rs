@@ -293,12 +293,25 @@ enum Counters {
 }
 
 impl Store {
-    /// Gives each `scope: split` item of `check` this replica's share of its limit.
-    pub fn share(&self, check: &mut Check) {
+    /// Gives each `scope: split` item of `check` this replica's share of its limit; an error
+    /// while the live replicas were never read (the store not reached since the start): the
+    /// request is then answered as one the store could not decide.
+    pub fn share(&self, check: &mut Check) -> Result<(), StoreError> {
         for item in check.items.iter_mut().filter(|i| i.scope == Scope::Split) {
-            item.limit.requests_per_unit = self.peers.share(item.limit.requests_per_unit);
-            item.limit.burst = self.peers.share(item.limit.burst);
+            let (Some(requests), Some(burst)) = (
+                self.peers.share(item.limit.requests_per_unit),
+                self.peers.share(item.limit.burst),
+            ) else {
+                return Err(StoreError::Unavailable(
+                    "this replica has not read the live replicas from the store yet: its share \
+                     of a split limit is unknown"
+                        .into(),
+                ));
+            };
+            item.limit.requests_per_unit = requests;
+            item.limit.burst = burst;
         }
+        Ok(())
     }
 
     /// The replicas live now, as this one last read them.

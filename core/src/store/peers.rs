@@ -9,8 +9,9 @@
 //! replica that leaves in good order takes its beat back, and the others grow theirs at their next
 //! beat; one that dies is counted until its beat lapses (`LIVE_FOR`), the others keeping their
 //! smaller shares meanwhile. A replica that cannot reach the store keeps the count it last read;
-//! one that has never read any has a share of 0 (it denies), never more than its share. On the
-//! embedded store there is one replica.
+//! one that has never read any has no share: its split requests are answered by
+//! `--on-store-error`, as those of a store it cannot reach. On the embedded store there is one
+//! replica.
 
 use std::hash::BuildHasher;
 use std::sync::Arc;
@@ -74,14 +75,14 @@ impl Peers {
     }
 
     /// This replica's share of `total`: a part of it as even as can be, the remainder going
-    /// one each to the first replicas in the set's order; 0 before the replicas are read.
-    pub fn share(&self, total: u32) -> u32 {
+    /// one each to the first replicas in the set's order; `None` before the replicas are read.
+    pub fn share(&self, total: u32) -> Option<u32> {
         let seen = self.0.seen.load(Ordering::Relaxed);
         let (count, place) = ((seen >> 32) as u32, seen as u32);
         if count == 0 {
-            return 0;
+            return None;
         }
-        total / count + u32::from(place < total % count)
+        Some(total / count + u32::from(place < total % count))
     }
 }
 
@@ -97,7 +98,7 @@ mod tests {
                     .map(|place| {
                         let peers = Peers::unknown();
                         peers.saw(count, place);
-                        u64::from(peers.share(total))
+                        u64::from(peers.share(total).expect("read"))
                     })
                     .sum();
                 assert_eq!(sum, u64::from(total), "{total} among {count}");
@@ -107,7 +108,7 @@ mod tests {
 
     #[test]
     fn a_replica_that_has_read_no_count_has_no_share() {
-        assert_eq!(Peers::unknown().share(100), 0);
-        assert_eq!(Peers::alone().share(100), 100);
+        assert_eq!(Peers::unknown().share(100), None);
+        assert_eq!(Peers::alone().share(100), Some(100));
     }
 }

@@ -232,7 +232,7 @@ impl Counters {
             items: found.iter().map(|(_, i)| i.clone()).collect(),
             ..Check::default()
         };
-        self.store.share(&mut check);
+        self.store.share(&mut check).map_err(unavailable)?;
         let items = check.items;
         let before = self.held(&items, &holding, asked.at).await?;
         check_room(&items, &before, asked.action)?;
