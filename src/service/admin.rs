@@ -17,12 +17,14 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use super::accept::accept;
+use super::auth::Certified;
 use super::conns::{self, BodyReader, CLOSE_GRACE, Connections, Timers, Tracked};
 use super::gauges::Gauges;
 use super::readiness::Readiness;
 use super::rls::Rls;
 use super::setup::{JsonAt, Setup};
 use super::shutdown::Shutdown;
+use super::tls::ServerTls;
 use super::{counters, explain, http};
 use crate::store::Store;
 use crate::throttle::Throttle;
@@ -89,6 +91,9 @@ impl Admin {
         if let Some(token) = access.token() {
             tokio::spawn(token.clone().watch());
         }
+        if let Some(tls) = access.tls() {
+            tokio::spawn(tls.clone().watch());
+        }
         let mut admin =
             http::admin(readiness, setup.rules.clone(), gauges, access).merge(explain::route(
                 setup.rules.clone(),
@@ -122,21 +127,36 @@ impl Admin {
             gate(admin),
             bound("admin HTTP"),
             shutdown.clone(),
+            access.tls().cloned(),
         );
         let json = async {
             if let Some(listener) = self.json {
-                serve_http(listener, gate(json), bound("/json"), shutdown.clone()).await;
+                serve_http(listener, gate(json), bound("/json"), shutdown.clone(), None).await;
             }
         };
         let metrics = async {
             if let Some((listener, route)) = metrics {
-                serve_http(listener, gate(route), bound("metrics"), shutdown.clone()).await;
+                serve_http(
+                    listener,
+                    gate(route),
+                    bound("metrics"),
+                    shutdown.clone(),
+                    None,
+                )
+                .await;
             }
         };
         let debug = async {
             if let Some(listener) = self.debug {
                 let route = http::debug(setup.rules.clone());
-                serve_http(listener, gate(route), bound("debug HTTP"), shutdown.clone()).await;
+                serve_http(
+                    listener,
+                    gate(route),
+                    bound("debug HTTP"),
+                    shutdown.clone(),
+                    None,
+                )
+                .await;
             }
         };
         tokio::join!(admin, json, metrics, debug);
@@ -221,6 +241,7 @@ async fn serve_http(
     router: axum::Router,
     connections: Connections,
     shutdown: Shutdown,
+    tls: Option<ServerTls>,
 ) {
     static FAILED: Throttle = Throttle::new();
     let mut http1 = hyper::server::conn::http1::Builder::new();
@@ -250,15 +271,42 @@ async fn serve_http(
             continue;
         };
         let peer = stream.peer_addr().ok().map(|a| a.ip());
-        let service = Tracked::new(router.clone(), &slot, ADMIN_ANSWER, late)
-            .with_peer(peer)
-            .with_body_reader();
-        let http1 = http1.clone();
-        let shutdown = shutdown.clone();
+        let (router, http1, shutdown, tls) =
+            (router.clone(), http1.clone(), shutdown.clone(), tls.clone());
         served.spawn(async move {
-            let io = TokioIo::new(stream);
-            let connection = http1.serve_connection(io, TowerToHyperService::new(service));
-            conns::supervise(connection, &slot, &timers, shutdown).await;
+            // The handshake on the connection's own task: a slow one holds up no other.
+            let serve = |router: axum::Router| {
+                Tracked::new(router, &slot, ADMIN_ANSWER, late)
+                    .with_peer(peer)
+                    .with_body_reader()
+            };
+            match tls {
+                None => {
+                    let service = TowerToHyperService::new(serve(router));
+                    let connection = http1.serve_connection(TokioIo::new(stream), service);
+                    conns::supervise(connection, &slot, &timers, shutdown).await;
+                }
+                Some(tls) => {
+                    let Some(stream) = tls.accept(stream).await else {
+                        return;
+                    };
+                    // A certificate presented was verified against the client CA in the
+                    // handshake: it lets its client in as the admin token does.
+                    let certified = stream
+                        .get_ref()
+                        .1
+                        .peer_certificates()
+                        .is_some_and(|c| !c.is_empty());
+                    let router = if certified {
+                        router.layer(axum::Extension(Certified))
+                    } else {
+                        router
+                    };
+                    let service = TowerToHyperService::new(serve(router));
+                    let connection = http1.serve_connection(TokioIo::new(stream), service);
+                    conns::supervise(connection, &slot, &timers, shutdown).await;
+                }
+            }
         });
     }
     drop(listener);

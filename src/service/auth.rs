@@ -21,6 +21,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::MethodRouter;
 
 use super::conns::Peer;
+use super::tls::ServerTls;
 use crate::telemetry::Telemetry;
 use crate::throttle::Throttle;
 
@@ -144,6 +145,8 @@ pub struct AdminAccess(Arc<Access>);
 
 struct Access {
     token: Option<AdminToken>,
+    /// The admin port's TLS; with a client CA, a verified client certificate lets its client in.
+    tls: Option<ServerTls>,
     trusted: bool,
     /// Per peer, until when its attempts are refused unchecked.
     cooling: Mutex<HashMap<IpAddr, Instant>>,
@@ -178,10 +181,21 @@ impl Refusal {
     }
 }
 
+/// A request extension: the request came on an admin connection whose client presented a
+/// certificate the client CA verified (`--admin-tls-client-ca`).
+#[derive(Clone, Copy)]
+pub(super) struct Certified;
+
 impl AdminAccess {
-    pub fn new(token: Option<AdminToken>, trusted: bool, telemetry: Telemetry) -> AdminAccess {
+    pub fn new(
+        token: Option<AdminToken>,
+        tls: Option<ServerTls>,
+        trusted: bool,
+        telemetry: Telemetry,
+    ) -> AdminAccess {
         AdminAccess(Arc::new(Access {
             token,
+            tls,
             trusted,
             cooling: Mutex::default(),
             refused: Throttle::new(),
@@ -194,10 +208,25 @@ impl AdminAccess {
         self.0.token.as_ref()
     }
 
-    /// Whether a request let through may change counters: it carried the token, or the port is
-    /// trusted.
+    /// The admin port's TLS, when it speaks it.
+    pub(super) fn tls(&self) -> Option<&ServerTls> {
+        self.0.tls.as_ref()
+    }
+
+    /// Whether a client certificate lets its client in.
+    fn certificates(&self) -> bool {
+        self.0.tls.as_ref().is_some_and(ServerTls::verifies_clients)
+    }
+
+    /// Whether the guarded endpoints ask for credentials: the token or a client certificate.
+    fn closed(&self) -> bool {
+        self.0.token.is_some() || self.certificates()
+    }
+
+    /// Whether a request let through may change counters: the guarded endpoints asked it for
+    /// credentials, or the port is trusted.
     pub(super) fn may_change(&self) -> bool {
-        self.0.token.is_some() || self.0.trusted
+        self.closed() || self.0.trusted
     }
 
     /// Counts and logs (at most once a second) a refusal of `path` asked by `peer`; one for the
@@ -242,19 +271,23 @@ impl AdminAccess {
     }
 }
 
-/// `route`, answering 401 unless asked with the token when there is one (429, unchecked, to a
-/// peer refused within a second).
+/// `route`, answering 401 unless asked with the token or over a connection whose client
+/// certificate the client CA verified, when either is configured (429, unchecked, to a peer
+/// refused within a second).
 pub(super) fn guarded<S>(route: MethodRouter<S>, access: &AdminAccess) -> MethodRouter<S>
 where
     S: Clone + Send + Sync + 'static,
 {
-    if access.token().is_none() {
+    if !access.closed() {
         return route;
     }
     route.route_layer(middleware::from_fn_with_state(access.clone(), check))
 }
 
 async fn check(State(access): State<AdminAccess>, request: Request, next: Next) -> Response {
+    if request.extensions().get::<Certified>().is_some() {
+        return next.run(request).await;
+    }
     let peer = request.extensions().get::<Peer>().map(|p| p.0);
     let path = request.uri().path().to_owned();
     if access.cooling_down(peer) {
@@ -276,7 +309,8 @@ async fn check(State(access): State<AdminAccess>, request: Request, next: Next) 
     (
         StatusCode::UNAUTHORIZED,
         [(header::WWW_AUTHENTICATE, "Bearer realm=\"sluice admin\"")],
-        "this endpoint needs the admin token: Authorization: Bearer <the token of --admin-token-file>\n",
+        "this endpoint needs the admin token (Authorization: Bearer <the token of \
+         --admin-token-file>), or a client certificate of --admin-tls-client-ca\n",
     )
         .into_response()
 }

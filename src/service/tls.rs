@@ -1,6 +1,8 @@
-//! TLS on the gRPC server: the certificate chain and key it presents and, for mTLS, the CAs a
-//! client's certificate must chain to, read from PEM files and read again whenever they change;
-//! and the handshake each connection makes on its event loop before it is served.
+//! TLS on the gRPC server and on the admin port: the certificate chain and key each presents and,
+//! for mTLS, the CAs a client's certificate must chain to, read from PEM files and read again
+//! whenever they change; and the handshake each connection makes before it is served. On the
+//! gRPC server a client CA makes a certificate required; on the admin port it makes one a way
+//! in (`AdminAccess`): a client without one (the kubelet's probes) is still served.
 
 use std::io;
 use std::path::Path;
@@ -29,33 +31,86 @@ const POLL: Duration = Duration::from_secs(1);
 pub struct ServerTls(Arc<Shared>);
 
 struct Shared {
+    role: Role,
     files: Files,
     current: ArcSwap<ServerConfig>,
     /// What the files held when the configuration in force at start was made from them.
     loaded: Read,
 }
 
+/// Which server a configuration is for: the flags that name its files, the protocol it speaks,
+/// and whether a client certificate is required or only verified when presented.
+#[derive(Clone, Copy)]
+struct Role {
+    /// As the logs name its connections.
+    name: &'static str,
+    flags: [&'static str; 3],
+    alpn: &'static [u8],
+    certificate_required: bool,
+}
+
+const GRPC: Role = Role {
+    name: "gRPC",
+    flags: ["--tls-cert", "--tls-key", "--tls-client-ca"],
+    alpn: b"h2",
+    certificate_required: true,
+};
+
+const ADMIN: Role = Role {
+    name: "admin HTTP",
+    flags: [
+        "--admin-tls-cert",
+        "--admin-tls-key",
+        "--admin-tls-client-ca",
+    ],
+    alpn: b"http/1.1",
+    certificate_required: false,
+};
+
 impl ServerTls {
-    /// Reads the PEM certificate chain `cert` (leaf first), its private key `key` and, for
-    /// mTLS, the CAs a client's certificate must chain to, and makes the configuration from
-    /// them; an error names the flag and the file at fault.
+    /// The gRPC server's: reads the PEM certificate chain `cert` (leaf first), its private key
+    /// `key` and, for mTLS, the CAs a client's certificate must chain to, and makes the
+    /// configuration from them; an error names the flag and the file at fault.
     pub fn load(cert: &Path, key: &Path, client_ca: Option<&Path>) -> anyhow::Result<ServerTls> {
+        ServerTls::load_for(GRPC, cert, key, client_ca)
+    }
+
+    /// The admin port's, as `load` makes the gRPC server's, but a client certificate is only
+    /// verified when one is presented: it lets its client in as the admin token does.
+    pub fn admin(cert: &Path, key: &Path, client_ca: Option<&Path>) -> anyhow::Result<ServerTls> {
+        ServerTls::load_for(ADMIN, cert, key, client_ca)
+    }
+
+    fn load_for(
+        role: Role,
+        cert: &Path,
+        key: &Path,
+        client_ca: Option<&Path>,
+    ) -> anyhow::Result<ServerTls> {
+        let [cert_flag, key_flag, ca_flag] = role.flags;
         let files = Files {
-            cert: PemFile::new("--tls-cert", cert),
-            key: PemFile::new("--tls-key", key),
-            client_ca: client_ca.map(|path| PemFile::new("--tls-client-ca", path)),
+            cert: PemFile::new(cert_flag, cert),
+            key: PemFile::new(key_flag, key),
+            client_ca: client_ca.map(|path| PemFile::new(ca_flag, path)),
         };
         let pem = files.read()?;
-        let config = files.config(&pem)?;
+        let config = files.config(&pem, role)?;
         tracing::info!(
             client_certificates = files.client_ca.is_some(),
-            "gRPC serves TLS only"
+            "{} serves TLS only",
+            role.name
         );
         Ok(ServerTls(Arc::new(Shared {
+            role,
             current: ArcSwap::from_pointee(config),
             loaded: Ok(pem),
             files,
         })))
+    }
+
+    /// Whether a client CA is given: a client's certificate is verified against it.
+    pub(super) fn verifies_clients(&self) -> bool {
+        self.0.files.client_ca.is_some()
     }
 
     /// Reads the files every `POLL` and puts a set that changed in force once it has stayed the
@@ -85,8 +140,13 @@ impl ServerTls {
                 continue;
             }
             decided = now.clone();
-            let config =
-                now.and_then(|pem| self.0.files.config(&pem).map_err(|e| format!("{e:#}")));
+            let role = self.0.role;
+            let config = now.and_then(|pem| {
+                self.0
+                    .files
+                    .config(&pem, role)
+                    .map_err(|e| format!("{e:#}"))
+            });
             match config {
                 Ok(config) => {
                     self.0.current.store(Arc::new(config));
@@ -102,11 +162,16 @@ impl ServerTls {
     /// The connection's handshake with the configuration in force, within `HANDSHAKE`; a failed
     /// one is logged at most once a second and the connection closed.
     pub(super) async fn accept(&self, stream: TcpStream) -> Option<TlsStream<TcpStream>> {
-        handshake(TlsAcceptor::from(self.0.current.load_full()), stream).await
+        let acceptor = TlsAcceptor::from(self.0.current.load_full());
+        handshake(acceptor, stream, self.0.role.name).await
     }
 }
 
-async fn handshake(acceptor: TlsAcceptor, stream: TcpStream) -> Option<TlsStream<TcpStream>> {
+async fn handshake(
+    acceptor: TlsAcceptor,
+    stream: TcpStream,
+    role: &str,
+) -> Option<TlsStream<TcpStream>> {
     static FAILED: Throttle = Throttle::new();
     let peer = stream
         .peer_addr()
@@ -123,7 +188,7 @@ async fn handshake(acceptor: TlsAcceptor, stream: TcpStream) -> Option<TlsStream
         Err(e) => {
             if let Some(n) = FAILED.hit() {
                 tracing::warn!(
-                    "{n} failed TLS handshake(s) on gRPC connections, the last from {peer}: {e}"
+                    "{n} failed TLS handshake(s) on {role} connections, the last from {peer}: {e}"
                 );
             }
             None
@@ -157,9 +222,9 @@ impl Files {
         })
     }
 
-    /// The server configuration: this chain and key, client certificates required when a client
-    /// CA is given, and HTTP/2 (gRPC) as the only application protocol.
-    fn config(&self, pem: &Pem) -> anyhow::Result<ServerConfig> {
+    /// The server configuration: this chain and key, client certificates verified when a
+    /// client CA is given (required, as `role` says), and `role`'s protocol as the only one.
+    fn config(&self, pem: &Pem, role: Role) -> anyhow::Result<ServerConfig> {
         let provider = certs::provider();
         let builder = ServerConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
@@ -167,9 +232,13 @@ impl Files {
         let builder = match self.client_ca.as_ref().zip(pem.client_ca.as_ref()) {
             Some((file, bytes)) => {
                 let roots = Arc::new(file.roots(bytes)?);
-                let verifier = WebPkiClientVerifier::builder_with_provider(roots, provider)
-                    .build()
-                    .with_context(|| format!("{file}"))?;
+                let verifier = WebPkiClientVerifier::builder_with_provider(roots, provider);
+                let verifier = if role.certificate_required {
+                    verifier
+                } else {
+                    verifier.allow_unauthenticated()
+                };
+                let verifier = verifier.build().with_context(|| format!("{file}"))?;
                 builder.with_client_cert_verifier(verifier)
             }
             None => builder.with_no_client_auth(),
@@ -179,7 +248,7 @@ impl Files {
         let mut config = builder
             .with_single_cert(chain, key)
             .map_err(|e| certs::refused_pair(&self.cert, &self.key, e))?;
-        config.alpn_protocols = vec![b"h2".to_vec()];
+        config.alpn_protocols = vec![role.alpn.to_vec()];
         Ok(config)
     }
 }

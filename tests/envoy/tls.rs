@@ -9,6 +9,7 @@ use super::common;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
@@ -678,5 +679,134 @@ async fn without_its_client_certificate_sluice_does_not_reach_a_redis_that_requi
         refused.map(|_| ()).map_err(|s| s.code()),
         Err(tonic::Code::Unavailable),
         "the --on-store-error answer"
+    );
+}
+
+/// `method path` with `body` over TLS to the admin port `addr`, trusting `ca`, presenting
+/// `client` (certificate and key files) if given: the status, or `None` when the handshake or
+/// the exchange fails.
+async fn admin_tls(
+    addr: SocketAddr,
+    ca: &Path,
+    client: Option<&Pair>,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> Option<u16> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots);
+    let config = match client {
+        Some(pair) => {
+            let chain: Vec<CertificateDer> = CertificateDer::pem_file_iter(&pair.cert)
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            let key = PrivateKeyDer::from_pem_file(&pair.key).unwrap();
+            builder.with_client_auth_cert(chain, key).unwrap()
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let exchange = async {
+        let tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let name = ServerName::try_from("localhost").unwrap();
+        let mut tls = connector.connect(name, tcp).await.ok()?;
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        tls.write_all(request.as_bytes()).await.ok()?;
+        let mut answer = Vec::new();
+        let _ = tls.read_to_end(&mut answer).await;
+        String::from_utf8_lossy(&answer)
+            .strip_prefix("HTTP/1.1 ")?
+            .get(..3)?
+            .parse()
+            .ok()
+    };
+    tokio::time::timeout(PATIENCE, exchange)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// The admin port over TLS with a client CA (`--admin-tls-*`): a probe without a certificate is
+/// served; `/top` and a change through `/counters` are refused (401) without a client
+/// certificate and let in with one from the client CA, as the admin token lets its holder in; a
+/// certificate from another CA is refused at the handshake; plain HTTP gets no answer.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_certificate_lets_its_client_into_the_admin_port_as_the_token_does() {
+    let pki = Pki::new();
+    let flags: Vec<String> = [
+        "--admin-tls-cert",
+        &text(&pki.server.cert),
+        "--admin-tls-key",
+        &text(&pki.server.key),
+        "--admin-tls-client-ca",
+        &text(&pki.ca),
+    ]
+    .iter()
+    .map(|f| (*f).to_owned())
+    .collect();
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let sluice = Sluice::spawn(&[("rules.yaml", RULES)], &flags, None, Wait::Serving).await;
+    let reset = r#"{"domain":"tls","descriptors":[{"entries":[{"key":"generic_key","value":"a"}]}],"action":"reset","apply":true}"#;
+    let ask = |client: Option<&'static str>,
+               method: &'static str,
+               path: &'static str,
+               body: &'static str| {
+        let pair = match client {
+            Some("client") => Some(&pki.client),
+            Some(_) => Some(&pki.stranger),
+            None => None,
+        };
+        admin_tls(sluice.http, &pki.ca, pair, method, path, body)
+    };
+    assert_eq!(ask(None, "GET", "/healthz", "").await, Some(200), "a probe");
+    assert_eq!(ask(None, "GET", "/top", "").await, Some(401));
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    assert_eq!(ask(None, "POST", "/counters", reset).await, Some(401));
+    assert_eq!(
+        ask(Some("client"), "GET", "/top", "").await,
+        Some(200),
+        "a client certificate from the client CA lets its client in, even while its address \
+         cools down from a refused token"
+    );
+    assert_eq!(
+        ask(Some("client"), "POST", "/counters", reset).await,
+        Some(200),
+        "and may change counters"
+    );
+    assert_eq!(
+        ask(Some("stranger"), "GET", "/healthz", "").await,
+        None,
+        "a certificate from another CA is refused at the handshake"
+    );
+    let plain = tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut tcp = std::net::TcpStream::connect(sluice.http).unwrap();
+        tcp.set_read_timeout(Some(PATIENCE)).unwrap();
+        let _ = tcp.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let mut answer = Vec::new();
+        let _ = tcp.read_to_end(&mut answer);
+        answer
+    })
+    .await
+    .unwrap();
+    assert!(
+        !plain.starts_with(b"HTTP/1.1 200"),
+        "plain HTTP is not served: {:?}",
+        String::from_utf8_lossy(&plain)
     );
 }
