@@ -183,7 +183,8 @@ async fn warn_small_splits(backend: Backend, rules: Rules) {
 }
 
 /// Forgets, in the over-limit cache and the leases, every counter another replica reset, for
-/// as long as the store tells of them; and everything, once resets may have been missed.
+/// as long as the store tells of them; and empties the over-limit cache once resets may have
+/// been missed (a leased block of a counter reset meanwhile is not found out: docs/leases.md).
 async fn forget_resets(
     mut resets: mpsc::Receiver<Reset>,
     cache: Option<Arc<OverLimitCache>>,
@@ -205,12 +206,10 @@ async fn forget_resets(
                 if let Some(cache) = &cache {
                     cache.forget_all();
                 }
-                leases.forget_all();
                 if let Some(n) = MISSED.hit() {
                     tracing::warn!(
                         "counter resets may have been missed ({n} time(s)): the reset channel's \
-                         connection was made again; every leased block is dropped and the \
-                         over-limit cache emptied"
+                         connection was made again; the over-limit cache is emptied"
                     );
                 }
             }

@@ -531,18 +531,6 @@ impl Leases {
         });
     }
 
-    /// Drops what every block holds, giving nothing back, as `forget` does for one counter:
-    /// resets may have been missed (the reset channel's connection was made again), and a
-    /// block of a counter reset meanwhile must not be spent. A block of a counter not reset
-    /// stays counted unspent until its window ends: fewer admitted, never more.
-    pub fn forget_all(&self) {
-        for h in self.held().values_mut() {
-            h.left = 0;
-            h.forgotten = h.taking;
-        }
-        self.returning().clear();
-    }
-
     /// The next block taken (`took`): made before a `draw` that may answer `Draw::Wait`, so
     /// that a block taken in between is not missed.
     pub fn next_taken(&self) -> tokio::sync::futures::Notified<'_> {
