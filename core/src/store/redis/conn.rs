@@ -403,7 +403,8 @@ pub(super) fn failed(e: Error) -> StoreError {
 /// While the breaker is open, loads the `scripts` on every primary (and pings every lane, when
 /// there are lanes), every `PROBE_INTERVAL`; once that succeeds, closes it. A load waits while the client reconnects, and for a paused Redis to
 /// resume, so it succeeds as soon as Redis answers again. While the breaker is closed, pings
-/// Redis every `PING_INTERVAL` and opens it when no answer comes within that time.
+/// Redis every `PING_INTERVAL` and opens it when no answer comes within that time; after each
+/// answer, measures how far Redis' clock is from this replica's (`measure_skew`).
 pub(super) async fn probe(
     conn: Conn,
     lanes: Option<Arc<Lanes>>,
@@ -442,22 +443,28 @@ pub(super) async fn probe(
             }
         } else if last_ping.elapsed() >= PING_INTERVAL {
             last_ping = tokio::time::Instant::now();
-            // TIME, which answers as PING does, and tells how far Redis' clock is from this
-            // replica's: read halfway between the ask and the answer.
-            let asked = crate::store::unix_ms();
-            let time = CustomCommand::new_static("TIME", ClusterHash::Random, false);
-            let time = conn.send::<Vec<String>>(time, Vec::<Value>::new());
-            match tokio::time::timeout(PING_INTERVAL, time).await {
-                Ok(Ok(time)) => {
-                    let answered = crate::store::unix_ms();
-                    if let Some(redis_ms) = time_ms(&time) {
-                        let here = (asked + answered) / 2;
-                        breaker.measured_skew(redis_ms as i64 - here as i64);
-                    }
-                }
+            let ping = conn.at_once.ping::<()>(None);
+            match tokio::time::timeout(PING_INTERVAL, ping).await {
+                Ok(Ok(())) => measure_skew(&conn, &breaker).await,
                 Ok(Err(e)) => breaker.trip(&e),
-                Err(_) => breaker.trip(&"no answer to TIME within 1 s"),
+                Err(_) => breaker.trip(&"no answer to PING within 1 s"),
             }
+        }
+    }
+}
+
+/// Tells `breaker` how far Redis' clock is from this replica's: Redis' `TIME`, read halfway
+/// between the ask and the answer. A `TIME` that fails tells nothing (the `PING` before it says
+/// whether Redis answers).
+async fn measure_skew(conn: &Conn, breaker: &Breaker) {
+    let asked = crate::store::unix_ms();
+    let time = CustomCommand::new_static("TIME", ClusterHash::Random, false);
+    let time = conn.send::<Vec<String>>(time, Vec::<Value>::new());
+    if let Ok(Ok(time)) = tokio::time::timeout(PING_INTERVAL, time).await {
+        let answered = crate::store::unix_ms();
+        if let Some(redis_ms) = time_ms(&time) {
+            let here = (asked + answered) / 2;
+            breaker.measured_skew(redis_ms as i64 - here as i64);
         }
     }
 }
