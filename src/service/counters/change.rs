@@ -103,33 +103,26 @@ pub(super) enum Outcome {
     Applied,
     /// Applied, but the counters could not be read back.
     AppliedUnread,
-    /// Not applied: the store failed before anything was sent.
-    Failed,
+    /// Not applied: the store failed before anything was sent (its message).
+    Failed(String),
     /// Unknown: the store failed after something was sent (its deadline passed, its connection
-    /// broke); some counters may have changed, or all, or none.
-    Unknown,
-    /// `Failed` or `Unknown`, with the store's message.
-    Said(Box<Outcome>, String),
+    /// broke); some counters may have changed, or all, or none (its message).
+    Unknown(String),
 }
 
 impl Outcome {
-    pub(super) fn with(self, message: String) -> Outcome {
-        Outcome::Said(Box::new(self), message)
-    }
-
     pub(super) fn name(&self) -> &'static str {
         match self {
             Outcome::DryRun => "dry_run",
             Outcome::Applied | Outcome::AppliedUnread => "applied",
-            Outcome::Failed => "not_applied",
-            Outcome::Unknown => "unknown",
-            Outcome::Said(outcome, _) => outcome.name(),
+            Outcome::Failed(_) => "not_applied",
+            Outcome::Unknown(_) => "unknown",
         }
     }
 
     /// Whether counters may have changed.
     pub(super) fn changed(&self) -> bool {
-        !matches!(self.name(), "dry_run" | "not_applied")
+        !matches!(self, Outcome::DryRun | Outcome::Failed(_))
     }
 
     /// The answer to give instead of the counters, when the change did not surely happen or
@@ -142,20 +135,18 @@ impl Outcome {
                 "applied, but the counters could not be read back: show them to see what they hold"
                     .to_owned(),
             )),
-            Outcome::Said(outcome, message) => Some(match **outcome {
-                Outcome::Unknown => (
-                    StatusCode::GATEWAY_TIMEOUT,
-                    format!(
-                        "outcome unknown: {message}; the change may have been applied to some \
-                         counters, all or none (the audit line says unknown): show them to see"
-                    ),
+            Outcome::Unknown(message) => Some((
+                StatusCode::GATEWAY_TIMEOUT,
+                format!(
+                    "outcome unknown: {message}; the change may have been applied to some \
+                     counters, all or none (the audit line says unknown): show them to see"
                 ),
-                _ => (
-                    unavailable,
-                    format!("not applied: {message}; nothing was changed"),
-                ),
-            }),
-            _ => None,
+            )),
+            Outcome::Failed(message) => Some((
+                unavailable,
+                format!("not applied: {message}; nothing was changed"),
+            )),
+            Outcome::DryRun | Outcome::Applied => None,
         }
     }
 }

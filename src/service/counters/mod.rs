@@ -243,14 +243,8 @@ impl Counters {
                     Ok(after) => (after, Outcome::Applied),
                     Err(_) => (Vec::new(), Outcome::AppliedUnread),
                 },
-                Err(e) => {
-                    let outcome = if e.surely_not_applied {
-                        Outcome::Failed
-                    } else {
-                        Outcome::Unknown
-                    };
-                    (Vec::new(), outcome.with(e.message))
-                }
+                Err(e) if e.surely_not_applied => (Vec::new(), Outcome::Failed(e.message)),
+                Err(e) => (Vec::new(), Outcome::Unknown(e.message)),
             }
         } else {
             (dry_run(&items, &before, asked.action), Outcome::DryRun)
