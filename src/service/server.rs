@@ -20,9 +20,9 @@ use super::in_force::Rules;
 use super::readiness::Readiness;
 use super::setup::{Addrs, JsonAt, Setup};
 use super::shutdown::Shutdown;
-use crate::limiter::OverLimitCache;
 use crate::limiter::lease::{Leases, Pass};
-use crate::store::{Backend, Reset};
+use crate::limiter::{CounterKey, OverLimitCache};
+use crate::store::{Backend, Deadline, Reset, Store};
 use crate::throttle::Throttle;
 
 /// How long gRPC connections wait at the start for the store to be reached.
@@ -55,6 +55,7 @@ pub async fn run(
             resets,
             setup.cache.clone(),
             setup.leases.clone(),
+            setup.backend.open()?,
         ));
     }
     // A reload that changes a quota rule reaches the streams of the buckets it divides at once.
@@ -114,7 +115,7 @@ pub async fn run(
     let (backend, rules) = (setup.backend.clone(), setup.rules.clone());
     let (live, in_force) = (setup.backend.clone(), setup.rules.clone());
     let beat = async {
-        let wanted = move || rules.in_force().has_split();
+        let wanted = move || rules.in_force().longest_split_window_ms();
         let beating = async {
             if let Err(e) = backend.beat(shutdown.clone().wait(), wanted).await {
                 tracing::error!("the replicas' beat did not start: {e}");
@@ -183,12 +184,14 @@ async fn warn_small_splits(backend: Backend, rules: Rules) {
 }
 
 /// Forgets, in the over-limit cache and the leases, every counter another replica reset, for
-/// as long as the store tells of them; and empties the over-limit cache once resets may have
-/// been missed (a leased block of a counter reset meanwhile is not found out: docs/leases.md).
+/// as long as the store tells of them. Once resets may have been missed, empties the over-limit
+/// cache and drops the leased blocks of the counters `store` marks changed by hand since their
+/// blocks were taken (docs/leases.md).
 async fn forget_resets(
     mut resets: mpsc::Receiver<Reset>,
     cache: Option<Arc<OverLimitCache>>,
     leases: Arc<Leases>,
+    store: Store,
 ) {
     while let Some(reset) = resets.recv().await {
         match reset {
@@ -206,15 +209,50 @@ async fn forget_resets(
                 if let Some(cache) = &cache {
                     cache.forget_all();
                 }
+                let dropped = drop_changed_blocks(&leases, &store).await;
                 if let Some(n) = MISSED.hit() {
                     tracing::warn!(
                         "counter resets may have been missed ({n} time(s)): the reset channel's \
-                         connection was made again; the over-limit cache is emptied"
+                         connection was made again; the over-limit cache is emptied, and the \
+                         leased blocks of {dropped} counter(s) changed by hand since they were \
+                         taken are dropped"
                     );
                 }
             }
         }
     }
+}
+
+/// How long the markers of changes by hand may take to read once resets may have been missed.
+const MARKERS_WAIT: Duration = Duration::from_secs(5);
+
+/// Drops the leased blocks of the counters changed by hand since they were taken, as `store`
+/// marks them; all of them when the marks cannot be read (a block is then given up, never
+/// spent past a reset). Answers how many counters' blocks were dropped.
+async fn drop_changed_blocks(leases: &Leases, store: &Store) -> usize {
+    let held = leases.held_since();
+    if held.is_empty() {
+        return 0;
+    }
+    let asked: Vec<(CounterKey, tokio::time::Instant)> = held
+        .iter()
+        .map(|(key, _, since)| (key.clone(), *since))
+        .collect();
+    let changed = store
+        .changed_after(&asked, Deadline::new(MARKERS_WAIT, None))
+        .await
+        .unwrap_or_else(|e| {
+            tracing::warn!("the markers of counters changed by hand could not be read ({e}): every leased block is dropped");
+            vec![true; held.len()]
+        });
+    let mut dropped = 0;
+    for ((key, requests_per_unit, _), changed) in held.iter().zip(changed) {
+        if changed {
+            leases.forget(key.as_bytes(), *requests_per_unit);
+            dropped += 1;
+        }
+    }
+    dropped
 }
 
 /// Every runtime of the process, by role: this one, the quota service's and the event loops'.

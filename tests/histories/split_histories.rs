@@ -1,14 +1,18 @@
 //! Generated histories of split limits (`scope: split`, docs/rules.md): up to three replicas of
-//! sluice on one real `redis-server`, driven through events a seeded generator picks (traffic on
-//! a replica, a replica started, stopped in good order, killed, or paused past its beat's life,
+//! sluice on one real `redis-server`, each behind a proxy of its own, driven through events a
+//! seeded generator picks (traffic on a replica, a replica started, stopped in good order,
+//! killed, paused past its beat's life, cut off from Redis with its connections held open,
 //! Redis paused, idle periods), checked at every answer and after every step:
 //!
+//! - the replicas together, every process that ran counted, admitted at most the limit in the
+//!   window (the hour) whatever membership did;
 //! - every answer states the share it was decided with (its limit), and a replica admits only
 //!   while what it admitted is under that share, and denies only once it is not: its own count
-//!   decides, with no store call;
-//! - once the replicas are left alone for the bound (a beat's life and two beats), every live
-//!   replica's share is the limit divided by the live replicas, the remainder one each, and the
-//!   shares add up to the limit exactly.
+//!   decides, with no store call; a replica that may not use a share answers by
+//!   `--on-store-error` (an error);
+//! - once the replicas are left alone for the bound (a beat's life, a newcomer's 3 s, two beats),
+//!   every live replica's share of a per-second split limit is that limit divided by the live
+//!   replicas, the remainder one each, and the shares add up to it exactly.
 //!
 //! CI runs the fixed `SEEDS`. `SPLIT_HISTORY_SEED=<u64>` replays one seed
 //! (`SPLIT_HISTORY_STEPS=<n>` steps, 10 unless set); `SPLIT_HISTORY_MINUTES=<n>` runs fresh seeds
@@ -20,24 +24,29 @@ use super::common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::proxy::Proxy;
 use common::redis::Controlled;
 use common::rng::Rng;
 use common::{HOUR, OK, Sluice, Store, request};
 
 const DOMAIN: &str = "hist";
+/// The split limit of the hour, which the history runs in.
 const LIMIT: u64 = 12;
+/// The split limit of each second, whose division is checked once the replicas are left alone.
+const EACH_SECOND: u64 = 10;
 const SLOTS: usize = 3;
 /// The seeds CI runs.
-const SEEDS: [u64; 2] = [5, 2026];
+const SEEDS: [u64; 3] = [5, 2026, 11];
 /// Steps of a generated history, unless `SPLIT_HISTORY_STEPS` says.
 const STEPS: usize = 10;
 /// How long the shares may take to settle once the replicas are left alone: a beat's life (3 s,
-/// a killed replica's), two beats, and the delays of a busy 2-core machine.
-const SETTLE: Duration = Duration::from_secs(8);
+/// a killed replica's), a newcomer counted 3 s before a window begins, two beats, and the delays
+/// of a busy 2-core machine.
+const SETTLE: Duration = Duration::from_secs(10);
 
 fn rules() -> String {
     format!(
-        "domain: {DOMAIN}\ndescriptors:\n  - key: client\n    scope: split\n    rate_limit: {{unit: hour, requests_per_unit: {LIMIT}}}\n"
+        "domain: {DOMAIN}\ndescriptors:\n  - key: client\n    scope: split\n    rate_limit: {{unit: hour, requests_per_unit: {LIMIT}}}\n  - key: each\n    scope: split\n    rate_limit: {{unit: second, requests_per_unit: {EACH_SECOND}}}\n"
     )
 }
 
@@ -56,6 +65,8 @@ enum Event {
     Kill(usize),
     /// SIGSTOP for this long, then SIGCONT.
     Pause(usize, Duration),
+    /// Its proxy to Redis stops forwarding for this long, its connections held open.
+    Cut(usize, Duration),
     /// Redis SIGSTOPped for this long: no beat lands meanwhile.
     PauseRedis(Duration),
     Idle(Duration),
@@ -69,7 +80,7 @@ fn generate(seed: u64, steps: usize) -> Vec<Event> {
     while events.len() < steps {
         let live: Vec<usize> = (0..SLOTS).filter(|&i| running[i]).collect();
         let down: Vec<usize> = (0..SLOTS).filter(|&i| !running[i]).collect();
-        let event = match rng.weighted(&[6, 3, 2, 2, 2, 1, 1]) {
+        let event = match rng.weighted(&[6, 3, 2, 2, 2, 2, 1, 1]) {
             0 => Event::Traffic {
                 slot: live[rng.index(live.len())],
                 requests: rng.range(1, 10) as usize,
@@ -88,9 +99,10 @@ fn generate(seed: u64, steps: usize) -> Vec<Event> {
                     Event::Kill(slot)
                 }
             }
-            4 => Event::Pause(live[rng.index(live.len())], rng.millis(500, 4_500)),
-            5 => Event::PauseRedis(rng.millis(500, 2_500)),
-            6 => Event::Idle(rng.millis(100, 2_000)),
+            4 => Event::Pause(live[rng.index(live.len())], rng.millis(500, 5_500)),
+            5 => Event::Cut(live[rng.index(live.len())], rng.millis(500, 6_000)),
+            6 => Event::PauseRedis(rng.millis(500, 2_500)),
+            7 => Event::Idle(rng.millis(100, 2_000)),
             _ => continue,
         };
         events.push(event);
@@ -98,9 +110,11 @@ fn generate(seed: u64, steps: usize) -> Vec<Event> {
     events
 }
 
-/// One replica slot: its process, and what it admitted since it last started.
+/// One replica slot: its process, its proxy to Redis, and what it admitted since it last
+/// started.
 struct Slot {
     sluice: Option<Sluice>,
+    proxy: Proxy,
     running: bool,
     admitted: u64,
 }
@@ -139,20 +153,23 @@ async fn run(seed: u64, steps: usize) {
     let events = generate(seed, steps);
     let redis = Controlled::started();
     let rules = rules();
-    let flags = ["--redis-url", redis.url.as_str(), "--store-timeout", "2s"];
     let mut slots: Vec<Slot> = Vec::new();
     for i in 0..SLOTS {
+        let proxy = Proxy::start(redis.port).await;
         let sluice = if i < 2 {
-            Some(Sluice::on(Store::Memory, &[("rules.yaml", &rules)], &flags).await)
+            Some(replica(&proxy, &rules).await)
         } else {
             None
         };
         slots.push(Slot {
             running: sluice.is_some(),
             sluice,
+            proxy,
             admitted: 0,
         });
     }
+    // What every process admitted in the hour, those gone included.
+    let mut in_the_window = 0;
     let mut h = History {
         seed,
         began: Instant::now(),
@@ -165,7 +182,18 @@ async fn run(seed: u64, steps: usize) {
                 for _ in 0..requests {
                     let s = &mut slots[slot];
                     let sluice = s.sluice.as_ref().expect("running");
-                    let answer = sluice.ask(request(DOMAIN, &[&[("client", "c")]])).await;
+                    let asked = sluice
+                        .client()
+                        .await
+                        .should_rate_limit(request(DOMAIN, &[&[("client", "c")]]))
+                        .await;
+                    let answer = match asked {
+                        Ok(answer) => answer.into_inner(),
+                        Err(status) => {
+                            h.note(format!("  r{slot}: no share: {}", status.message()));
+                            continue;
+                        }
+                    };
                     let share = answer.statuses[0]
                         .current_limit
                         .as_ref()
@@ -173,6 +201,7 @@ async fn run(seed: u64, steps: usize) {
                     let admitted = answer.overall_code == OK;
                     let before = s.admitted;
                     s.admitted += u64::from(admitted);
+                    in_the_window += u64::from(admitted);
                     h.note(format!(
                         "  r{slot}: {} with a share of {share}, {before} admitted before",
                         if admitted { "admitted" } else { "denied" }
@@ -183,17 +212,21 @@ async fn run(seed: u64, steps: usize) {
                     if !admitted && before < share {
                         h.fail(step, format!("r{slot} denied under its share of {share}"));
                     }
+                    if in_the_window > LIMIT {
+                        h.fail(
+                            step,
+                            format!(
+                                "the replicas admitted {in_the_window} in the hour, past {LIMIT}"
+                            ),
+                        );
+                    }
                 }
             }
             Event::Start(slot) => {
                 let s = &mut slots[slot];
                 match &mut s.sluice {
                     Some(sluice) => sluice.start_again().await,
-                    None => {
-                        s.sluice = Some(
-                            Sluice::on(Store::Memory, &[("rules.yaml", &rules)], &flags).await,
-                        );
-                    }
+                    None => s.sluice = Some(replica(&s.proxy, &rules).await),
                 }
                 s.running = true;
                 s.admitted = 0;
@@ -222,6 +255,11 @@ async fn run(seed: u64, steps: usize) {
                 tokio::time::sleep(t).await;
                 signal(sluice, "-CONT");
             }
+            Event::Cut(slot, t) => {
+                slots[slot].proxy.cut();
+                tokio::time::sleep(t).await;
+                slots[slot].proxy.mend();
+            }
             Event::PauseRedis(t) => {
                 redis.pause();
                 tokio::time::sleep(t).await;
@@ -234,8 +272,15 @@ async fn run(seed: u64, steps: usize) {
     println!("split history, seed {seed}:\n{}", h.log.join("\n"));
 }
 
-/// Waits, at most `SETTLE`, until the running replicas' shares are the limit divided among
-/// them, adding up to it.
+/// A replica reaching Redis through `proxy`.
+async fn replica(proxy: &Proxy, rules: &str) -> Sluice {
+    let url = format!("redis://127.0.0.1:{}", proxy.port);
+    let flags = ["--redis-url", url.as_str(), "--store-timeout", "2s"];
+    Sluice::on(Store::Memory, &[("rules.yaml", rules)], &flags).await
+}
+
+/// Waits, at most `SETTLE`, until the running replicas' shares of the per-second limit are that
+/// limit divided among them, adding up to it.
 async fn settled(h: &mut History, step: usize, slots: &[Slot]) {
     let running: Vec<&Sluice> = slots
         .iter()
@@ -247,13 +292,13 @@ async fn settled(h: &mut History, step: usize, slots: &[Slot]) {
     loop {
         let shares: Vec<Option<u64>> = running
             .iter()
-            .map(|s| common::counted_limit(s, DOMAIN, "client", "probe"))
+            .map(|s| common::counted_limit(s, DOMAIN, "each", "probe"))
             .collect();
         let even = shares
             .iter()
-            .all(|s| s.is_some_and(|s| s == LIMIT / n || s == LIMIT.div_ceil(n)));
+            .all(|s| s.is_some_and(|s| s == EACH_SECOND / n || s == EACH_SECOND.div_ceil(n)));
         let sum: u64 = shares.iter().flatten().sum();
-        if even && sum == LIMIT {
+        if even && sum == EACH_SECOND {
             h.note(format!(
                 "  settled in {} ms: shares {shares:?}",
                 start.elapsed().as_millis()
@@ -264,7 +309,7 @@ async fn settled(h: &mut History, step: usize, slots: &[Slot]) {
             h.fail(
                 step,
                 format!(
-                    "the shares of the {n} running replicas are {shares:?} after {SETTLE:?}, not {LIMIT} divided among them"
+                    "the shares of the {n} running replicas are {shares:?} after {SETTLE:?}, not {EACH_SECOND} divided among them"
                 ),
             );
         }
@@ -273,6 +318,6 @@ async fn settled(h: &mut History, step: usize, slots: &[Slot]) {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn generated_histories_decide_each_share_alone_and_divide_the_limit_among_the_live() {
+async fn generated_histories_admit_at_most_the_limit_and_divide_it_among_the_live() {
     common::histories("SPLIT", &SEEDS, STEPS, HOUR, run).await;
 }

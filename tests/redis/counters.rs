@@ -551,3 +551,61 @@ async fn a_replica_that_may_have_missed_a_reset_forgets_the_clients_it_knew_full
         b.log_text()
     );
 }
+
+/// A leased counter (200 an hour) on two replicas, `b` holding a block of it; while the counter
+/// is reset through `a`, every connection of `b` to Redis is severed (a proxy), so that it hears
+/// neither of the reset's notices. Its reconnection reads the counter's marker of changes by
+/// hand: the block taken before the reset is dropped, and from the fresh counter the two admit at
+/// most its 200, where the stale block let them admit more.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_that_may_have_missed_a_reset_drops_the_blocks_taken_before_it() {
+    const LEASED: &str = "domain: ops\ndescriptors:\n  - key: leased\n    lease: auto\n    rate_limit: {unit: hour, requests_per_unit: 200}\n";
+    common::in_one_window(common::HOUR, async || {
+        let redis = common::redis::dedicated();
+        let proxy = common::proxy::Proxy::start(redis.ports[0]).await;
+        let through = format!("redis://127.0.0.1:{}", proxy.port);
+        let flags = |url| {
+            [
+                "--redis-url",
+                url,
+                "--trust-admin-port",
+                "--lease-idle",
+                "1h",
+            ]
+        };
+        let a = Sluice::on(Store::Memory, &[("rules.yaml", LEASED)], &flags(&redis.url)).await;
+        let b = Sluice::on(Store::Memory, &[("rules.yaml", LEASED)], &flags(&through)).await;
+        let before = admitted(&b, "leased", "stale", 20).await;
+        assert_eq!(before, 20);
+        proxy.sever();
+        let addr = a.http;
+        let reset = tokio::task::spawn_blocking(move || {
+            counters(addr, None, &call("leased", "stale", "reset", true))
+        });
+        let (status, text) = reset.await.unwrap();
+        assert_eq!(status, 200, "{text}");
+        proxy.mend();
+        common::eventually(
+            "the replica that missed the notices read the markers",
+            Duration::from_secs(10),
+            async || b.log_text().contains("counter resets may have been missed"),
+        )
+        .await;
+        let mut after = 0;
+        for _ in 0..250 {
+            after += admitted(&b, "leased", "stale", 1).await;
+            after += admitted(&a, "leased", "stale", 1).await;
+        }
+        println!("after the reset: {after} admitted of 200");
+        assert!(
+            after <= 200,
+            "{after} admitted after the reset of a counter of 200\n{}",
+            b.log_text()
+        );
+        assert!(
+            after >= 150,
+            "{after} admitted after the reset: blocks stranded"
+        );
+    })
+    .await;
+}

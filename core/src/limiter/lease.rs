@@ -147,6 +147,9 @@ struct Held {
     /// The counter was reset while a block was on its way: the block may have been counted
     /// before the reset, which erased it, so it is not spent.
     forgotten: bool,
+    /// When the call that took the oldest hits `left` holds (or the block on its way) was sent:
+    /// a reset after it erased them.
+    since: Option<Instant>,
     /// The counter's key, rule and limit, to give the block back with, once it took one.
     counter: Option<(CounterKey, RuleId, Limit)>,
 }
@@ -163,6 +166,7 @@ impl Held {
             period: (item.hits, now, 0),
             taking: false,
             forgotten: false,
+            since: None,
             counter: None,
         }
     }
@@ -438,6 +442,9 @@ impl Leases {
             let item = &check.items[i];
             let h = held.get_mut(&ids[i]).expect("every short counter is held");
             h.taking = true;
+            if h.left == 0 {
+                h.since = Some(now);
+            }
             let mut block = item.clone();
             block.hits = h.block(least);
             block.step = Step::Take { least };
@@ -471,15 +478,20 @@ impl Leases {
             };
             h.taking = false;
             if std::mem::take(&mut h.forgotten) {
+                h.since = None;
                 continue;
             }
             let Some(decision) = decided.filter(|d| d.admitted) else {
+                if h.left == 0 {
+                    h.since = None;
+                }
                 continue;
             };
             let usage = &decision.usages[n];
             let block = usage.left_before.saturating_sub(usage.remaining);
             if h.window != usage.window || !h.live(sent) {
                 h.left = 0;
+                h.since = Some(sent);
             }
             h.left += block;
             h.window = usage.window;
@@ -529,6 +541,19 @@ impl Leases {
         returning.retain(|r| {
             r.item.key.as_bytes() != key || r.item.limit.requests_per_unit != requests_per_unit
         });
+    }
+
+    /// The counters whose blocks hold hits (or have one on its way), with when the call that
+    /// took the oldest of those hits was sent: a reset of the counter after it erased them.
+    pub fn held_since(&self) -> Vec<(CounterKey, u32, Instant)> {
+        self.held()
+            .values()
+            .filter(|h| h.left > 0 || h.taking)
+            .filter_map(|h| {
+                let (key, _, limit) = h.counter.as_ref()?;
+                Some((key.clone(), limit.requests_per_unit, h.since?))
+            })
+            .collect()
     }
 
     /// The next block taken (`took`): made before a `draw` that may answer `Draw::Wait`, so

@@ -111,6 +111,26 @@ impl Limit {
         }
     }
 
+    /// When the span began whose hits still weigh on a decision at `at_ms`: the window's start
+    /// for a fixed (or calendar) window, the previous window's for a sliding window, a window
+    /// back for a sliding log, and for a bucket the time it takes to refill (drain) from full.
+    pub fn counted_since(&self, at_ms: u64) -> u64 {
+        let window = self.window_ms();
+        if let Some(span) = self.calendar_span(at_ms) {
+            return span.start;
+        }
+        let back = match self.algorithm {
+            Algorithm::FixedWindow => at_ms % window,
+            Algorithm::SlidingWindow => at_ms % window + window,
+            Algorithm::SlidingLog => window,
+            Algorithm::TokenBucket | Algorithm::LeakyBucket => {
+                let rate = u64::from(self.requests_per_unit.max(1));
+                window.saturating_mul(u64::from(self.burst)).div_ceil(rate)
+            }
+        };
+        at_ms.saturating_sub(back)
+    }
+
     /// Whether a request may name the instant it counts at: `fixed_window` and `sliding_log`,
     /// off the calendar.
     pub fn schedulable(&self) -> bool {

@@ -366,11 +366,6 @@ impl RuleSet {
         }
     }
 
-    /// Whether a rule has `scope: split`.
-    pub fn has_split(&self) -> bool {
-        self.split
-    }
-
     /// No rules, because none have come over xDS yet: every request is refused until some do,
     /// which will count into `observer`.
     pub fn awaiting(observer: Arc<dyn Observer>) -> Self {
@@ -450,6 +445,22 @@ impl RuleSet {
                     .map(move |limit| (limit.requests_per_unit, node.source()))
             })
             .min_by_key(|(requests, _)| *requests)
+    }
+
+    /// The longest window of the `scope: split` limits in force, in ms (a calendar window's
+    /// nominal length, doubled to hold the longest month); `None` without a split rule.
+    pub fn longest_split_window_ms(&self) -> Option<u64> {
+        if !self.split {
+            return None;
+        }
+        let longest = self
+            .nodes()
+            .filter(|node| node.scope() == Some(Scope::Split))
+            .flat_map(|node| node.limits.iter())
+            .filter_map(|l| l.limit.as_ref())
+            .map(|limit| limit.window_ms() * if limit.calendar.is_some() { 2 } else { 1 })
+            .max();
+        Some(longest.unwrap_or(0))
     }
 
     /// The shortest calendar window of the rules in force, in ms (its nominal length: a day is

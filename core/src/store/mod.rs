@@ -143,13 +143,13 @@ impl Backend {
         }
     }
 
-    /// Beats in the store for this replica (`store::peers`) while `wanted` says so (the rules
-    /// in force have a `scope: split` rule), until `stop` resolves, then takes the beat back;
-    /// at once on the embedded store, which serves one.
+    /// Beats in the store for this replica (`store::peers`) while `wanted` gives the longest
+    /// window of the `scope: split` rules in force (ms), until `stop` resolves, then takes the
+    /// beat back; at once on the embedded store, which serves one.
     pub async fn beat(
         &self,
         stop: impl Future<Output = ()>,
-        wanted: impl Fn() -> bool,
+        wanted: impl Fn() -> Option<u64>,
     ) -> Result<(), StoreError> {
         match self {
             Backend::Memory(_) => Ok(()),
@@ -293,18 +293,21 @@ enum Counters {
 }
 
 impl Store {
-    /// Gives each `scope: split` item of `check` this replica's share of its limit; an error
-    /// while the live replicas were never read (the store not reached since the start): the
-    /// request is then answered as one the store could not decide.
+    /// Gives each `scope: split` item of `check` this replica's share of its limit in the window
+    /// it counts in now (`store::peers`); an error while this replica may not use a share (the
+    /// live replicas never read, or its beat not renewed within its life): the request is then
+    /// answered as one the store could not decide.
     pub fn share(&self, check: &mut Check) -> Result<(), StoreError> {
+        let (now, now_ms) = (std::time::Instant::now(), unix_ms());
         for item in check.items.iter_mut().filter(|i| i.scope == Scope::Split) {
+            let since = item.limit.counted_since(now_ms);
             let (Some(requests), Some(burst)) = (
-                self.peers.share(item.limit.requests_per_unit),
-                self.peers.share(item.limit.burst),
+                self.peers.share(item.limit.requests_per_unit, since, now),
+                self.peers.share(item.limit.burst, since, now),
             ) else {
                 return Err(StoreError::Unavailable(
-                    "this replica has not read the live replicas from the store yet: its share \
-                     of a split limit is unknown"
+                    "this replica's count of the live replicas is unknown or out of date (its \
+                     beat in the store not renewed): it has no share of a split limit"
                         .into(),
                 ));
             };
@@ -464,6 +467,28 @@ impl Store {
             }
         };
         self.guard.call(deadline, read).await
+    }
+
+    /// For each of `counters`, whether it was changed by hand (`/counters`) at or after the
+    /// instant beside it, or within a second before: what a replica that may have missed the
+    /// notice (`Reset::Missed`) drops its blocks of. None on the embedded store.
+    pub async fn changed_after(
+        &self,
+        counters: &[(CounterKey, tokio::time::Instant)],
+        deadline: Deadline,
+    ) -> Result<Vec<bool>, StoreError> {
+        let Counters::Redis(redis) = &self.counters else {
+            return Ok(vec![false; counters.len()]);
+        };
+        let (now, now_ms) = (tokio::time::Instant::now(), unix_ms());
+        let after: Vec<(CounterKey, u64)> = counters
+            .iter()
+            .map(|(key, at)| {
+                let ago = now.saturating_duration_since(*at).as_millis() as u64;
+                (key.clone(), now_ms.saturating_sub(ago))
+            })
+            .collect();
+        self.guard.call(deadline, redis.changed_after(&after)).await
     }
 
     /// Tells every replica that the counters of `items` may have room again: they forget

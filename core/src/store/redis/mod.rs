@@ -36,7 +36,7 @@ mod tls;
 
 use std::io::Write;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
@@ -44,7 +44,7 @@ use tracing::Instrument;
 
 use super::demand::{Division, Settle};
 use super::guard::{self, Breaker, Queue};
-use super::peers::{self, Peers};
+use super::peers::{self, Beat, Peers};
 use super::{Deadline, Reset, StoreError, Told};
 use fred::prelude::Value;
 use fred::types::{ClusterHash, CustomCommand};
@@ -232,6 +232,20 @@ impl RedisStore {
     pub(crate) async fn unblock(&self, items: &[Item]) -> Result<(), StoreError> {
         let channel = Bytes::from(reset_channel_of(&self.prefix));
         for item in items {
+            // Marked first, for a replica that misses the notice (`changed_after`), as long
+            // as a block of the counter's window may live.
+            let set = CustomCommand::new_static("SET", ClusterHash::FirstKey, false);
+            let keep_ms = item.limit.window_ms().saturating_mul(2).max(1) as i64;
+            let args = vec![
+                self.table_key(&item.key, CHANGED),
+                Value::from(super::unix_ms().to_string()),
+                Value::from("PX"),
+                Value::from(keep_ms),
+            ];
+            self.conn
+                .send::<Value>(set, args)
+                .await
+                .map_err(conn::failed)?;
             let mut told = self.key(&item.key).to_vec();
             told.extend_from_slice(&item.limit.requests_per_unit.to_be_bytes());
             let publish = CustomCommand::new_static("PUBLISH", ClusterHash::Random, false);
@@ -244,12 +258,37 @@ impl RedisStore {
         Ok(())
     }
 
+    /// For each of `counters`, whether it was changed by hand (`unblock`) at or after the
+    /// instant (ms of this replica's clock) beside it, a replica's clock apart.
+    pub(crate) async fn changed_after(
+        &self,
+        counters: &[(CounterKey, u64)],
+    ) -> Result<Vec<bool>, StoreError> {
+        let mut out = Vec::with_capacity(counters.len());
+        for chunk in counters.chunks(CHANGES_READ_AT_ONCE) {
+            let reads = chunk.iter().map(|(key, after_ms)| async move {
+                let get = CustomCommand::new_static("GET", ClusterHash::FirstKey, false);
+                let marked: Option<String> = self
+                    .conn
+                    .send(get, vec![self.table_key(key, CHANGED)])
+                    .await
+                    .map_err(conn::failed)?;
+                let at = marked.and_then(|m| m.parse::<u64>().ok());
+                Ok::<_, StoreError>(at.is_some_and(|at| at + CLOCKS_APART_MS >= *after_ms))
+            });
+            for changed in futures_util::future::join_all(reads).await {
+                out.push(changed?);
+            }
+        }
+        Ok(out)
+    }
+
     fn key(&self, key: &CounterKey) -> Bytes {
         redis_key(&self.prefix, key)
     }
 
     /// The key of a held counter's table beside the counter of `key`, in its slot: `~h`, `~e`
-    /// or `~m` (lua/check.lua's hold section).
+    /// or `~m` (lua/check.lua's hold section); or its marker of changes by hand, `~r`.
     fn table_key(&self, key: &CounterKey, suffix: &str) -> Value {
         let mut table = self.key(key).to_vec();
         table.extend_from_slice(suffix.as_bytes());
@@ -326,38 +365,49 @@ fn quota_channel(prefix: &str) -> Bytes {
 /// How soon a beat is sent again while no count of the live replicas was read yet.
 const FIRST_BEAT_RETRY: Duration = Duration::from_millis(50);
 
-/// This replica's beat (`peers`): `KEYS[1]` the set of live replicas (scored by when each
-/// lapses), `ARGV` its id, how long (ms) a beat keeps it counted, and `1` to take its beat back;
-/// answers the ids live now. The clock is Redis `TIME`, the same for every replica.
+/// This replica's beat (`peers`): `KEYS[1]` the set of replicas (scored by when each lapses),
+/// `ARGV` its id, how long (ms) a beat keeps it counted, `1` to take its beat back, and how long
+/// (ms) the set is kept (the longest split window: lapsed beats stay in it, the latest few, so
+/// that a replica can tell whether another counted since a window began). Answers the store's
+/// clock (ms), when the last other replica lapses (lapsed) and the ids live now. The clock is
+/// Redis `TIME`, the same for every replica.
 const BEAT_SCRIPT: &str = "\
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if ARGV[3] == '1' then
-  redis.call('ZREM', KEYS[1], ARGV[1])
+  redis.call('ZADD', KEYS[1], 'XX', now, ARGV[1])
   return {}
 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
-return redis.call('ZRANGE', KEYS[1], 0, -1)
+local others = 0
+local top = redis.call('ZREVRANGE', KEYS[1], 0, 1, 'WITHSCORES')
+for i = 1, #top, 2 do
+  if top[i] ~= ARGV[1] then others = math.max(others, tonumber(top[i + 1])) end
+end
+local live = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')
+redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -(#live + 9))
+redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[4]), tonumber(ARGV[2])))
+local reply = {tostring(now), tostring(others)}
+for i = 1, #live do reply[#reply + 1] = live[i] end
+return reply
 ";
 
 /// Beats for `peers` in the Redis of `url` under `prefix` every `peers::BEAT` (see
-/// `store::peers`) while `wanted` says so, taking the beat back when it no longer does, until
-/// `stop` resolves.
+/// `store::peers`) while `wanted` gives the longest split window (ms) of the rules in force,
+/// taking the beat back when it no longer does, until `stop` resolves.
 pub(crate) async fn beat(
     url: &str,
     prefix: &str,
     tls: Option<&RedisTls>,
     peers: Peers,
     stop: impl Future<Output = ()>,
-    wanted: impl Fn() -> bool,
+    wanted: impl Fn() -> Option<u64>,
 ) -> Result<(), StoreError> {
     let conn = Conn::connect(url, tls)?;
     let key = Bytes::from(format!("{prefix}replicas"));
     let slot = fred::util::redis_keyslot(&key);
     let live_ms = Value::from(peers::LIVE_FOR.as_millis() as i64);
-    let call = |leave: bool| {
+    let call = |leave: bool, keep_ms: u64| {
         let eval = CustomCommand::new_static("EVAL", ClusterHash::Custom(slot), false);
         let args = vec![
             Value::from(BEAT_SCRIPT),
@@ -366,6 +416,7 @@ pub(crate) async fn beat(
             Value::from(peers.id()),
             live_ms.clone(),
             Value::from(if leave { "1" } else { "0" }),
+            Value::from(keep_ms.min(i64::MAX as u64) as i64),
         ];
         let conn = conn.clone();
         async move { conn.send::<Vec<String>>(eval, args).await }
@@ -374,32 +425,27 @@ pub(crate) async fn beat(
     let mut beating = false;
     loop {
         let want = wanted();
-        if want {
+        if let Some(keep_ms) = want {
             beating = true;
-            match tokio::time::timeout(peers::BEAT, call(false)).await {
-                Ok(Ok(mut live)) => {
-                    // By id, an order every replica reading the same set agrees on.
-                    live.sort_unstable();
-                    match live.iter().position(|id| id == peers.id()) {
-                        Some(place) => peers.saw(live.len() as u32, place as u32),
-                        None => {
-                            tracing::debug!("this replica's beat was not among the live ones");
-                        }
-                    }
-                }
+            let (sent, sent_ms) = (Instant::now(), super::unix_ms());
+            match tokio::time::timeout(peers::BEAT, call(false, keep_ms)).await {
+                Ok(Ok(reply)) => match read_beat(&peers, reply, sent, sent_ms) {
+                    Some(beat) => peers.saw(&beat),
+                    None => tracing::debug!("this replica's beat was not among the live ones"),
+                },
                 Ok(Err(e)) => tracing::debug!("the replicas' beat failed: {e}"),
                 Err(_) => tracing::debug!("the replicas' beat took longer than a beat"),
             }
         } else if beating
             && matches!(
-                tokio::time::timeout(peers::BEAT, call(true)).await,
+                tokio::time::timeout(peers::BEAT, call(true, 0)).await,
                 Ok(Ok(_))
             )
         {
             beating = false;
         }
         // Until the first count is read, sooner: the split limits deny meanwhile.
-        let next = if want && peers.count() == 0 {
+        let next = if want.is_some() && peers.count() == 0 {
             FIRST_BEAT_RETRY
         } else {
             peers::BEAT
@@ -410,10 +456,45 @@ pub(crate) async fn beat(
         }
     }
     if beating {
-        let _ = tokio::time::timeout(peers::BEAT, call(true)).await;
+        let _ = tokio::time::timeout(peers::BEAT, call(true, 0)).await;
     }
     Ok(())
 }
+
+/// A beat's answer as `peers` reads it (times on this replica's clock), or `None` when it was
+/// not counted among the live.
+fn read_beat(peers: &Peers, reply: Vec<String>, sent: Instant, sent_ms: u64) -> Option<Beat> {
+    let received_ms = super::unix_ms();
+    let [store_now, others, live @ ..] = reply.as_slice() else {
+        return None;
+    };
+    let (store_now, others) = (store_now.parse::<u64>().ok()?, others.parse::<u64>().ok()?);
+    // By id, an order every replica reading the same set agrees on.
+    let mut live: Vec<&String> = live.iter().collect();
+    live.sort_unstable();
+    let place = live.iter().position(|id| *id == peers.id())?;
+    Some(Beat {
+        sent,
+        sent_ms,
+        received_ms,
+        count: live.len() as u32,
+        place: place as u32,
+        // The store's clock read as this replica's: late rather than early.
+        others_until: if others == 0 {
+            0
+        } else {
+            (received_ms + others).saturating_sub(store_now)
+        },
+    })
+}
+
+/// The suffix of the key marking when a counter was last changed by hand, in its slot.
+const CHANGED: &str = "~r";
+/// Markers read at once when resets may have been missed.
+const CHANGES_READ_AT_ONCE: usize = 256;
+/// How far apart two replicas' clocks are taken to be, at most, when a marker written by one is
+/// compared with an instant of another: a change within it is taken as after.
+const CLOCKS_APART_MS: u64 = 1_000;
 
 /// The channel on which a replica that reset counters (`/counters`) names them to every other
 /// under `prefix`: the counter's Redis key, then its limit's requests per unit (4 bytes, big
