@@ -182,11 +182,11 @@ impl Rls {
             if let Some(item) = check.items.iter().find(|i| !i.limit.schedulable()) {
                 self.telemetry.invalid_request();
                 let limit = match item.limit.calendar {
-                    Some(_) => format!("{} on the calendar", item.limit.unit.name()),
-                    None => item.limit.algorithm.name().to_owned(),
+                    Some(_) => format!("a limit on the calendar (per {})", item.limit.unit.name()),
+                    None => format!("a {} limit", item.limit.algorithm.name()),
                 };
                 return Err(Status::invalid_argument(format!(
-                    "\"at\" names an instant, which only fixed_window and sliding_log limits off the calendar count at; this request has a {limit} limit"
+                    "\"at\" names an instant, which only fixed_window and sliding_log limits off the calendar count at; this request has {limit}"
                 )));
             }
             let ahead = Duration::from_millis(at.saturating_sub(unix_ms()));

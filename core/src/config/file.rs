@@ -760,7 +760,8 @@ impl Parser<'_> {
                 self.error(
                     line,
                     format!(
-                        "a calendar window is a day, a week, a month or a year, not a {}",
+                        "a calendar window is a day, a week, a month or a year, not {} {}",
+                        if other == Unit::Hour { "an" } else { "a" },
                         other.name()
                     ),
                 );
@@ -781,8 +782,13 @@ impl Parser<'_> {
             self.error(
                 line,
                 format!(
-                    "calendar windows count with fixed_window, not {} (a sliding window weighs windows of one length; a log and the buckets have no window to start)",
-                    other.name()
+                    "calendar windows count with fixed_window, not {} ({})",
+                    other.name(),
+                    match other {
+                        Algorithm::SlidingWindow => "a sliding window weighs windows of one length",
+                        Algorithm::SlidingLog => "a log has no window to start",
+                        _ => "a bucket has no window to start",
+                    }
                 ),
             );
         }
@@ -1231,7 +1237,7 @@ mod tests {
             ),
             (
                 "{unit: hour, requests_per_unit: 5, calendar: {time_zone: UTC}}",
-                "a calendar window is a day, a week, a month or a year, not a hour",
+                "a calendar window is a day, a week, a month or a year, not an hour",
             ),
             (
                 "{unit: day, requests_per_unit: 5, unit_multiplier: 2, calendar: true}",
@@ -1239,11 +1245,11 @@ mod tests {
             ),
             (
                 "{unit: month, requests_per_unit: 5, algorithm: sliding_window, calendar: true}",
-                "calendar windows count with fixed_window, not sliding_window (a sliding window weighs windows of one length; a log and the buckets have no window to start)",
+                "calendar windows count with fixed_window, not sliding_window (a sliding window weighs windows of one length)",
             ),
             (
                 "{unit: month, requests_per_unit: 5, algorithm: token_bucket, calendar: true}",
-                "calendar windows count with fixed_window, not token_bucket (a sliding window weighs windows of one length; a log and the buckets have no window to start)",
+                "calendar windows count with fixed_window, not token_bucket (a bucket has no window to start)",
             ),
             (
                 "{unit: month, requests_per_unit: 5, calendar: {time_zone: Europe/Berln}}",

@@ -298,6 +298,9 @@ impl Store {
     /// live replicas never read, or its beat not renewed within its life): the request is then
     /// answered as one the store could not decide.
     pub fn share(&self, check: &mut Check) -> Result<(), StoreError> {
+        if check.items.iter().all(|i| i.scope != Scope::Split) {
+            return Ok(());
+        }
         let (now, now_ms) = (std::time::Instant::now(), unix_ms());
         for item in check.items.iter_mut().filter(|i| i.scope == Scope::Split) {
             let since = item.limit.counted_since(now_ms);

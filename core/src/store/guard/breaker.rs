@@ -5,7 +5,7 @@
 //! anything. Only Redis' own failures count: a reply saying that one key cannot be read is an
 //! answer, and one bad key must not take the store away from every other request.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
@@ -29,13 +29,22 @@ pub(crate) struct Breaker {
     observer: Arc<dyn Observer>,
     /// How far the store's clock reads from this replica's, as its deployment last measured.
     skew: Arc<AtomicI64>,
+    /// The breakers of its deployment open now: the first to open and the last to close say so
+    /// in the log, once for the deployment.
+    open_now: Arc<AtomicUsize>,
 }
 
 /// No skew measured yet.
 const UNKNOWN_SKEW: i64 = i64::MIN;
 
 impl Breaker {
-    fn new(changed: Arc<Notify>, observer: Arc<dyn Observer>, skew: Arc<AtomicI64>) -> Self {
+    fn new(
+        changed: Arc<Notify>,
+        observer: Arc<dyn Observer>,
+        skew: Arc<AtomicI64>,
+        open_now: Arc<AtomicUsize>,
+    ) -> Self {
+        open_now.fetch_add(1, Ordering::Relaxed);
         Breaker {
             open: AtomicBool::new(true),
             failures: AtomicU32::new(0),
@@ -43,6 +52,7 @@ impl Breaker {
             changed,
             observer,
             skew,
+            open_now,
         }
     }
 
@@ -92,10 +102,12 @@ impl Breaker {
     /// Opens the breaker at once: the store is known to be down.
     pub(crate) fn trip(&self, why: &impl std::fmt::Display) {
         if !self.open.swap(true, Ordering::Relaxed) {
-            tracing::warn!(
-                "Redis marked down ({why}): requests get the --on-store-error answer until it \
-                 answers again"
-            );
+            if self.open_now.fetch_add(1, Ordering::Relaxed) == 0 {
+                tracing::warn!(
+                    "Redis marked down ({why}): requests get the --on-store-error answer until \
+                     it answers again"
+                );
+            }
             self.changed.notify_one();
         }
     }
@@ -122,8 +134,18 @@ impl Breaker {
         self.failures.store(0, Ordering::Relaxed);
         *self.cause.lock().unwrap_or_else(|e| e.into_inner()) = None;
         if self.open.swap(false, Ordering::Relaxed) {
-            tracing::info!("Redis answers: deciding from its counters");
+            if self.open_now.fetch_sub(1, Ordering::Relaxed) == 1 {
+                tracing::info!("Redis answers: deciding from its counters");
+            }
             self.changed.notify_one();
+        }
+    }
+}
+
+impl Drop for Breaker {
+    fn drop(&mut self) {
+        if self.is_open() {
+            self.open_now.fetch_sub(1, Ordering::Relaxed);
         }
     }
 }
@@ -138,6 +160,8 @@ pub struct Breakers {
     observer: Arc<dyn Observer>,
     /// How far the store's clock reads from this replica's, as last measured by any of them.
     skew: Arc<AtomicI64>,
+    /// How many of them are open now.
+    open_now: Arc<AtomicUsize>,
 }
 
 impl Breakers {
@@ -147,6 +171,7 @@ impl Breakers {
             changed: Arc::default(),
             observer,
             skew: Arc::new(AtomicI64::new(UNKNOWN_SKEW)),
+            open_now: Arc::default(),
         }
     }
 
@@ -156,6 +181,7 @@ impl Breakers {
             self.changed.clone(),
             self.observer.clone(),
             self.skew.clone(),
+            self.open_now.clone(),
         ))
     }
 
@@ -217,6 +243,7 @@ mod tests {
             Arc::default(),
             crate::observe::unobserved(),
             Arc::new(AtomicI64::new(UNKNOWN_SKEW)),
+            Arc::default(),
         );
         assert!(b.is_open(), "closed only once the store was reached");
         b.close();

@@ -486,9 +486,12 @@ async fn causes(
 ) {
     loop {
         match errors.recv().await {
-            Ok((e, _)) => {
+            Ok((e, server)) => {
                 let (kind, detail) = diagnosed(&e, &tls_to).await;
-                breaker.unreachable(kind, &detail);
+                match server {
+                    Some(server) => breaker.unreachable(kind, &format!("{server}: {detail}")),
+                    None => breaker.unreachable(kind, &detail),
+                }
             }
             Err(broadcast::error::RecvError::Lagged(_)) => {}
             Err(broadcast::error::RecvError::Closed) => return,
