@@ -223,12 +223,15 @@ async fn forget_resets(
     }
 }
 
-/// How long the markers of changes by hand may take to read once resets may have been missed.
-const MARKERS_WAIT: Duration = Duration::from_secs(5);
+/// How long the markers of changes by hand are tried for once resets may have been missed (the
+/// store may not be reached again yet: the reconnection that missed them is often the store's),
+/// and how often.
+const MARKERS_WAIT: Duration = Duration::from_secs(10);
+const MARKERS_RETRY: Duration = Duration::from_millis(100);
 
 /// Drops the leased blocks of the counters changed by hand since they were taken, as `store`
-/// marks them; all of them when the marks cannot be read (a block is then given up, never
-/// spent past a reset). Answers how many counters' blocks were dropped.
+/// marks them; all of them when the marks cannot be read within `MARKERS_WAIT` (a block is then
+/// given up, never spent past a reset). Answers how many counters' blocks were dropped.
 async fn drop_changed_blocks(leases: &Leases, store: &Store) -> usize {
     let held = leases.held_since();
     if held.is_empty() {
@@ -238,13 +241,24 @@ async fn drop_changed_blocks(leases: &Leases, store: &Store) -> usize {
         .iter()
         .map(|(key, _, since)| (key.clone(), *since))
         .collect();
-    let changed = store
-        .changed_after(&asked, Deadline::new(MARKERS_WAIT, None))
-        .await
-        .unwrap_or_else(|e| {
-            tracing::warn!("the markers of counters changed by hand could not be read ({e}): every leased block is dropped");
-            vec![true; held.len()]
-        });
+    let until = Instant::now() + MARKERS_WAIT;
+    let changed = loop {
+        let left = until.saturating_duration_since(Instant::now());
+        match store.changed_after(&asked, Deadline::new(left, None)).await {
+            Ok(changed) => break changed,
+            Err(_) if Instant::now() + MARKERS_RETRY < until => {
+                tokio::time::sleep(MARKERS_RETRY).await;
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "the markers of counters changed by hand could not be read within {}s ({e}): \
+                     every leased block is dropped",
+                    MARKERS_WAIT.as_secs()
+                );
+                break vec![true; held.len()];
+            }
+        }
+    };
     let mut dropped = 0;
     for ((key, requests_per_unit, _), changed) in held.iter().zip(changed) {
         if changed {

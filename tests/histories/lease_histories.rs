@@ -442,13 +442,16 @@ async fn send(flow: Flow, addr: SocketAddr, targets: Targets) -> Vec<Answer> {
     common::gather(tasks).await
 }
 
-/// The store's clock and every count under `prefix`: (key, window index) → hits.
+/// The store's clock and every count under `prefix`: (key, window index) → hits. Counters are
+/// hashes; the markers of counters changed by hand (`~r`) are not counts.
 fn dump(port: u16, prefix: &str) -> (u64, HashMap<(String, u64), u64>) {
     const SCRIPT: &str = "local t = redis.call('TIME') \
         local out = {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)} \
         for _, k in ipairs(redis.call('KEYS', ARGV[1])) do \
-          local kv = redis.call('HGETALL', k) \
-          for i = 1, #kv, 2 do out[#out + 1] = k .. '|' .. kv[i] .. '|' .. kv[i + 1] end \
+          if redis.call('TYPE', k).ok == 'hash' then \
+            local kv = redis.call('HGETALL', k) \
+            for i = 1, #kv, 2 do out[#out + 1] = k .. '|' .. kv[i] .. '|' .. kv[i + 1] end \
+          end \
         end \
         return out";
     let pattern = format!("{prefix}*");
