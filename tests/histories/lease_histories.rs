@@ -442,6 +442,10 @@ async fn send(flow: Flow, addr: SocketAddr, targets: Targets) -> Vec<Answer> {
     common::gather(tasks).await
 }
 
+/// How long a reset refused with nothing changed is asked again: within the 3 s a reset keeps
+/// from its window's end, with the 1.1 s a leased counter's reset takes.
+const NOT_APPLIED_RETRY: Duration = Duration::from_millis(1500);
+
 /// The store's clock and every count under `prefix`: (key, window index) → hits. Counters are
 /// hashes; the markers of counters changed by hand (`~r`) are not counts.
 fn dump(port: u16, prefix: &str) -> (u64, HashMap<(String, u64), u64>) {
@@ -743,12 +747,21 @@ impl World {
             "apply": true,
         });
         let sent = Instant::now();
-        let (status, _, text) = common::http(
-            self.replicas[replica].http,
-            "POST",
-            "/counters",
-            &body.to_string(),
-        );
+        let ask = || {
+            common::http(
+                self.replicas[replica].http,
+                "POST",
+                "/counters",
+                &body.to_string(),
+            )
+        };
+        let (mut status, _, mut text) = ask();
+        // Refused with nothing changed while the store is being reached again (a restart just
+        // before): asked again, as an operator would. "applied, but…" is a change made.
+        while status == 503 && !text.starts_with("applied") && sent.elapsed() < NOT_APPLIED_RETRY {
+            std::thread::sleep(Duration::from_millis(100));
+            (status, _, text) = ask();
+        }
         if status != 200 {
             self.fail(&format!("the reset was answered {status}: {text}"));
         }
