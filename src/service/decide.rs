@@ -183,7 +183,11 @@ impl Decider {
     fn failed(&self, calls: Vec<Returning>, e: &StoreError, at_exit: bool) {
         let unsent = matches!(
             e,
-            StoreError::Shed | StoreError::Down | StoreError::Redirected | StoreError::Full { .. }
+            StoreError::Expired
+                | StoreError::Shed
+                | StoreError::Down
+                | StoreError::Redirected
+                | StoreError::Full { .. }
         );
         let hits: u64 = calls.iter().map(|r| r.item.hits).sum();
         if let Some(n) = GIVE_BACK_FAILED.hit() {

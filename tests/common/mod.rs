@@ -30,12 +30,21 @@ use tonic_health::pb::health_client::HealthClient;
 pub const OK: i32 = 1;
 pub const OVER_LIMIT: i32 = 2;
 
-/// A loopback port that was free a moment ago.
+/// A loopback port that was free a moment ago, and never given before in this process: two
+/// servers started side by side never both try it, so that one cannot take the other's answer
+/// for its own.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free loopback port")
-        .port()
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free loopback port")
+            .port();
+        if GIVEN.lock().unwrap_or_else(|e| e.into_inner()).insert(port) {
+            return port;
+        }
+    }
 }
 
 /// Where a test's sluice keeps its counters.
@@ -616,8 +625,9 @@ pub async fn wait_serving(child: &mut Child, grpc: SocketAddr) -> bool {
                     service: String::new(),
                 })
                 .await;
+            // Still running: the answer is its own, not that of a server that held the port.
             if status.is_ok_and(|s| s.get_ref().status == ServingStatus::Serving as i32) {
-                return true;
+                return matches!(child.try_wait(), Ok(None));
             }
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -629,6 +629,9 @@ pub enum StoreError {
     Full { max_keys: usize },
     /// No answer before the deadline.
     Timeout,
+    /// No answer before the deadline, and the request was never sent: it waited behind the
+    /// calls in flight until its time ran out, so nothing it asked happened.
+    Expired,
     /// Too many requests already wait for Redis.
     Shed,
     /// Redis is marked down after repeated failures, or not reached yet.
@@ -688,6 +691,10 @@ impl fmt::Display for StoreError {
             StoreError::Timeout => {
                 f.write_str("the store did not answer in time (--store-timeout)")
             }
+            StoreError::Expired => f.write_str(
+                "the store did not answer in time (--store-timeout): the calls before this one \
+                 held it, and this one was not sent",
+            ),
             StoreError::Shed => f.write_str("too many requests are waiting for Redis"),
             StoreError::Down => f.write_str("Redis is unreachable (circuit breaker open)"),
             StoreError::Data { key, why } => write!(
@@ -727,7 +734,7 @@ impl StoreError {
     pub fn kind(&self) -> &'static str {
         match self {
             StoreError::Full { .. } => "full",
-            StoreError::Timeout => "timeout",
+            StoreError::Timeout | StoreError::Expired => "timeout",
             StoreError::Shed => "shed",
             StoreError::Down => "down",
             StoreError::Unavailable(_) | StoreError::Config(_) => "unavailable",

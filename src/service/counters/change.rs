@@ -162,6 +162,7 @@ fn surely_not_sent(e: &StoreError) -> bool {
     matches!(
         e,
         StoreError::Full { .. }
+            | StoreError::Expired
             | StoreError::Shed
             | StoreError::Down
             | StoreError::Redirected

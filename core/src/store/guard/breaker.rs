@@ -79,7 +79,7 @@ impl Breaker {
         match answer {
             Ok(_) => self.success(),
             Err(e) if e.answered() => self.success(),
-            Err(StoreError::Timeout) if !deadline.store_own => {}
+            Err(StoreError::Timeout | StoreError::Expired) if !deadline.store_own => {}
             Err(e) => self.failure(e),
         }
     }

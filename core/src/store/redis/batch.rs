@@ -5,6 +5,7 @@
 //! came too late, or whose writes the replicas did not confirm, is refunded.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
 use fred::prelude::Value;
@@ -30,6 +31,7 @@ pub(super) struct Pending {
     charges: Vec<Charge>,
     deadline: Instant,
     reply: oneshot::Sender<Answer>,
+    taken: Taken,
     /// Its store call's span, which the script call carrying it links to.
     span: tracing::Span,
 }
@@ -40,6 +42,7 @@ impl Pending {
         keys: Vec<Bytes>,
         deadline: Instant,
         reply: oneshot::Sender<Answer>,
+        taken: Taken,
     ) -> Self {
         let all: Vec<usize> = (0..keys.len()).collect();
         Pending {
@@ -52,13 +55,26 @@ impl Pending {
             keys,
             deadline,
             reply,
+            taken,
             span: tracing::Span::current(),
         }
     }
 
-    /// Its caller still waits, with time left.
+    /// Its caller still waits, with time left: the call about to be sent takes it.
     fn wanted(&self, now: Instant) -> bool {
-        !self.reply.is_closed() && now < self.deadline
+        !self.reply.is_closed() && now < self.deadline && self.taken.take()
+    }
+}
+
+/// Whether a waiting request was taken: into a call by the batcher, or back by its caller once
+/// its time has run out, whichever comes first. Taken back, it was surely never sent.
+#[derive(Clone, Default)]
+pub(super) struct Taken(Arc<AtomicBool>);
+
+impl Taken {
+    /// Takes the request; false when it was taken already.
+    pub(super) fn take(&self) -> bool {
+        !self.0.swap(true, Ordering::AcqRel)
     }
 }
 

@@ -51,7 +51,7 @@ use fred::types::{ClusterHash, CustomCommand};
 
 use crate::limiter::{Algorithm, Check, CounterKey, Decision, Item};
 use crate::observe::{Observer, TRACES};
-use batch::Pending;
+use batch::{Pending, Taken};
 use conn::{Conn, Lanes};
 use records::Record;
 pub use replicas::Replicas;
@@ -305,8 +305,18 @@ impl RedisStore {
     ) -> Result<Decision, StoreError> {
         let keys: Vec<Bytes> = check.items.iter().map(|i| self.key(&i.key)).collect();
         let (reply, answer) = oneshot::channel();
-        match &self.queue {
-            Some(queue) => queue.push(Pending::new(check, keys, deadline.at, reply))?,
+        let answer = match &self.queue {
+            Some(queue) => {
+                let taken = Taken::default();
+                queue.push(Pending::new(check, keys, deadline.at, reply, taken.clone()))?;
+                match tokio::time::timeout_at(deadline.at, answer).await {
+                    Ok(Ok(answer)) => answer,
+                    // Still waiting behind the calls in flight, or dropped from the queue, once
+                    // its time had run out: never sent.
+                    _ if taken.take() => Err(StoreError::Expired),
+                    _ => Err(StoreError::Timeout),
+                }
+            }
             None => {
                 tokio::spawn(
                     cluster::decide(
@@ -318,10 +328,10 @@ impl RedisStore {
                     )
                     .in_current_span(),
                 );
+                answer.await.unwrap_or(Err(StoreError::Timeout))
             }
-        }
-        // Dropped from the queue once its time had run out: no answer in time.
-        let (admitted, verdicts) = answer.await.unwrap_or(Err(StoreError::Timeout))?;
+        };
+        let (admitted, verdicts) = answer?;
         Ok(Decision::of(check, admitted, &verdicts))
     }
 
