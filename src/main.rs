@@ -1,8 +1,7 @@
-//! The `sluice` command: `serve` runs the service, `check-config` validates rule files, `explain`
-//! shows how rules match a request, `load` measures a running service, `health` probes its
-//! gRPC health and `top` watches who it is limiting. Run as `ratelimit` (a link named so), it
-//! serves as envoyproxy/ratelimit does, from that project's environment variables. The flags of
-//! each are in `settings`.
+//! The `sluice` command: `serve` runs the service, `explain` shows how rules match a request, and
+//! the client commands (`check-config`, `load`, `health`, `top`, `counters`) are in `cli`. Run as
+//! `ratelimit` (a link named so), it serves as envoyproxy/ratelimit does, from that project's
+//! environment variables. The flags of each are in `settings`.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -10,13 +9,14 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-use sluice::config;
+use sluice::cli;
 use sluice::quota::Quotas;
-use sluice::rules::RuleSet;
 use sluice::service::{self, Setup, Shutdown, reload};
-use sluice::settings::{self, Command, ExplainArgs, HealthArgs, ServeArgs, erl};
+use sluice::settings::{self, Command, ExplainArgs, ServeArgs, erl};
 use sluice::telemetry::traces::Traces;
 use sluice::telemetry::{self, Telemetry, statsd};
+use sluice_core::config;
+use sluice_core::rules::RuleSet;
 
 /// mimalloc: measurably less CPU per request than the system allocator on the request path, and
 /// less memory held for the embedded store's many small counters.
@@ -32,12 +32,12 @@ fn main() -> ExitCode {
         }
     };
     match cli.command {
-        Command::CheckConfig(args) => check_config(&args.source()),
-        Command::Health(args) => health(&args),
+        Command::CheckConfig(args) => cli::check_config(&args.source()),
+        Command::Health(args) => cli::health(args.endpoint()),
         Command::Explain(args) => explain(&args),
-        Command::Load(options) => load(options),
-        Command::Top(options) => top(options),
-        Command::Counters(options) => counters(*options),
+        Command::Load(options) => cli::load(options),
+        Command::Top(options) => cli::top(options),
+        Command::Counters(options) => cli::counters(*options),
         Command::Serve(args) => {
             let telemetry = Telemetry::new();
             let traces = args
@@ -86,42 +86,6 @@ fn main() -> ExitCode {
     }
 }
 
-fn check_config(source: &config::Source) -> ExitCode {
-    match config::load(source) {
-        Ok(loaded) => {
-            for w in &loaded.warnings {
-                eprintln!("{w} (warning)");
-            }
-            let domains: std::collections::HashSet<_> =
-                loaded.domains.iter().map(|d| &d.domain).collect();
-            if domains.is_empty() {
-                println!(
-                    "{}: no .yaml or .yml file with a domain (serve refuses to start on it without --allow-empty-config)",
-                    source.path.display()
-                );
-                return ExitCode::FAILURE;
-            }
-            let quota_buckets: usize = loaded.domains.iter().map(|d| d.quota_buckets.len()).sum();
-            let quota = match quota_buckets {
-                0 => String::new(),
-                n => format!(", {n} quota bucket rule(s)"),
-            };
-            println!(
-                "{}: {} domain(s) valid{quota}",
-                source.path.display(),
-                domains.len()
-            );
-            ExitCode::SUCCESS
-        }
-        Err(errors) => {
-            for e in &errors {
-                println!("{e}");
-            }
-            ExitCode::FAILURE
-        }
-    }
-}
-
 /// Exit status of `explain` for a request it cannot read (as clap's for a malformed argument).
 const MALFORMED_REQUEST: u8 = 2;
 /// How long the statsd push has, once serving ends, to send what the drain counted.
@@ -140,7 +104,7 @@ fn explain(args: &ExplainArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let rules = RuleSet::from_loaded(loaded, false, sluice::observe::unobserved());
+    let rules = RuleSet::from_loaded(loaded, false, sluice_core::observe::unobserved());
     let explained = request.and_then(|request| {
         let (bounds, answering) = (args.bounds(), args.answering());
         let prefix = Some(args.redis_key_prefix());
@@ -159,84 +123,6 @@ fn explain(args: &ExplainArgs) -> ExitCode {
         Err(message) => {
             eprint!("sluice explain: {message}");
             ExitCode::from(MALFORMED_REQUEST)
-        }
-    }
-}
-
-#[tokio::main]
-async fn load(options: sluice::load::Options) -> ExitCode {
-    let json = options.json;
-    match sluice::load::run(options).await {
-        Ok(report) if json => {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&report).expect("a report serializes")
-            );
-            ExitCode::SUCCESS
-        }
-        Ok(report) => {
-            print!("{}", report.render());
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("sluice load: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-#[tokio::main(flavor = "current_thread")]
-async fn top(options: sluice::top::Options) -> ExitCode {
-    match sluice::top::run(options).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("sluice top: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-#[tokio::main(flavor = "current_thread")]
-async fn counters(options: sluice::counters::Options) -> ExitCode {
-    match sluice::counters::run(options).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("sluice counters: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-#[tokio::main(flavor = "current_thread")]
-async fn health(args: &HealthArgs) -> ExitCode {
-    use tonic_health::pb::health_check_response::ServingStatus;
-    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
-    let ask = async {
-        let channel = args.endpoint()?.connect().await?;
-        let reply = HealthClient::new(channel)
-            .check(HealthCheckRequest::default())
-            .await?;
-        anyhow::Ok(reply.into_inner().status())
-    };
-    match tokio::time::timeout(Duration::from_secs(5), ask).await {
-        Ok(Ok(status)) => {
-            println!("{}", status.as_str_name());
-            if status == ServingStatus::Serving {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            }
-        }
-        Ok(Err(e)) => {
-            // Each cause once: the transport's chain repeats some.
-            let mut causes: Vec<String> = e.chain().map(ToString::to_string).collect();
-            causes.dedup();
-            println!("UNREACHABLE: {}", causes.join(": "));
-            ExitCode::FAILURE
-        }
-        Err(_) => {
-            println!("UNREACHABLE: no answer within 5 s");
-            ExitCode::FAILURE
         }
     }
 }

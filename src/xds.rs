@@ -28,14 +28,14 @@ use tokio::sync::{Notify, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint, Identity};
 
-use crate::certs::{self, PemFile};
-use crate::config::{
+use sluice_core::certs::{self, PemFile};
+use sluice_core::config::{
     DescriptorConfig, DomainConfig, Loaded, MOST_DESCRIPTOR_DEPTH, MOST_DOMAIN_BYTES,
     MOST_METADATA_DEPTH, Received, RuleLimit, Sources, composite, domain_collisions,
     domain_too_long, hex, on_own_thread,
 };
-use crate::limiter::{Algorithm, Limit, Mode, Unit};
-use crate::throttle::Throttle;
+use sluice_core::limiter::{Algorithm, Limit, Mode, Unit};
+use sluice_core::throttle::Throttle;
 
 /// The one resource type subscribed to.
 pub const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";

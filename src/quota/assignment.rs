@@ -7,8 +7,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use prost::Message;
 
-use super::MILLI;
-use crate::limiter::Limit;
 use crate::pb::envoy::service::rate_limit_quota::v3::BucketId;
 use crate::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
 use crate::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
@@ -17,6 +15,8 @@ use crate::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
 use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
 use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, UInt32Value};
+use sluice_core::limiter::Limit;
+use sluice_core::limiter::share::MILLI;
 
 /// What one stream is told to do with one bucket.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -150,7 +150,7 @@ fn whole_seconds(seconds: u64) -> ProtoDuration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::{Algorithm, Unit};
+    use sluice_core::limiter::{Algorithm, Unit};
 
     const S: Duration = Duration::from_secs(1);
 

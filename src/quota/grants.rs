@@ -13,16 +13,17 @@ use super::assignment::assign;
 use super::replica::{Move, Subscriber};
 use super::stream::Outbox;
 use super::{
-    Assignment, DEMAND_STAYS, FROZEN_AFTER_RECONNECTION, GROWS_WITHIN, LATE_RETRY, MILLI, Quotas,
+    Assignment, DEMAND_STAYS, FROZEN_AFTER_RECONNECTION, GROWS_WITHIN, LATE_RETRY, Quotas,
     SETTLE_ROUNDS, TAKEN_WITHIN, WAKE_SLACK,
 };
-use crate::limiter::share::settled;
-use crate::limiter::{CounterKey, Limit};
 use crate::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQuotaResponse};
-use crate::rules::QuotaRule;
-use crate::store::{Change, Division, Listed, Settle, StoreError};
 use crate::telemetry::traces;
-use crate::throttle::Throttle;
+use sluice_core::limiter::share::MILLI;
+use sluice_core::limiter::share::settled;
+use sluice_core::limiter::{CounterKey, Limit};
+use sluice_core::rules::QuotaRule;
+use sluice_core::store::{Change, Division, Listed, Settle, StoreError};
+use sluice_core::throttle::Throttle;
 
 impl Quotas {
     /// Sends `subscriber` its new `assignment` of the bucket, for the assignments' time to live;

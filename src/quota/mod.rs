@@ -46,7 +46,6 @@ mod tally;
 
 use std::time::Duration;
 
-pub use crate::limiter::share::MILLI;
 pub use assignment::{Assignment, demand};
 pub use replica::Quotas;
 pub use stream::QuotaStream;
@@ -123,7 +122,7 @@ impl Unmatched {
 /// `--quota-unmatched`'s for none, allow all for an unlimited rule, deny all for a limit of 0.
 fn fixed_answer(
     unmatched: Unmatched,
-    rule: Option<&crate::rules::QuotaRule>,
+    rule: Option<&sluice_core::rules::QuotaRule>,
 ) -> Option<Assignment> {
     let Some(rule) = rule else {
         return Some(unmatched.assignment());

@@ -11,7 +11,7 @@ use prost::Message;
 use super::assignment::sorted_entries;
 use super::{Assignment, Quotas, RECORDS_IN_FLIGHT, RULES_READ, fixed_answer};
 use crate::pb::envoy::service::rate_limit_quota::v3::BucketId;
-use crate::rules::{QuotaRule, RuleSet};
+use sluice_core::rules::{QuotaRule, RuleSet};
 
 impl Quotas {
     /// Re-divides, for as long as the process runs, every bucket whose rule a reload changed

@@ -20,11 +20,11 @@ use super::{
     Assignment, FROZEN_AFTER_RECONNECTION, GROWS_WITHIN, QuotaSettings, RECORDS_IN_FLIGHT,
     STORE_DEADLINE, TURNS,
 };
-use crate::limiter::{CounterIds, CounterKey, IdHasher};
-use crate::rules::QuotaRule;
-use crate::store::{Backend, Change, Deadline, Division, Settle, Store, StoreError, Told};
 use crate::telemetry::Telemetry;
 use crate::telemetry::metrics::QuotaLabels;
+use sluice_core::limiter::{CounterIds, CounterKey, IdHasher};
+use sluice_core::rules::QuotaRule;
+use sluice_core::store::{Backend, Change, Deadline, Division, Settle, Store, StoreError, Told};
 
 /// The streams served by this replica: each bucket's local subscribers and what each was last
 /// sent, so that one stream's report can re-divide the others'; what is tracked; and the thread
@@ -474,10 +474,7 @@ impl Quotas {
     }
 }
 
-/// This host's clock, in ms since the Unix epoch.
+/// This process's clock, in ms since the Unix epoch, as the quota clock counts it.
 fn unix_ms() -> i64 {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    i64::try_from(now.as_millis()).unwrap_or(i64::MAX)
+    i64::try_from(sluice_core::store::unix_ms()).unwrap_or(i64::MAX)
 }

@@ -19,8 +19,6 @@ use super::assignment::{encode, sorted_entries};
 use super::bounds::{Bound, client_of};
 use super::tally::Tally;
 use super::{Assignment, BUCKETS_AT_A_TIME, ONE_SECOND, OUTBOX, Quotas, RECORDS_IN_FLIGHT};
-use crate::config::{MOST_DOMAIN_BYTES, domain_too_long};
-use crate::limiter::{CounterKey, DescriptorKey};
 use crate::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
 use crate::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
     AbandonAction, BucketAction as Action,
@@ -29,9 +27,11 @@ use crate::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_repo
 use crate::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
-use crate::rules::{QuotaRule, RuleSet};
 use crate::telemetry::metrics::{QuotaLabels, UNKNOWN_DOMAIN};
-use crate::throttle::Throttle;
+use sluice_core::config::{MOST_DOMAIN_BYTES, domain_too_long};
+use sluice_core::limiter::{CounterKey, DescriptorKey};
+use sluice_core::rules::{QuotaRule, RuleSet};
+use sluice_core::throttle::Throttle;
 
 /// An answer on its way to a stream's Envoy.
 pub type Answer = Result<RateLimitQuotaResponse, Status>;
@@ -209,108 +209,21 @@ impl QuotaStream {
         let mut shared = Vec::new();
         let mut abandoned = Vec::new();
         for usage in usages {
-            // One that does not decode is skipped, as one without a bucket id is.
-            let Ok(usage) = BucketQuotaUsage::decode(usage) else {
+            let Some((step, requests, idle)) = self.step_of(usage, rules, tally, now) else {
                 continue;
             };
-            let Some(bucket_id) = usage.bucket_id.filter(|b| !b.bucket.is_empty()) else {
-                continue;
-            };
-            let entries = sorted_entries(&bucket_id);
-            let rule = rules.quota_rule(self.domain.as_bytes(), &entries).cloned();
-            let as_bytes: Vec<(&[u8], &[u8])> =
-                entries.iter().map(|(k, v)| (k.as_bytes(), *v)).collect();
-            let key = DescriptorKey::new(self.domain.as_bytes(), &as_bytes).counter("rlqs");
-            let labels = tally.labels(rule.as_deref());
-            let (allowed, denied) = (usage.num_requests_allowed, usage.num_requests_denied);
-            tally.reported(&labels, allowed, denied);
-            let size = bucket_id
-                .bucket
-                .iter()
-                .map(|(k, v)| k.len() + v.len())
-                .sum::<usize>();
-            let tracked = self.buckets.contains_key(&key) || self.room_for(size, tally);
-            let (elapsed, idle) = match self.buckets.get_mut(&key) {
-                Some(held) => {
-                    let elapsed = now.saturating_duration_since(held.reported);
-                    held.reported = now;
-                    held.idle = if allowed == 0 && denied == 0 {
-                        held.idle + 1
-                    } else {
-                        0
-                    };
-                    (Some(elapsed), held.idle)
-                }
-                None => {
-                    if tracked {
-                        self.held_bytes += size;
-                        self.buckets.insert(
-                            key.clone(),
-                            Held {
-                                reported: now,
-                                idle: 0,
-                                shared: false,
-                                size,
-                                recorded: None,
-                            },
-                        );
-                    }
-                    (None, 0)
-                }
-            };
-            let id = self.quotas.ids.id(&key, 0);
-            if tracked && idle >= self.quotas.settings.abandon_after {
-                abandoned.push((key, id));
-                tally.action(&labels, "abandon");
+            if step.tracked && idle >= self.quotas.settings.abandon_after {
+                tally.action(&step.labels, "abandon");
                 actions.push(encode(BucketAction {
-                    bucket_id: Some(bucket_id),
+                    bucket_id: Some(step.bucket_id),
                     bucket_action: Some(Action::AbandonAction(AbandonAction {})),
                 }));
+                abandoned.push((step.key, step.id));
                 continue;
             }
-            let recorded = self.buckets.get(&key).and_then(|held| held.recorded);
-            let step = Step {
-                key,
-                id,
-                bucket_id,
-                labels,
-                rule,
-                allowed,
-                elapsed,
-                tracked,
-                recorded,
-                lives: None,
-            };
-            let requests = allowed.saturating_add(denied);
-            let fixed = self.fixed(&step);
-            let was_shared = self.buckets.get_mut(&step.key).map(|held| {
-                let was = held.shared;
-                held.shared = fixed.is_none();
-                if !held.shared {
-                    // Out of the division, its record is taken out: the next is due at once.
-                    held.recorded = None;
-                }
-                was
-            });
-            match (fixed, was_shared) {
-                (Some(assignment), was_shared) => {
-                    if let Some(was_shared) = was_shared {
-                        // A rule that stopped dividing this bucket (a reload): out of the
-                        // division.
-                        let rule = self
-                            .quotas
-                            .buckets()
-                            .get(&step.id)
-                            .and_then(|l| l.subscribers.iter().find(|s| s.stream == self.number))
-                            .and_then(|s| s.divided.clone());
-                        if let (true, Some(rule)) = (was_shared, rule) {
-                            self.leave_division(&step.key, step.id, &rule).await;
-                        }
-                        self.subscribe(&step, assignment, None, false);
-                    }
-                    actions.push(self.action(&step, assignment, tally));
-                }
-                (None, _) => shared.push((step, requests)),
+            match self.answer_fixed(&step).await {
+                Some(assignment) => actions.push(self.action(&step, assignment, tally)),
+                None => shared.push((step, requests)),
             }
         }
         let divided: Vec<(Step, Option<Assignment>, bool)> = futures_util::stream::iter(shared)
@@ -323,49 +236,15 @@ impl QuotaStream {
                 held.recorded = step.recorded;
             }
         }
-        // Each divided bucket is answered with the latest share this stream got, its own or one
-        // pushed by a later division, and not at all while it waits for one; pushes go out under
-        // the same lock, so the Envoy gets shares in the order they were decided.
-        let late = {
-            let buckets = self.quotas.buckets();
-            for (step, share, shadow) in &divided {
-                if step.lives.is_some_and(|lives| lives < ONE_SECOND) {
-                    // Its record has lapsed in the store: nothing more to renew.
-                    continue;
-                }
-                let latest = buckets
-                    .get(&step.id)
-                    .and_then(|local| local.subscribers.iter().find(|s| s.stream == self.number))
-                    .filter(|s| s.share.is_some())
-                    .map(|s| s.sent)
-                    .or(*share);
-                let answer = match latest {
-                    _ if *shadow => Assignment::AllowAll,
-                    Some(latest) => latest,
-                    None => continue,
-                };
-                actions.push(self.action(step, answer, tally));
-            }
-            tally.count(&self.quotas.telemetry);
-            if actions.is_empty() {
-                return true;
-            }
-            let response = RateLimitQuotaResponse {
-                bucket_action: actions,
-            };
-            match self.outbox.try_send(Ok(response)) {
-                Err(mpsc::error::TrySendError::Full(response)) => Some(response),
-                Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => None,
-            }
-        };
-        let answered = match late {
-            Some(response) => {
+        let answered = match self.respond(&divided, actions, tally) {
+            Respond::Nothing => return true,
+            Respond::Sent => true,
+            Respond::Late(response) => {
                 let waited = self.outbox.send(response);
                 tokio::time::timeout(self.quotas.settings.ttl, waited)
                     .await
                     .is_ok()
             }
-            None => true,
         };
         // An abandoned bucket's grant is freed once the abandon is on its way, not before: until
         // its Envoy has it, that Envoy enforces the grant.
@@ -374,4 +253,166 @@ impl QuotaStream {
         }
         answered
     }
+
+    /// The step of one bucket's `usage` (skipped when it does not decode or has no bucket id),
+    /// counted in `tally` and tracked if there is room; with the requests it reports and how many
+    /// reports in a row it has been idle.
+    fn step_of(
+        &mut self,
+        usage: Bytes,
+        rules: &RuleSet,
+        tally: &mut Tally,
+        now: Instant,
+    ) -> Option<(Step, u64, u32)> {
+        let usage = BucketQuotaUsage::decode(usage).ok()?;
+        let bucket_id = usage.bucket_id.filter(|b| !b.bucket.is_empty())?;
+        let entries = sorted_entries(&bucket_id);
+        let rule = rules.quota_rule(self.domain.as_bytes(), &entries).cloned();
+        let as_bytes: Vec<(&[u8], &[u8])> =
+            entries.iter().map(|(k, v)| (k.as_bytes(), *v)).collect();
+        let key = DescriptorKey::new(self.domain.as_bytes(), &as_bytes).counter("rlqs");
+        let labels = tally.labels(rule.as_deref());
+        let (allowed, denied) = (usage.num_requests_allowed, usage.num_requests_denied);
+        tally.reported(&labels, allowed, denied);
+        let size = bucket_id
+            .bucket
+            .iter()
+            .map(|(k, v)| k.len() + v.len())
+            .sum::<usize>();
+        let tracked = self.buckets.contains_key(&key) || self.room_for(size, tally);
+        let (elapsed, idle) = self.track(&key, tracked, size, allowed == 0 && denied == 0, now);
+        let id = self.quotas.ids.id(&key, 0);
+        let recorded = self.buckets.get(&key).and_then(|held| held.recorded);
+        let step = Step {
+            key,
+            id,
+            bucket_id,
+            labels,
+            rule,
+            allowed,
+            elapsed,
+            tracked,
+            recorded,
+            lives: None,
+        };
+        Some((step, allowed.saturating_add(denied), idle))
+    }
+
+    /// Notes a report of the bucket `key` at `now` (`idle`: it reported no request), tracking it
+    /// from now if `tracked` and new: how long since its last report, and how many reports in a
+    /// row it has been idle.
+    fn track(
+        &mut self,
+        key: &CounterKey,
+        tracked: bool,
+        size: usize,
+        idle: bool,
+        now: Instant,
+    ) -> (Option<Duration>, u32) {
+        match self.buckets.get_mut(key) {
+            Some(held) => {
+                let elapsed = now.saturating_duration_since(held.reported);
+                held.reported = now;
+                held.idle = if idle { held.idle + 1 } else { 0 };
+                (Some(elapsed), held.idle)
+            }
+            None => {
+                if tracked {
+                    self.held_bytes += size;
+                    self.buckets.insert(
+                        key.clone(),
+                        Held {
+                            reported: now,
+                            idle: 0,
+                            shared: false,
+                            size,
+                            recorded: None,
+                        },
+                    );
+                }
+                (None, 0)
+            }
+        }
+    }
+
+    /// The fixed assignment of `step`'s bucket when its rule does not divide it, subscribed with
+    /// it (out of the division it was in, after a reload); `None` for a bucket divided.
+    async fn answer_fixed(&mut self, step: &Step) -> Option<Assignment> {
+        let fixed = self.fixed(step);
+        let was_shared = self.buckets.get_mut(&step.key).map(|held| {
+            let was = held.shared;
+            held.shared = fixed.is_none();
+            if !held.shared {
+                // Out of the division, its record is taken out: the next is due at once.
+                held.recorded = None;
+            }
+            was
+        });
+        let assignment = fixed?;
+        if let Some(was_shared) = was_shared {
+            // A rule that stopped dividing this bucket (a reload): out of the division.
+            let rule = self
+                .quotas
+                .buckets()
+                .get(&step.id)
+                .and_then(|l| l.subscribers.iter().find(|s| s.stream == self.number))
+                .and_then(|s| s.divided.clone());
+            if let (true, Some(rule)) = (was_shared, rule) {
+                self.leave_division(&step.key, step.id, &rule).await;
+            }
+            self.subscribe(step, assignment, None, false);
+        }
+        Some(assignment)
+    }
+
+    /// Sends `actions` and the answer of each `divided` bucket: the latest share this stream
+    /// got, its own or one pushed by a later division, and none while it waits for one. Pushes
+    /// go out under the same lock, so the Envoy gets shares in the order they were decided.
+    fn respond(
+        &self,
+        divided: &[(Step, Option<Assignment>, bool)],
+        mut actions: Vec<Bytes>,
+        tally: &mut Tally,
+    ) -> Respond {
+        let buckets = self.quotas.buckets();
+        for (step, share, shadow) in divided {
+            if step.lives.is_some_and(|lives| lives < ONE_SECOND) {
+                // Its record has lapsed in the store: nothing more to renew.
+                continue;
+            }
+            let latest = buckets
+                .get(&step.id)
+                .and_then(|local| local.subscribers.iter().find(|s| s.stream == self.number))
+                .filter(|s| s.share.is_some())
+                .map(|s| s.sent)
+                .or(*share);
+            let answer = match latest {
+                _ if *shadow => Assignment::AllowAll,
+                Some(latest) => latest,
+                None => continue,
+            };
+            actions.push(self.action(step, answer, tally));
+        }
+        tally.count(&self.quotas.telemetry);
+        if actions.is_empty() {
+            return Respond::Nothing;
+        }
+        let response = RateLimitQuotaResponse {
+            bucket_action: actions,
+        };
+        match self.outbox.try_send(Ok(response)) {
+            Err(mpsc::error::TrySendError::Full(response)) => Respond::Late(response),
+            Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => Respond::Sent,
+        }
+    }
+}
+
+/// How an answer went out.
+enum Respond {
+    /// There was nothing to answer.
+    Nothing,
+    /// Sent (or the stream is gone).
+    Sent,
+    /// To send once the outbox has room.
+    Late(Answer),
 }

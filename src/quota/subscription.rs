@@ -16,12 +16,13 @@ use super::replica::{Local, Move, Subscriber};
 use super::stream::Step;
 use super::tally::Tally;
 use super::{
-    Assignment, MILLI, MOST_BUCKET_BYTES_PER_STREAM, MOST_BUCKETS_PER_STREAM, ONE_SECOND,
-    QuotaStream, RECORDS_IN_FLIGHT, REPORT_INTERVAL, demand, fixed_answer,
+    Assignment, MOST_BUCKET_BYTES_PER_STREAM, MOST_BUCKETS_PER_STREAM, ONE_SECOND, QuotaStream,
+    RECORDS_IN_FLIGHT, REPORT_INTERVAL, demand, fixed_answer,
 };
-use crate::limiter::{CounterKey, IdHasher};
-use crate::rules::QuotaRule;
-use crate::store::Change;
+use sluice_core::limiter::share::MILLI;
+use sluice_core::limiter::{CounterKey, IdHasher};
+use sluice_core::rules::QuotaRule;
+use sluice_core::store::Change;
 
 impl QuotaStream {
     /// Whether a bucket new to the stream, with `size` bytes of id, can be tracked: the stream is

@@ -4,10 +4,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::bounds::Bound;
-use crate::rules::QuotaRule;
 use crate::telemetry::Telemetry;
 use crate::telemetry::metrics::{QuotaLabels, UNMATCHED_RULE};
-use crate::throttle::Throttle;
+use sluice_core::rules::QuotaRule;
+use sluice_core::throttle::Throttle;
 
 /// What a report adds to the metrics, added up per rule and counted before each answer is sent
 /// (so that the metrics show it once the Envoy has it) rather than once per bucket; and the

@@ -9,7 +9,7 @@ use tokio::sync::mpsc;
 use super::conns::Connections;
 use super::event_loop::Handed;
 use super::shutdown::Shutdown;
-use crate::throttle::Throttle;
+use sluice_core::throttle::Throttle;
 
 /// The longest pause after a failed accept.
 const ACCEPT_BACKOFF: Duration = Duration::from_secs(1);

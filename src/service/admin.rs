@@ -26,8 +26,8 @@ use super::setup::{JsonAt, Setup};
 use super::shutdown::Shutdown;
 use super::tls::ServerTls;
 use super::{counters, explain, http};
-use crate::store::Store;
-use crate::throttle::Throttle;
+use sluice_core::store::Store;
+use sluice_core::throttle::Throttle;
 
 /// How long an admin HTTP client may take to send a request's headers, the first or the next
 /// on a kept-alive connection, before the connection is closed.

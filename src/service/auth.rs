@@ -23,7 +23,7 @@ use axum::routing::MethodRouter;
 use super::conns::Peer;
 use super::tls::ServerTls;
 use crate::telemetry::Telemetry;
-use crate::throttle::Throttle;
+use sluice_core::throttle::Throttle;
 
 /// How often the token file is read to see whether it changed.
 const POLL: Duration = Duration::from_secs(1);

@@ -21,7 +21,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::shutdown::Shutdown;
-use crate::throttle::Throttle;
+use sluice_core::throttle::Throttle;
 
 /// Connections each admin listener (admin HTTP, `/json` apart, metrics apart, debug) holds at
 /// once: probes, a scraper and a few people need far fewer.

@@ -1,10 +1,10 @@
 //! What a decided request counts beside its answer: each descriptor's hits in its rule's
 //! metrics and its values in the top view, and what each of its held counters did.
 
-use crate::limiter::hold::Outcome;
-use crate::limiter::{Check, Decision};
-use crate::rules::plan::{Asked, Plan};
 use crate::telemetry::Telemetry;
+use sluice_core::limiter::outcome::Outcome;
+use sluice_core::limiter::{Check, Decision};
+use sluice_core::rules::plan::{Asked, Plan};
 
 /// Counts each decided descriptor's hits in its rule's metrics (hits past `near_ratio` of a
 /// limit as near it) and its values in the top view.

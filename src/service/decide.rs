@@ -9,12 +9,12 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::shutdown::Shutdown;
-use crate::limiter::lease::{Draw, Leases, Pass, Returning};
-use crate::limiter::{Check, Decision, OverLimitCache};
-use crate::store::{Deadline, Store, StoreError};
 use crate::telemetry::Telemetry;
 use crate::telemetry::traces;
-use crate::throttle::Throttle;
+use sluice_core::limiter::lease::{Draw, Leases, Pass, Returning};
+use sluice_core::limiter::{Check, Decision, OverLimitCache};
+use sluice_core::store::{Deadline, Store, StoreError};
+use sluice_core::throttle::Throttle;
 
 /// Draws a leased check from its blocks at most this many times (each after a block was taken,
 /// awaited, or listened for) before the store decides it as any other.
@@ -267,7 +267,7 @@ async fn take_block(
 /// The denial of `check` when taking blocks for its items `at` was `denied`: those items as the
 /// store found them, the others as nobody looked at them.
 fn merge(check: &Check, at: &[usize], denied: Decision) -> Decision {
-    let mut usages = vec![crate::limiter::Usage::unknown(); check.items.len()];
+    let mut usages = vec![sluice_core::limiter::Usage::unknown(); check.items.len()];
     for (&i, usage) in at.iter().zip(denied.usages) {
         usages[i] = usage;
     }

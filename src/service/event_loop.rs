@@ -20,7 +20,7 @@ use super::shutdown::Shutdown;
 use super::tls::ServerTls;
 use crate::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use crate::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
-use crate::store::StoreError;
+use sluice_core::store::StoreError;
 
 /// How long a gRPC connection, once served, may go before its first call: one that never calls
 /// only holds a descriptor and memory.

@@ -10,11 +10,11 @@ use prometheus_client::registry::Registry;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 
-use crate::limiter::OverLimitCache;
-use crate::limiter::lease::Leases;
 use crate::quota::Quotas;
-use crate::store::Backend;
 use crate::telemetry::Telemetry;
+use sluice_core::limiter::OverLimitCache;
+use sluice_core::limiter::lease::Leases;
+use sluice_core::store::Backend;
 
 /// The handles a scrape reads.
 #[derive(Clone)]
@@ -34,6 +34,23 @@ impl Gauges {
     /// Every metric, in the OpenMetrics text format.
     pub fn encode(&self) -> Result<String, std::fmt::Error> {
         let mut r = Registry::default();
+        self.store_into(&mut r);
+        self.leases_into(&mut r);
+        self.quotas_into(&mut r);
+        self.tasks_into(&mut r);
+        process(&mut r);
+        // Envoy Gateway's "Global Ratelimit" dashboard charts this Go runtime gauge of
+        // envoyproxy/ratelimit; a value keeps its panel from showing "no data".
+        r.register(
+            "go_memstats_gc_cpu_fraction",
+            "Always 0: sluice has no garbage collector (the Go runtime gauge envoyproxy/ratelimit exports, kept for dashboards that chart it)",
+            ConstGauge::new(0.0),
+        );
+        self.telemetry.metrics().encode(&r)
+    }
+
+    /// The counter store's state: reachable, its breakers, replicas and clock, its counters.
+    fn store_into(&self, r: &mut Registry) {
         let reachable = i64::from(self.backend.reachable());
         r.register(
             "sluice_store_reachable",
@@ -86,6 +103,10 @@ impl Gauges {
                 ConstGauge::new(cache.entries() as i64),
             );
         }
+    }
+
+    /// What the leased blocks took, admitted, gave back and hold.
+    fn leases_into(&self, r: &mut Registry) {
         let leased = self.leases.totals();
         r.register(
             "sluice_lease_blocks",
@@ -112,6 +133,10 @@ impl Gauges {
             "Hits this replica holds now in leased blocks, those of give-backs to be sent again included",
             ConstGauge::new(self.leases.left(tokio::time::Instant::now()) as i64),
         );
+    }
+
+    /// The quota service's streams, assigned rates and what it tracks.
+    fn quotas_into(&self, r: &mut Registry) {
         let streams = Family::<_, Gauge>::default();
         let rates = Family::<_, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
         for (labels, subscribed, rate) in self.quotas.by_rule() {
@@ -139,6 +164,10 @@ impl Gauges {
             "Quota streams tracked on this replica (at most --quota-max-streams)",
             ConstGauge::new(streams as i64),
         );
+    }
+
+    /// The Tokio tasks alive, per runtime.
+    fn tasks_into(&self, r: &mut Registry) {
         let tasks = Family::<[(&str, &str); 1], Gauge>::default();
         for (role, runtime) in self.runtimes.iter() {
             tasks
@@ -150,15 +179,6 @@ impl Gauges {
             "Tokio tasks alive, per runtime: main (admin, probes, accepts), quota (the quota service's thread) and event_loop (all of them)",
             tasks,
         );
-        process(&mut r);
-        // Envoy Gateway's "Global Ratelimit" dashboard charts this Go runtime gauge of
-        // envoyproxy/ratelimit; a value keeps its panel from showing "no data".
-        r.register(
-            "go_memstats_gc_cpu_fraction",
-            "Always 0: sluice has no garbage collector (the Go runtime gauge envoyproxy/ratelimit exports, kept for dashboards that chart it)",
-            ConstGauge::new(0.0),
-        );
-        self.telemetry.metrics().encode(&r)
     }
 }
 

@@ -25,12 +25,13 @@ use super::gauges::Gauges;
 use super::in_force::Rules;
 use super::readiness::Readiness;
 use super::render::Renders;
-use super::rls::{Rls, unix_ms};
+use super::rls::Rls;
 use crate::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use crate::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use crate::rules::RuleSet;
 use crate::telemetry::Telemetry;
 use crate::telemetry::top::{self, Period, Report};
+use sluice_core::rules::RuleSet;
+use sluice_core::store::unix_ms;
 
 static POOL: LazyLock<DescriptorPool> = LazyLock::new(|| {
     DescriptorPool::decode(crate::pb::DESCRIPTORS).expect("build.rs writes a valid descriptor set")

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 use tokio::sync::Notify;
 
-use crate::rules::RuleSet;
+use sluice_core::rules::RuleSet;
 
 /// The rules in force, swapped whole by a reload.
 #[derive(Clone, Default)]

@@ -6,9 +6,9 @@ use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use serde_json::Map;
 
-use crate::config::MOST_METADATA_DEPTH;
 use crate::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use crate::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use sluice_core::config::MOST_METADATA_DEPTH;
 
 /// The metadata of `request`, with `passed`: the rule metadata of the descriptors that were not
 /// over their limit, in request order. Keys and values that are not UTF-8 are rendered lossily

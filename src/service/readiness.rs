@@ -9,22 +9,10 @@ use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
 use super::in_force::Rules;
-use super::setup::Setup;
+use super::setup::{Healthcheck, Setup};
 use super::shutdown::Shutdown;
 use crate::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
-use crate::store::Backend;
-
-/// What envoyproxy/ratelimit's health model (`/healthcheck`, gRPC health for `ratelimit`)
-/// requires beyond not shutting down and the store reached once since the start.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Healthcheck {
-    /// Healthy before any rules are loaded (that project's default, without
-    /// `HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED`).
-    pub without_rules: bool,
-    /// Unhealthy whenever the store is unreachable, not only until it is first reached (its
-    /// `REDIS_HEALTH_CHECK_ACTIVE_CONNECTION`).
-    pub follows_store: bool,
-}
+use sluice_core::store::Backend;
 
 /// The rate limit service's name in gRPC health.
 pub(super) const RLS: &str =

@@ -23,12 +23,12 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::in_force::Rules;
-use crate::config::{self, Source};
-use crate::observe::Observer;
-use crate::rules::RuleSet;
 use crate::telemetry::Telemetry;
-use crate::throttle::Throttle;
 use crate::xds::{Snapshot, Subscription};
+use sluice_core::config::{self, Source};
+use sluice_core::observe::Observer;
+use sluice_core::rules::RuleSet;
+use sluice_core::throttle::Throttle;
 
 /// How long changes must stop before a reload: an editor's or kubelet's several writes make one.
 const SETTLE: Duration = Duration::from_millis(200);

@@ -18,7 +18,7 @@ use crate::pb::envoy::service::rate_limit_quota::v3::{
     RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
 use crate::quota::{QuotaStream, Quotas};
-use crate::rules::RuleSet;
+use sluice_core::rules::RuleSet;
 
 /// The quota service of one event loop: it hands each stream to the quota service's thread.
 pub struct Rlqs {

@@ -4,7 +4,7 @@
 //! metadata as configured). When the store cannot decide in time, `--on-store-error` answers.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
@@ -17,21 +17,22 @@ use tracing::{Instrument, Span};
 use super::counted;
 use super::decide::Decider;
 use super::metadata;
-use crate::config::{MOST_DOMAIN_BYTES, domain_too_long};
-use crate::limiter::lease::Leasing;
-use crate::limiter::{Check, Counting, Decision, Limit, Mode, Source, Unit, Usage, admits};
 use crate::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use crate::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit, rate_limit,
 };
 use crate::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use crate::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use crate::rules::RuleSet;
-use crate::rules::plan::{Asked, Global, Override, Plan};
-use crate::store::{Deadline, StoreError};
 use crate::telemetry::traces;
 use crate::telemetry::{PolicyAnswer, Telemetry};
-use crate::throttle::Throttle;
+use sluice_core::config::{MOST_DOMAIN_BYTES, domain_too_long};
+use sluice_core::limiter::lease::Leasing;
+use sluice_core::limiter::{Check, Counting, Decision, Limit, Mode, Source, Unit, Usage, admits};
+use sluice_core::rules::RuleSet;
+use sluice_core::rules::plan::{Asked, Global, Override, Plan};
+use sluice_core::store::unix_ms;
+use sluice_core::store::{Deadline, StoreError};
+use sluice_core::throttle::Throttle;
 
 /// Limits on the shape of a request, which Envoy's route configuration decides (not its
 /// clients), so that no caller can make a check unboundedly large. Keys and values may be any
@@ -601,13 +602,6 @@ fn in_largest_unit(d: Duration) -> String {
         s if d.subsec_nanos() == 0 && s > 0 && s % 3_600 == 0 => format!("{}h", s / 3_600),
         _ => humantime::format_duration(d).to_string(),
     }
-}
-
-/// The wall clock, in ms since the Unix epoch.
-pub(super) fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 fn header(key: &str, value: impl ToString) -> HeaderValue {

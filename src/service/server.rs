@@ -20,10 +20,10 @@ use super::in_force::Rules;
 use super::readiness::Readiness;
 use super::setup::{Addrs, JsonAt, Setup};
 use super::shutdown::Shutdown;
-use crate::limiter::lease::{Leases, Pass};
-use crate::limiter::{CounterKey, OverLimitCache};
-use crate::store::{Backend, Deadline, Reset, Store};
-use crate::throttle::Throttle;
+use sluice_core::limiter::lease::{Leases, Pass};
+use sluice_core::limiter::{CounterKey, OverLimitCache};
+use sluice_core::store::{Backend, Deadline, Reset, Store};
+use sluice_core::throttle::Throttle;
 
 /// How long gRPC connections wait at the start for the store to be reached.
 const STORE_AT_START: Duration = Duration::from_secs(2);
@@ -49,15 +49,7 @@ pub async fn run(
     let readiness = Readiness::new(&setup, shutdown.clone());
     let rls = setup.rls()?;
     let counters_store = setup.backend.open()?;
-    // Counters another replica reset are forgotten here: room again, leased blocks dropped.
-    if let Some(resets) = setup.backend.listen_resets()? {
-        tokio::spawn(forget_resets(
-            resets,
-            setup.cache.clone(),
-            setup.leases.clone(),
-            setup.backend.open()?,
-        ));
-    }
+    follow_resets(&setup)?;
     // A reload that changes a quota rule reaches the streams of the buckets it divides at once.
     setup
         .quotas
@@ -100,32 +92,13 @@ pub async fn run(
         event_loops.incoming.clone(),
         shutdown.clone(),
     );
-    // Connections wait in the listeners' backlogs meanwhile, the admin port answering.
-    let (backend, stop) = (setup.backend.clone(), shutdown.clone());
-    let accept = async move {
-        store_reached_at_start(&backend, stop).await;
-        let quota_accept = async {
-            if let Some(accept) = quota_accept {
-                accept.await;
-            }
-        };
-        tokio::join!(accept, quota_accept);
-    };
-    // This replica's beat, for the split limits, taken back at shutdown.
-    let (backend, rules) = (setup.backend.clone(), setup.rules.clone());
-    let (live, in_force) = (setup.backend.clone(), setup.rules.clone());
-    let beat = async {
-        let wanted = move || rules.in_force().longest_split_window_ms();
-        let beating = async {
-            if let Err(e) = backend.beat(shutdown.clone().wait(), wanted).await {
-                tracing::error!("the replicas' beat did not start: {e}");
-            }
-        };
-        tokio::select! {
-            () = beating => {}
-            () = warn_small_splits(live, in_force) => {}
-        }
-    };
+    let accept = accept_once_reached(
+        setup.backend.clone(),
+        shutdown.clone(),
+        accept,
+        quota_accept,
+    );
+    let beat = beat(setup.backend.clone(), setup.rules.clone(), shutdown.clone());
     let answers = Answers {
         gauges: Gauges {
             backend: setup.backend.clone(),
@@ -153,6 +126,53 @@ pub async fn run(
     // Every call answered: what the blocks still hold goes back before the process ends.
     let _ = tokio::time::timeout(GIVE_BACK_AT_EXIT, giver.give_back(Pass::Exit)).await;
     Ok(())
+}
+
+/// Has the counters another replica reset forgotten here (`forget_resets`): room again, leased
+/// blocks dropped.
+fn follow_resets(setup: &Setup) -> anyhow::Result<()> {
+    if let Some(resets) = setup.backend.listen_resets()? {
+        tokio::spawn(forget_resets(
+            resets,
+            setup.cache.clone(),
+            setup.leases.clone(),
+            setup.backend.open()?,
+        ));
+    }
+    Ok(())
+}
+
+/// Runs `accept` (and `quota_accept`) once the store is reached, or `STORE_AT_START` after the
+/// start: connections wait in the listeners' backlogs meanwhile, the admin port answering.
+async fn accept_once_reached(
+    backend: Backend,
+    shutdown: Shutdown,
+    accept: impl Future<Output = ()>,
+    quota_accept: Option<impl Future<Output = ()>>,
+) {
+    store_reached_at_start(&backend, shutdown).await;
+    let quota_accept = async {
+        if let Some(accept) = quota_accept {
+            accept.await;
+        }
+    };
+    tokio::join!(accept, quota_accept);
+}
+
+/// This replica's beat, for the split limits, taken back when `shutdown` fires; and the warning
+/// of split limits smaller than the live replicas meanwhile.
+async fn beat(backend: Backend, rules: Rules, shutdown: Shutdown) {
+    let in_force = rules.clone();
+    let wanted = move || in_force.in_force().longest_split_window_ms();
+    let beating = async {
+        if let Err(e) = backend.beat(shutdown.wait(), wanted).await {
+            tracing::error!("the replicas' beat did not start: {e}");
+        }
+    };
+    tokio::select! {
+        () = beating => {}
+        () = warn_small_splits(backend.clone(), rules) => {}
+    }
 }
 
 /// How often the split limits are compared with the live replicas (as often as a replica beats).

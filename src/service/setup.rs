@@ -8,16 +8,15 @@ use super::auth::AdminAccess;
 use super::conns::MaxAge;
 use super::decide::Decider;
 use super::in_force::Rules;
-use super::readiness::Healthcheck;
 use super::rlqs::Rlqs;
 use super::rls::{Answering, Bounds, Fallback, Rls};
 use super::shutdown::Shutdown;
 use super::tls::ServerTls;
-use crate::limiter::OverLimitCache;
-use crate::limiter::lease::Leases;
 use crate::quota::Quotas;
-use crate::store::{Backend, StoreError};
 use crate::telemetry::Telemetry;
+use sluice_core::limiter::OverLimitCache;
+use sluice_core::limiter::lease::Leases;
+use sluice_core::store::{Backend, StoreError};
 
 /// Bounds on what a client can make the server hold before a request is even decoded.
 #[derive(Clone, Copy, Debug)]
@@ -111,4 +110,16 @@ pub struct Addrs {
     pub metrics: Option<(SocketAddr, String)>,
     /// envoyproxy/ratelimit's debug port (`/rlconfig`), if served.
     pub debug: Option<SocketAddr>,
+}
+
+/// What envoyproxy/ratelimit's health model (`/healthcheck`, gRPC health for `ratelimit`)
+/// requires beyond not shutting down and the store reached once since the start.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Healthcheck {
+    /// Healthy before any rules are loaded (that project's default, without
+    /// `HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED`).
+    pub without_rules: bool,
+    /// Unhealthy whenever the store is unreachable, not only until it is first reached (its
+    /// `REDIS_HEALTH_CHECK_ACTIVE_CONNECTION`).
+    pub follows_store: bool,
 }

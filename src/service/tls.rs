@@ -17,8 +17,8 @@ use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 
-use crate::certs::{self, PemFile};
-use crate::throttle::Throttle;
+use sluice_core::certs::{self, PemFile};
+use sluice_core::throttle::Throttle;
 
 /// How long a connection may take to complete its TLS handshake.
 const HANDSHAKE: Duration = Duration::from_secs(10);

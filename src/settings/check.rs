@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use crate::config;
+use sluice_core::config;
 
 #[derive(Args)]
 pub struct CheckArgs {

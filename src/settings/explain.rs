@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::config;
-use crate::limiter::{Counting, LONGEST_WINDOW_SECONDS};
 use crate::service::explain::Request;
 use crate::service::rls::{Answering, Bounds};
+use sluice_core::config;
+use sluice_core::limiter::{Counting, LONGEST_WINDOW_SECONDS};
 
 #[derive(Args)]
 pub struct ExplainArgs {
@@ -21,7 +21,7 @@ pub struct ExplainArgs {
     domain: Option<String>,
     /// One request descriptor as key=value[,key=value…] (each entry split at its first `=`);
     /// repeat for several descriptors, in order.
-    #[arg(long = "descriptor", value_parser = crate::load::parse_descriptor, requires = "domain")]
+    #[arg(long = "descriptor", value_parser = crate::cli::parse_descriptor, requires = "domain")]
     descriptors: Vec<Vec<(String, String)>>,
     /// The request as protobuf JSON, as `/json` takes it: a file, or `-` for standard input.
     #[arg(long, conflicts_with_all = ["domain", "descriptors"])]

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::Args;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
-use crate::certs::PemFile;
+use sluice_core::certs::PemFile;
 
 #[derive(Args)]
 pub struct HealthArgs {

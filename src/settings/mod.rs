@@ -14,8 +14,8 @@ use std::ffi::OsString;
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Parser, Subcommand};
 
-use crate::limiter::Counting;
-use crate::limiter::lease::Leasing;
+use sluice_core::limiter::Counting;
+use sluice_core::limiter::lease::Leasing;
 
 pub use check::CheckArgs;
 pub use explain::ExplainArgs;
@@ -39,15 +39,15 @@ pub enum Command {
     /// limits, replaces and modes that apply, and the counters it would move (none is moved).
     Explain(ExplainArgs),
     /// Load a rate limit service (sluice or another) and report throughput and latency.
-    Load(crate::load::Options),
+    Load(crate::cli::load::Options),
     /// Ask a running server's gRPC health service; exit 0 when it reports SERVING.
     Health(HealthArgs),
     /// Watch who a running server is limiting: its decision rate, store latency and policy
     /// answers, the values most denied and the rules most denied, from its admin /top.
-    Top(crate::top::Options),
+    Top(crate::cli::top::Options),
     /// Show, reset, set or add to the counters one request would move, through a running
     /// server's admin /counters (a dry run unless --apply).
-    Counters(Box<crate::counters::Options>),
+    Counters(Box<crate::cli::counters::Options>),
 }
 
 /// `--counting`'s values: the limiter's `Counting`, by name.

@@ -10,7 +10,7 @@ use std::time::Duration;
 use super::mapper::Mapper;
 use super::metrics::{Metrics, QuotaLabels, TopCell};
 use super::top::{Top, TopSettings};
-use crate::observe::{Observer, RuleCounters};
+use sluice_core::observe::{Observer, RuleCounters};
 
 /// The process's telemetry. Cheap to clone.
 #[derive(Clone)]

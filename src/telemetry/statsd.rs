@@ -17,7 +17,7 @@ use tokio::net::UdpSocket;
 
 use super::Telemetry;
 use super::metrics::{RESPONSE_TIME, StatsdTotals};
-use crate::throttle::Throttle;
+use sluice_core::throttle::Throttle;
 
 /// The most bytes of lines in one datagram: what fits an Ethernet frame, as statsd clients use.
 const PACKET: usize = 1432;

@@ -30,10 +30,10 @@ use tokio::sync::mpsc;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::Telemetry;
-use crate::throttle::Throttle;
+use sluice_core::throttle::Throttle;
 
 /// The `tracing` target of every span exported as a trace.
-pub const TARGET: &str = crate::observe::TRACES;
+pub const TARGET: &str = sluice_core::observe::TRACES;
 
 /// Spans sent in one export at most.
 const BATCH: usize = 512;

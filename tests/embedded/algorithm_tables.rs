@@ -3,8 +3,10 @@
 
 use std::time::Duration;
 
-use sluice::limiter::{Algorithm, Check, Counting, DescriptorKey, Item, Limit, Mode, RuleId, Unit};
-use sluice::store::{MemoryStore, Percent};
+use sluice_core::limiter::{
+    Algorithm, Check, Counting, DescriptorKey, Item, Limit, Mode, RuleId, Unit,
+};
+use sluice_core::store::{MemoryStore, Percent};
 
 /// A whole second, so that windows start at T0.
 const T0: u64 = 1_700_000_000_000;
@@ -41,7 +43,7 @@ fn table(limit: Limit, rows: &[Row]) {
                 counting: Counting::Admitted,
                 leased: false,
                 scope: Default::default(),
-                step: sluice::limiter::Step::Hits,
+                step: sluice_core::limiter::Step::Hits,
             }],
             ..Check::default()
         };

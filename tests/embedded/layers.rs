@@ -192,6 +192,35 @@ fn names_at(tokens: &[(Token, usize)], i: usize) -> Vec<String> {
     }
 }
 
+/// Where a walk over a file's tokens is: its brace depth, and the depths at which the inline
+/// modules it is in (`mod tests { … }`) close.
+#[derive(Default)]
+struct Nesting {
+    depth: usize,
+    inline: Vec<usize>,
+}
+
+impl Nesting {
+    /// Follows the token at `i`.
+    fn step(&mut self, tokens: &[(Token, usize)], i: usize) {
+        match &tokens[i].0 {
+            Token::Punct('{') => self.depth += 1,
+            Token::Punct('}') => {
+                if self.inline.last() == Some(&self.depth) {
+                    self.inline.pop();
+                }
+                self.depth = self.depth.saturating_sub(1);
+            }
+            Token::Ident(w)
+                if w == "mod" && matches!(tokens.get(i + 2), Some((Token::Punct('{'), _))) =>
+            {
+                self.inline.push(self.depth + 1);
+            }
+            _ => {}
+        }
+    }
+}
+
 /// Every import, by the file of module `module` (its top-level module first), of a top-level
 /// module among `tops` other than its own.
 fn imports(file: &str, module: &[String], source: &str, tops: &BTreeSet<String>) -> Vec<Import> {
@@ -200,24 +229,11 @@ fn imports(file: &str, module: &[String], source: &str, tops: &BTreeSet<String>)
         |i: usize, word: &str| matches!(tokens.get(i), Some((Token::Ident(w), _)) if w == word);
     let path_at = |i: usize| matches!(tokens.get(i), Some((Token::Path, _)));
     let mut found = Vec::new();
-    // The brace depth at which each inline module open here (`mod tests { … }`) closes.
-    let mut inline: Vec<usize> = Vec::new();
-    let mut depth = 0;
+    let mut nesting = Nesting::default();
     for (i, (token, line)) in tokens.iter().enumerate() {
+        nesting.step(&tokens, i);
         let mut targets = Vec::new();
         match token {
-            Token::Punct('{') => depth += 1,
-            Token::Punct('}') => {
-                if inline.last() == Some(&depth) {
-                    inline.pop();
-                }
-                depth -= 1;
-            }
-            Token::Ident(word) if word == "mod" => {
-                if let Some((Token::Punct('{'), _)) = tokens.get(i + 2) {
-                    inline.push(depth + 1);
-                }
-            }
             Token::Ident(word) if (word == "crate" || word == "sluice_core") && path_at(i + 1) => {
                 targets = names_at(&tokens, i + 2);
             }
@@ -228,7 +244,7 @@ fn imports(file: &str, module: &[String], source: &str, tops: &BTreeSet<String>)
                 while ident(j, "super") && path_at(j + 1) {
                     j += 2;
                 }
-                if (j - i) / 2 == module.len() + inline.len() {
+                if (j - i) / 2 == module.len() + nesting.inline.len() {
                     targets = names_at(&tokens, j);
                 }
             }
@@ -260,9 +276,9 @@ fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// Every import among the top-level modules of both crates: the server's `src/` (whose
-/// `lib.rs` re-exports the core's modules under their names; the binary, `main.rs`, is a crate
-/// of its own above it) and the core's `core/src/`.
+/// Every import among the top-level modules of both crates: the server's `src/` (which names the
+/// core's modules by their crate, `sluice_core::store`; the binary, `main.rs`, is a crate of its
+/// own above it) and the core's `core/src/`.
 fn crate_imports() -> Vec<Import> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut modules: Vec<(PathBuf, Vec<String>)> = Vec::new();
@@ -370,6 +386,137 @@ fn no_import_circle_among_the_top_level_modules() {
     assert!(
         report.is_empty(),
         "import circles among the modules (a lower module must not import a higher one):\n{}",
+        report.join("\n")
+    );
+}
+
+/// The path named at `i`, up to its first `{` group or its end: `a::b::C` → `[a, b, C]`; a group
+/// gives each of its items' first names after the path before it.
+fn paths_at(tokens: &[(Token, usize)], i: usize) -> Vec<Vec<String>> {
+    let mut path = Vec::new();
+    let mut j = i;
+    while let Some((Token::Ident(name), _)) = tokens.get(j) {
+        path.push(name.clone());
+        if !matches!(tokens.get(j + 1), Some((Token::Path, _))) {
+            return vec![path];
+        }
+        j += 2;
+    }
+    let group = names_at(tokens, j);
+    if group.is_empty() {
+        return vec![path];
+    }
+    group
+        .into_iter()
+        .map(|name| path.iter().cloned().chain([name]).collect())
+        .collect()
+}
+
+/// Every import of one file by another of the same crate (`crate::`, `super::`, `self::` and,
+/// from the server, `sluice_core::` paths, outside inline modules such as `mod tests`), as the
+/// files that hold the modules named; a module and the modules inside it (a parent declares
+/// them, a child reaches its parent's items) are one unit here.
+fn file_imports() -> Vec<Import> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // (crate, module path) → the file that holds it.
+    let mut files: BTreeMap<(usize, Vec<String>), String> = BTreeMap::new();
+    for (c, src) in [root.join("src"), root.join("core/src")].iter().enumerate() {
+        let mut found = Vec::new();
+        sources(src, &mut found);
+        for f in found {
+            if f == src.join("main.rs") || f.starts_with(src.join("bin")) {
+                continue;
+            }
+            let module = module_of(f.strip_prefix(src).expect("under its src/"));
+            let name = f
+                .strip_prefix(root)
+                .expect("in the crate")
+                .display()
+                .to_string();
+            files.insert((c, module), name);
+        }
+    }
+    let mut all = Vec::new();
+    for ((c, module), file) in &files {
+        let source = std::fs::read_to_string(root.join(file)).expect("a readable source file");
+        let tokens = tokens(&source);
+        let path_at = |i: usize| matches!(tokens.get(i), Some((Token::Path, _)));
+        let word = |i: usize| match tokens.get(i) {
+            Some((Token::Ident(w), _)) => Some(w.as_str()),
+            _ => None,
+        };
+        let mut nesting = Nesting::default();
+        for (i, (_, line)) in tokens.iter().enumerate() {
+            nesting.step(&tokens, i);
+            if !nesting.inline.is_empty() || (i > 0 && path_at(i - 1)) || !path_at(i + 1) {
+                continue;
+            }
+            // Where the path starts: its crate and module.
+            let (target_crate, base, j) = match word(i) {
+                Some("crate") => (*c, Vec::new(), i + 2),
+                Some("sluice_core") if *c == 0 => (1, Vec::new(), i + 2),
+                Some("self") => (*c, module.clone(), i + 2),
+                Some("super") => {
+                    let mut base = module.clone();
+                    let mut j = i;
+                    while word(j) == Some("super") && path_at(j + 1) {
+                        base.pop();
+                        j += 2;
+                    }
+                    (*c, base, j)
+                }
+                _ => continue,
+            };
+            for path in paths_at(&tokens, j) {
+                let mut to = base.clone();
+                let mut held_by = files.get(&(target_crate, base.clone())).cloned();
+                for name in path {
+                    to.push(name);
+                    match files.get(&(target_crate, to.clone())) {
+                        Some(f) => held_by = Some(f.clone()),
+                        None => break,
+                    }
+                }
+                let to: Vec<String> = files
+                    .iter()
+                    .find(|(_, f)| Some(*f) == held_by.as_ref())
+                    .map(|((_, m), _)| m.clone())
+                    .unwrap_or_default();
+                let Some(target) = held_by else { continue };
+                let nested =
+                    target_crate == *c && (to.starts_with(module) || module.starts_with(&to));
+                if !nested {
+                    all.push(Import {
+                        from: file.clone(),
+                        to: target,
+                        file: file.clone(),
+                        line: *line,
+                    });
+                }
+            }
+        }
+    }
+    all
+}
+
+/// No two files import each other, however far round: a circle of files is a circle of
+/// concepts, which the next change has to understand together.
+#[test]
+fn no_import_circle_among_the_files() {
+    let found = circles(&graph(&file_imports()));
+    let report: Vec<String> = found
+        .iter()
+        .map(|circle| {
+            let edges: Vec<String> = circle
+                .iter()
+                .map(|i| format!("  {} (line {})", i.to, i.line))
+                .collect();
+            format!("{}:\n{}", circle[0].from, edges.join("\n"))
+        })
+        .collect();
+    assert!(
+        report.is_empty(),
+        "import circles among the files (each file, then the files it imports round to it):\n{}",
         report.join("\n")
     );
 }
@@ -609,6 +756,32 @@ fn the_core_crate_holds_the_core_modules_and_depends_on_no_server() {
 
 /// The most lines a file of `src/service/` holds: one concept a file, each readable whole.
 const MOST_SERVICE_LINES: usize = 700;
+
+/// The server names the core's modules by their crate: no `pub use` gives them the server's
+/// names, so that a path says which crate it is in.
+#[test]
+fn the_server_re_exports_nothing_of_the_core() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    sources(&root.join("src"), &mut files);
+    let mut found = Vec::new();
+    for file in files {
+        let source = std::fs::read_to_string(&file).expect("a readable source file");
+        for (n, line) in source.lines().enumerate() {
+            let line = line.trim_start();
+            if line.starts_with("pub use sluice_core")
+                || line.starts_with("pub(crate) use sluice_core")
+            {
+                found.push(format!("{}:{}: {line}", file.display(), n + 1));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "the core re-exported:\n{}",
+        found.join("\n")
+    );
+}
 
 #[test]
 fn no_file_of_the_service_is_over_700_lines() {

@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
-use sluice::config;
-use sluice::limiter::Counting;
-use sluice::limiter::lease::Leasing;
-use sluice::rules::RuleSet;
-use sluice::rules::plan::{Asked, Global, Plan};
+use sluice_core::config;
+use sluice_core::limiter::Counting;
+use sluice_core::limiter::lease::Leasing;
+use sluice_core::rules::RuleSet;
+use sluice_core::rules::plan::{Asked, Global, Plan};
 
 use super::fuzz;
 

@@ -1,11 +1,11 @@
 //! One request's descriptors planned by the rules and decided by the embedded store, checked
 //! for all-or-nothing decisions; shared by tests/fuzz and the `cargo fuzz` target `request`.
 
-use sluice::limiter::lease::Leasing;
-use sluice::limiter::{Check, Counting, Unit};
-use sluice::rules::RuleSet;
-use sluice::rules::plan::{Asked, Global, Override};
-use sluice::store::MemoryStore;
+use sluice_core::limiter::lease::Leasing;
+use sluice_core::limiter::{Check, Counting, Unit};
+use sluice_core::rules::RuleSet;
+use sluice_core::rules::plan::{Asked, Global, Override};
+use sluice_core::store::MemoryStore;
 
 /// The instant every check is decided at: no window ends between two of them.
 const T0: u64 = 1_700_000_000_000;

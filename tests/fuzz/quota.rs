@@ -16,9 +16,10 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
-use sluice::limiter::{Algorithm, Limit, Unit};
-use sluice::quota::{Assignment, MILLI, demand};
-use sluice::limiter::share::divide;
+use sluice_core::limiter::{Algorithm, Limit, Unit};
+use sluice::quota::{Assignment, demand};
+use sluice_core::limiter::share::MILLI;
+use sluice_core::limiter::share::divide;
 
 use super::common::Sluice;
 use super::common::quota::QuotaStream;

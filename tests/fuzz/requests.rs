@@ -18,12 +18,12 @@ use tonic::codegen::http::uri::PathAndQuery;
 use tonic::transport::Channel;
 use tonic_prost::ProstCodec;
 
-use sluice::config;
-use sluice::limiter::Unit as Per;
-use sluice::rules::RuleSet;
 use sluice::service::explain;
 use sluice::service::rls::{Answering, Bounds};
-use sluice::store::{MemoryStore, Percent};
+use sluice_core::config;
+use sluice_core::limiter::Unit as Per;
+use sluice_core::rules::RuleSet;
+use sluice_core::store::{MemoryStore, Percent};
 
 use super::common::{HOUR, OK, OVER_LIMIT, Sluice, unix_ms};
 use super::fuzz;

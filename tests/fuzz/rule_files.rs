@@ -8,8 +8,8 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::TestCaseError;
-use sluice::config::{self, DEFAULT_MAX_CONFIG_BYTES, Source};
-use sluice::rules::RuleSet;
+use sluice_core::config::{self, DEFAULT_MAX_CONFIG_BYTES, Source};
+use sluice_core::rules::RuleSet;
 
 use super::fuzz;
 

@@ -13,8 +13,8 @@ use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use prost::Message;
 use sha2::{Digest, Sha256};
-use sluice::rules::RuleSet;
 use sluice::xds::{TYPE_URL, convert};
+use sluice_core::rules::RuleSet;
 
 use super::fuzz;
 
@@ -335,7 +335,7 @@ fn yaml(rule: &Rule) -> serde_json::Value {
 }
 
 /// The rules without the lines they were read from, which a resource does not have.
-fn unlined(rules: &mut [sluice::config::DescriptorConfig]) {
+fn unlined(rules: &mut [sluice_core::config::DescriptorConfig]) {
     for rule in rules {
         rule.line = 0;
         unlined(&mut rule.descriptors);
@@ -363,7 +363,7 @@ fn a_resource_and_a_rule_file_saying_the_same_rules_are_both_valid_and_equal_or_
                 "descriptors": rules.iter().map(yaml).collect::<Vec<_>>(),
             })
             .to_string();
-            let from_file = sluice::config::parse(std::path::Path::new("r.yaml"), &text);
+            let from_file = sluice_core::config::parse(std::path::Path::new("r.yaml"), &text);
             match (from_xds, from_file) {
                 (Ok(mut loaded), Ok((mut domain, _))) => {
                     unlined(&mut domain.descriptors);

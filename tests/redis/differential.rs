@@ -13,14 +13,14 @@ use std::time::Duration;
 
 use fred::prelude::*;
 use fred::types::CustomCommand;
-use sluice::limiter::algorithm::{Verdict, gcra, window};
-use sluice::limiter::calendar::{self, Weekday};
-use sluice::limiter::hold::Outcome;
-use sluice::limiter::{
+use sluice_core::limiter::algorithm::{Verdict, gcra, window};
+use sluice_core::limiter::calendar::{self, Weekday};
+use sluice_core::limiter::outcome::Outcome;
+use sluice_core::limiter::{
     Algorithm, Calendar, Check, CounterKey, Counting, DescriptorKey, Held, HoldId, Item, Limit,
     Mode, OnExpiry, RuleId, Step, Unit, lease,
 };
-use sluice::store::{MemoryStore, Percent, Stored};
+use sluice_core::store::{MemoryStore, Percent, Stored};
 
 const CHECK: &str = include_str!("../../lua/check.lua");
 

@@ -538,7 +538,7 @@ async fn a_resource_nested_too_deep_is_nacked_and_the_old_rules_stay() {
     let sluice = start(Store::Memory, &server, &[]).await;
     assert!(server.wait_for(WAIT, acked("1")).await.is_some());
 
-    let deepest = sluice::config::MOST_DESCRIPTOR_DEPTH;
+    let deepest = sluice_core::config::MOST_DESCRIPTOR_DEPTH;
     server.set("2", &[limit_d(5), nested(deepest)]);
     assert!(server.wait_for(WAIT, acked("2")).await.is_some());
     assert_eq!(code(&sluice, "d", &[("k", "x")]).await, OK);

@@ -8,6 +8,7 @@ pub mod calendar;
 pub mod hold;
 mod key;
 pub mod lease;
+pub mod outcome;
 pub mod share;
 
 use std::time::Duration;
@@ -322,7 +323,7 @@ pub struct Usage {
     /// The window it counted in, for the window algorithms (`Verdict::window`).
     pub window: u64,
     /// What a held counter's item did (`hold`).
-    pub hold: Option<hold::Seen>,
+    pub hold: Option<outcome::Seen>,
 }
 
 /// Where a `Usage` comes from.

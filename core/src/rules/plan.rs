@@ -123,6 +123,211 @@ impl Stats<'_> {
     }
 }
 
+/// What holds for every descriptor of one request's plan.
+struct Planning<'r> {
+    domain: &'r [u8],
+    global: Global<'r>,
+    metered: bool,
+    /// The limits a matched rule's `replaces` names: dropped from every descriptor.
+    replaced: Vec<&'r str>,
+}
+
+/// What every counter of one descriptor shares, as its limits become items of the check.
+struct Counters<'d> {
+    domain: &'d [u8],
+    /// The entries the rules matched, and the values counted under.
+    entries: &'d [(&'d [u8], &'d [u8])],
+    matched: Option<&'d Match<'d>>,
+    counted: Vec<(&'d [u8], &'d [u8])>,
+    hits: u64,
+    refund: bool,
+    /// A held rule's hold: the rule, the request's id, and whether the call settles.
+    hold: Option<(&'d HoldRule, HoldId, bool)>,
+    counting: Counting,
+    scope: Scope,
+    leased: bool,
+    global: Global<'d>,
+    /// Made with the first counter.
+    key: Option<DescriptorKey>,
+    rule: Option<RuleId>,
+}
+
+impl<'d> Counters<'d> {
+    /// The counters of `descriptor`, whose first `n` entries `matched` matched.
+    fn of(
+        planning: &Planning<'d>,
+        descriptor: &'d Asked<'d>,
+        matched: Option<&'d Match<'d>>,
+        n: usize,
+    ) -> Self {
+        let (entries, after) = descriptor.entries.split_at(n);
+        let mut counted: Vec<(&[u8], &[u8])> = match matched {
+            Some(m) => entries
+                .iter()
+                .zip(&m.counted_values)
+                .map(|((k, _), v)| (*k, *v))
+                .collect(),
+            None => entries.to_vec(),
+        };
+        let hits = match matched {
+            Some(m) if !m.node.weights().is_empty() => {
+                weighed(descriptor.hits, m.node.weights(), after)
+            }
+            _ => descriptor.hits,
+        };
+        // A held rule's own entry names the request, not the counter; a call carrying its
+        // settle entry settles.
+        let hold =
+            matched
+                .and_then(|m| m.node.hold())
+                .zip(entries.last())
+                .map(|(rule, (_, id))| {
+                    counted.pop();
+                    let settle = after.iter().any(|(k, _)| *k == rule.settle.key.as_bytes());
+                    (rule, HoldId::of(id), settle)
+                });
+        let global = planning.global;
+        let scope = matched.and_then(|m| m.node.scope()).unwrap_or_default();
+        let leased = hold.is_none()
+            && !scope.is_local()
+            && matched.and_then(|m| m.node.lease).unwrap_or(global.lease) == Leasing::Auto;
+        Counters {
+            domain: planning.domain,
+            entries,
+            matched,
+            counted,
+            hits,
+            refund: descriptor.refund,
+            hold,
+            counting: matched
+                .and_then(|m| m.node.counting)
+                .unwrap_or(global.counting),
+            scope,
+            leased,
+            global,
+            key: None,
+            rule: None,
+        }
+    }
+
+    /// Adds the counter of `limit` under `identity`, counted in `mode`, to `check`.
+    fn push(&mut self, check: &mut Check, limit: Limit, mut identity: String, mode: Mode) {
+        // Counters of another scope are other counters.
+        match self.scope {
+            Scope::Global => {}
+            Scope::Cluster => {
+                identity.push_str(":cluster:");
+                identity.push_str(self.global.cluster.unwrap_or_default());
+            }
+            Scope::Replica | Scope::Split => {
+                identity.push(':');
+                identity.push_str(self.scope.name());
+            }
+        }
+        let key = self
+            .key
+            .get_or_insert_with(|| DescriptorKey::new(self.domain, &self.counted))
+            .counter(&identity);
+        // A limit override that no rule matched belongs to the descriptor's keys.
+        let rule = *self.rule.get_or_insert_with(|| match self.matched {
+            Some(m) => RuleId::of(self.domain, m.node.path().as_bytes()),
+            None => RuleId::of(
+                self.domain,
+                &self
+                    .entries
+                    .iter()
+                    .map(|(k, _)| *k)
+                    .collect::<Vec<_>>()
+                    .join(&b'.'),
+            ),
+        });
+        // A request holds (or settles) once on a counter, however many of its descriptors name
+        // it: the stores decide a held counter once per request. The settles of one call add up
+        // (input and output tokens priced apart).
+        if let Some((_, id, settle)) = self.hold
+            && let Some(earlier) = check
+                .items
+                .iter_mut()
+                .find(|i| i.key == key && matches!(i.step, Step::Held(h) if h.id == id))
+        {
+            if let Step::Held(h) = earlier.step
+                && h.settle
+                && settle
+            {
+                earlier.hits = earlier.hits.saturating_add(self.hits).min(MOST_COUNT);
+            }
+            return;
+        }
+        check.items.push(Item {
+            key,
+            rule,
+            mode: if self.global.quota_mode {
+                mode.as_quota()
+            } else {
+                mode
+            },
+            hits: self.hits,
+            refund: self.refund && self.hold.is_none(),
+            counting: self.counting,
+            leased: self.leased,
+            scope: self.scope,
+            step: match self.hold {
+                Some((held_by, id, settle)) => {
+                    Step::Held(held(held_by, id, self.hits, &limit, settle))
+                }
+                None => Step::Hits,
+            },
+            limit,
+        });
+    }
+}
+
+/// The limit a request's own `o` sets for a descriptor `matched` matched (or none did), counted
+/// with the rule's algorithm within what it can count (a sliding log's entries, a bucket's exact
+/// arithmetic), and its counter's identity.
+fn overriding(o: Override, matched: Option<&Match<'_>>) -> (Limit, String) {
+    let algorithm = matched
+        .and_then(|m| m.node.limits.iter().find_map(|l| l.limit.as_ref()))
+        .map_or(Algorithm::FixedWindow, |l| l.algorithm);
+    let identity = format!(
+        "override:{}:{}:{}",
+        algorithm.name(),
+        o.unit.name(),
+        o.requests_per_unit
+    );
+    let window_ms = o.unit.seconds() * 1000;
+    let requests_per_unit = match algorithm {
+        Algorithm::SlidingLog => o.requests_per_unit.min(log::MOST_ENTRIES),
+        _ => o.requests_per_unit,
+    };
+    let most_burst = u32::try_from(gcra::MOST_UNITS / window_ms).unwrap_or(u32::MAX);
+    let limit = Limit {
+        name: String::new(),
+        requests_per_unit,
+        unit: o.unit,
+        unit_multiplier: 1,
+        algorithm,
+        burst: requests_per_unit.min(most_burst),
+        calendar: None,
+    };
+    (limit, identity)
+}
+
+/// A rule's limit's counter identity: its algorithm, unit and multiplier, and its calendar.
+fn identity(limit: &Limit) -> String {
+    let mut identity = format!(
+        "{}:{}:{}",
+        limit.algorithm.name(),
+        limit.unit.name(),
+        limit.unit_multiplier
+    );
+    // A calendar's windows are other windows than the unit's from the epoch.
+    if let Some(calendar) = &limit.calendar {
+        identity.push_str(&calendar.identity(limit.unit));
+    }
+    identity
+}
+
 impl RuleSet {
     /// Resolves every descriptor `asked` in `domain` into its limits, as `global` has them
     /// counted, and gathers them into one check; `metered`: count it in the metrics (a request),
@@ -150,193 +355,75 @@ impl RuleSet {
                 None => (None, d.entries.len()),
             })
             .unzip();
-        // A limit named in any matched rule's `replaces` is dropped from every descriptor.
-        let replaced: Vec<&str> = matches
+        let planning = Planning {
+            domain,
+            global,
+            metered,
+            replaced: matches
+                .iter()
+                .flatten()
+                .flat_map(|m| m.node.limits.iter())
+                .flat_map(|l| l.replaces.iter().map(String::as_str))
+                .collect(),
+        };
+        let plans = asked
             .iter()
-            .flatten()
-            .flat_map(|m| m.node.limits.iter())
-            .flat_map(|l| l.replaces.iter().map(String::as_str))
+            .zip(&matches)
+            .zip(&matched)
+            .map(|((descriptor, m), &n)| {
+                self.plan_descriptor(&planning, descriptor, m.as_ref(), n, &mut check)
+            })
             .collect();
-        let mut plans = Vec::with_capacity(matches.len());
-        for ((descriptor, m), &n) in asked.iter().zip(&matches).zip(&matched) {
-            let (entries, after) = descriptor.entries.split_at(n);
-            let mut counted: Vec<(&[u8], &[u8])> = match m {
-                Some(m) => entries
-                    .iter()
-                    .zip(&m.counted_values)
-                    .map(|((k, _), v)| (*k, *v))
-                    .collect(),
-                None => entries.to_vec(),
-            };
-            let hits = match m {
-                Some(m) if !m.node.weights().is_empty() => {
-                    weighed(descriptor.hits, m.node.weights(), after)
-                }
-                _ => descriptor.hits,
-            };
-            // A held rule's own entry names the request, not the counter; a call carrying its
-            // settle entry settles.
-            let hold = m
-                .as_ref()
-                .and_then(|m| m.node.hold())
-                .zip(entries.last())
-                .map(|(rule, (_, id))| {
-                    counted.pop();
-                    let settle = after.iter().any(|(k, _)| *k == rule.settle.key.as_bytes());
-                    (rule, HoldId::of(id), settle)
-                });
-            let start = check.items.len();
-            let mut descriptor_key = None;
-            let mut rule = None;
-            let counting = m
-                .as_ref()
-                .and_then(|m| m.node.counting)
-                .unwrap_or(global.counting);
-            let scope = m.as_ref().and_then(|m| m.node.scope()).unwrap_or_default();
-            let leased = hold.is_none()
-                && !scope.is_local()
-                && m.as_ref()
-                    .and_then(|m| m.node.lease)
-                    .unwrap_or(global.lease)
-                    == Leasing::Auto;
-            let mut push = |limit: Limit, mut identity: String, mode: Mode| {
-                // Counters of another scope are other counters.
-                match scope {
-                    Scope::Global => {}
-                    Scope::Cluster => {
-                        identity.push_str(":cluster:");
-                        identity.push_str(global.cluster.unwrap_or_default());
-                    }
-                    Scope::Replica | Scope::Split => {
-                        identity.push(':');
-                        identity.push_str(scope.name());
-                    }
-                }
-                let key =
-                    descriptor_key.get_or_insert_with(|| DescriptorKey::new(domain, &counted));
-                // A limit override that no rule matched belongs to the descriptor's keys.
-                let rule = *rule.get_or_insert_with(|| match m {
-                    Some(m) => RuleId::of(domain, m.node.path().as_bytes()),
-                    None => RuleId::of(
-                        domain,
-                        &entries
-                            .iter()
-                            .map(|(k, _)| *k)
-                            .collect::<Vec<_>>()
-                            .join(&b'.'),
-                    ),
-                });
-                let key = key.counter(&identity);
-                // A request holds (or settles) once on a counter, however many of its
-                // descriptors name it: the stores decide a held counter once per request. The
-                // settles of one call add up (input and output tokens priced apart).
-                if let Some((_, id, settle)) = hold
-                    && let Some(earlier) = check
-                        .items
-                        .iter_mut()
-                        .find(|i| i.key == key && matches!(i.step, Step::Held(h) if h.id == id))
-                {
-                    if let Step::Held(h) = earlier.step
-                        && h.settle
-                        && settle
-                    {
-                        earlier.hits = earlier.hits.saturating_add(hits).min(MOST_COUNT);
-                    }
-                    return;
-                }
-                check.items.push(Item {
-                    key,
-                    rule,
-                    mode: if global.quota_mode {
-                        mode.as_quota()
-                    } else {
-                        mode
-                    },
-                    hits,
-                    refund: descriptor.refund && hold.is_none(),
-                    counting,
-                    leased,
-                    scope,
-                    step: match hold {
-                        Some((held_by, id, settle)) => {
-                            Step::Held(held(held_by, id, hits, &limit, settle))
-                        }
-                        None => Step::Hits,
-                    },
-                    limit,
-                });
-            };
-            if let Some(o) = descriptor.limit {
-                let algorithm = m
-                    .as_ref()
-                    .and_then(|m| m.node.limits.iter().find_map(|l| l.limit.as_ref()))
-                    .map_or(Algorithm::FixedWindow, |l| l.algorithm);
-                let identity = format!(
-                    "override:{}:{}:{}",
-                    algorithm.name(),
-                    o.unit.name(),
-                    o.requests_per_unit
-                );
-                // Within what the rule's algorithm can count: a sliding log's entries, a
-                // bucket's exact arithmetic.
-                let window_ms = o.unit.seconds() * 1000;
-                let requests_per_unit = match algorithm {
-                    Algorithm::SlidingLog => o.requests_per_unit.min(log::MOST_ENTRIES),
-                    _ => o.requests_per_unit,
-                };
-                let most_burst = u32::try_from(gcra::MOST_UNITS / window_ms).unwrap_or(u32::MAX);
-                let limit = Limit {
-                    name: String::new(),
-                    requests_per_unit,
-                    unit: o.unit,
-                    unit_multiplier: 1,
-                    algorithm,
-                    burst: requests_per_unit.min(most_burst),
-                    calendar: None,
-                };
-                push(limit, identity, Mode::Enforce);
-            } else if let Some(m) = m {
-                let kept = || m.node.limits.iter().filter(|l| !is_replaced(l, &replaced));
-                if m.node.limits.iter().any(|l| l.limit.is_none()) {
-                    plans.push(Plan::Unlimited);
-                    continue;
-                }
-                for rule in kept() {
-                    let limit = rule.limit.clone().expect("unlimited handled above");
-                    let mut identity = format!(
-                        "{}:{}:{}",
-                        limit.algorithm.name(),
-                        limit.unit.name(),
-                        limit.unit_multiplier
-                    );
-                    // A calendar's windows are other windows than the unit's from the epoch.
-                    if let Some(calendar) = &limit.calendar {
-                        identity.push_str(&calendar.identity(limit.unit));
-                    }
-                    push(limit, identity, m.node.mode);
-                }
-            }
-            let end = check.items.len();
-            plans.push(if end > start {
-                Plan::Limited {
-                    items: start..end,
-                    stats: m
-                        .as_ref()
-                        .filter(|_| metered)
-                        .map(|m| self.stats_of(domain, entries, m)),
-                    metadata: match descriptor.limit {
-                        Some(_) => None,
-                        None => m.as_ref().and_then(|m| m.node.metadata()),
-                    },
-                }
-            } else {
-                // Under global quota mode, envoyproxy/ratelimit counts a descriptor without a
-                // limit as a quota descriptor within its limit.
-                check.quota_passes |= global.quota_mode;
-                Plan::Free
-            });
-        }
         (plans, check)
+    }
+
+    /// Adds the counters of `descriptor`, whose first `n` entries `matched` matched, to `check`:
+    /// its plan.
+    fn plan_descriptor<'a>(
+        &'a self,
+        planning: &Planning<'_>,
+        descriptor: &Asked<'_>,
+        matched: Option<&Match<'a>>,
+        n: usize,
+        check: &mut Check,
+    ) -> Plan<'a> {
+        let mut counters = Counters::of(planning, descriptor, matched, n);
+        let start = check.items.len();
+        if let Some(o) = descriptor.limit {
+            let (limit, identity) = overriding(o, matched);
+            counters.push(check, limit, identity, Mode::Enforce);
+        } else if let Some(m) = matched {
+            if m.node.limits.iter().any(|l| l.limit.is_none()) {
+                return Plan::Unlimited;
+            }
+            for rule in m
+                .node
+                .limits
+                .iter()
+                .filter(|l| !is_replaced(l, &planning.replaced))
+            {
+                let limit = rule.limit.clone().expect("unlimited handled above");
+                let identity = identity(&limit);
+                counters.push(check, limit, identity, m.node.mode);
+            }
+        }
+        let end = check.items.len();
+        if end == start {
+            // Under global quota mode, envoyproxy/ratelimit counts a descriptor without a limit
+            // as a quota descriptor within its limit.
+            check.quota_passes |= planning.global.quota_mode;
+            return Plan::Free;
+        }
+        Plan::Limited {
+            items: start..end,
+            stats: matched
+                .filter(|_| planning.metered)
+                .map(|m| self.stats_of(planning.domain, counters.entries, m)),
+            metadata: match descriptor.limit {
+                Some(_) => None,
+                None => matched.and_then(|m| m.node.metadata()),
+            },
+        }
     }
 
     /// Where a matched descriptor's hits are counted: its rule's series, or one named from the

@@ -32,7 +32,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use super::StoreError;
 use super::demand::{DemandBoard, Division, Settle};
 use crate::limiter::algorithm::{Ask, Verdict, gcra, log, window};
-use crate::limiter::hold::{self, Outcome, Table};
+use crate::limiter::hold::{self, Table};
+use crate::limiter::outcome::{Outcome, Seen};
 use crate::limiter::{
     Algorithm, Check, CounterIds, CounterKey, Counting, Decision, IdHasher, Item, Limit, RuleId,
     Step, admits,
@@ -544,7 +545,7 @@ impl MemoryStore {
         if step.take.is_some() && self.hold_entries.holds.load(Ordering::Relaxed) >= self.max_keys {
             step.take = None;
             step.verdict.over = true;
-            step.verdict.hold = step.verdict.hold.map(|seen| hold::Seen {
+            step.verdict.hold = step.verdict.hold.map(|seen| Seen {
                 outcome: Outcome::Full,
                 ..seen
             });

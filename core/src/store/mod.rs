@@ -23,7 +23,7 @@ pub use demand::{Change, Division, Listed, Settle};
 pub use guard::Deadline;
 pub use memory::{MemoryStore, Percent, Stored};
 pub use peers::Peers;
-pub use redis::{RedisStore, RedisTls, Replicas, redis_key};
+pub use redis::{RedisStore, RedisTls, Replication, redis_key};
 
 use crate::limiter::{Check, CounterKey, Counting, Decision, Item, Mode, Scope, Usage};
 use crate::observe::Observer;
@@ -44,7 +44,7 @@ pub enum Backend {
         tls: Option<RedisTls>,
         /// The replicas that must acknowledge a decision's writes before it is answered, and
         /// those each primary has.
-        replicas: Replicas,
+        replicas: Replication,
         /// The breakers of every store opened on this deployment: it is reachable when all are
         /// closed.
         breakers: Breakers,
@@ -82,7 +82,7 @@ impl Backend {
             url,
             key_prefix,
             tls,
-            replicas: Replicas::new(confirm_replicas),
+            replicas: Replication::new(confirm_replicas),
             breakers: Breakers::new(observer.clone()),
             observer,
         }
@@ -327,12 +327,12 @@ impl Store {
 
     /// Decides `check`, all or nothing. The counters scoped to this replica are decided here,
     /// first; when they admit, the store decides the rest, and what they charged is given back
-    /// if the store denies, fails, or its caller goes (see `split`).
+    /// if the store denies, fails, or its caller goes (see `apply_own_first`).
     pub async fn apply(&self, check: &Check, deadline: Deadline) -> Result<Decision, StoreError> {
         if matches!(self.counters, Counters::Redis(_))
             && check.items.iter().any(|i| i.scope.is_local())
         {
-            return self.split(check, deadline).await;
+            return self.apply_own_first(check, deadline).await;
         }
         self.apply_shared(check, deadline).await
     }
@@ -345,7 +345,11 @@ impl Store {
     /// When they admit, the store decides its part (its quota limits not denying while an own
     /// quota limit is not over), and what the own counters charged is given back unless the
     /// store admits: when it denies, fails, or its caller goes first.
-    async fn split(&self, check: &Check, deadline: Deadline) -> Result<Decision, StoreError> {
+    async fn apply_own_first(
+        &self,
+        check: &Check,
+        deadline: Deadline,
+    ) -> Result<Decision, StoreError> {
         let (own, shared): (Vec<usize>, Vec<usize>) =
             (0..check.items.len()).partition(|&i| check.items[i].scope.is_local());
         let quota = |i: &usize| matches!(check.items[*i].mode, Mode::Quota | Mode::ShadowQuota);
@@ -762,9 +766,9 @@ impl StoreError {
 
 impl std::error::Error for StoreError {}
 
-/// This process's clock, in ms since the Unix epoch: the embedded store's clock, and the one a
-/// replica picks calendar windows around for Redis.
-pub(crate) fn unix_ms() -> u64 {
+/// This process's clock, in ms since the Unix epoch: the embedded store's clock, the one a
+/// replica picks calendar windows around for Redis, and the one every part of the process reads.
+pub fn unix_ms() -> u64 {
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);

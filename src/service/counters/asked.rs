@@ -4,8 +4,8 @@
 use serde_json::Value;
 
 use super::{Failed, Held, bad};
-use crate::limiter::{Algorithm, Item};
-use crate::rules::limit_json;
+use sluice_core::limiter::{Algorithm, Item};
+use sluice_core::rules::limit_json;
 
 /// The longest `"by"` an audit line takes.
 const LONGEST_BY: usize = 256;

@@ -5,10 +5,10 @@ use axum::http::StatusCode;
 
 use super::asked::{Action, Asked};
 use super::{Counters, Failed, RESET_MARGIN, STORE_WAIT};
-use crate::limiter::{Check, Counting, Item};
 use crate::service::decide::GIVE_BACK_TIMEOUT;
-use crate::service::rls::unix_ms;
-use crate::store::{Deadline, StoreError};
+use sluice_core::limiter::{Check, Counting, Item};
+use sluice_core::store::unix_ms;
+use sluice_core::store::{Deadline, StoreError};
 
 impl Counters {
     /// Applies `asked`'s action to the counters of `items`, `leased` when replicas may hold

@@ -41,15 +41,17 @@ use super::conns::Peer;
 use super::explain::{calendar_window, text};
 use super::http::decode;
 use super::in_force::Rules;
-use super::rls::{Answering, Bounds, descriptors, unix_ms};
-use crate::limiter::lease::Leases;
-use crate::limiter::{Algorithm, Check, Counting, Item, Mode, OverLimitCache, Step};
-use crate::rules::limit_json;
-use crate::rules::plan::Plan;
-use crate::store::{Deadline, Store, redis_key};
+use super::rls::{Answering, Bounds, descriptors};
+use crate::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use crate::telemetry::Telemetry;
-use asked::{Action, check_at, check_room, dry_run, hits_of, read_call};
+use asked::{Action, Asked, check_at, check_room, dry_run, hits_of, read_call};
 use change::Outcome;
+use sluice_core::limiter::lease::Leases;
+use sluice_core::limiter::{Algorithm, Check, Counting, Item, Mode, OverLimitCache, Step};
+use sluice_core::rules::limit_json;
+use sluice_core::rules::plan::Plan;
+use sluice_core::store::unix_ms;
+use sluice_core::store::{Deadline, Store, redis_key};
 
 /// How long the store has for each call of a change: an operator waits, no request does.
 const STORE_WAIT: Duration = Duration::from_secs(2);
@@ -163,9 +165,57 @@ fn bad(message: impl Into<String>) -> Failed {
     (StatusCode::BAD_REQUEST, message.into())
 }
 
+/// The counters a call acts on: each with the descriptor it is first a counter of, whether it
+/// is a held rule's, and whether replicas may hold leased blocks of one of them.
+struct Found {
+    counters: Vec<(usize, Item)>,
+    holding: Vec<bool>,
+    leased: bool,
+}
+
 impl Counters {
     async fn call(&self, body: &[u8], peer: Option<IpAddr>) -> Result<String, Failed> {
         let (mut asked, request) = read_call(body)?;
+        self.permitted(&asked, peer)?;
+        let now = unix_ms();
+        let (request, at) = self.request(&request, now)?;
+        asked.at = at;
+        let domain = request.domain.as_slice();
+        let found = self.found(&request, &asked)?;
+        if let Some(at) = asked.at {
+            check_at(&found.counters, at, now)?;
+        }
+        // A split limit's counter holds this replica's share.
+        let mut check = Check {
+            items: found.counters.iter().map(|(_, i)| i.clone()).collect(),
+            ..Check::default()
+        };
+        self.store.share(&mut check).map_err(unavailable)?;
+        let items = check.items;
+        let before = self.held(&items, &found.holding, asked.at).await?;
+        check_room(&items, &before, asked.action)?;
+        let applying = asked.apply && asked.action != Action::Show;
+        let (after, outcome) = if applying {
+            self.apply(&items, &asked, &found).await
+        } else {
+            (dry_run(&items, &before, asked.action), Outcome::DryRun)
+        };
+        let lines = self.lines(&found, &items, &before, &after, asked.at.unwrap_or(now));
+        if applying {
+            self.audit(&asked, peer, domain, &lines, &outcome);
+            if outcome.changed() {
+                self.telemetry
+                    .counter_changes(asked.action.name(), lines.len() as u64);
+            }
+        }
+        if let Some((status, message)) = outcome.failure() {
+            return Err((status, message));
+        }
+        Ok(answer_text(&asked, applying, domain, lines))
+    }
+
+    /// Refuses a change without the admin token on a port not declared trusted.
+    fn permitted(&self, asked: &Asked, peer: Option<IpAddr>) -> Result<(), Failed> {
         if asked.apply && asked.action != Action::Show && !self.access.may_change() {
             self.access.refuse(Refusal::Untrusted, peer, "/counters");
             return Err((
@@ -176,12 +226,16 @@ impl Counters {
                     .to_owned(),
             ));
         }
-        let (request, at) = decode(&request).map_err(|m| bad(m.trim_end()))?;
+        Ok(())
+    }
+
+    /// The request of a call, within the bounds, and the instant it names, if not further ahead
+    /// than `--max-schedule-ahead` from `now`.
+    fn request(&self, json: &[u8], now: u64) -> Result<(RateLimitRequest, Option<u64>), Failed> {
+        let (request, at) = decode(json).map_err(|m| bad(m.trim_end()))?;
         self.bounds
             .validate(&request)
             .map_err(|s| bad(s.message()))?;
-        asked.at = at;
-        let now = unix_ms();
         if let Some(at) = at
             && at > now + self.bounds.max_schedule_ahead.as_millis() as u64
         {
@@ -189,6 +243,12 @@ impl Counters {
                 "\"at\" lies further ahead than --max-schedule-ahead allows",
             ));
         }
+        Ok((request, at))
+    }
+
+    /// The counters `request` touches under the rules in force (those of the limit `asked`
+    /// names, if it names one), each once; 404 for a domain no rule declares.
+    fn found(&self, request: &RateLimitRequest, asked: &Asked) -> Result<Found, Failed> {
         let rules = self.rules.in_force();
         let domain = request.domain.as_slice();
         if !rules.has_domain(domain) {
@@ -200,15 +260,14 @@ impl Counters {
                 ),
             ));
         }
-        let asked_descriptors = descriptors(&request);
+        let asked_descriptors = descriptors(request);
         let (plans, check) = rules.plan(domain, &asked_descriptors, self.answering.global(), false);
-        // Each counter once, with the descriptor it is first a counter of.
         let mut seen = HashSet::new();
-        // Whether replicas may hold leased blocks of one of the counters.
-        let mut leased = false;
-        let mut found: Vec<(usize, Item)> = Vec::new();
-        // Whether each counter found is a held rule's.
-        let mut holding: Vec<bool> = Vec::new();
+        let mut found = Found {
+            counters: Vec::new(),
+            holding: Vec::new(),
+            leased: false,
+        };
         for (descriptor, plan) in plans.iter().enumerate() {
             let Plan::Limited { items, .. } = plan else {
                 continue;
@@ -219,39 +278,39 @@ impl Counters {
                 {
                     continue;
                 }
-                leased |= Leases::hold(item);
-                holding.push(matches!(item.step, Step::Held(_)));
-                found.push((descriptor, plain(item)));
+                found.leased |= Leases::hold(item);
+                found.holding.push(matches!(item.step, Step::Held(_)));
+                found.counters.push((descriptor, plain(item)));
             }
         }
-        if let Some(at) = asked.at {
-            check_at(&found, at, now)?;
+        Ok(found)
+    }
+
+    /// Applies the change `asked` says to `items`: what they hold after it, and its outcome.
+    async fn apply(&self, items: &[Item], asked: &Asked, found: &Found) -> (Vec<Held>, Outcome) {
+        match self.change(items, asked, found.leased).await {
+            Ok(()) => match self.held(items, &found.holding, asked.at).await {
+                Ok(after) => (after, Outcome::Applied),
+                Err(_) => (Vec::new(), Outcome::AppliedUnread),
+            },
+            Err(e) if e.surely_not_applied => (Vec::new(), Outcome::Failed(e.message)),
+            Err(e) => (Vec::new(), Outcome::Unknown(e.message)),
         }
-        // A split limit's counter holds this replica's share.
-        let mut check = Check {
-            items: found.iter().map(|(_, i)| i.clone()).collect(),
-            ..Check::default()
-        };
-        self.store.share(&mut check).map_err(unavailable)?;
-        let items = check.items;
-        let before = self.held(&items, &holding, asked.at).await?;
-        check_room(&items, &before, asked.action)?;
-        let applying = asked.apply && asked.action != Action::Show;
-        let (after, outcome) = if applying {
-            match self.change(&items, &asked, leased).await {
-                Ok(()) => match self.held(&items, &holding, asked.at).await {
-                    Ok(after) => (after, Outcome::Applied),
-                    Err(_) => (Vec::new(), Outcome::AppliedUnread),
-                },
-                Err(e) if e.surely_not_applied => (Vec::new(), Outcome::Failed(e.message)),
-                Err(e) => (Vec::new(), Outcome::Unknown(e.message)),
-            }
-        } else {
-            (dry_run(&items, &before, asked.action), Outcome::DryRun)
-        };
-        let lines: Vec<Line> = found
+    }
+
+    /// The answer's line of each counter, in the window holding `at`.
+    fn lines(
+        &self,
+        found: &Found,
+        items: &[Item],
+        before: &[Held],
+        after: &[Held],
+        at: u64,
+    ) -> Vec<Line> {
+        found
+            .counters
             .iter()
-            .zip(&items)
+            .zip(items)
             .zip(before.iter().enumerate())
             .map(|(((descriptor, _), item), (i, before))| Line {
                 descriptor: *descriptor,
@@ -263,33 +322,11 @@ impl Counters {
                     .as_ref()
                     .filter(|_| !item.scope.is_local())
                     .map(|p| text(&redis_key(p.as_bytes(), &item.key))),
-                window: calendar_window(&item.limit, asked.at.unwrap_or(now)),
+                window: calendar_window(&item.limit, at),
                 before: *before,
                 after: after.get(i).copied(),
             })
-            .collect();
-        if applying {
-            self.audit(&asked, peer, domain, &lines, &outcome);
-            if outcome.changed() {
-                self.telemetry
-                    .counter_changes(asked.action.name(), lines.len() as u64);
-            }
-        }
-        if let Some((status, message)) = outcome.failure() {
-            return Err((status, message));
-        }
-        let mut answer = Map::new();
-        answer.insert("action".to_owned(), json!(asked.action.name()));
-        if let Some(hits) = hits_of(asked.action) {
-            answer.insert("hits".to_owned(), json!(hits));
-        }
-        answer.insert("applied".to_owned(), json!(applying));
-        answer.insert("domain".to_owned(), json!(String::from_utf8_lossy(domain)));
-        answer.insert("counters".to_owned(), json!(lines));
-        let mut text =
-            serde_json::to_string_pretty(&Value::Object(answer)).expect("an answer serializes");
-        text.push('\n');
-        Ok(text)
+            .collect()
     }
 
     /// What the counters of `items` hold now (a fixed window: in the window holding `at`), and
@@ -376,6 +413,22 @@ impl Counters {
     }
 }
 
+/// The JSON answer of a call.
+fn answer_text(asked: &Asked, applying: bool, domain: &[u8], lines: Vec<Line>) -> String {
+    let mut answer = Map::new();
+    answer.insert("action".to_owned(), json!(asked.action.name()));
+    if let Some(hits) = hits_of(asked.action) {
+        answer.insert("hits".to_owned(), json!(hits));
+    }
+    answer.insert("applied".to_owned(), json!(applying));
+    answer.insert("domain".to_owned(), json!(String::from_utf8_lossy(domain)));
+    answer.insert("counters".to_owned(), json!(lines));
+    let mut text =
+        serde_json::to_string_pretty(&Value::Object(answer)).expect("an answer serializes");
+    text.push('\n');
+    text
+}
+
 /// The counter of `item` as `/counters` moves it: its own hits, enforced, no lease, no hold.
 fn plain(item: &Item) -> Item {
     Item {
@@ -389,7 +442,7 @@ fn plain(item: &Item) -> Item {
     }
 }
 
-fn unavailable(e: crate::store::StoreError) -> Failed {
+fn unavailable(e: sluice_core::store::StoreError) -> Failed {
     (
         StatusCode::SERVICE_UNAVAILABLE,
         format!("the store could not answer: {e}"),

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::limiter::Counting;
-use crate::limiter::lease::{Leases, Leasing, MOST_HELD};
 use crate::service::rls::{Answering, LimitHeaders};
+use sluice_core::limiter::Counting;
+use sluice_core::limiter::lease::{Leases, Leasing, MOST_HELD};
 
 #[derive(Args)]
 #[command(next_help_heading = "Answers")]

@@ -7,8 +7,8 @@ use std::time::Duration;
 use clap::Args;
 
 use super::at_least_one;
-use crate::limiter::LONGEST_WINDOW_SECONDS;
 use crate::service::rls::{Bounds, Fallback, OnStoreError};
+use sluice_core::limiter::LONGEST_WINDOW_SECONDS;
 
 /// The longest `--store-timeout`.
 const LONGEST_STORE_TIMEOUT: Duration = Duration::from_secs(60);

@@ -7,9 +7,9 @@ use clap::Args;
 
 use super::at_least_one;
 use super::xds::XdsFlags;
-use crate::config;
-use crate::limiter::calendar;
 use crate::service::reload::Feed;
+use sluice_core::config;
+use sluice_core::limiter::calendar;
 
 #[derive(Args)]
 #[command(next_help_heading = "Rules and reload")]
@@ -74,7 +74,7 @@ impl RuleFlags {
     /// `--clock-skew-ms` does (tests only).
     pub fn set_calendar_clock(&self) {
         calendar::set_test_offset(self.calendar_clock_offset_ms);
-        crate::store::set_test_clock_skew(self.clock_skew_ms);
+        sluice_core::store::set_test_clock_skew(self.clock_skew_ms);
     }
 
     /// Where the rules come from, an xDS server's TLS files read and checked now.

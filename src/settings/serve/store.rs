@@ -7,9 +7,9 @@ use std::sync::Arc;
 use clap::Args;
 
 use super::at_least_one;
-use crate::limiter::OverLimitCache;
-use crate::observe::Observer;
-use crate::store::{Backend, MemoryStore, Percent, RedisTls};
+use sluice_core::limiter::OverLimitCache;
+use sluice_core::observe::Observer;
+use sluice_core::store::{Backend, MemoryStore, Percent, RedisTls};
 
 #[derive(Args)]
 #[command(next_help_heading = "Counter store and Redis")]

@@ -89,7 +89,7 @@ pub struct TelemetryFlags {
     #[arg(long, env = "SLUICE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
     /// A level (error, warn, info, debug, trace: sluice's own events; its libraries' stay at info)
-    /// or a full filter such as `info,sluice::store=debug`.
+    /// or a full filter such as `info,sluice_core::store=debug`.
     ///
     /// Without it, SLUICE_LOG or RUST_LOG, else info.
     #[arg(long, env = "SLUICE_LOG_LEVEL")]

@@ -115,6 +115,35 @@ pub const UNREACHABLE: [&str; 9] = [
     "other",
 ];
 
+/// Why the store could not decide, as `sluice_store_errors` (and the quota service's) count it.
+const STORE_ERRORS: [&str; 9] = [
+    "full",
+    "timeout",
+    "shed",
+    "down",
+    "unavailable",
+    "data",
+    "redirected",
+    "skewed",
+    "unconfirmed",
+];
+
+/// Registers `family` as `name`, with every value of its `label` among `values` made at once:
+/// the first event is then an increase a rate or an alert sees.
+fn labelled(
+    r: &mut Registry,
+    name: &str,
+    help: &str,
+    family: &Family<Labels, Counter>,
+    label: &'static str,
+    values: &[&'static str],
+) {
+    r.register(name, help, family.clone());
+    for &value in values {
+        drop(family.get_or_create(&[(label, value)]));
+    }
+}
+
 impl Metrics {
     /// The metrics of a process whose rules' counters feed `top`, once it is started.
     pub(super) fn new(top: TopCell) -> Self {
@@ -154,155 +183,171 @@ impl Metrics {
             top,
         };
         let mut registry = Registry::default();
-        let r = &mut registry;
+        m.register_requests(&mut registry);
+        m.register_store(&mut registry);
+        m.register_rules(&mut registry);
+        m.register_quota(&mut registry);
+        m.register_operations(&mut registry);
+        Metrics { registry, ..m }
+    }
+
+    /// The requests' metrics: their time, the invalid ones', the policy's answers.
+    fn register_requests(&self, r: &mut Registry) {
         r.register(
             "sluice_request_duration_seconds",
             "Time to answer one ShouldRateLimit call",
-            m.request_seconds.clone(),
-        );
-        r.register(
-            "sluice_store_call_duration_seconds",
-            "Time the counter store took to decide one request, queueing included",
-            m.store_call_seconds.clone(),
-        );
-        r.register(
-            "sluice_redis_batch_requests",
-            "Requests decided by one Redis script call",
-            m.batch_requests.clone(),
-        );
-        r.register(
-            "sluice_store_errors",
-            "Requests the store could not decide, by kind (full, timeout, shed, down, unavailable; data: a key sluice cannot read; redirected: a Cluster slot moving; skewed: a calendar window this replica's clock cannot place; unconfirmed)",
-            m.store_errors.clone(),
-        );
-        r.register(
-            "sluice_policy_answers",
-            "Requests answered by --on-store-error instead of the store, by answer (error, allow, deny)",
-            m.policy_answers.clone(),
-        );
-        r.register(
-            "sluice_rule_reloads",
-            "Rule reloads, by result (ok, failed)",
-            m.reloads.clone(),
+            self.request_seconds.clone(),
         );
         r.register(
             "sluice_unknown_domain_requests",
             "Requests for a domain no rule file declares",
-            m.unknown_domain.clone(),
+            self.unknown_domain.clone(),
+        );
+        labelled(
+            r,
+            "sluice_policy_answers",
+            "Requests answered by --on-store-error instead of the store, by answer (error, allow, deny)",
+            &self.policy_answers,
+            "answer",
+            &["error", "allow", "deny"],
+        );
+    }
+
+    /// The counter store's metrics: its calls, its errors, Redis out of reach, the embedded
+    /// store's refusals.
+    fn register_store(&self, r: &mut Registry) {
+        r.register(
+            "sluice_store_call_duration_seconds",
+            "Time the counter store took to decide one request, queueing included",
+            self.store_call_seconds.clone(),
+        );
+        r.register(
+            "sluice_redis_batch_requests",
+            "Requests decided by one Redis script call",
+            self.batch_requests.clone(),
+        );
+        labelled(
+            r,
+            "sluice_store_errors",
+            "Requests the store could not decide, by kind (full, timeout, shed, down, unavailable; data: a key sluice cannot read; redirected: a Cluster slot moving; skewed: a calendar window this replica's clock cannot place; unconfirmed)",
+            &self.store_errors,
+            "kind",
+            &STORE_ERRORS,
+        );
+        labelled(
+            r,
+            "sluice_store_unreachable",
+            "Failures to reach Redis (a connection not made, or refusing sluice's commands) seen by each of sluice's Redis clients, by cause: refused, timeout, tls, auth, readonly, loading, unknown_command, io, other",
+            &self.store_unreachable,
+            "kind",
+            &UNREACHABLE,
+        );
+        labelled(
+            r,
+            "sluice_memory_refused_counters",
+            "New counters the embedded store refused because their share was full, by share (rule, scheduled): their requests were answered over the limit",
+            &self.memory_refused,
+            "share",
+            &["rule", "scheduled"],
+        );
+    }
+
+    /// The rules' metrics: reloads, when the rules in force were loaded, the held rules' calls.
+    fn register_rules(&self, r: &mut Registry) {
+        labelled(
+            r,
+            "sluice_rule_reloads",
+            "Rule reloads, by result (ok, failed)",
+            &self.reloads,
+            "result",
+            &["ok", "failed"],
         );
         r.register(
             "sluice_rules_loaded_timestamp_seconds",
             "When the rules in force were loaded (Unix time)",
-            m.loaded_at.clone(),
-        );
-        r.register(
-            "sluice_quota_reported_allowed",
-            "Requests Envoys reported letting through, per quota bucket rule",
-            m.quota_allowed.clone(),
-        );
-        r.register(
-            "sluice_quota_reported_denied",
-            "Requests Envoys reported denying, per quota bucket rule",
-            m.quota_denied.clone(),
-        );
-        r.register(
-            "sluice_quota_shadow_denied",
-            "Requests a shadow-mode quota bucket rule would have had Envoys deny (estimated from each report)",
-            m.quota_shadow_denied.clone(),
-        );
-        r.register(
-            "sluice_quota_assignments",
-            "Bucket actions sent to Envoys, per quota bucket rule and action (token_bucket, allow_all, deny_all, abandon)",
-            m.quota_actions.clone(),
+            self.loaded_at.clone(),
         );
         r.register(
             "sluice_holds",
             "Calls on held counters, per rule and outcome: held (a hold taken), denied (the hold did not fit, or the request was denied), settle (a hold settled), unheld (a settle that found no hold of its request, charged in full), reused (a request-time call naming a request the counter knows, refused), full (the counter's table was full of holds)",
-            m.holds.clone(),
+            self.holds.clone(),
         );
         r.register(
             "sluice_holds_expired",
             "Holds found expired unsettled, per rule: released, or charged their estimate as the rule says",
-            m.holds_expired.clone(),
+            self.holds_expired.clone(),
+        );
+    }
+
+    /// The quota service's metrics: what Envoys report, the assignments sent, its bounds.
+    fn register_quota(&self, r: &mut Registry) {
+        r.register(
+            "sluice_quota_reported_allowed",
+            "Requests Envoys reported letting through, per quota bucket rule",
+            self.quota_allowed.clone(),
         );
         r.register(
-            "sluice_store_unreachable",
-            "Failures to reach Redis (a connection not made, or refusing sluice's commands) seen by each of sluice's Redis clients, by cause: refused, timeout, tls, auth, readonly, loading, unknown_command, io, other",
-            m.store_unreachable.clone(),
+            "sluice_quota_reported_denied",
+            "Requests Envoys reported denying, per quota bucket rule",
+            self.quota_denied.clone(),
         );
-        for kind in UNREACHABLE {
-            drop(m.store_unreachable.get_or_create(&[("kind", kind)]));
-        }
         r.register(
+            "sluice_quota_shadow_denied",
+            "Requests a shadow-mode quota bucket rule would have had Envoys deny (estimated from each report)",
+            self.quota_shadow_denied.clone(),
+        );
+        r.register(
+            "sluice_quota_assignments",
+            "Bucket actions sent to Envoys, per quota bucket rule and action (token_bucket, allow_all, deny_all, abandon)",
+            self.quota_actions.clone(),
+        );
+        labelled(
+            r,
             "sluice_quota_store_errors",
             "Quota demand records the store could not take, by kind: the bucket kept its last assignment",
-            m.quota_store_errors.clone(),
+            &self.quota_store_errors,
+            "kind",
+            &STORE_ERRORS,
         );
-        r.register(
-            "sluice_memory_refused_counters",
-            "New counters the embedded store refused because their share was full, by share (rule, scheduled): their requests were answered over the limit",
-            m.memory_refused.clone(),
-        );
-        for share in ["rule", "scheduled"] {
-            drop(m.memory_refused.get_or_create(&[("share", share)]));
-        }
-        r.register(
+        labelled(
+            r,
             "sluice_quota_untracked",
             "Bucket reports answered untracked, with the rule's whole limit, by the bound that was full: stream_buckets (the stream's), buckets or streams (the process's)",
-            m.quota_untracked.clone(),
+            &self.quota_untracked,
+            "bound",
+            &["stream_buckets", "buckets", "streams"],
         );
         r.register(
             "sluice_quota_paced_reports",
             "Bucket reports a quota stream waited to take, past --quota-max-reports a second: its Envoy's next reports waited with it",
-            m.quota_paced.clone(),
+            self.quota_paced.clone(),
         );
-        // Every label a counter can take exists from the start, so the first event is an
-        // increase a rate or an alert sees.
-        for kind in [
-            "full",
-            "timeout",
-            "shed",
-            "down",
-            "unavailable",
-            "data",
-            "redirected",
-            "skewed",
-            "unconfirmed",
-        ] {
-            drop(m.store_errors.get_or_create(&[("kind", kind)]));
-            drop(m.quota_store_errors.get_or_create(&[("kind", kind)]));
-        }
-        for bound in ["stream_buckets", "buckets", "streams"] {
-            drop(m.quota_untracked.get_or_create(&[("bound", bound)]));
-        }
-        for answer in ["error", "allow", "deny"] {
-            drop(m.policy_answers.get_or_create(&[("answer", answer)]));
-        }
-        for result in ["ok", "failed"] {
-            drop(m.reloads.get_or_create(&[("result", result)]));
-        }
+    }
+
+    /// What operating the process counts: traces exported, counters changed by hand, admin
+    /// requests refused.
+    fn register_operations(&self, r: &mut Registry) {
         r.register(
             "sluice_trace_spans",
             "Trace spans, by outcome: exported, dropped (the export queue was full), failed (the collector did not take them)",
-            m.trace_spans.clone(),
+            self.trace_spans.clone(),
         );
-        r.register(
+        labelled(
+            r,
             "sluice_counter_changes",
             "Counters changed through the admin API (/counters), by action: reset, set, add",
-            m.counter_changes.clone(),
+            &self.counter_changes,
+            "action",
+            &["reset", "set", "add"],
         );
-        for action in ["reset", "set", "add"] {
-            drop(m.counter_changes.get_or_create(&[("action", action)]));
-        }
-        r.register(
+        labelled(
+            r,
             "sluice_admin_refused",
             "Admin requests refused, by reason: token (without the admin token or with a wrong one), cooling (a peer refused less than a second before), untrusted (a change through /counters without the token on a port not declared trusted)",
-            m.admin_refused.clone(),
+            &self.admin_refused,
+            "reason",
+            &["token", "cooling", "untrusted"],
         );
-        for reason in ["token", "cooling", "untrusted"] {
-            drop(m.admin_refused.get_or_create(&[("reason", reason)]));
-        }
-        Metrics { registry, ..m }
     }
 
     /// `n` counters changed through `/counters` by `action`.

@@ -17,9 +17,9 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 
-use crate::observe::{Outcome, RuleCounters};
 use crate::telemetry::mapper::Series;
 use crate::telemetry::top::{RuleTop, Top};
+use sluice_core::observe::{Outcome, RuleCounters};
 
 /// Most series made from request values (`detailed_metric`, `value_to_metric`); past it, such
 /// hits count under their rule's own series.

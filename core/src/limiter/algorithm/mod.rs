@@ -15,7 +15,7 @@ pub mod window;
 use std::time::Duration;
 
 use super::calendar::Span;
-use super::hold::Seen;
+use super::outcome::Seen;
 use super::{Source, Step, Usage};
 
 /// How a limit counts.

@@ -22,7 +22,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, broadcast, mpsc};
 use tokio::time::Instant;
 
 use super::RedisTls;
-use super::replicas::{self, Primary, Replicas};
+use super::replication::{self, Primary, Replication};
 use crate::store::StoreError;
 use crate::store::guard::Breaker;
 use crate::throttle::Throttle;
@@ -142,11 +142,11 @@ impl Conn {
             let node = self.client.with_options(&Options {
                 cluster_node: self.clustered().then(|| server.clone()),
                 fail_fast: true,
-                timeout: Some(replicas::REFRESH),
+                timeout: Some(replication::REFRESH),
                 ..Default::default()
             });
             let attached = match node.info::<String>(Some(InfoKind::Replication)).await {
-                Ok(info) => match replicas::attached(&info) {
+                Ok(info) => match replication::attached(&info) {
                     Some(attached) => Some(attached),
                     // A demoted node behind a fixed address or a Sentinel: the script calls,
                     // on their lanes, meet its READONLY and reconnect; this connection, which
@@ -172,7 +172,7 @@ impl Conn {
 
 /// Reads the replicas of every primary `conn` reaches into `replicas`, every `REFRESH` and
 /// whenever a `WAIT` found fewer than asked, for as long as the process runs.
-pub(super) async fn watch_replicas(conn: Conn, replicas: Replicas) {
+pub(super) async fn watch_replicas(conn: Conn, replicas: Replication) {
     loop {
         let primaries = conn.primaries().await;
         if !primaries.is_empty() {

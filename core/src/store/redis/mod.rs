@@ -30,7 +30,7 @@ mod batch;
 mod cluster;
 mod conn;
 mod records;
-mod replicas;
+mod replication;
 mod script;
 mod tls;
 
@@ -54,7 +54,7 @@ use crate::observe::{Observer, TRACES};
 use batch::{Pending, Taken};
 use conn::{Conn, Lanes};
 use records::Record;
-pub use replicas::Replicas;
+pub use replication::Replication;
 use script::{Confirm, Scripts};
 pub use tls::RedisTls;
 
@@ -85,7 +85,7 @@ impl RedisStore {
         url: &str,
         prefix: &str,
         tls: Option<&RedisTls>,
-        replicas: &Replicas,
+        replicas: &Replication,
         breaker: Arc<Breaker>,
         observer: Arc<dyn Observer>,
     ) -> Result<Self, StoreError> {

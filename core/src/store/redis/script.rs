@@ -11,9 +11,10 @@ use fred::types::{ClusterHash, CustomCommand, FromValue};
 use tokio::time::Instant;
 
 use super::conn::{self, Conn, Lanes};
-use super::replicas::Replicas;
+use super::replication::Replication;
 use crate::limiter::algorithm::Verdict;
-use crate::limiter::hold::{HoldId, Outcome, Seen};
+use crate::limiter::hold::HoldId;
+use crate::limiter::outcome::{Outcome, Seen};
 use crate::limiter::{Algorithm, Check, Counting, Item, Mode, OnExpiry, Step};
 use crate::store::StoreError;
 use crate::store::demand::{Change, Division, Granted, Settle};
@@ -45,7 +46,7 @@ pub(super) struct Scripts {
 #[derive(Clone)]
 pub(super) struct Confirm {
     pub(super) lanes: Arc<Lanes>,
-    pub(super) replicas: Replicas,
+    pub(super) replicas: Replication,
 }
 
 /// A script: its source, for `EVAL` after a `NOSCRIPT`, and its SHA-1.
@@ -682,7 +683,7 @@ mod tests {
         assert_eq!(
             v[1].hold,
             Some(Seen {
-                outcome: crate::limiter::hold::Outcome::Settle,
+                outcome: crate::limiter::outcome::Outcome::Settle,
                 expired: 3
             })
         );

@@ -7,6 +7,7 @@
 //! for tonic and axum: it frames responses (lengths, chunks, `Connection: close`) as a real
 //! client does, and, with no pool in the way, each caller owns its connection.
 
+use super::parse_descriptor;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -84,16 +85,6 @@ pub struct Options {
     /// No progress line.
     #[arg(long)]
     pub quiet: bool,
-}
-
-/// A descriptor from `key=value[,key=value…]`, each entry split at its first `=`.
-pub fn parse_descriptor(text: &str) -> Result<Vec<(String, String)>, String> {
-    text.split(',')
-        .map(|pair| match pair.split_once('=') {
-            Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
-            _ => Err(format!("'{pair}' is not key=value")),
-        })
-        .collect()
 }
 
 /// Where `--http` sends its GETs.

@@ -4,6 +4,8 @@
 //! `replaces` dropped, the hits, and the counter (and Redis key) each limit moves. Nothing is
 //! counted: no store is asked and no metric moves.
 
+mod render;
+
 use std::fmt::Write as _;
 use std::sync::Arc;
 
@@ -19,15 +21,16 @@ use serde_json::{Map, Value, json};
 use super::auth::{AdminAccess, guarded};
 use super::http::decode;
 use super::in_force::Rules;
-use super::rls::{Answering, Bounds, descriptors, unix_ms};
-use crate::limiter::lease::Leases;
-use crate::limiter::{Item, Limit, Mode, Scope, Step as ItemStep};
+use super::rls::{Answering, Bounds, descriptors};
 use crate::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use crate::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use crate::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use crate::rules::plan::{Asked, Plan};
-use crate::rules::{Matched, RuleSet, Stop, Walk, limit_json, rule_limit_json};
-use crate::store::redis_key;
+use sluice_core::limiter::lease::Leases;
+use sluice_core::limiter::{Item, Limit, Mode, Scope, Step as ItemStep};
+use sluice_core::rules::plan::{Asked, Plan};
+use sluice_core::rules::{Matched, Node, RuleSet, Stop, Walk, limit_json, rule_limit_json};
+use sluice_core::store::redis_key;
+use sluice_core::store::unix_ms;
 
 /// A request to explain, as the rate limit service would receive it.
 pub struct Request(RateLimitRequest);
@@ -222,7 +225,58 @@ fn explain_descriptor(
     redis_key_prefix: Option<&str>,
 ) -> Descriptor {
     let counted = walk.matched.as_ref().map(|m| &m.counted_values);
-    let entries = descriptor
+    let stop = walk.stop.map(|stop| {
+        let entry = walk.steps.len();
+        Stopped {
+            entry,
+            reason: stop.name(),
+            message: stop_message(stop, walk, descriptor, entry),
+        }
+    });
+    let node = walk.matched.as_ref().map(|m| m.node);
+    let rule = node.map(|node| Rule {
+        source: node.source(),
+        path: node.path().to_owned(),
+        modes: node.modes(),
+        share_threshold: node.share_threshold(),
+        limits: node.limits.iter().map(rule_limit_json).collect(),
+    });
+    Descriptor {
+        entries: entry_steps(descriptor, walk),
+        stop,
+        rule,
+        limit_override: asked.limit.map(|o| {
+            json!({
+                "requests_per_unit": o.requests_per_unit,
+                "unit": o.unit.name(),
+            })
+        }),
+        hits: asked.hits,
+        hits_from: if descriptor.hits_addend.is_some() {
+            "descriptor"
+        } else {
+            "request"
+        },
+        refund: descriptor.is_negative_hits,
+        replaced: replaced(descriptor, node, plan, items, walks),
+        result: match plan {
+            Plan::Free => "no_limit",
+            Plan::Unlimited => "unlimited",
+            Plan::Limited { .. } => "limited",
+        },
+        shared_counter: counted.is_some_and(|c| {
+            c.iter()
+                .zip(&descriptor.entries)
+                .any(|(counted, entry)| *counted != entry.value.as_slice())
+        }),
+        counters: counters(descriptor, items, redis_key_prefix),
+    }
+}
+
+/// How each entry of `descriptor` fared in `walk`.
+fn entry_steps(descriptor: &RateLimitDescriptor, walk: &Walk) -> Vec<Step> {
+    let counted = walk.matched.as_ref().map(|m| &m.counted_values);
+    descriptor
         .entries
         .iter()
         .enumerate()
@@ -251,27 +305,20 @@ fn explain_descriptor(
                 counted_value: counted.and_then(|c| c.get(i)).map(|v| text(v)),
             }
         })
-        .collect();
-    let stop = walk.stop.map(|stop| {
-        let entry = walk.steps.len();
-        Stopped {
-            entry,
-            reason: stop.name(),
-            message: stop_message(stop, walk, descriptor, entry),
-        }
-    });
-    let node = walk.matched.as_ref().map(|m| m.node);
-    let rule = node.map(|node| Rule {
-        source: node.source(),
-        path: node.path().to_owned(),
-        modes: node.modes(),
-        share_threshold: node.share_threshold(),
-        limits: node.limits.iter().map(rule_limit_json).collect(),
-    });
-    // A rule's named limit missing from the plan was dropped by a `replaces` of the request's
-    // rules (an unnamed one of a held rule, by the request's earlier descriptor of the same
-    // request: it holds once).
-    let replaced = match (node, plan) {
+        .collect()
+}
+
+/// The named limits of the rule at `node` missing from the plan: dropped by a `replaces` of the
+/// request's rules (an unnamed one of a held rule, by the request's earlier descriptor of the
+/// same request: it holds once).
+fn replaced(
+    descriptor: &RateLimitDescriptor,
+    node: Option<&Node>,
+    plan: &Plan,
+    items: &[Item],
+    walks: &[Walk],
+) -> Vec<Replaced> {
+    match (node, plan) {
         (Some(node), Plan::Limited { .. } | Plan::Free) if descriptor.limit.is_none() => node
             .limits
             .iter()
@@ -287,8 +334,16 @@ fn explain_descriptor(
             })
             .collect(),
         _ => Vec::new(),
-    };
-    let counters = items
+    }
+}
+
+/// The counters of `items`, as `descriptor` has them counted.
+fn counters(
+    descriptor: &RateLimitDescriptor,
+    items: &[Item],
+    redis_key_prefix: Option<&str>,
+) -> Vec<Counter> {
+    items
         .iter()
         .map(|item| Counter {
             source: if descriptor.limit.is_some() {
@@ -309,37 +364,7 @@ fn explain_descriptor(
             },
             window: calendar_window(&item.limit, unix_ms()),
         })
-        .collect();
-    Descriptor {
-        entries,
-        stop,
-        rule,
-        limit_override: asked.limit.map(|o| {
-            json!({
-                "requests_per_unit": o.requests_per_unit,
-                "unit": o.unit.name(),
-            })
-        }),
-        hits: asked.hits,
-        hits_from: if descriptor.hits_addend.is_some() {
-            "descriptor"
-        } else {
-            "request"
-        },
-        refund: descriptor.is_negative_hits,
-        replaced,
-        result: match plan {
-            Plan::Free => "no_limit",
-            Plan::Unlimited => "unlimited",
-            Plan::Limited { .. } => "limited",
-        },
-        shared_counter: counted.is_some_and(|c| {
-            c.iter()
-                .zip(&descriptor.entries)
-                .any(|(counted, entry)| *counted != entry.value.as_slice())
-        }),
-        counters,
-    }
+        .collect()
 }
 
 /// The descriptors whose matched rules name `name` in their `replaces`.
@@ -419,166 +444,6 @@ pub(super) fn text(bytes: &[u8]) -> String {
     out
 }
 
-impl Explanation {
-    /// As JSON, one document.
-    pub fn to_json(&self) -> String {
-        let mut text = serde_json::to_string_pretty(self).expect("an explanation serializes");
-        text.push('\n');
-        text
-    }
-
-    /// As an indented text tree, for a terminal.
-    pub fn render(&self) -> String {
-        let mut out = format!("domain \"{}\"", self.domain);
-        if !self.known_domain {
-            out.push_str(": no rule file declares it (every descriptor is OK with no limit)");
-        }
-        out.push('\n');
-        for (i, d) in self.descriptors.iter().enumerate() {
-            d.render(i, &mut out);
-        }
-        out
-    }
-}
-
-impl Descriptor {
-    fn render(&self, index: usize, out: &mut String) {
-        let mut line = |indent: usize, text: String| {
-            out.push_str(&"  ".repeat(indent));
-            out.push_str(&text);
-            out.push('\n');
-        };
-        line(0, format!("descriptor {index}"));
-        for step in &self.entries {
-            let how = match (&step.pattern, &step.rule) {
-                (Some(p), Some(r)) => format!("wildcard \"{p}\" ({r})"),
-                (None, Some(r)) => format!("{} ({r})", step.how),
-                _ => step.how.to_owned(),
-            };
-            let shared = match &step.counted_value {
-                Some(c) if *c != step.value => format!(", counted as \"{c}\" (share_threshold)"),
-                _ => String::new(),
-            };
-            line(
-                1,
-                format!("{} = \"{}\": {how}{shared}", step.key, step.value),
-            );
-        }
-        if let Some(stop) = &self.stop {
-            line(
-                1,
-                format!("stopped at entry {}: {}", stop.entry, stop.message),
-            );
-        }
-        if let Some(rule) = &self.rule {
-            line(
-                1,
-                format!(
-                    "rule `{}` ({}){}",
-                    rule.path,
-                    rule.source,
-                    modes_text(&rule.modes)
-                ),
-            );
-            for limit in &rule.limits {
-                line(2, format!("limit {}", limit_text(limit)));
-            }
-            if let Some(hold) = rule.modes.get("hold").filter(|h| h.is_object()) {
-                line(2, format!("hold: {}", hold_text(hold)));
-            }
-        }
-        for r in &self.replaced {
-            let by: Vec<String> = r.by.iter().map(|i| format!("descriptor {i}")).collect();
-            line(1, format!("replaced: `{}` by {}", r.name, by.join(", ")));
-        }
-        if let Some(o) = &self.limit_override {
-            line(
-                1,
-                format!(
-                    "override: {} per {} (replaces the rule's limits)",
-                    o["requests_per_unit"],
-                    o["unit"].as_str().unwrap_or_default()
-                ),
-            );
-        }
-        let from = match self.hits_from {
-            "descriptor" => "the descriptor's hits_addend",
-            _ => "the request's hits_addend, 0 meaning 1",
-        };
-        let verb = if self.refund { "gives back" } else { "hits" };
-        line(1, format!("{verb} {} ({from})", self.hits));
-        line(1, format!("result: {}", self.result.replace('_', " ")));
-        for c in &self.counters {
-            line(
-                1,
-                format!("counter {}{}", limit_text(&c.limit), modes_text(&c.modes)),
-            );
-            line(2, c.counter.clone());
-            if let Some(key) = &c.redis_key {
-                line(2, format!("redis key {key}"));
-            }
-            if let Some(hold) = &c.hold {
-                if let Some(n) = hold.get("holds") {
-                    line(2, format!("holds {n} until the response settles it"));
-                } else if let Some(n) = hold.get("settles") {
-                    line(
-                        2,
-                        format!("settles: charges {n} and releases the request's hold"),
-                    );
-                }
-            }
-            if let Some(window) = &c.window {
-                line(
-                    2,
-                    format!(
-                        "window {} to {}, ends in {} s",
-                        window["start"].as_str().unwrap_or_default(),
-                        window["end"].as_str().unwrap_or_default(),
-                        window["ends_in_seconds"]
-                    ),
-                );
-            }
-        }
-    }
-}
-
-/// A rule's `hold` as `HoldRule::json` writes it, in words.
-fn hold_text(hold: &Value) -> String {
-    let field = |name: &str| match &hold[name] {
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    };
-    format!(
-        "estimate {}, settled by {}={}, ttl {}, on expiry {}, at most {} entries, largest {}",
-        field("estimate"),
-        hold["settle"]["key"].as_str().unwrap_or_default(),
-        hold["settle"]["value"].as_str().unwrap_or_default(),
-        field("ttl"),
-        field("on_expiry"),
-        field("most"),
-        field("largest"),
-    )
-}
-
-/// The modes that are on: ` [shadow_mode]`, or nothing.
-fn modes_text(modes: &Map<String, Value>) -> String {
-    let on: Vec<String> = modes
-        .iter()
-        .filter_map(|(name, value)| match value {
-            Value::Bool(true) => Some(name.clone()),
-            // A mapping (a rule's hold) has a line of its own.
-            Value::Bool(false) | Value::Null | Value::Object(_) => None,
-            Value::String(s) => Some(format!("{name}={s}")),
-            other => Some(format!("{name}={other}")),
-        })
-        .collect();
-    if on.is_empty() {
-        String::new()
-    } else {
-        format!(" [{}]", on.join(", "))
-    }
-}
-
 /// A calendar limit's window holding `at_ms`: its start and end in the limit's zone, and the
 /// seconds from `at_ms` to its end; `None` off the calendar.
 pub(super) fn calendar_window(limit: &Limit, at_ms: u64) -> Option<Value> {
@@ -590,46 +455,6 @@ pub(super) fn calendar_window(limit: &Limit, at_ms: u64) -> Option<Value> {
             "ends_in_seconds": span.end.saturating_sub(at_ms).div_ceil(1000),
         })
     })
-}
-
-/// A limit as `limit_json` writes it, in words: `10 per minute, fixed_window, name per_ip`.
-fn limit_text(limit: &Value) -> String {
-    if limit["unlimited"] == json!(true) {
-        return "unlimited".to_owned();
-    }
-    let unit = limit["unit"].as_str().unwrap_or_default();
-    let window = match limit["unit_multiplier"].as_u64() {
-        Some(1) | None => unit.to_owned(),
-        Some(n) => format!("{n} {unit}s"),
-    };
-    let mut text = format!(
-        "{} per {window}, {}",
-        limit["requests_per_unit"],
-        limit["algorithm"].as_str().unwrap_or_default()
-    );
-    if let Some(calendar) = limit["calendar"].as_object() {
-        let zone = calendar["time_zone"].as_str().unwrap_or_default();
-        match (&calendar.get("anchor_day"), &calendar.get("week_starts")) {
-            (Some(day), _) => write!(text, ", on the calendar in {zone} from day {day}"),
-            (_, Some(Value::String(first))) => {
-                write!(text, ", on the calendar in {zone} from {first}")
-            }
-            _ => write!(text, ", on the calendar in {zone}"),
-        }
-        .expect("writing to a String");
-    }
-    for field in ["burst", "name"] {
-        match &limit[field] {
-            Value::Null => {}
-            Value::String(s) => write!(text, ", {field} {s}").expect("writing to a String"),
-            other => write!(text, ", {field} {other}").expect("writing to a String"),
-        }
-    }
-    if let Some(replaces) = limit["replaces"].as_array() {
-        let names: Vec<&str> = replaces.iter().filter_map(Value::as_str).collect();
-        write!(text, ", replaces {}", names.join(", ")).expect("writing to a String");
-    }
-    text
 }
 
 /// What `/explain` answers with: the rules in force, the server's bounds, answering and Redis

@@ -38,7 +38,7 @@ impl Primary {
 
 /// The replicas of every primary of one deployment, shared by every store opened on it.
 #[derive(Clone)]
-pub struct Replicas {
+pub struct Replication {
     inner: Arc<Inner>,
 }
 
@@ -54,10 +54,10 @@ struct Inner {
     changed: Notify,
 }
 
-impl Replicas {
+impl Replication {
     /// The replicas of a deployment whose decisions `asked` replicas must confirm.
-    pub(crate) fn new(asked: u32) -> Replicas {
-        Replicas {
+    pub(crate) fn new(asked: u32) -> Replication {
+        Replication {
             inner: Arc::new(Inner {
                 asked,
                 primaries: ArcSwap::from_pointee(Vec::new()),

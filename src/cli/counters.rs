@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use anyhow::Context;
 use serde_json::{Value, json};
 
-use crate::admin::Admin;
+use super::admin::Admin;
 
 /// What to do to the counters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -31,7 +31,7 @@ pub struct Options {
     pub domain: String,
     /// One request descriptor as key=value[,key=value…] (each entry split at its first `=`),
     /// as Envoy sends it; repeat for several descriptors.
-    #[arg(long = "descriptor", value_parser = crate::load::parse_descriptor, required = true)]
+    #[arg(long = "descriptor", value_parser = super::parse_descriptor, required = true)]
     pub descriptors: Vec<Vec<(String, String)>>,
     /// Hits to set the counters to (`set`) or add to them (`add`, negative to give back).
     #[arg(long, allow_hyphen_values = true)]

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-use crate::admin::Admin;
+use super::admin::Admin;
 use crate::telemetry::top::{Period, PeriodReport, Report, RuleRow, Values};
 
 /// Moves the cursor home and clears the screen.
