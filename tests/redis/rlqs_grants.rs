@@ -626,12 +626,24 @@ async fn a_replica_cut_off_from_redis_renews_no_share_past_its_record_while_the_
     let mut envoys = Envoys::new();
     let a = envoys.open(&two).await;
     let b = envoys.open(&one).await;
-    envoys.report(a, 30, 0).await;
-    envoys.report(b, 30, 0).await;
-    envoys
-        .settle_to(SETTLED, |e| (e.rate(a), e.rate(b)) == (10.0, 10.0))
-        .await;
-    assert_eq!((envoys.rate(a), envoys.rate(b)), (10.0, 10.0));
+    // Reported every 5 s, as Envoy does, until each has about half: on a loaded host a record
+    // through the proxy may miss its deadline, and its bucket then waits for the next report.
+    let halves = |e: &Envoys| {
+        [e.rate(a), e.rate(b)]
+            .iter()
+            .all(|rate| (9.0..=11.0).contains(rate))
+    };
+    let settling = Instant::now();
+    while !halves(&envoys) && settling.elapsed() < SETTLED * 3 {
+        envoys.report(a, 30, 0).await;
+        envoys.report(b, 30, 0).await;
+        envoys.settle_to(Duration::from_secs(5), halves).await;
+    }
+    assert!(
+        halves(&envoys) && envoys.rate(a) + envoys.rate(b) <= LIMIT,
+        "halves: {:?}",
+        envoys.live
+    );
 
     drop(proxy);
     let cut = Instant::now();

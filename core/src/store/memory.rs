@@ -306,6 +306,31 @@ struct Pending {
     takes: Option<(usize, Holder)>,
 }
 
+/// A request being decided: where its counters live (each item's counter, its holds' table if
+/// held, and their shards), the shards locked in order, and what its items found so far: their
+/// verdicts, the writes decided on, the shares refused, and the holds to take once the request is
+/// admitted (in their tables, with when each is due and until when its table lives).
+struct Deciding<'a> {
+    ids: Vec<Id>,
+    tables: Vec<Option<Id>>,
+    homes: Vec<usize>,
+    order: Vec<usize>,
+    guards: Vec<(usize, MutexGuard<'a, Shard>)>,
+    verdicts: Vec<Verdict>,
+    pending: Vec<Pending>,
+    refusals: Vec<Share>,
+    holds: Vec<(Id, hold::Held, u64, u64)>,
+}
+
+impl Deciding<'_> {
+    /// Where `shard` is among the shards locked.
+    fn slot(&self, shard: usize) -> usize {
+        self.order
+            .binary_search(&shard)
+            .expect("every home shard is locked")
+    }
+}
+
 impl MemoryStore {
     /// A store that holds at most `max_keys` live counters, a rule at most `per_rule` of them,
     /// telling no one of the counters it refuses (see `observed_by`).
@@ -365,6 +390,31 @@ impl MemoryStore {
         now_ms: u64,
     ) -> Result<(bool, Vec<Verdict>), StoreError> {
         let at_ms = check.at.map_or(now_ms, |at| at.max(now_ms));
+        let mut d = self.lock(check, now_ms, at_ms);
+        // Items are evaluated in order, each seeing what the items before it would write, so a
+        // request naming one counter twice is counted twice.
+        for (i, item) in check.items.iter().enumerate() {
+            let verdict = self.decide_item(&mut d, i, item, now_ms, at_ms);
+            d.verdicts.push(verdict);
+        }
+        let admitted = admits(check, |i| d.verdicts[i].over);
+        self.land(&mut d, admitted)?;
+        let Deciding {
+            guards,
+            verdicts,
+            refusals,
+            ..
+        } = d;
+        drop(guards);
+        for share in refusals {
+            refused(share, &*self.observer);
+        }
+        Ok((admitted, verdicts))
+    }
+
+    /// Places `check`'s counters (and its holds' tables) in their shards and locks those, in
+    /// order.
+    fn lock(&self, check: &Check, now_ms: u64, at_ms: u64) -> Deciding<'_> {
         // A held counter counts at the clock, and keeps its table under its key's id.
         let ids: Vec<Id> = check
             .items
@@ -384,120 +434,145 @@ impl MemoryStore {
         order.extend(tables.iter().flatten().map(|&t| Self::shard_of(t)));
         order.sort_unstable();
         order.dedup();
-        let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> = order
+        let guards = order
             .iter()
             .map(|&s| (s, self.shards[s].lock().unwrap_or_else(|e| e.into_inner())))
             .collect();
-        let slot = |shard: usize| {
-            order
-                .binary_search(&shard)
-                .expect("every home shard is locked")
-        };
-
-        // Items are evaluated in order, each seeing what the items before it would write, so a
-        // request naming one counter twice is counted twice.
-        let mut verdicts: Vec<Verdict> = Vec::with_capacity(check.items.len());
-        let mut pending: Vec<Pending> = Vec::new();
-        let mut refusals: Vec<Share> = Vec::new();
-        // Holds to take once the request is admitted, in their tables, with when each is due and
-        // until when its table lives.
-        let mut holds: Vec<(Id, hold::Held, u64, u64)> = Vec::new();
-        for (i, item) in check.items.iter().enumerate() {
-            let home = slot(homes[i]);
-            let earlier = pending.iter().rev().find(|p| p.id == ids[i]);
-            let (stored, holder) = match earlier {
-                Some(p) => (
-                    p.write.as_ref().map(|c| &c.stored),
-                    p.write.as_ref().map(|c| c.holder),
-                ),
-                None => match guards[home].1.counters.get(&ids[i]) {
-                    Some(c) => (c.live(now_ms).then_some(&c.stored), Some(c.holder)),
-                    None => (None, None),
-                },
-            };
-            // Held already: in the shard (live or not), or by an earlier write of the request.
-            let held = earlier.is_some() || holder.is_some();
-            let always = item.counting == Counting::Always;
-            let ask = Ask {
-                limit: u64::from(item.limit.requests_per_unit),
-                window_ms: item.limit.window_ms(),
-                calendar: item.limit.calendar_span(at_ms),
-                now_ms,
-                at_ms,
-                hits: item.hits,
-                refund: item.refund,
-                always,
-                step: item.step,
-            };
-            let (mut verdict, write) = match (item.step, tables[i]) {
-                (Step::Held(held), Some(table)) => {
-                    let state = match stored {
-                        Some(Stored::Window(s)) => Some(*s),
-                        _ => None,
-                    };
-                    let shard = &mut guards[slot(Self::shard_of(table))].1;
-                    let step = self.hold(shard, table, item, &ask, &held, state);
-                    if let Some(due) = step.take {
-                        let until = table_until(&item.limit, now_ms, held.ttl_ms);
-                        holds.push((table, held, due, until));
-                    }
-                    let write = step.charged.map(|c| {
-                        Some(Counter::of(item, Stored::Window(c.next), now_ms + c.ttl_ms))
-                    });
-                    (step.verdict, write)
-                }
-                _ => evaluate(item, &ask, stored),
-            };
-            // What a held counter is charged lands whatever the answer.
-            let always = always || matches!(item.step, Step::Held(_));
-            let Some(mut write) = write else {
-                verdicts.push(verdict);
-                continue;
-            };
-            let mut takes = None;
-            if let Some(counter) = &mut write {
-                // Scheduled: a scheduled request made it live past a window from now.
-                let scheduled = at_ms > now_ms && counter.expires_ms > now_ms + ask.window_ms;
-                counter.holder = match holder {
-                    Some(h) if h.scheduled() || !scheduled => h,
-                    Some(h) => h.as_scheduled(),
-                    None => Holder::new(item.rule, scheduled),
-                };
-                if holder != Some(counter.holder) {
-                    takes = Some((home, counter.holder));
-                }
-            }
-            if let Some((home, holder)) = takes {
-                let taken = pending.iter().filter_map(|p| p.takes);
-                if let Err(share) = self.fits(&guards[home].1, holder, home, taken) {
-                    // A refund has nothing to give back to a counter it cannot hold.
-                    if !item.refund {
-                        refusals.push(share);
-                        verdict = REFUSED;
-                    }
-                    verdicts.push(verdict);
-                    continue;
-                }
-            }
-            verdicts.push(verdict);
-            pending.push(Pending {
-                id: ids[i],
-                new: !held && write.is_some(),
-                write,
-                always,
-                takes,
-            });
+        Deciding {
+            ids,
+            tables,
+            homes,
+            order,
+            guards,
+            verdicts: Vec::with_capacity(check.items.len()),
+            pending: Vec::new(),
+            refusals: Vec::new(),
+            holds: Vec::new(),
         }
-        let admitted = admits(check, |i| verdicts[i].over);
+    }
 
+    /// Decides item `i` of a request (`item`) on what its counter holds and what the items
+    /// before it would write; stages its write, if any, unless its shard has no room for it.
+    fn decide_item(
+        &self,
+        d: &mut Deciding<'_>,
+        i: usize,
+        item: &Item,
+        now_ms: u64,
+        at_ms: u64,
+    ) -> Verdict {
+        let (id, home) = (d.ids[i], d.slot(d.homes[i]));
+        let earlier = d.pending.iter().rev().find(|p| p.id == id);
+        let (stored, holder) = match earlier {
+            Some(p) => (
+                p.write.as_ref().map(|c| &c.stored),
+                p.write.as_ref().map(|c| c.holder),
+            ),
+            None => match d.guards[home].1.counters.get(&id) {
+                Some(c) => (c.live(now_ms).then_some(&c.stored), Some(c.holder)),
+                None => (None, None),
+            },
+        };
+        // Held already: in the shard (live or not), or by an earlier write of the request.
+        let held = earlier.is_some() || holder.is_some();
+        let ask = Ask {
+            limit: u64::from(item.limit.requests_per_unit),
+            window_ms: item.limit.window_ms(),
+            calendar: item.limit.calendar_span(at_ms),
+            now_ms,
+            at_ms,
+            hits: item.hits,
+            refund: item.refund,
+            always: item.counting == Counting::Always,
+            step: item.step,
+        };
+        let (verdict, write) = match (item.step, d.tables[i]) {
+            (Step::Held(h), Some(table)) => {
+                let state = match stored {
+                    Some(Stored::Window(s)) => Some(*s),
+                    _ => None,
+                };
+                self.decide_held(d, table, h, item, &ask, state)
+            }
+            _ => evaluate(item, &ask, stored),
+        };
+        let Some(mut write) = write else {
+            return verdict;
+        };
+        let mut takes = None;
+        if let Some(counter) = &mut write {
+            // Scheduled: a scheduled request made it live past a window from now.
+            let scheduled = at_ms > now_ms && counter.expires_ms > now_ms + ask.window_ms;
+            counter.holder = match holder {
+                Some(h) if h.scheduled() || !scheduled => h,
+                Some(h) => h.as_scheduled(),
+                None => Holder::new(item.rule, scheduled),
+            };
+            if holder != Some(counter.holder) {
+                takes = Some((home, counter.holder));
+            }
+        }
+        if let Some((home, holder)) = takes {
+            let taken = d.pending.iter().filter_map(|p| p.takes);
+            if let Err(share) = self.fits(&d.guards[home].1, holder, home, taken) {
+                // A refund has nothing to give back to a counter it cannot hold.
+                if item.refund {
+                    return verdict;
+                }
+                d.refusals.push(share);
+                return REFUSED;
+            }
+        }
+        d.pending.push(Pending {
+            id,
+            new: !held && write.is_some(),
+            write,
+            // What a held counter is charged lands whatever the answer.
+            always: ask.always || matches!(item.step, Step::Held(_)),
+            takes,
+        });
+        verdict
+    }
+
+    /// Decides a held item (`item`, `held`, `ask`) on its counter's `state` in its holds'
+    /// `table`, noting the hold it takes once the request is admitted.
+    fn decide_held(
+        &self,
+        d: &mut Deciding<'_>,
+        table: Id,
+        held: hold::Held,
+        item: &Item,
+        ask: &Ask,
+        state: Option<window::State>,
+    ) -> (Verdict, Option<Option<Counter>>) {
+        let slot = d.slot(Self::shard_of(table));
+        let step = self.hold(&mut d.guards[slot].1, table, item, ask, &held, state);
+        if let Some(due) = step.take {
+            let until = table_until(&item.limit, ask.now_ms, held.ttl_ms);
+            d.holds.push((table, held, due, until));
+        }
+        let write = step.charged.map(|c| {
+            Some(Counter::of(
+                item,
+                Stored::Window(c.next),
+                ask.now_ms + c.ttl_ms,
+            ))
+        });
+        (step.verdict, write)
+    }
+
+    /// Lands what a request decided (`admitted` or not): the writes counted `always`, and all
+    /// of them and its holds once admitted.
+    fn land(&self, d: &mut Deciding<'_>, admitted: bool) -> Result<(), StoreError> {
         // Counted `always`, a counter's write lands whether the request is admitted or not.
-        let landing: Vec<Pending> = pending
+        let landing: Vec<Pending> = std::mem::take(&mut d.pending)
             .into_iter()
             .filter(|p| admitted || p.always)
             .collect();
-        self.make_room(&landing, &guards, &slot)?;
-        for (table, held, due, until) in holds {
-            let shard = &mut guards[slot(Self::shard_of(table))].1;
+        self.make_room(&landing, &d.guards, &|shard| d.slot(shard))?;
+        for (table, held, due, until) in std::mem::take(&mut d.holds) {
+            let slot = d.slot(Self::shard_of(table));
+            let shard = &mut d.guards[slot].1;
             if admitted {
                 let holds = shard.holds.entry(table).or_default();
                 hold::take(&mut holds.table, &held, due);
@@ -508,17 +583,14 @@ impl MemoryStore {
             }
         }
         for p in landing {
-            let shard = &mut guards[slot(Self::shard_of(p.id))].1;
+            let slot = d.slot(Self::shard_of(p.id));
+            let shard = &mut d.guards[slot].1;
             match p.write {
                 Some(counter) => shard.put(p.id, counter),
                 None => shard.remove(p.id),
             }
         }
-        drop(guards);
-        for share in refusals {
-            refused(share, &*self.observer);
-        }
-        Ok((admitted, verdicts))
+        Ok(())
     }
 
     /// Evaluates the held item `item` (`ask`, `held`) on its counter's `state` and tidies its

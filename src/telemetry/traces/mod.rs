@@ -12,45 +12,36 @@
 //! string it records is cut (`cut`), and of a caller's `tracestate` only what W3C requires be
 //! kept is read.
 
+//!
+//! Here the spans and the tracer; `propagation` reads the trace context callers send, `export`
+//! sends finished spans to the collector from a thread of its own.
+
 use std::fmt::Write as _;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
-use opentelemetry::propagation::{Extractor, TextMapPropagator};
 use opentelemetry::trace::TracerProvider as _;
-use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
-use opentelemetry::{Context, KeyValue, Value};
-use opentelemetry_otlp::{SpanExporter, WithExportConfig};
+use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::Resource;
-use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
-use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider, Span, SpanData, SpanProcessor, Tracer};
+use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider, Tracer};
 use tokio::sync::mpsc;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::Telemetry;
-use sluice_core::throttle::Throttle;
+
+mod export;
+mod propagation;
+
+use export::{Queue, exporter_for};
+pub use propagation::remote_context;
 
 /// The `tracing` target of every span exported as a trace.
 pub const TARGET: &str = sluice_core::observe::TRACES;
 
-/// Spans sent in one export at most.
-const BATCH: usize = 512;
-/// How often the spans queued are sent, whatever their number.
-const EVERY: Duration = Duration::from_secs(1);
-/// How long one export may take before its spans are counted as failed.
-const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The most bytes of a string a span records (a domain, the rules matched, descriptor values, a
 /// store error); a longer one keeps this much, on a character boundary, and is marked as cut.
 const MAX_ATTRIBUTE_BYTES: usize = 256;
-/// The most of a caller's `tracestate` read: W3C requires keeping 32 members of at most 512
-/// characters in all; members past either are ignored, so a span holds at most this much of it.
-const TRACESTATE_MEMBERS: usize = 32;
-const TRACESTATE_BYTES: usize = 512;
-/// What a span's size is estimated at besides its strings: its fixed fields, and its share of
-/// the allocations holding them.
-const SPAN_OVERHEAD: usize = 512;
 
 /// How traces reach the collector.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -121,7 +112,7 @@ impl Traces {
                             use opentelemetry_sdk::trace::SpanExporter as _;
                             exporter.set_resource(&exported);
                             let _ = built.send(Ok(()));
-                            export(exporter, queue, &sent, &counted).await;
+                            export::run(exporter, queue, &sent, &counted).await;
                         }
                         Err(e) => {
                             let _ = built.send(Err(e));
@@ -185,311 +176,6 @@ fn random_id() -> String {
         &hex[16..20],
         &hex[20..]
     )
-}
-
-/// The OTLP exporter for `protocol`, to `endpoint` (for HTTP, a bare address gets the traces
-/// path) or where the environment says. Built on the export thread's runtime, which drives its
-/// connections.
-fn exporter_for(protocol: Protocol, endpoint: Option<&str>) -> anyhow::Result<SpanExporter> {
-    let exporter = match protocol {
-        Protocol::Http => {
-            let builder = SpanExporter::builder().with_http();
-            match endpoint {
-                Some(url) => builder.with_endpoint(traces_url(url)).build(),
-                None => builder.build(),
-            }
-        }
-        Protocol::Grpc => {
-            let builder = SpanExporter::builder().with_tonic();
-            match endpoint {
-                Some(url) => builder.with_endpoint(url).build(),
-                None => builder.build(),
-            }
-        }
-    };
-    exporter.map_err(|e| anyhow::anyhow!("the OTLP trace exporter: {e}"))
-}
-
-/// `url` with OTLP/HTTP's traces path when it has no path of its own.
-fn traces_url(url: &str) -> String {
-    let trimmed = url.trim_end_matches('/');
-    let path_less = trimmed
-        .split_once("://")
-        .is_some_and(|(_, rest)| !rest.contains('/'));
-    if path_less {
-        format!("{trimmed}/v1/traces")
-    } else {
-        url.to_owned()
-    }
-}
-
-/// What the processor hands the export thread.
-enum Message {
-    /// A span and its estimated size.
-    Span(Box<SpanData>, usize),
-    /// Send what is queued, then say so.
-    Flush(std::sync::mpsc::Sender<()>),
-}
-
-/// The span processor: each sampled span that ends goes into the export thread's queue, or is
-/// dropped and counted when the queue is full, in spans or in bytes.
-#[derive(Debug)]
-struct Queue {
-    spans: mpsc::Sender<Message>,
-    /// The estimated bytes of the spans queued or being sent.
-    held: Arc<AtomicUsize>,
-    /// What `held` may reach.
-    budget: usize,
-    /// Told of the spans dropped.
-    telemetry: Telemetry,
-}
-
-impl SpanProcessor for Queue {
-    fn on_start(&self, _span: &mut Span, _cx: &Context) {}
-
-    fn on_end(&self, span: SpanData) {
-        if !span.span_context.is_sampled() {
-            return;
-        }
-        let size = estimate(&span);
-        let before = self.held.fetch_add(size, Ordering::Relaxed);
-        let queued = before + size <= self.budget
-            && self
-                .spans
-                .try_send(Message::Span(Box::new(span), size))
-                .is_ok();
-        if !queued {
-            self.held.fetch_sub(size, Ordering::Relaxed);
-            self.telemetry.trace_spans("dropped", 1);
-        }
-    }
-
-    fn force_flush(&self) -> OTelSdkResult {
-        self.flush(EXPORT_TIMEOUT)
-    }
-
-    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
-        self.flush(timeout)
-    }
-}
-
-impl Queue {
-    /// Has the export thread send what is queued, waiting at most `within`.
-    fn flush(&self, within: Duration) -> OTelSdkResult {
-        let (done, flushed) = std::sync::mpsc::channel();
-        self.spans.try_send(Message::Flush(done)).map_err(|_| {
-            OTelSdkError::InternalFailure("the span queue is full or closed".into())
-        })?;
-        flushed
-            .recv_timeout(within)
-            .map_err(|_| OTelSdkError::Timeout(within))
-    }
-}
-
-/// A span's size in memory, roughly: its strings (name, attributes, events, links) and
-/// `SPAN_OVERHEAD` for the rest, the caller's `tracestate` (at most `TRACESTATE_BYTES`)
-/// included.
-fn estimate(span: &SpanData) -> usize {
-    let attributes = |attributes: &[KeyValue]| -> usize {
-        attributes
-            .iter()
-            .map(|kv| {
-                let value = match &kv.value {
-                    Value::String(s) => s.as_str().len(),
-                    Value::Bool(_) | Value::I64(_) | Value::F64(_) => 8,
-                    other => other.as_str().len(),
-                };
-                std::mem::size_of::<KeyValue>() + kv.key.as_str().len() + value
-            })
-            .sum()
-    };
-    let events: usize = span
-        .events
-        .iter()
-        .map(|e| e.name.len() + attributes(&e.attributes) + SPAN_OVERHEAD / 4)
-        .sum();
-    let links: usize = span
-        .links
-        .iter()
-        .map(|l| attributes(&l.attributes) + TRACESTATE_BYTES + SPAN_OVERHEAD / 4)
-        .sum();
-    SPAN_OVERHEAD
-        + TRACESTATE_BYTES
-        + span.name.len()
-        + attributes(&span.attributes)
-        + events
-        + links
-}
-
-/// Spans taken from the queue, waiting to be sent, and their estimated bytes.
-struct Batch {
-    spans: Vec<SpanData>,
-    bytes: usize,
-}
-
-/// Sends the spans `queue` brings to `exporter`, in batches of at most `BATCH`, every `EVERY`
-/// and when a batch is full; one export at a time, the queue filling meanwhile. The bytes of a
-/// batch leave `held` once it is sent (or failed): until then they are still in memory.
-async fn export(
-    exporter: SpanExporter,
-    mut queue: mpsc::Receiver<Message>,
-    held: &AtomicUsize,
-    telemetry: &Telemetry,
-) {
-    let mut batch = Batch {
-        spans: Vec::with_capacity(BATCH),
-        bytes: 0,
-    };
-    let mut tick = tokio::time::interval(EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            message = queue.recv() => match message {
-                Some(Message::Span(span, size)) => {
-                    batch.spans.push(*span);
-                    batch.bytes += size;
-                    if batch.spans.len() >= BATCH {
-                        send(&exporter, &mut batch, held, telemetry).await;
-                    }
-                }
-                Some(Message::Flush(done)) => {
-                    send(&exporter, &mut batch, held, telemetry).await;
-                    let _ = done.send(());
-                }
-                None => {
-                    send(&exporter, &mut batch, held, telemetry).await;
-                    return;
-                }
-            },
-            _ = tick.tick() => send(&exporter, &mut batch, held, telemetry).await,
-        }
-    }
-}
-
-/// Exports `batch`, counting its spans as exported or failed, and takes its bytes off `held`.
-async fn send(
-    exporter: &SpanExporter,
-    batch: &mut Batch,
-    held: &AtomicUsize,
-    telemetry: &Telemetry,
-) {
-    use opentelemetry_sdk::trace::SpanExporter as _;
-    static FAILED: Throttle = Throttle::new();
-    if batch.spans.is_empty() {
-        return;
-    }
-    let spans = std::mem::replace(&mut batch.spans, Vec::with_capacity(BATCH));
-    let bytes = std::mem::take(&mut batch.bytes);
-    let n = spans.len() as u64;
-    let exported = tokio::time::timeout(EXPORT_TIMEOUT, exporter.export(spans)).await;
-    held.fetch_sub(bytes, Ordering::Relaxed);
-    let why = match exported {
-        Ok(Ok(())) => {
-            telemetry.trace_spans("exported", n);
-            return;
-        }
-        Ok(Err(e)) => e.to_string(),
-        Err(_) => format!("no answer within {}s", EXPORT_TIMEOUT.as_secs()),
-    };
-    telemetry.trace_spans("failed", n);
-    if let Some(times) = FAILED.hit() {
-        tracing::warn!("traces: {times} export(s) failed since the last report: {why}");
-    }
-}
-
-/// The trace context a call's gRPC metadata carries: W3C `traceparent`, else B3 (`b3` or
-/// `x-b3-*`, as Envoy's Zipkin tracer sends it), else none.
-pub fn remote_context(metadata: &tonic::metadata::MetadataMap) -> Context {
-    use opentelemetry::trace::TraceContextExt as _;
-    let w3c = TraceContextPropagator::new().extract(&Metadata(metadata));
-    if w3c.span().span_context().is_valid() {
-        return w3c;
-    }
-    match b3(metadata) {
-        Some(caller) => Context::new().with_remote_span_context(caller),
-        None => Context::new(),
-    }
-}
-
-/// B3's span context: one `b3` header (`trace-span[-sampled[-parent]]`), or `x-b3-traceid`,
-/// `x-b3-spanid` and `x-b3-sampled` (`x-b3-flags: 1`, debug, is sampled). Without a sampling
-/// decision, the caller is taken not to have sampled it.
-fn b3(metadata: &tonic::metadata::MetadataMap) -> Option<SpanContext> {
-    let get = |key: &str| metadata.get(key).and_then(|v| v.to_str().ok());
-    let (trace, span, sampled) = match get("b3") {
-        Some(single) => {
-            let mut parts = single.split('-');
-            (parts.next()?, parts.next()?, parts.next())
-        }
-        None => (
-            get("x-b3-traceid")?,
-            get("x-b3-spanid")?,
-            match get("x-b3-flags") {
-                Some("1") => Some("d"),
-                _ => get("x-b3-sampled"),
-            },
-        ),
-    };
-    let hex = |s: &str| {
-        s.bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    };
-    let trace_id = match trace.len() {
-        16 | 32 if hex(trace) => TraceId::from_hex(&format!("{trace:0>32}")).ok()?,
-        _ => return None,
-    };
-    let span_id = match span.len() {
-        16 if hex(span) => SpanId::from_hex(span).ok()?,
-        _ => return None,
-    };
-    let flags = match sampled {
-        Some("1" | "d" | "true") => TraceFlags::SAMPLED,
-        _ => TraceFlags::default(),
-    };
-    let caller = SpanContext::new(trace_id, span_id, flags, true, TraceState::default());
-    caller.is_valid().then_some(caller)
-}
-
-/// Reads trace headers from gRPC metadata, `tracestate` cut to what W3C requires be kept.
-struct Metadata<'a>(&'a tonic::metadata::MetadataMap);
-
-impl Extractor for Metadata<'_> {
-    fn get(&self, key: &str) -> Option<&str> {
-        let value = self.0.get(key).and_then(|v| v.to_str().ok())?;
-        Some(if key == "tracestate" {
-            kept_tracestate(value)
-        } else {
-            value
-        })
-    }
-
-    fn keys(&self) -> Vec<&str> {
-        self.0
-            .keys()
-            .filter_map(|k| match k {
-                tonic::metadata::KeyRef::Ascii(k) => Some(k.as_str()),
-                tonic::metadata::KeyRef::Binary(_) => None,
-            })
-            .collect()
-    }
-}
-
-/// The members at the head of `tracestate` that fit both `TRACESTATE_MEMBERS` and
-/// `TRACESTATE_BYTES`, whole; the rest is ignored (W3C lets a vendor drop members past these).
-fn kept_tracestate(tracestate: &str) -> &str {
-    if tracestate.len() <= TRACESTATE_BYTES
-        && tracestate.bytes().filter(|&b| b == b',').count() < TRACESTATE_MEMBERS
-    {
-        return tracestate;
-    }
-    let mut end = 0;
-    for (members, (at, _)) in tracestate.match_indices(',').enumerate() {
-        if at > TRACESTATE_BYTES || members >= TRACESTATE_MEMBERS {
-            break;
-        }
-        end = at;
-    }
-    &tracestate[..end]
 }
 
 /// `text` as a span records it: at most `MAX_ATTRIBUTE_BYTES` of it, cut on a character boundary
@@ -610,7 +296,12 @@ fn continue_from(span: &tracing::Span, parent: Context) {
 
 #[cfg(test)]
 mod tests {
+    use super::export::*;
+    use super::propagation::*;
     use super::*;
+    use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
+    use opentelemetry_sdk::trace::{SpanData, SpanProcessor};
+    use std::sync::atomic::Ordering;
 
     #[test]
     fn an_http_endpoint_without_a_path_gets_the_traces_path() {
