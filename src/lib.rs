@@ -61,7 +61,7 @@
 //! imports it.
 //!
 //! Below them all: [`sluice_core::observe`], what the rules and the stores tell whoever runs them, and
-//! [`sluice_core::throttle`], which keeps a log line every request can hit to one a second. `limiter`,
+//! [`sluice_core::log_throttle`], which keeps a log line every request can hit to one a second. `limiter`,
 //! `rules`, `config`, `store`, `observe`, `throttle` and `certs` are the core a library could
 //! embed, a crate of their own: they cannot import the server's modules.
 //!

@@ -15,7 +15,7 @@
 //!   request (`lua/check.lua`, `lua/undo.lua`, and `lua/demand.lua` for the quota service's
 //!   shares), every call behind one guard (deadline, bounded queue, circuit breaker).
 //! - [`observe`] — what the rules and the stores tell whoever runs them (an `Observer` handed to
-//!   them), [`throttle`] — a log line every request can hit, kept to one a second, and
+//!   them), [`log_throttle`] — a log line every request can hit, kept to one a second, and
 //!   [`certs`] — certificates and keys from PEM files.
 //!
 //! A rule file, a request's descriptor planned against it, and the check decided by the
@@ -52,7 +52,7 @@
 pub mod certs;
 pub mod config;
 pub mod limiter;
+pub mod log_throttle;
 pub mod observe;
 pub mod rules;
 pub mod store;
-pub mod throttle;

@@ -151,7 +151,7 @@ impl Pace {
 
 /// The bound that was full when a bucket was answered untracked, as the metrics name it.
 #[derive(Clone, Copy)]
-pub(super) enum Bound {
+pub(super) enum FullBound {
     /// The stream's own (`MOST_BUCKETS_PER_STREAM`, `MOST_BUCKET_BYTES_PER_STREAM`).
     StreamBuckets,
     /// `--quota-max-buckets-per-client`.
@@ -164,33 +164,33 @@ pub(super) enum Bound {
     Streams,
 }
 
-impl Bound {
-    pub(super) const ALL: [Bound; 5] = [
-        Bound::StreamBuckets,
-        Bound::ClientBuckets,
-        Bound::ClientStreams,
-        Bound::Buckets,
-        Bound::Streams,
+impl FullBound {
+    pub(super) const ALL: [FullBound; 5] = [
+        FullBound::StreamBuckets,
+        FullBound::ClientBuckets,
+        FullBound::ClientStreams,
+        FullBound::Buckets,
+        FullBound::Streams,
     ];
 
     pub(super) fn name(self) -> &'static str {
         match self {
-            Bound::StreamBuckets => "stream_buckets",
-            Bound::ClientBuckets => "client_buckets",
-            Bound::ClientStreams => "client_streams",
-            Bound::Buckets => "buckets",
-            Bound::Streams => "streams",
+            FullBound::StreamBuckets => "stream_buckets",
+            FullBound::ClientBuckets => "client_buckets",
+            FullBound::ClientStreams => "client_streams",
+            FullBound::Buckets => "buckets",
+            FullBound::Streams => "streams",
         }
     }
 
     /// Its name in the log.
     pub(super) fn described(self) -> &'static str {
         match self {
-            Bound::StreamBuckets => "the stream's bound (10,000 buckets, 16 MiB of bucket ids)",
-            Bound::ClientBuckets => "--quota-max-buckets-per-client",
-            Bound::ClientStreams => "--quota-max-streams-per-client",
-            Bound::Buckets => "--quota-max-buckets",
-            Bound::Streams => "--quota-max-streams",
+            FullBound::StreamBuckets => "the stream's bound (10,000 buckets, 16 MiB of bucket ids)",
+            FullBound::ClientBuckets => "--quota-max-buckets-per-client",
+            FullBound::ClientStreams => "--quota-max-streams-per-client",
+            FullBound::Buckets => "--quota-max-buckets",
+            FullBound::Streams => "--quota-max-streams",
         }
     }
 }

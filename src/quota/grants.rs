@@ -10,7 +10,7 @@ use prost::Message;
 use tracing::Instrument;
 
 use super::assignment::assign;
-use super::replica::{Move, Subscriber};
+use super::replica::{BucketMove, Subscriber};
 use super::stream::Outbox;
 use super::{
     Assignment, DEMAND_STAYS, FROZEN_AFTER_RECONNECTION, GROWS_WITHIN, LATE_RETRY, Quotas,
@@ -21,9 +21,9 @@ use crate::telemetry::traces;
 use sluice_core::limiter::share::MILLI;
 use sluice_core::limiter::share::settled;
 use sluice_core::limiter::{CounterKey, Limit};
+use sluice_core::log_throttle::LogThrottle;
 use sluice_core::rules::QuotaRule;
 use sluice_core::store::{Change, Division, Listed, Settle, StoreError};
-use sluice_core::throttle::Throttle;
 
 impl Quotas {
     /// Sends `subscriber` its new `assignment` of the bucket, for the assignments' time to live;
@@ -46,7 +46,7 @@ impl Quotas {
     /// Counts and logs (at most once a second) that a settle call failed: the buckets keep
     /// their assignments.
     pub(super) fn failed_settle(&self, e: &StoreError) {
-        static FAILED: Throttle = Throttle::new();
+        static FAILED: LogThrottle = LogThrottle::new();
         self.telemetry.quota_store_error(e.kind());
         if let Some(n) = FAILED.hit() {
             tracing::warn!(
@@ -76,7 +76,7 @@ impl Quotas {
         rule: &QuotaRule,
         stream: u64,
     ) {
-        let leaving = Move {
+        let leaving = BucketMove {
             stream,
             change: Change::Leave,
             demand: 0,
@@ -96,7 +96,7 @@ impl Quotas {
         id: u128,
         key: &CounterKey,
         rule: &QuotaRule,
-        mut moving: Option<Move>,
+        mut moving: Option<BucketMove>,
         answering: Option<u64>,
     ) -> Result<Division, StoreError> {
         let _turn = self.turn(id).lock().await;
@@ -219,7 +219,7 @@ impl Quotas {
     pub(super) fn listed(
         &self,
         id: u128,
-        moving: Option<Move>,
+        moving: Option<BucketMove>,
     ) -> Vec<(String, Change, u64, u64, bool)> {
         let buckets = self.buckets();
         let mut listed: Vec<(String, Change, u64, u64, bool)> = buckets

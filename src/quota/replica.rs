@@ -13,7 +13,7 @@ use futures_util::StreamExt;
 use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::bounds::{Allowance, Bound, Clients, Pace};
+use super::bounds::{Allowance, Clients, FullBound, Pace};
 use super::clock::StoreClock;
 use super::stream::Outbox;
 use super::{
@@ -24,7 +24,9 @@ use crate::telemetry::Telemetry;
 use crate::telemetry::metrics::QuotaLabels;
 use sluice_core::limiter::{CounterIds, CounterKey, IdHasher};
 use sluice_core::rules::QuotaRule;
-use sluice_core::store::{Backend, Change, Deadline, Division, Settle, Store, StoreError, Told};
+use sluice_core::store::{
+    Backend, Change, Deadline, Division, QuotaNotice, Settle, Store, StoreError,
+};
 
 /// The streams served by this replica: each bucket's local subscribers and what each was last
 /// sent, so that one stream's report can re-divide the others'; what is tracked; and the thread
@@ -36,9 +38,9 @@ pub struct Quotas {
     pub(super) next_stream: AtomicU64,
     /// Per bucket, by the keyed 128-bit hash of its key (as the embedded store indexes
     /// counters), the streams subscribed to it on this replica.
-    pub(super) buckets: Mutex<HashMap<u128, Local, IdHasher>>,
+    pub(super) buckets: Mutex<HashMap<u128, LocalStreams, IdHasher>>,
     /// The store's servers this replica had answers from, and until when no grant grows.
-    heard: Mutex<Heard>,
+    heard: Mutex<HeardServers>,
     /// A settle call failed for want of the store, and none has succeeded since: no grant grows
     /// (the store may come back empty, its connections made again before this replica hears
     /// of it).
@@ -70,7 +72,7 @@ pub struct Quotas {
 }
 
 /// What a replica has heard of the store's servers.
-struct Heard {
+struct HeardServers {
     /// Per Cluster slot (0 off a Cluster, where one server keeps every bucket), the server whose
     /// answer came last (`Division::server`).
     servers: HashMap<u16, u64>,
@@ -79,7 +81,7 @@ struct Heard {
 }
 
 /// A bucket's streams on this replica.
-pub(super) struct Local {
+pub(super) struct LocalStreams {
     pub(super) key: CounterKey,
     /// The domain its streams report it for, to find its rule again after a reload.
     pub(super) domain: Box<str>,
@@ -117,7 +119,7 @@ pub(super) struct Subscriber {
 
 /// What one stream's report or departure changes in a bucket.
 #[derive(Clone, Copy)]
-pub(super) struct Move {
+pub(super) struct BucketMove {
     pub(super) stream: u64,
     pub(super) change: Change,
     pub(super) demand: u64,
@@ -188,7 +190,7 @@ impl Quotas {
             replica: format!("{:x}-{:x}", std::process::id(), now.as_nanos()),
             next_stream: AtomicU64::new(1),
             buckets: Mutex::default(),
-            heard: Mutex::new(Heard {
+            heard: Mutex::new(HeardServers {
                 servers: HashMap::new(),
                 frozen_until: Instant::now(),
             }),
@@ -220,7 +222,7 @@ impl Quotas {
         Ok(quotas)
     }
 
-    fn heard(&self) -> std::sync::MutexGuard<'_, Heard> {
+    fn heard(&self) -> std::sync::MutexGuard<'_, HeardServers> {
         self.heard.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -297,7 +299,9 @@ impl Quotas {
         Duration::from_secs_f64(tracked / f64::from(self.settings.max_records.max(1)))
     }
 
-    pub(super) fn buckets(&self) -> std::sync::MutexGuard<'_, HashMap<u128, Local, IdHasher>> {
+    pub(super) fn buckets(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<u128, LocalStreams, IdHasher>> {
         self.buckets.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -316,19 +320,19 @@ impl Quotas {
 
     /// Settles what other replicas name, and lists every bucket again when the store's
     /// connection is made again, a few buckets at a time.
-    async fn hear(self: Arc<Self>, told: mpsc::Receiver<Told>) {
+    async fn hear(self: Arc<Self>, told: mpsc::Receiver<QuotaNotice>) {
         ReceiverStream::new(told)
             .for_each_concurrent(RECORDS_IN_FLIGHT, |heard| {
                 let quotas = self.clone();
                 async move {
                     match heard {
-                        Told::Bucket(counter) => {
+                        QuotaNotice::Bucket(counter) => {
                             let id = quotas.ids.id_of_bytes(&counter);
                             if let Some((key, rule)) = quotas.divided(id) {
                                 quotas.settle_in_background(id, key, rule).await;
                             }
                         }
-                        Told::Reconnected => quotas.list_again().await,
+                        QuotaNotice::Reconnected => quotas.list_again().await,
                     }
                 }
             })
@@ -457,13 +461,13 @@ impl Quotas {
 
     /// Counts a stream of `client` among the tracked streams, if its client's budget and the
     /// process's allowance have one left; else the bound that was full.
-    pub(super) fn count_stream(&self, client: IpAddr) -> Result<(), Bound> {
+    pub(super) fn count_stream(&self, client: IpAddr) -> Result<(), FullBound> {
         if !self.clients.take_stream(client) {
-            return Err(Bound::ClientStreams);
+            return Err(FullBound::ClientStreams);
         }
         if !self.tracked_streams.take() {
             self.clients.give_back(client, 1, 0);
-            return Err(Bound::Streams);
+            return Err(FullBound::Streams);
         }
         Ok(())
     }

@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
 
 use super::assignment::{encode, sorted_entries};
-use super::bounds::{Bound, client_of};
+use super::bounds::{FullBound, client_of};
 use super::tally::Tally;
 use super::{Assignment, BUCKETS_AT_A_TIME, ONE_SECOND, OUTBOX, Quotas, RECORDS_IN_FLIGHT};
 use crate::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
@@ -30,8 +30,8 @@ use crate::pb::envoy::service::rate_limit_quota::v3::{
 use crate::telemetry::metrics::{QuotaLabels, UNKNOWN_DOMAIN};
 use sluice_core::config::{MOST_DOMAIN_BYTES, domain_too_long};
 use sluice_core::limiter::{CounterKey, DescriptorKey};
+use sluice_core::log_throttle::LogThrottle;
 use sluice_core::rules::{QuotaRule, RuleSet};
-use sluice_core::throttle::Throttle;
 
 /// An answer on its way to a stream's Envoy.
 pub type Answer = Result<RateLimitQuotaResponse, Status>;
@@ -55,14 +55,14 @@ pub struct QuotaStream {
     /// Counted among the tracked streams of its client and of the process, or the bound that
     /// kept it out (tried again at each report); until it is counted, every bucket it reports is
     /// answered untracked.
-    pub(super) counted: Result<(), Bound>,
-    pub(super) buckets: HashMap<CounterKey, Held>,
+    pub(super) counted: Result<(), FullBound>,
+    pub(super) buckets: HashMap<CounterKey, HeldBucket>,
     /// The bytes of the ids of `buckets`.
     pub(super) held_bytes: usize,
 }
 
 /// A bucket a stream holds.
-pub(super) struct Held {
+pub(super) struct HeldBucket {
     /// When it was last reported, on sluice's clock (Envoy's own `time_elapsed` is in whole
     /// seconds, and 0 on the first report).
     pub(super) reported: Instant,
@@ -77,7 +77,7 @@ pub(super) struct Held {
 }
 
 /// What one report of one bucket comes to before the store is asked.
-pub(super) struct Step {
+pub(super) struct ReportStep {
     pub(super) key: CounterKey,
     /// The keyed hash of `key`, which indexes the bucket's subscribers.
     pub(super) id: u128,
@@ -112,7 +112,7 @@ impl QuotaStream {
             rules,
             outbox,
             domain: String::new(),
-            counted: Err(Bound::Streams),
+            counted: Err(FullBound::Streams),
             buckets: HashMap::new(),
             held_bytes: 0,
         };
@@ -174,7 +174,7 @@ impl QuotaStream {
             // Past `--quota-max-reports` the stream waits, reading no further report meanwhile:
             // HTTP/2 flow control keeps its Envoy's next reports at the Envoy.
             if let Some(at) = self.quotas.reports_left.take(some.len()) {
-                static PACED: Throttle = Throttle::new();
+                static PACED: LogThrottle = LogThrottle::new();
                 self.quotas.telemetry.quota_paced(some.len() as u64);
                 if let Some(n) = PACED.hit() {
                     tracing::warn!(
@@ -226,11 +226,12 @@ impl QuotaStream {
                 None => shared.push((step, requests)),
             }
         }
-        let divided: Vec<(Step, Option<Assignment>, bool)> = futures_util::stream::iter(shared)
-            .map(|(step, requests)| self.divide(step, requests))
-            .buffer_unordered(RECORDS_IN_FLIGHT)
-            .collect()
-            .await;
+        let divided: Vec<(ReportStep, Option<Assignment>, bool)> =
+            futures_util::stream::iter(shared)
+                .map(|(step, requests)| self.divide(step, requests))
+                .buffer_unordered(RECORDS_IN_FLIGHT)
+                .collect()
+                .await;
         for (step, _, _) in &divided {
             if let Some(held) = self.buckets.get_mut(&step.key) {
                 held.recorded = step.recorded;
@@ -263,7 +264,7 @@ impl QuotaStream {
         rules: &RuleSet,
         tally: &mut Tally,
         now: Instant,
-    ) -> Option<(Step, u64, u32)> {
+    ) -> Option<(ReportStep, u64, u32)> {
         let usage = BucketQuotaUsage::decode(usage).ok()?;
         let bucket_id = usage.bucket_id.filter(|b| !b.bucket.is_empty())?;
         let entries = sorted_entries(&bucket_id);
@@ -283,7 +284,7 @@ impl QuotaStream {
         let (elapsed, idle) = self.track(&key, tracked, size, allowed == 0 && denied == 0, now);
         let id = self.quotas.ids.id(&key, 0);
         let recorded = self.buckets.get(&key).and_then(|held| held.recorded);
-        let step = Step {
+        let step = ReportStep {
             key,
             id,
             bucket_id,
@@ -321,7 +322,7 @@ impl QuotaStream {
                     self.held_bytes += size;
                     self.buckets.insert(
                         key.clone(),
-                        Held {
+                        HeldBucket {
                             reported: now,
                             idle: 0,
                             shared: false,
@@ -337,7 +338,7 @@ impl QuotaStream {
 
     /// The fixed assignment of `step`'s bucket when its rule does not divide it, subscribed with
     /// it (out of the division it was in, after a reload); `None` for a bucket divided.
-    async fn answer_fixed(&mut self, step: &Step) -> Option<Assignment> {
+    async fn answer_fixed(&mut self, step: &ReportStep) -> Option<Assignment> {
         let fixed = self.fixed(step);
         let was_shared = self.buckets.get_mut(&step.key).map(|held| {
             let was = held.shared;
@@ -370,7 +371,7 @@ impl QuotaStream {
     /// go out under the same lock, so the Envoy gets shares in the order they were decided.
     fn respond(
         &self,
-        divided: &[(Step, Option<Assignment>, bool)],
+        divided: &[(ReportStep, Option<Assignment>, bool)],
         mut actions: Vec<Bytes>,
         tally: &mut Tally,
     ) -> Respond {

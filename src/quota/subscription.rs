@@ -11,9 +11,9 @@ use futures_util::StreamExt;
 use prost::Message;
 
 use super::assignment::assign;
-use super::bounds::Bound;
-use super::replica::{Local, Move, Subscriber};
-use super::stream::Step;
+use super::bounds::FullBound;
+use super::replica::{BucketMove, LocalStreams, Subscriber};
+use super::stream::ReportStep;
 use super::tally::Tally;
 use super::{
     Assignment, MOST_BUCKET_BYTES_PER_STREAM, MOST_BUCKETS_PER_STREAM, ONE_SECOND, QuotaStream,
@@ -35,14 +35,14 @@ impl QuotaStream {
         } else if self.buckets.len() >= MOST_BUCKETS_PER_STREAM
             || self.held_bytes + size > MOST_BUCKET_BYTES_PER_STREAM
         {
-            Bound::StreamBuckets
+            FullBound::StreamBuckets
         } else if !self.quotas.clients.take_bucket(self.client) {
-            Bound::ClientBuckets
+            FullBound::ClientBuckets
         } else if self.quotas.tracked_buckets.take() {
             return true;
         } else {
             self.quotas.clients.give_back(self.client, 0, 1);
-            Bound::Buckets
+            FullBound::Buckets
         };
         tally.untracked(full);
         false
@@ -51,7 +51,7 @@ impl QuotaStream {
     /// The assignment of a bucket whose answer needs no division: unmatched, unlimited, a limit
     /// of 0, or untracked (denied: its limit may be divided among other streams, on any replica,
     /// which this one cannot take part in; allowed in shadow mode, which denies nothing).
-    pub(super) fn fixed(&self, step: &Step) -> Option<Assignment> {
+    pub(super) fn fixed(&self, step: &ReportStep) -> Option<Assignment> {
         let rule = step.rule.as_deref();
         fixed_answer(self.quotas.settings.unmatched, rule).or(match rule {
             Some(rule) if !step.tracked && rule.shadow => Some(Assignment::AllowAll),
@@ -66,9 +66,9 @@ impl QuotaStream {
     /// sent, and so it does when its record is not due (`--quota-max-records`).
     pub(super) async fn divide(
         &self,
-        mut step: Step,
+        mut step: ReportStep,
         requests: u64,
-    ) -> (Step, Option<Assignment>, bool) {
+    ) -> (ReportStep, Option<Assignment>, bool) {
         let rule = step.rule.clone().expect("a shared bucket has a rule");
         let limit = rule.limit.as_ref().expect("a shared bucket has a limit");
         let total = u64::from(limit.requests_per_unit);
@@ -97,7 +97,7 @@ impl QuotaStream {
         let stays = self.quotas.stays();
         let share = if due {
             self.enlist(&step, &rule, wanted, total * MILLI);
-            let moving = Move {
+            let moving = BucketMove {
                 stream: self.number,
                 change: Change::Report,
                 demand: wanted,
@@ -176,7 +176,7 @@ impl QuotaStream {
     /// Makes the stream take part in the division of a bucket of `total` thousandths with its
     /// demand `demand`: listed in the next settle call, holding what it was last sent (nothing,
     /// when new to it).
-    fn enlist(&self, step: &Step, rule: &Arc<QuotaRule>, demand: u64, total: u64) {
+    fn enlist(&self, step: &ReportStep, rule: &Arc<QuotaRule>, demand: u64, total: u64) {
         let mut buckets = self.quotas.buckets();
         let (subscriber, new) = self.subscriber(&mut buckets, step);
         if new {
@@ -192,7 +192,7 @@ impl QuotaStream {
     /// Remembers what the stream was sent for a bucket, for pushes and for store outages.
     pub(super) fn subscribe(
         &self,
-        step: &Step,
+        step: &ReportStep,
         sent: Assignment,
         share: Option<u64>,
         shadow: bool,
@@ -210,10 +210,10 @@ impl QuotaStream {
     /// out of the division and holding nothing.
     pub(super) fn subscriber<'a>(
         &self,
-        buckets: &'a mut HashMap<u128, Local, IdHasher>,
-        step: &Step,
+        buckets: &'a mut HashMap<u128, LocalStreams, IdHasher>,
+        step: &ReportStep,
     ) -> (&'a mut Subscriber, bool) {
-        let local = buckets.entry(step.id).or_insert_with(|| Local {
+        let local = buckets.entry(step.id).or_insert_with(|| LocalStreams {
             key: step.key.clone(),
             domain: self.domain.as_str().into(),
             subscribers: Vec::with_capacity(1),
@@ -248,7 +248,12 @@ impl QuotaStream {
     }
 
     /// The answer for one bucket, counted.
-    pub(super) fn action(&self, step: &Step, assignment: Assignment, tally: &mut Tally) -> Bytes {
+    pub(super) fn action(
+        &self,
+        step: &ReportStep,
+        assignment: Assignment,
+        tally: &mut Tally,
+    ) -> Bytes {
         tally.action(&step.labels, assignment.name());
         let ttl = self.quotas.settings.ttl;
         assign(

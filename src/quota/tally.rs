@@ -3,11 +3,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::bounds::Bound;
+use super::bounds::FullBound;
 use crate::telemetry::Telemetry;
 use crate::telemetry::metrics::{QuotaLabels, UNMATCHED_RULE};
+use sluice_core::log_throttle::LogThrottle;
 use sluice_core::rules::QuotaRule;
-use sluice_core::throttle::Throttle;
 
 /// What a report adds to the metrics, added up per rule and counted before each answer is sent
 /// (so that the metrics show it once the Envoy has it) rather than once per bucket; and the
@@ -17,7 +17,7 @@ pub(super) struct Tally {
     /// By rule path.
     pub(super) labels: HashMap<String, Arc<QuotaLabels>>,
     pub(super) counts: HashMap<Arc<QuotaLabels>, RuleCounts>,
-    /// By `Bound`.
+    /// By `FullBound`.
     pub(super) untracked: [u64; 5],
 }
 
@@ -69,7 +69,7 @@ impl Tally {
         }
     }
 
-    pub(super) fn untracked(&mut self, bound: Bound) {
+    pub(super) fn untracked(&mut self, bound: FullBound) {
         self.untracked[bound as usize] += 1;
     }
 
@@ -82,13 +82,13 @@ impl Tally {
                 telemetry.quota_actions(&labels, name, sent);
             }
         }
-        for bound in Bound::ALL {
+        for bound in FullBound::ALL {
             let n = std::mem::take(&mut self.untracked[bound as usize]);
             if n == 0 {
                 continue;
             }
             telemetry.quota_untracked(bound.name(), n);
-            static FULL: Throttle = Throttle::new();
+            static FULL: LogThrottle = LogThrottle::new();
             if let Some(answers) = FULL.hit() {
                 tracing::warn!(
                     "quota buckets answered untracked, denied, because a bound was full: {n} past {} in the latest answer, {answers} answer(s) with some since the last warning; see sluice_quota_untracked_total",

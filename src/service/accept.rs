@@ -9,7 +9,7 @@ use tokio::sync::mpsc;
 use super::conns::Connections;
 use super::event_loop::Handed;
 use super::shutdown::Shutdown;
-use sluice_core::throttle::Throttle;
+use sluice_core::log_throttle::LogThrottle;
 
 /// The longest pause after a failed accept.
 const ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
@@ -23,7 +23,7 @@ const FIRST_BYTES: Duration = Duration::from_secs(10);
 pub(super) async fn accept(
     listener: &TcpListener,
     pause: &mut Duration,
-    failed: &Throttle,
+    failed: &LogThrottle,
     what: &str,
 ) -> TcpStream {
     loop {
@@ -52,7 +52,7 @@ pub(super) async fn hand_out(
     loops: Vec<mpsc::UnboundedSender<Handed>>,
     shutdown: Shutdown,
 ) {
-    static FAILED: Throttle = Throttle::new();
+    static FAILED: LogThrottle = LogThrottle::new();
     let stop = shutdown.wait();
     tokio::pin!(stop);
     let mut next = 0;

@@ -26,8 +26,8 @@ use super::setup::{JsonAt, Setup};
 use super::shutdown::Shutdown;
 use super::tls::ServerTls;
 use super::{counters, explain, http};
+use sluice_core::log_throttle::LogThrottle;
 use sluice_core::store::Store;
-use sluice_core::throttle::Throttle;
 
 /// How long an admin HTTP client may take to send a request's headers, the first or the next
 /// on a kept-alive connection, before the connection is closed.
@@ -243,7 +243,7 @@ async fn serve_http(
     shutdown: Shutdown,
     tls: Option<ServerTls>,
 ) {
-    static FAILED: Throttle = Throttle::new();
+    static FAILED: LogThrottle = LogThrottle::new();
     let mut http1 = hyper::server::conn::http1::Builder::new();
     http1
         .timer(TokioTimer::new())

@@ -23,7 +23,7 @@ use axum::routing::MethodRouter;
 use super::conns::Peer;
 use super::tls::ServerTls;
 use crate::telemetry::Telemetry;
-use sluice_core::throttle::Throttle;
+use sluice_core::log_throttle::LogThrottle;
 
 /// How often the token file is read to see whether it changed.
 const POLL: Duration = Duration::from_secs(1);
@@ -150,7 +150,7 @@ struct Access {
     trusted: bool,
     /// Per peer, until when its attempts are refused unchecked.
     cooling: Mutex<HashMap<IpAddr, Instant>>,
-    refused: Throttle,
+    refused: LogThrottle,
     telemetry: Telemetry,
 }
 
@@ -198,7 +198,7 @@ impl AdminAccess {
             tls,
             trusted,
             cooling: Mutex::default(),
-            refused: Throttle::new(),
+            refused: LogThrottle::new(),
             telemetry,
         }))
     }

@@ -21,7 +21,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::shutdown::Shutdown;
-use sluice_core::throttle::Throttle;
+use sluice_core::log_throttle::LogThrottle;
 
 /// Connections each admin listener (admin HTTP, `/json` apart, metrics apart, debug) holds at
 /// once: probes, a scraper and a few people need far fewer.
@@ -99,8 +99,8 @@ struct Pool {
     cap: usize,
     open: Mutex<HashMap<u64, Arc<Conn>>>,
     next: AtomicU64,
-    evicted: Throttle,
-    refused: Throttle,
+    evicted: LogThrottle,
+    refused: LogThrottle,
 }
 
 impl Connections {
@@ -110,8 +110,8 @@ impl Connections {
             cap,
             open: Mutex::default(),
             next: AtomicU64::new(0),
-            evicted: Throttle::new(),
-            refused: Throttle::new(),
+            evicted: LogThrottle::new(),
+            refused: LogThrottle::new(),
         }))
     }
 

@@ -13,8 +13,8 @@ use crate::telemetry::Telemetry;
 use crate::telemetry::traces;
 use sluice_core::limiter::lease::{Draw, Leases, Pass, Returning};
 use sluice_core::limiter::{Check, Decision, OverLimitCache};
+use sluice_core::log_throttle::LogThrottle;
 use sluice_core::store::{Deadline, Store, StoreError};
-use sluice_core::throttle::Throttle;
 
 /// Draws a leased check from its blocks at most this many times (each after a block was taken,
 /// awaited, or listened for) before the store decides it as any other.
@@ -25,7 +25,7 @@ pub const GIVE_BACK_COUNTERS: usize = 256;
 /// for it and one that does not land leaves its hits unusable until their window ends.
 pub(super) const GIVE_BACK_TIMEOUT: Duration = Duration::from_secs(1);
 /// Failed give-backs, logged at most once a second.
-static GIVE_BACK_FAILED: Throttle = Throttle::new();
+static GIVE_BACK_FAILED: LogThrottle = LogThrottle::new();
 
 /// Decides checks against a store, from leased blocks or the local over-limit cache when it can.
 pub struct Decider {

@@ -26,9 +26,9 @@ use super::in_force::Rules;
 use crate::telemetry::Telemetry;
 use crate::xds::{Snapshot, Subscription};
 use sluice_core::config::{self, Source};
+use sluice_core::log_throttle::LogThrottle;
 use sluice_core::observe::Observer;
 use sluice_core::rules::RuleSet;
-use sluice_core::throttle::Throttle;
 
 /// How long changes must stop before a reload: an editor's or kubelet's several writes make one.
 const SETTLE: Duration = Duration::from_millis(200);
@@ -292,7 +292,7 @@ async fn follow_xds(
             }
         }
         Snapshot::Unchanged { version } => {
-            static UNCHANGED: Throttle = Throttle::new();
+            static UNCHANGED: LogThrottle = LogThrottle::new();
             if UNCHANGED.hit().is_some() {
                 tracing::info!(
                     "xDS version {version}: the resources in force, not converted again"
@@ -305,7 +305,7 @@ async fn follow_xds(
             again,
         } => {
             telemetry.reload_failed();
-            static REJECTED: Throttle = Throttle::new();
+            static REJECTED: LogThrottle = LogThrottle::new();
             if let Some(rejected) = REJECTED.hit() {
                 let seen = if again { ", as last time" } else { "" };
                 tracing::error!(

@@ -28,11 +28,11 @@ use crate::telemetry::{PolicyAnswer, Telemetry};
 use sluice_core::config::{MOST_DOMAIN_BYTES, domain_too_long};
 use sluice_core::limiter::lease::Leasing;
 use sluice_core::limiter::{Check, Counting, Decision, Limit, Mode, Source, Unit, Usage, admits};
+use sluice_core::log_throttle::LogThrottle;
 use sluice_core::rules::RuleSet;
 use sluice_core::rules::plan::{Asked, Global, Override, Plan};
 use sluice_core::store::unix_ms;
 use sluice_core::store::{Deadline, StoreError};
-use sluice_core::throttle::Throttle;
 
 /// Limits on the shape of a request, which Envoy's route configuration decides (not its
 /// clients), so that no caller can make a check unboundedly large. Keys and values may be any
@@ -243,7 +243,7 @@ impl Rls {
         plans: &[Plan],
         check: &Check,
     ) -> Result<RateLimitResponse, Status> {
-        static UNDECIDED: Throttle = Throttle::new();
+        static UNDECIDED: LogThrottle = LogThrottle::new();
         let policy = self.fallback.on_store_error;
         let answer = PolicyAnswer::from(policy);
         self.telemetry.undecided(e.kind(), answer);

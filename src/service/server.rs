@@ -22,8 +22,8 @@ use super::setup::{Addrs, JsonAt, Setup};
 use super::shutdown::Shutdown;
 use sluice_core::limiter::lease::{Leases, Pass};
 use sluice_core::limiter::{CounterKey, OverLimitCache};
+use sluice_core::log_throttle::LogThrottle;
 use sluice_core::store::{Backend, Deadline, Reset, Store};
-use sluice_core::throttle::Throttle;
 
 /// How long gRPC connections wait at the start for the store to be reached.
 const STORE_AT_START: Duration = Duration::from_secs(2);
@@ -225,7 +225,7 @@ async fn forget_resets(
                 leases.forget(&key, requests_per_unit);
             }
             Reset::Missed => {
-                static MISSED: Throttle = Throttle::new();
+                static MISSED: LogThrottle = LogThrottle::new();
                 if let Some(cache) = &cache {
                     cache.forget_all();
                 }

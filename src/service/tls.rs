@@ -18,7 +18,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 
 use sluice_core::certs::{self, PemFile};
-use sluice_core::throttle::Throttle;
+use sluice_core::log_throttle::LogThrottle;
 
 /// How long a connection may take to complete its TLS handshake.
 const HANDSHAKE: Duration = Duration::from_secs(10);
@@ -172,7 +172,7 @@ async fn handshake(
     stream: TcpStream,
     role: &str,
 ) -> Option<TlsStream<TcpStream>> {
-    static FAILED: Throttle = Throttle::new();
+    static FAILED: LogThrottle = LogThrottle::new();
     let peer = stream
         .peer_addr()
         .map_or_else(|_| "an unknown peer".to_owned(), |a| a.to_string());

@@ -1,5 +1,5 @@
 //! Logs and metrics. Logging: `tracing` events to stderr, as text (coloured only on a terminal)
-//! or one JSON object per line, `info` by default (`sluice_core::throttle` keeps an event that every
+//! or one JSON object per line, `info` by default (`sluice_core::log_throttle` keeps an event that every
 //! request, or a spinning loop, can hit from flooding it). Metrics: see `metrics`; who is being
 //! limited right now, in sketches of a fixed size: see `top`. Traces (OpenTelemetry, see
 //! `traces`) are a layer on the same subscriber, added in `init`, over the spans opened on the

@@ -17,7 +17,7 @@ use tokio::net::UdpSocket;
 
 use super::Telemetry;
 use super::metrics::{RESPONSE_TIME, StatsdTotals};
-use sluice_core::throttle::Throttle;
+use sluice_core::log_throttle::LogThrottle;
 
 /// The most bytes of lines in one datagram: what fits an Ethernet frame, as statsd clients use.
 const PACKET: usize = 1432;
@@ -96,7 +96,7 @@ pub async fn push(settings: StatsdSettings, telemetry: Telemetry, stop: impl Fut
 }
 
 async fn resolve(addr: &str) -> Option<SocketAddr> {
-    static FAILED: Throttle = Throttle::new();
+    static FAILED: LogThrottle = LogThrottle::new();
     match tokio::net::lookup_host(addr).await.map(|mut a| a.next()) {
         Ok(Some(to)) => Some(to),
         Ok(None) => {
@@ -115,7 +115,7 @@ async fn resolve(addr: &str) -> Option<SocketAddr> {
 }
 
 async fn send(socket: &UdpSocket, to: SocketAddr, packets: &[Vec<u8>]) {
-    static FAILED: Throttle = Throttle::new();
+    static FAILED: LogThrottle = LogThrottle::new();
     for packet in packets {
         if let Err(e) = socket.send_to(packet, to).await
             && let Some(times) = FAILED.hit()

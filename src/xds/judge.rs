@@ -28,7 +28,7 @@ pub enum Snapshot<'a> {
 
 /// What the subscription has seen, by the digest of a response's resources (`snapshot_digest`).
 #[derive(Default)]
-pub(super) struct Seen {
+pub(super) struct SeenResources {
     /// The resources of the last valid response: those of the rules in force.
     in_force: Option<Digest>,
     /// The last rejected resources, and why.
@@ -38,7 +38,7 @@ pub(super) struct Seen {
 /// Turns responses into rules and hands them to `apply`, one at a time, on a thread of its own.
 pub(super) struct Judge {
     pub(super) merge_domains: bool,
-    pub(super) seen: Mutex<Seen>,
+    pub(super) seen: Mutex<SeenResources>,
     pub(super) apply: Box<dyn Fn(Snapshot) + Send + Sync>,
 }
 

@@ -27,7 +27,7 @@ use tonic::transport::{Channel, ClientTlsConfig, Endpoint, Identity};
 
 use sluice_core::certs::{self, PemFile};
 use sluice_core::config::on_own_thread;
-use sluice_core::throttle::Throttle;
+use sluice_core::log_throttle::LogThrottle;
 
 /// The one resource type subscribed to.
 pub const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
@@ -274,7 +274,7 @@ impl Subscription {
         judge: &Arc<Judge>,
     ) -> Option<DiscoveryRequest> {
         if response.type_url != TYPE_URL {
-            static OTHER_TYPE: Throttle = Throttle::new();
+            static OTHER_TYPE: LogThrottle = LogThrottle::new();
             if OTHER_TYPE.hit().is_some() {
                 tracing::warn!(type_url = %response.type_url, "xDS response of a type not subscribed to: ignored");
             }

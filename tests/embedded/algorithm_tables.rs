@@ -43,7 +43,7 @@ fn table(limit: Limit, rows: &[Row]) {
                 counting: Counting::Admitted,
                 leased: false,
                 scope: Default::default(),
-                step: sluice_core::limiter::Step::Hits,
+                step: sluice_core::limiter::ItemStep::Hits,
             }],
             ..Check::default()
         };

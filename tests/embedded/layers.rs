@@ -678,7 +678,7 @@ fn a_static_is_found_at_the_top_of_a_module_and_nowhere_else() {
     let found = statics_in(
         "static ON: AtomicBool = AtomicBool::new(false);\n\
          pub static TOP: OnceLock<Top> = OnceLock::new();\n\
-         fn f(x: &'static str) { static FAILED: Throttle = Throttle::new(); }\n\
+         fn f(x: &'static str) { static FAILED: LogThrottle = LogThrottle::new(); }\n\
          mod tests { static LOCAL: u8 = 0; }",
     );
     assert_eq!(found, BTreeSet::from(["ON".to_owned(), "TOP".to_owned()]));
@@ -688,7 +688,13 @@ fn a_static_is_found_at_the_top_of_a_module_and_nowhere_else() {
 /// would take (the limits and algorithms, the rules, the rule files, the stores, what they tell
 /// and PEM files): they cannot import the server's, which is not among its dependencies.
 const CORE: [&str; 7] = [
-    "limiter", "rules", "config", "store", "observe", "throttle", "certs",
+    "limiter",
+    "rules",
+    "config",
+    "store",
+    "observe",
+    "log_throttle",
+    "certs",
 ];
 /// What a server is made of, which the core crate must not depend on: gRPC, HTTP, the command
 /// line, metrics, trace export, Envoy's protobuf types, and the server crate itself.

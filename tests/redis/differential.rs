@@ -17,8 +17,8 @@ use sluice_core::limiter::algorithm::{Verdict, gcra, window};
 use sluice_core::limiter::calendar::{self, Weekday};
 use sluice_core::limiter::outcome::Outcome;
 use sluice_core::limiter::{
-    Algorithm, Calendar, Check, CounterKey, Counting, DescriptorKey, Held, HoldId, Item, Limit,
-    Mode, OnExpiry, RuleId, Step, Unit, lease,
+    Algorithm, Calendar, Check, CounterKey, Counting, DescriptorKey, HoldAsk, HoldId, Item,
+    ItemStep, Limit, Mode, OnExpiry, RuleId, Unit, lease,
 };
 use sluice_core::store::{MemoryStore, Percent, Stored};
 
@@ -198,10 +198,10 @@ fn args(check: &Check, counters: &[&Counter]) -> Vec<Value> {
             i64::from(item.limit.burst).into(),
             (item.hits as i64).into(),
             Value::from(match item.step {
-                Step::Hits => (if item.refund { "1" } else { "0" }).to_owned(),
-                Step::Take { least } => format!("u{least}"),
-                Step::Return { window } => format!("r{window}"),
-                Step::Held(held) => format!(
+                ItemStep::Hits => (if item.refund { "1" } else { "0" }).to_owned(),
+                ItemStep::Take { least } => format!("u{least}"),
+                ItemStep::Return { window } => format!("r{window}"),
+                ItemStep::Held(held) => format!(
                     "h{} {} {} {} {} {}",
                     held.estimate,
                     held.ttl_ms,
@@ -407,7 +407,7 @@ async fn run(client: &Client, seed: u64, steps: usize, held_only: bool) -> BTree
                 },
                 leased: false,
                 scope: Default::default(),
-                step: Step::Hits,
+                step: ItemStep::Hits,
             })
             .collect();
         // A counter named twice is one rule's: its items share the rule's mode and counting.
@@ -428,12 +428,12 @@ async fn run(client: &Client, seed: u64, steps: usize, held_only: bool) -> BTree
                         Some(span) => span.start,
                         None => (now / item.limit.window_ms()).saturating_sub(rng.below(2)),
                     };
-                    Step::Return { window }
+                    ItemStep::Return { window }
                 } else {
                     item.mode = Mode::Enforce;
                     item.counting = Counting::Admitted;
                     item.hits = rng.below(60);
-                    Step::Take {
+                    ItemStep::Take {
                         least: rng.below(4),
                     }
                 };
@@ -451,7 +451,7 @@ async fn run(client: &Client, seed: u64, steps: usize, held_only: bool) -> BTree
                 // Held: a few requests, each held (or refused: its id known, its table full of
                 // holds) or settled (its hold found, expired or gone), with times to live that
                 // end within the run.
-                item.step = Step::Held(Held {
+                item.step = ItemStep::Held(HoldAsk {
                     id: HoldId::of(&[rng.below(requests) as u8]),
                     estimate: rng.below(4) + u64::from(held_only),
                     ttl_ms: 500 + rng.below(2_000),

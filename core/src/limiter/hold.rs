@@ -30,7 +30,7 @@ use std::fmt::Write as _;
 use sha2::{Digest, Sha256};
 
 use super::algorithm::{Algorithm, Ask, Verdict, window};
-use super::outcome::{Outcome, Seen};
+use super::outcome::{HoldSeen, Outcome};
 
 /// The most due holds, and the most due marks, one call tidies.
 pub(crate) const MOST_DUE: usize = 16;
@@ -61,7 +61,7 @@ impl HoldId {
 /// What a held rule's item asks of its counter: hold `estimate` for the request `id` (the
 /// request-time call) or settle its hold at the item's hits (the response-time call).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Held {
+pub struct HoldAsk {
     pub id: HoldId,
     /// What a hold takes (at least 1 is needed to fit).
     pub estimate: u64,
@@ -216,7 +216,7 @@ pub(crate) struct Tidied {
 /// Tidies `table` at `now` (ms) for a call of `held`, settling the item's hold if it settles,
 /// and says what the item does and is charged (`hits`: its real cost, for a settle). A hold is
 /// taken by `take`, if the request is admitted.
-pub(crate) fn tidy(table: &mut Table, held: &Held, hits: u64, now: u64) -> Tidied {
+pub(crate) fn tidy(table: &mut Table, held: &HoldAsk, hits: u64, now: u64) -> Tidied {
     let keep = held.ttl_ms;
     let due = |set: &BTreeSet<(u64, HoldId)>| -> Vec<HoldId> {
         set.iter()
@@ -285,7 +285,7 @@ pub(crate) fn tidy(table: &mut Table, held: &Held, hits: u64, now: u64) -> Tidie
 }
 
 /// Takes the hold of `held` in `table` (tidied for the call), due at `due`.
-pub(crate) fn take(table: &mut Table, held: &Held, due: u64) {
+pub(crate) fn take(table: &mut Table, held: &HoldAsk, due: u64) {
     table.put(
         held.id,
         Entry::Held {
@@ -298,11 +298,11 @@ pub(crate) fn take(table: &mut Table, held: &Held, due: u64) {
 
 /// What a call does to a held window counter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Step {
+pub(crate) struct HoldStep {
     pub verdict: Verdict,
     /// The counter after what it is charged whatever the answer (expired estimates, a settle),
     /// when it is charged anything.
-    pub charged: Option<window::Step>,
+    pub charged: Option<window::WindowStep>,
     /// When the hold taken once the request is admitted is due, if one is taken.
     pub take: Option<u64>,
 }
@@ -318,17 +318,17 @@ pub(crate) struct Step {
 pub(crate) fn evaluate(
     algorithm: Algorithm,
     ask: &Ask,
-    held: &Held,
+    held: &HoldAsk,
     stored: Option<window::State>,
     table: &mut Table,
-) -> Step {
+) -> HoldStep {
     let now = ask.now_ms;
     let tidied = tidy(table, held, ask.hits, now);
     // Held counters count at the clock, never at an instant a request names.
     let base = Ask {
         at_ms: now,
         refund: false,
-        step: crate::limiter::Step::Hits,
+        step: crate::limiter::ItemStep::Hits,
         ..*ask
     };
     let room = base.limit.saturating_sub(tidied.held);
@@ -345,7 +345,7 @@ pub(crate) fn evaluate(
         )
     });
     let state = charged.map(|c| c.next).or(stored);
-    let seen = Seen {
+    let seen = HoldSeen {
         outcome: tidied.outcome,
         expired: tidied.expired,
     };
@@ -387,7 +387,7 @@ pub(crate) fn evaluate(
     verdict.charged = 0;
     verdict.hold = Some(seen);
     let take = (tidied.outcome == Outcome::Hold && !verdict.over).then_some(now + held.ttl_ms);
-    Step {
+    HoldStep {
         verdict,
         charged,
         take,
@@ -398,8 +398,8 @@ pub(crate) fn evaluate(
 mod tests {
     use super::*;
 
-    fn held(id: &str, estimate: u64) -> Held {
-        Held {
+    fn held(id: &str, estimate: u64) -> HoldAsk {
+        HoldAsk {
             id: HoldId::of(id.as_bytes()),
             estimate,
             ttl_ms: 1_000,
@@ -409,11 +409,11 @@ mod tests {
         }
     }
 
-    fn settle(h: Held) -> Held {
-        Held { settle: true, ..h }
+    fn settle(h: HoldAsk) -> HoldAsk {
+        HoldAsk { settle: true, ..h }
     }
 
-    fn holding(table: &mut Table, h: &Held, now: u64) -> Tidied {
+    fn holding(table: &mut Table, h: &HoldAsk, now: u64) -> Tidied {
         let tidied = tidy(table, h, 0, now);
         if tidied.outcome == Outcome::Hold {
             take(table, h, now + h.ttl_ms);
@@ -459,12 +459,12 @@ mod tests {
         for (on_expiry, charged, late) in [(OnExpiry::Charge, 100, 40), (OnExpiry::Release, 0, 140)]
         {
             let mut table = Table::default();
-            let a = Held {
+            let a = HoldAsk {
                 on_expiry,
                 ..held("a", 100)
             };
             holding(&mut table, &a, 0);
-            let b = Held {
+            let b = HoldAsk {
                 on_expiry,
                 ..held("b", 1)
             };
@@ -523,12 +523,12 @@ mod tests {
     #[test]
     fn a_call_tidies_at_most_most_due_holds() {
         let mut big = Table::default();
-        let many = Held {
+        let many = HoldAsk {
             most: 100,
             ..held("", 1)
         };
         for i in 0..(MOST_DUE + 3) {
-            let h = Held {
+            let h = HoldAsk {
                 id: HoldId::of(i.to_string().as_bytes()),
                 ..many
             };
@@ -536,7 +536,7 @@ mod tests {
         }
         let seen = tidy(
             &mut big,
-            &Held {
+            &HoldAsk {
                 id: HoldId::of(b"y"),
                 ..many
             },
@@ -549,12 +549,12 @@ mod tests {
 
     #[test]
     fn a_reply_code_reads_back() {
-        let seen = Seen {
+        let seen = HoldSeen {
             outcome: Outcome::Unheld,
             expired: 3,
         };
-        assert_eq!(Seen::of_code(4 + 8 * 3), Some(seen));
-        assert_eq!(Seen::of_code(0), None);
-        assert_eq!(Seen::of_code(6), None);
+        assert_eq!(HoldSeen::of_code(4 + 8 * 3), Some(seen));
+        assert_eq!(HoldSeen::of_code(0), None);
+        assert_eq!(HoldSeen::of_code(6), None);
     }
 }

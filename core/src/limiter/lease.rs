@@ -1,5 +1,5 @@
 //! Leased counters: a replica takes a block of a counter's capacity from the store in one call (an
-//! item with `Step::Take`) and admits that counter's requests from it, with no store call, until
+//! item with `ItemStep::Take`) and admits that counter's requests from it, with no store call, until
 //! it is spent; then it takes the next. The store counts every block when it is taken, so what it
 //! holds is what every replica admitted plus the blocks they hold: together the replicas never
 //! admit more than the limit.
@@ -13,7 +13,7 @@
 //! - One block at a time is taken per counter: a request that finds its counter short while a
 //!   block is on its way waits for it.
 //! - What a block holds past what its counter's recent rate draws in `AHEAD` is given back
-//!   (`Step::Return`, in its window only) at the next periodic pass, as is the whole block of a
+//!   (`ItemStep::Return`, in its window only) at the next periodic pass, as is the whole block of a
 //!   counter unused for `--lease-idle`, and every block at shutdown. A give-back that did not
 //!   reach the store stays held and is sent again until its window ends.
 //! - `--lease-max-counters` counters at most are held at once, past which a new counter is
@@ -31,8 +31,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    Algorithm, Check, CounterIds, CounterKey, Counting, Decision, IdHasher, Item, Limit, Mode,
-    RuleId, Scope, Source, Step, Usage,
+    Algorithm, Check, CounterIds, CounterKey, Counting, Decision, IdHasher, Item, ItemStep, Limit,
+    Mode, RuleId, Scope, Source, Usage,
 };
 
 /// A block takes at most this part of what remains in the store (`lua/check.lua` applies it).
@@ -86,7 +86,7 @@ pub fn leasable(algorithm: Algorithm) -> bool {
 
 /// The blocks held, by counter: the keyed hash of its key and its limit, so that a changed limit
 /// takes blocks of its own and the old limit's are given back once idle.
-type Table = HashMap<u128, Held, IdHasher>;
+type Table = HashMap<u128, LeaseHeld, IdHasher>;
 
 /// The hits the items of `check` before item `i` draw from its counter (`ids`): a counter named
 /// twice needs both.
@@ -127,7 +127,7 @@ fn admit(held: &mut Table, check: &Check, ids: &[u128], now: Instant) -> Decisio
 }
 
 /// What this replica holds of one counter.
-struct Held {
+struct LeaseHeld {
     /// Hits left to admit.
     left: u64,
     /// The window the block counts in.
@@ -154,10 +154,10 @@ struct Held {
     counter: Option<(CounterKey, RuleId, Limit)>,
 }
 
-impl Held {
+impl LeaseHeld {
     /// A counter seen at `now`, holding nothing yet.
-    fn seen(item: &Item, now: Instant) -> Held {
-        Held {
+    fn seen(item: &Item, now: Instant) -> LeaseHeld {
+        LeaseHeld {
             left: 0,
             window: 0,
             until: now,
@@ -228,7 +228,7 @@ impl Held {
                 leased: true,
                 // In the store, as every leased counter (a cluster's too: its key names it).
                 scope: Scope::Global,
-                step: Step::Return {
+                step: ItemStep::Return {
                     window: self.window,
                 },
             },
@@ -260,7 +260,7 @@ pub enum Pass {
 /// Hits of one counter on their way back to the store.
 #[derive(Clone)]
 pub struct Returning {
-    /// The `Step::Return` item that gives them back.
+    /// The `ItemStep::Return` item that gives them back.
     pub item: Item,
     /// The end of their window, less `MARGIN`: past it they lapsed with it, nothing to give back.
     until: Instant,
@@ -275,7 +275,7 @@ pub enum Draw {
     /// Every counter had the hits: the request is admitted from them.
     Admitted(Decision),
     /// These counters (by index into the check) are short: take blocks with this check (one
-    /// `Step::Take` item each, in the same order), then draw again.
+    /// `ItemStep::Take` item each, in the same order), then draw again.
     Take(Vec<usize>, Check),
     /// A block is on its way for a counter that is short: wait for it, then draw again.
     Wait,
@@ -378,7 +378,7 @@ impl Leases {
             && check
                 .items
                 .iter()
-                .all(|i| Leases::hold(i) && i.step == Step::Hits && !i.refund && i.hits > 0)
+                .all(|i| Leases::hold(i) && i.step == ItemStep::Hits && !i.refund && i.hits > 0)
     }
 
     /// Whether `item`'s counter is decided from leased blocks when its request charges hits:
@@ -431,7 +431,7 @@ impl Leases {
             if held.len() + unseen.len() <= self.most {
                 for i in unseen {
                     let item = &check.items[i];
-                    held.insert(ids[i], Held::seen(item, now));
+                    held.insert(ids[i], LeaseHeld::seen(item, now));
                 }
             }
             return Draw::Store;
@@ -447,7 +447,7 @@ impl Leases {
             }
             let mut block = item.clone();
             block.hits = h.block(least);
-            block.step = Step::Take { least };
+            block.step = ItemStep::Take { least };
             take.items.push(block);
             at.push(i);
         }
@@ -663,7 +663,7 @@ mod tests {
             counting: Counting::Admitted,
             leased: true,
             scope: Default::default(),
-            step: Step::Hits,
+            step: ItemStep::Hits,
         }
     }
 
@@ -719,7 +719,7 @@ mod tests {
             "a counter not seen lately is decided by the store"
         );
         let take = take(&leases, &one, now, 3);
-        assert_eq!(take.items[0].step, Step::Take { least: 1 });
+        assert_eq!(take.items[0].step, ItemStep::Take { least: 1 });
         for _ in 0..2 {
             let Draw::Admitted(d) = leases.draw(&one, now) else {
                 panic!("admitted from the block");
@@ -809,7 +809,7 @@ mod tests {
         );
         assert_eq!(back[0].item.hits, 6);
         assert!(back[0].item.refund);
-        assert_eq!(back[0].item.step, Step::Return { window: 7 });
+        assert_eq!(back[0].item.step, ItemStep::Return { window: 7 });
         assert!(leases.give_back(now + IDLE, Pass::Exit).is_empty());
     }
 

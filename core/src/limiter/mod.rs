@@ -16,7 +16,7 @@ use std::time::Duration;
 pub use algorithm::Algorithm;
 pub use cache::OverLimitCache;
 pub use calendar::Calendar;
-pub use hold::{Held, HoldId, OnExpiry};
+pub use hold::{HoldAsk, HoldId, OnExpiry};
 pub use key::{CounterIds, CounterKey, DescriptorKey, IdHasher, LONGEST_LITERAL, RuleId};
 
 /// The time unit of a limit. Months are 30 days and years 365 days, as envoyproxy/ratelimit has it,
@@ -270,12 +270,12 @@ pub struct Item {
     pub scope: Scope,
     /// What the item does to its counter: a request's hits, or a lease's block taken or given
     /// back.
-    pub step: Step,
+    pub step: ItemStep,
 }
 
 /// What an item does to its counter.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Step {
+pub enum ItemStep {
     /// A request's own hits: all of them or none (given back, with `refund`).
     #[default]
     Hits,
@@ -288,7 +288,7 @@ pub enum Step {
     Return { window: u64 },
     /// A held rule's item (`hold`): holds an estimate for a request, or settles its hold at
     /// `hits` (see `hold`).
-    Held(Held),
+    Held(HoldAsk),
 }
 
 /// Every counter of one request, decided together.
@@ -323,7 +323,7 @@ pub struct Usage {
     /// The window it counted in, for the window algorithms (`Verdict::window`).
     pub window: u64,
     /// What a held counter's item did (`hold`).
-    pub hold: Option<outcome::Seen>,
+    pub hold: Option<outcome::HoldSeen>,
 }
 
 /// Where a `Usage` comes from.
@@ -422,7 +422,7 @@ mod tests {
             counting: Counting::Admitted,
             leased: false,
             scope: Scope::Global,
-            step: Step::Hits,
+            step: ItemStep::Hits,
         }
     }
 

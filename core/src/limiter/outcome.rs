@@ -47,15 +47,15 @@ impl Outcome {
 
 /// What a call saw of a held counter: what its item did, and how many holds it found expired.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Seen {
+pub struct HoldSeen {
     pub outcome: Outcome,
     pub expired: u64,
 }
 
-impl Seen {
+impl HoldSeen {
     /// What the check script's reply says as the outcome's code plus 8 per expired hold.
-    pub(crate) fn of_code(code: u64) -> Option<Seen> {
-        Some(Seen {
+    pub(crate) fn of_code(code: u64) -> Option<HoldSeen> {
+        Some(HoldSeen {
             outcome: Outcome::of_code(code % 8)?,
             expired: code / 8,
         })

@@ -12,8 +12,8 @@ use crate::config::{HoldRule, RuleLimit, Weights};
 use crate::limiter::algorithm::{MOST_COUNT, gcra, log};
 use crate::limiter::lease::Leasing;
 use crate::limiter::{
-    Algorithm, Check, Counting, Decision, DescriptorKey, Held, HoldId, Item, Limit, Mode, RuleId,
-    Scope, Source, Step, Unit,
+    Algorithm, Check, Counting, Decision, DescriptorKey, HoldAsk, HoldId, Item, ItemStep, Limit,
+    Mode, RuleId, Scope, Source, Unit,
 };
 use crate::observe::{Outcome, RuleCounters};
 
@@ -76,9 +76,9 @@ pub enum Stats<'a> {
 /// hold of the rule's estimate at least, of the request-time call's `hits` when it brings more
 /// (an estimate of its own, from a `max_tokens` header), and at most the rule's `largest` part
 /// of `limit`.
-fn held(rule: &HoldRule, id: HoldId, hits: u64, limit: &Limit, settle: bool) -> Held {
+fn held(rule: &HoldRule, id: HoldId, hits: u64, limit: &Limit, settle: bool) -> HoldAsk {
     let largest = (u64::from(limit.requests_per_unit) * u64::from(rule.largest)).div_ceil(100);
-    Held {
+    HoldAsk {
         id,
         estimate: rule.estimate.max(hits).min(largest).max(1),
         ttl_ms: rule.ttl_ms,
@@ -248,9 +248,9 @@ impl<'d> Counters<'d> {
             && let Some(earlier) = check
                 .items
                 .iter_mut()
-                .find(|i| i.key == key && matches!(i.step, Step::Held(h) if h.id == id))
+                .find(|i| i.key == key && matches!(i.step, ItemStep::Held(h) if h.id == id))
         {
-            if let Step::Held(h) = earlier.step
+            if let ItemStep::Held(h) = earlier.step
                 && h.settle
                 && settle
             {
@@ -273,9 +273,9 @@ impl<'d> Counters<'d> {
             scope: self.scope,
             step: match self.hold {
                 Some((held_by, id, settle)) => {
-                    Step::Held(held(held_by, id, self.hits, &limit, settle))
+                    ItemStep::Held(held(held_by, id, self.hits, &limit, settle))
                 }
-                None => Step::Hits,
+                None => ItemStep::Hits,
             },
             limit,
         });
@@ -613,11 +613,11 @@ descriptors:
             call("g", 1, &[("phase", "other")]),
         ];
         let (plans, check) = rules.plan(b"d", &request, GLOBAL, false);
-        let held: Vec<(Held, u64)> = check
+        let held: Vec<(HoldAsk, u64)> = check
             .items
             .iter()
             .map(|i| match i.step {
-                Step::Held(held) => (held, i.hits),
+                ItemStep::Held(held) => (held, i.hits),
                 other => panic!("{other:?}"),
             })
             .collect();

@@ -33,13 +33,13 @@ use super::StoreError;
 use super::demand::{DemandBoard, Division, Settle};
 use crate::limiter::algorithm::{Ask, Verdict, gcra, log, window};
 use crate::limiter::hold::{self, Table};
-use crate::limiter::outcome::{Outcome, Seen};
+use crate::limiter::outcome::{HoldSeen, Outcome};
 use crate::limiter::{
-    Algorithm, Check, CounterIds, CounterKey, Counting, Decision, IdHasher, Item, Limit, RuleId,
-    Step, admits,
+    Algorithm, Check, CounterIds, CounterKey, Counting, Decision, IdHasher, Item, ItemStep, Limit,
+    RuleId, admits,
 };
+use crate::log_throttle::LogThrottle;
 use crate::observe::{Observer, unobserved};
-use crate::throttle::Throttle;
 
 const SHARDS: usize = 64;
 
@@ -319,7 +319,7 @@ struct Deciding<'a> {
     verdicts: Vec<Verdict>,
     pending: Vec<Pending>,
     refusals: Vec<Share>,
-    holds: Vec<(Id, hold::Held, u64, u64)>,
+    holds: Vec<(Id, hold::HoldAsk, u64, u64)>,
 }
 
 impl Deciding<'_> {
@@ -420,14 +420,14 @@ impl MemoryStore {
             .items
             .iter()
             .map(|i| match i.step {
-                Step::Held(_) => self.id(&i.key, &i.limit, now_ms),
+                ItemStep::Held(_) => self.id(&i.key, &i.limit, now_ms),
                 _ => self.id(&i.key, &i.limit, at_ms),
             })
             .collect();
         let tables: Vec<Option<Id>> = check
             .items
             .iter()
-            .map(|i| matches!(i.step, Step::Held(_)).then(|| self.ids.id(&i.key, 0)))
+            .map(|i| matches!(i.step, ItemStep::Held(_)).then(|| self.ids.id(&i.key, 0)))
             .collect();
         let homes: Vec<usize> = ids.iter().map(|&id| Self::shard_of(id)).collect();
         let mut order = homes.clone();
@@ -487,7 +487,7 @@ impl MemoryStore {
             step: item.step,
         };
         let (verdict, write) = match (item.step, d.tables[i]) {
-            (Step::Held(h), Some(table)) => {
+            (ItemStep::Held(h), Some(table)) => {
                 let state = match stored {
                     Some(Stored::Window(s)) => Some(*s),
                     _ => None,
@@ -528,7 +528,7 @@ impl MemoryStore {
             new: !held && write.is_some(),
             write,
             // What a held counter is charged lands whatever the answer.
-            always: ask.always || matches!(item.step, Step::Held(_)),
+            always: ask.always || matches!(item.step, ItemStep::Held(_)),
             takes,
         });
         verdict
@@ -540,7 +540,7 @@ impl MemoryStore {
         &self,
         d: &mut Deciding<'_>,
         table: Id,
-        held: hold::Held,
+        held: hold::HoldAsk,
         item: &Item,
         ask: &Ask,
         state: Option<window::State>,
@@ -604,9 +604,9 @@ impl MemoryStore {
         table: Id,
         item: &Item,
         ask: &Ask,
-        held: &hold::Held,
+        held: &hold::HoldAsk,
         state: Option<window::State>,
-    ) -> hold::Step {
+    ) -> hold::HoldStep {
         let holds = shard.holds.entry(table).or_default();
         if holds.expires_ms <= ask.now_ms {
             self.hold_entries.gone(&holds.table);
@@ -617,7 +617,7 @@ impl MemoryStore {
         if step.take.is_some() && self.hold_entries.holds.load(Ordering::Relaxed) >= self.max_keys {
             step.take = None;
             step.verdict.over = true;
-            step.verdict.hold = step.verdict.hold.map(|seen| Seen {
+            step.verdict.hold = step.verdict.hold.map(|seen| HoldSeen {
                 outcome: Outcome::Full,
                 ..seen
             });
@@ -794,8 +794,8 @@ const REFUSED: Verdict = Verdict {
 
 /// Counts a new counter that `share` refused, and logs the refusals at most once a second.
 fn refused(share: Share, observer: &dyn Observer) {
-    static RULE: Throttle = Throttle::new();
-    static SCHEDULED: Throttle = Throttle::new();
+    static RULE: LogThrottle = LogThrottle::new();
+    static SCHEDULED: LogThrottle = LogThrottle::new();
     observer.memory_refused(share.name());
     let (throttle, whose) = match share {
         Share::Rule => (&RULE, "their rule's (--max-keys-per-rule)"),
@@ -893,7 +893,7 @@ mod tests {
             counting: Counting::Admitted,
             leased: false,
             scope: Default::default(),
-            step: crate::limiter::Step::Hits,
+            step: crate::limiter::ItemStep::Hits,
         }
     }
 

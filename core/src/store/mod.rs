@@ -131,7 +131,7 @@ impl Backend {
     /// What other replicas tell this one of the quota buckets, for as long as the receiver is
     /// kept; `None` on the embedded store, which serves one replica. Call it inside a Tokio
     /// runtime.
-    pub fn listen(&self) -> Result<Option<mpsc::Receiver<Told>>, StoreError> {
+    pub fn listen(&self) -> Result<Option<mpsc::Receiver<QuotaNotice>>, StoreError> {
         match self {
             Backend::Memory(_) => Ok(None),
             Backend::Redis {
@@ -603,7 +603,7 @@ fn swept(store: MemoryStore) -> Arc<MemoryStore> {
 
 /// What the quota service hears from other replicas through the store.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Told {
+pub enum QuotaNotice {
     /// The bucket of this counter key (its bytes) has grants this replica may have to move.
     Bucket(Bytes),
     /// The store's connection was made again: a restarted store may have lost the buckets.

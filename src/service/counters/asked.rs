@@ -3,7 +3,7 @@
 
 use serde_json::Value;
 
-use super::{Failed, Held, bad};
+use super::{CounterHolds, Failed, bad};
 use sluice_core::limiter::{Algorithm, Item};
 use sluice_core::rules::limit_json;
 
@@ -153,7 +153,11 @@ pub(super) fn check_at(found: &[(usize, Item)], at: u64, now: u64) -> Result<(),
 /// Refuses a `set` or `add` that would take a counter of `items` past its limit's room: a
 /// counter holds at most its limit (a bucket cannot hold less than empty), and an answer shows
 /// what it holds.
-pub(super) fn check_room(items: &[Item], before: &[Held], action: Action) -> Result<(), Failed> {
+pub(super) fn check_room(
+    items: &[Item],
+    before: &[CounterHolds],
+    action: Action,
+) -> Result<(), Failed> {
     if !matches!(action, Action::Set(_) | Action::Add(1..)) {
         return Ok(());
     }
@@ -176,7 +180,11 @@ pub(super) fn check_room(items: &[Item], before: &[Held], action: Action) -> Res
 }
 
 /// What `action` would make of the counters of `items`, which hold `before`.
-pub(super) fn dry_run(items: &[Item], before: &[Held], action: Action) -> Vec<Held> {
+pub(super) fn dry_run(
+    items: &[Item],
+    before: &[CounterHolds],
+    action: Action,
+) -> Vec<CounterHolds> {
     before
         .iter()
         .zip(items)
@@ -187,7 +195,7 @@ pub(super) fn dry_run(items: &[Item], before: &[Held], action: Action) -> Vec<He
                 Action::Reset | Action::Set(_) => (held.held.map(|_| 0), held.holds.map(|_| 0)),
                 _ => (held.held, held.holds),
             };
-            Held {
+            CounterHolds {
                 used,
                 held: in_flight,
                 holds,

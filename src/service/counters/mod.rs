@@ -47,7 +47,7 @@ use crate::telemetry::Telemetry;
 use asked::{Action, Asked, check_at, check_room, dry_run, hits_of, read_call};
 use change::Outcome;
 use sluice_core::limiter::lease::Leases;
-use sluice_core::limiter::{Algorithm, Check, Counting, Item, Mode, OverLimitCache, Step};
+use sluice_core::limiter::{Algorithm, Check, Counting, Item, ItemStep, Mode, OverLimitCache};
 use sluice_core::rules::limit_json;
 use sluice_core::rules::plan::Plan;
 use sluice_core::store::unix_ms;
@@ -74,15 +74,15 @@ struct Line {
     /// A calendar limit's window the call acts on.
     #[serde(skip_serializing_if = "Option::is_none")]
     window: Option<Value>,
-    before: Held,
+    before: CounterHolds,
     /// After the change (applied), or what it would make (a dry run); absent when the change
     /// was applied but the counters could not be read back.
-    after: Option<Held>,
+    after: Option<CounterHolds>,
 }
 
 /// What a counter holds.
 #[derive(Clone, Copy, Serialize)]
-struct Held {
+struct CounterHolds {
     /// Hits counted (a bucket: its capacity less what it holds), leased blocks included; a
     /// window's past its limit too (charges counted always, settles).
     used: u64,
@@ -279,7 +279,7 @@ impl Counters {
                     continue;
                 }
                 found.leased |= Leases::hold(item);
-                found.holding.push(matches!(item.step, Step::Held(_)));
+                found.holding.push(matches!(item.step, ItemStep::Held(_)));
                 found.counters.push((descriptor, plain(item)));
             }
         }
@@ -287,7 +287,12 @@ impl Counters {
     }
 
     /// Applies the change `asked` says to `items`: what they hold after it, and its outcome.
-    async fn apply(&self, items: &[Item], asked: &Asked, found: &Found) -> (Vec<Held>, Outcome) {
+    async fn apply(
+        &self,
+        items: &[Item],
+        asked: &Asked,
+        found: &Found,
+    ) -> (Vec<CounterHolds>, Outcome) {
         match self.change(items, asked, found.leased).await {
             Ok(()) => match self.held(items, &found.holding, asked.at).await {
                 Ok(after) => (after, Outcome::Applied),
@@ -303,8 +308,8 @@ impl Counters {
         &self,
         found: &Found,
         items: &[Item],
-        before: &[Held],
-        after: &[Held],
+        before: &[CounterHolds],
+        after: &[CounterHolds],
         at: u64,
     ) -> Vec<Line> {
         found
@@ -336,7 +341,7 @@ impl Counters {
         items: &[Item],
         holding: &[bool],
         at: Option<u64>,
-    ) -> Result<Vec<Held>, Failed> {
+    ) -> Result<Vec<CounterHolds>, Failed> {
         if items.is_empty() {
             return Ok(Vec::new());
         }
@@ -391,7 +396,7 @@ impl Counters {
                 } else {
                     capacity - usage.remaining.min(capacity)
                 };
-                Held {
+                CounterHolds {
                     used,
                     held: is_held.then_some(in_flight),
                     holds: is_held.then_some(holds),
@@ -437,7 +442,7 @@ fn plain(item: &Item) -> Item {
         mode: Mode::Enforce,
         counting: Counting::Admitted,
         leased: false,
-        step: Step::Hits,
+        step: ItemStep::Hits,
         ..item.clone()
     }
 }

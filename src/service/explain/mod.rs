@@ -26,7 +26,7 @@ use crate::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use crate::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use crate::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use sluice_core::limiter::lease::Leases;
-use sluice_core::limiter::{Item, Limit, Mode, Scope, Step as ItemStep};
+use sluice_core::limiter::{Item, ItemStep, Limit, Mode, Scope};
 use sluice_core::rules::plan::{Asked, Plan};
 use sluice_core::rules::{Matched, Node, RuleSet, Stop, Walk, limit_json, rule_limit_json};
 use sluice_core::store::redis_key;
@@ -75,7 +75,7 @@ pub struct Explanation {
 #[derive(Serialize)]
 struct Descriptor {
     /// Every entry of the request descriptor, in order.
-    entries: Vec<Step>,
+    entries: Vec<WalkStep>,
     /// Why the walk ended before the last entry, if it did.
     stop: Option<Stopped>,
     /// The rule matched by the last entry, when every entry matched.
@@ -99,7 +99,7 @@ struct Descriptor {
 }
 
 #[derive(Serialize)]
-struct Step {
+struct WalkStep {
     key: String,
     value: String,
     /// `exact`, `wildcard`, `key` (a key-only rule), `none`, or `not_reached` after a `none`.
@@ -274,7 +274,7 @@ fn explain_descriptor(
 }
 
 /// How each entry of `descriptor` fared in `walk`.
-fn entry_steps(descriptor: &RateLimitDescriptor, walk: &Walk) -> Vec<Step> {
+fn entry_steps(descriptor: &RateLimitDescriptor, walk: &Walk) -> Vec<WalkStep> {
     let counted = walk.matched.as_ref().map(|m| &m.counted_values);
     descriptor
         .entries
@@ -296,7 +296,7 @@ fn entry_steps(descriptor: &RateLimitDescriptor, walk: &Walk) -> Vec<Step> {
                 None if i == walk.steps.len() => ("none", None, None),
                 None => ("not_reached", None, None),
             };
-            Step {
+            WalkStep {
                 key: text(&entry.key),
                 value: text(&entry.value),
                 how,

@@ -12,7 +12,7 @@ use opentelemetry_sdk::trace::{Span, SpanData, SpanProcessor};
 use tokio::sync::mpsc;
 
 use super::{Protocol, Telemetry};
-use sluice_core::throttle::Throttle;
+use sluice_core::log_throttle::LogThrottle;
 
 use super::propagation::TRACESTATE_BYTES;
 
@@ -216,7 +216,7 @@ async fn send(
     telemetry: &Telemetry,
 ) {
     use opentelemetry_sdk::trace::SpanExporter as _;
-    static FAILED: Throttle = Throttle::new();
+    static FAILED: LogThrottle = LogThrottle::new();
     if batch.spans.is_empty() {
         return;
     }

@@ -169,7 +169,7 @@ mod tests {
                 hits,
                 refund,
                 always,
-                step: crate::limiter::Step::Hits,
+                step: crate::limiter::ItemStep::Hits,
             };
             let (verdict, write) = evaluate(&ask, self.burst, self.state);
             if !verdict.over || always {
@@ -305,7 +305,7 @@ mod tests {
             hits: 3,
             refund: false,
             always: false,
-            step: crate::limiter::Step::Hits,
+            step: crate::limiter::ItemStep::Hits,
         };
         let (_, write) = evaluate(&ask, 4, None);
         assert_eq!(
@@ -351,7 +351,7 @@ mod tests {
             hits: u64::from(u32::MAX) + 1,
             refund: false,
             always: true,
-            step: crate::limiter::Step::Hits,
+            step: crate::limiter::ItemStep::Hits,
         };
         let (verdict, write) = evaluate(&ask, 1, None);
         assert_eq!(verdict.charged, MOST_LEVEL);

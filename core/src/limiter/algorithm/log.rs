@@ -240,7 +240,7 @@ mod tests {
                 hits,
                 refund,
                 always: self.always,
-                step: crate::limiter::Step::Hits,
+                step: crate::limiter::ItemStep::Hits,
             };
             let (verdict, change) = evaluate(&ask, &self.entries);
             apply(&mut self.entries, change, ask.now_ms, self.window_ms);

@@ -15,8 +15,8 @@ pub mod window;
 use std::time::Duration;
 
 use super::calendar::Span;
-use super::outcome::Seen;
-use super::{Source, Step, Usage};
+use super::outcome::HoldSeen;
+use super::{ItemStep, Source, Usage};
 
 /// How a limit counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -92,14 +92,14 @@ pub(crate) struct Ask {
     /// over only when the count is above the limit.
     pub always: bool,
     /// A request's hits, or a lease's block (`window` only).
-    pub step: Step,
+    pub step: ItemStep,
 }
 
 impl Ask {
     /// The hits a decision must find room for: at least one, so that a check-only request is
     /// over when the counter is full; counting `always`, the hits alone.
     pub(crate) fn need(&self) -> u64 {
-        if let Step::Take { least } = self.step {
+        if let ItemStep::Take { least } = self.step {
             least.max(1)
         } else if self.always {
             self.hits
@@ -135,7 +135,7 @@ pub struct Verdict {
     /// algorithms, where a leased block is given back; 0 for the others.
     pub window: u64,
     /// What a held counter's item did (`limiter::hold`); `None` for any other counter.
-    pub hold: Option<Seen>,
+    pub hold: Option<HoldSeen>,
 }
 
 impl Verdict {

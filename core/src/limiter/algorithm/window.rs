@@ -15,7 +15,7 @@
 //! most `--max-schedule-ahead` and a window from now.
 
 use super::{Algorithm, Ask, MOST_COUNT, Verdict};
-use crate::limiter::Step as Change;
+use crate::limiter::ItemStep as Change;
 use crate::limiter::lease::SHARE;
 
 /// A window counter as stored: the index of the window it was last written in (`instant /
@@ -30,7 +30,7 @@ pub struct State {
 /// The result of evaluating one window counter, with the state to store if the request is
 /// admitted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Step {
+pub(crate) struct WindowStep {
     pub verdict: Verdict,
     /// The state to store when the request is admitted.
     pub next: State,
@@ -43,7 +43,7 @@ pub(crate) struct Step {
 /// Evaluates one window counter at `ask.at_ms` (the clock or, for a fixed window, a later
 /// instant a request names). `stored` is the counter's state (for a fixed window, that of the
 /// window holding the instant, if any).
-pub(crate) fn evaluate(algorithm: Algorithm, ask: &Ask, stored: Option<State>) -> Step {
+pub(crate) fn evaluate(algorithm: Algorithm, ask: &Ask, stored: Option<State>) -> WindowStep {
     let Ask {
         limit,
         window_ms,
@@ -88,7 +88,7 @@ pub(crate) fn evaluate(algorithm: Algorithm, ask: &Ask, stored: Option<State>) -
     } else {
         to_end
     };
-    Step {
+    WindowStep {
         verdict: Verdict {
             over,
             remaining_after: limit.saturating_sub(weighted.saturating_add(after)),

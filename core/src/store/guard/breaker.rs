@@ -11,9 +11,9 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 
 use super::Deadline;
+use crate::log_throttle::LogThrottle;
 use crate::observe::Observer;
 use crate::store::StoreError;
-use crate::throttle::Throttle;
 
 /// Consecutive failed or timed-out calls that open the breaker.
 pub(crate) const FAILURES_TO_OPEN: u32 = 5;
@@ -116,7 +116,7 @@ impl Breaker {
     /// as `detail` says: counted, logged (at most once a second over every store) and kept for
     /// readiness to name until the store answers again.
     pub(crate) fn unreachable(&self, kind: &'static str, detail: &str) {
-        static LOGGED: Throttle = Throttle::new();
+        static LOGGED: LogThrottle = LogThrottle::new();
         self.observer.store_unreachable(kind);
         let cause = format!("{kind}: {detail}");
         if let Some(n) = LOGGED.hit() {

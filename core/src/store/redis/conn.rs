@@ -23,9 +23,9 @@ use tokio::time::Instant;
 
 use super::RedisTls;
 use super::replication::{self, Primary, Replication};
+use crate::log_throttle::LogThrottle;
 use crate::store::StoreError;
 use crate::store::guard::Breaker;
-use crate::throttle::Throttle;
 
 /// How long a TCP connection to Redis may take when a failure is diagnosed.
 const DIAGNOSIS: Duration = Duration::from_millis(500);
@@ -323,7 +323,7 @@ pub(super) fn listen<T: Send + 'static>(
     subscriber.connect();
     subscriber.manage_subscriptions();
     tokio::spawn(async move {
-        static FAILED: Throttle = Throttle::new();
+        static FAILED: LogThrottle = LogThrottle::new();
         let channel = Str::from_inner(channel).unwrap_or_default();
         while let Err(e) = subscriber.subscribe(channel.clone()).await {
             if let Some(n) = FAILED.hit() {
@@ -385,7 +385,7 @@ pub(super) fn failed(e: Error) -> StoreError {
     if matches!(e.kind(), ErrorKind::Routing) && e.details().contains("redirections") {
         return StoreError::Redirected;
     }
-    static WRONG: Throttle = Throttle::new();
+    static WRONG: LogThrottle = LogThrottle::new();
     if WRONG_NODE
         .iter()
         .any(|(reply, _)| e.details().starts_with(reply))

@@ -45,7 +45,7 @@ use tracing::Instrument;
 use super::demand::{Division, Settle};
 use super::guard::{self, Breaker, Queue};
 use super::peers::{self, Beat, Peers};
-use super::{Deadline, Reset, StoreError, Told};
+use super::{Deadline, QuotaNotice, Reset, StoreError};
 use fred::prelude::Value;
 use fred::types::{ClusterHash, CustomCommand};
 
@@ -135,14 +135,14 @@ impl RedisStore {
         url: &str,
         prefix: &str,
         tls: Option<&RedisTls>,
-    ) -> Result<mpsc::Receiver<Told>, StoreError> {
+    ) -> Result<mpsc::Receiver<QuotaNotice>, StoreError> {
         let (heard, told) = mpsc::channel(TOLD_WAITING);
         let skip = prefix.len() + TAG_BYTES;
         let read = move |payload: Bytes| {
-            (payload.len() > skip).then(|| Told::Bucket(payload.slice(skip..)))
+            (payload.len() > skip).then(|| QuotaNotice::Bucket(payload.slice(skip..)))
         };
         conn::listen(url, tls, quota_channel(prefix), heard, read, || {
-            Some(Told::Reconnected)
+            Some(QuotaNotice::Reconnected)
         })?;
         Ok(told)
     }

@@ -14,11 +14,11 @@ use super::conn::{self, Conn, Lanes};
 use super::replication::Replication;
 use crate::limiter::algorithm::Verdict;
 use crate::limiter::hold::HoldId;
-use crate::limiter::outcome::{Outcome, Seen};
-use crate::limiter::{Algorithm, Check, Counting, Item, Mode, OnExpiry, Step};
+use crate::limiter::outcome::{HoldSeen, Outcome};
+use crate::limiter::{Algorithm, Check, Counting, Item, ItemStep, Mode, OnExpiry};
+use crate::log_throttle::LogThrottle;
 use crate::store::StoreError;
 use crate::store::demand::{Change, Division, Granted, Settle};
-use crate::throttle::Throttle;
 
 pub(super) const ARGS_PER_ITEM: usize = 8;
 /// Numbers the check script answers per counter.
@@ -245,7 +245,7 @@ impl Scripts {
 
     /// Sends `undo` (one call: its counters must share a Cluster slot); a failure is logged.
     pub(super) async fn undo(&self, undo: Undo) {
-        static FAILED: Throttle = Throttle::new();
+        static FAILED: LogThrottle = LogThrottle::new();
         if undo.keys.is_empty() {
             return;
         }
@@ -310,7 +310,7 @@ impl Charge {
             at,
             always: item.counting == Counting::Always,
             hold: match item.step {
-                Step::Held(held) if !held.settle => Some((held.id, held.estimate)),
+                ItemStep::Held(held) if !held.settle => Some((held.id, held.estimate)),
                 _ => None,
             },
         }
@@ -416,10 +416,10 @@ pub(super) fn encode(check: &Check, at: &[usize], quota_here: bool) -> Vec<Value
         args.push(Value::from(i64::from(item.limit.burst)));
         args.push(Value::from(item.hits as i64));
         args.push(match item.step {
-            Step::Hits => flag(item.refund),
-            Step::Take { least } => Value::from(format!("u{least}")),
-            Step::Return { window } => Value::from(format!("r{window}")),
-            Step::Held(held) => Value::from(format!(
+            ItemStep::Hits => flag(item.refund),
+            ItemStep::Take { least } => Value::from(format!("u{least}")),
+            ItemStep::Return { window } => Value::from(format!("r{window}")),
+            ItemStep::Held(held) => Value::from(format!(
                 "h{} {} {} {} {} {}",
                 held.estimate,
                 held.ttl_ms,
@@ -516,7 +516,7 @@ pub(super) fn take_request(reply: &mut &[Value], keys: &[Bytes]) -> Answer {
             window: count(&c[6])?,
             hold: match count(&c[7])? {
                 0 => None,
-                code => Some(Seen::of_code(code).ok_or_else(malformed_reply)?),
+                code => Some(HoldSeen::of_code(code).ok_or_else(malformed_reply)?),
             },
         });
     }
@@ -682,7 +682,7 @@ mod tests {
         assert!(v[1].over);
         assert_eq!(
             v[1].hold,
-            Some(Seen {
+            Some(HoldSeen {
                 outcome: crate::limiter::outcome::Outcome::Settle,
                 expired: 3
             })

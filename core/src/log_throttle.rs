@@ -1,18 +1,18 @@
-//! `Throttle`: an event that every request (or a spinning loop) can hit is logged at most once a
+//! `LogThrottle`: an event that every request (or a spinning loop) can hit is logged at most once a
 //! second, with how many times it occurred meanwhile.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Counts occurrences of one event and lets it be logged at most once a second.
-pub struct Throttle {
+pub struct LogThrottle {
     /// When it was last logged, and how many occurred since.
     state: Mutex<(Option<Instant>, u64)>,
 }
 
-impl Throttle {
+impl LogThrottle {
     pub const fn new() -> Self {
-        Throttle {
+        LogThrottle {
             state: Mutex::new((None, 0)),
         }
     }
@@ -32,9 +32,9 @@ impl Throttle {
     }
 }
 
-impl Default for Throttle {
+impl Default for LogThrottle {
     fn default() -> Self {
-        Throttle::new()
+        LogThrottle::new()
     }
 }
 
@@ -44,7 +44,7 @@ mod tests {
 
     #[test]
     fn a_throttle_logs_the_first_hit_then_at_most_once_a_second_with_the_count() {
-        let t = Throttle::new();
+        let t = LogThrottle::new();
         assert_eq!(t.hit(), Some(1));
         for _ in 0..1000 {
             assert_eq!(t.hit(), None);
