@@ -154,7 +154,7 @@ async fn run(args: ServeArgs, telemetry: Telemetry) -> anyhow::Result<()> {
         telemetry.start_top(settings);
         told
     });
-    args.rules.set_calendar_clock();
+    args.rules.set_clock_skew();
     let backend = args.store.backend(Arc::new(telemetry.clone()))?;
     let quotas = Quotas::start(args.quota.settings(), &backend, telemetry.clone())?;
     let setup = Setup {

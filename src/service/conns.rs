@@ -120,9 +120,10 @@ impl Connections {
     }
 
     /// A place for a new connection. At the cap, the connection that has waited longest for a
-    /// request makes room: first one that never sent any, then one with nothing in flight, then
-    /// one that is only receiving an answer (a stream); `None` (refuse the new one) when every
-    /// connection is awaiting an answer, which takes a bounded time.
+    /// request makes room, in the order `Conn::rank` gives: first one that never sent any though
+    /// it had the time to, then one still sending a body, then one with nothing in flight, then
+    /// one just opened, then one that is only receiving an answer (a stream); `None` (refuse the
+    /// new one) when every connection is awaiting an answer, which takes a bounded time.
     pub(super) fn admit(&self) -> Option<Slot> {
         let conn = Arc::new(Conn::new(self.0.next.fetch_add(1, Ordering::Relaxed)));
         let mut open = self.open();
@@ -160,6 +161,11 @@ impl Connections {
         })
     }
 }
+
+/// How long a new connection has to send its first request before it is the first to make room
+/// for another: a connection's request takes a moment to arrive and be read, and a flood of
+/// connections must not close a probe's before it has.
+const FIRST_REQUEST_CHANCE: Duration = Duration::from_secs(1);
 
 /// What is known of one connection: whether it is idle, since when, and whether it must close
 /// to make room.
@@ -207,9 +213,11 @@ impl Conn {
         self.answers.load(Ordering::Relaxed) == 0
     }
 
-    /// Which connection makes room first (the least): one that never sent a request, then one
-    /// still sending a request's body, then an idle one, then one only receiving an answer (a
-    /// stream); `None` while a request whose body is in awaits its answer.
+    /// Which connection makes room first (the least): one that never sent a request though it
+    /// had `FIRST_REQUEST_CHANCE` to, then one still sending a request's body, then an idle one,
+    /// then one just opened (a probe whose request is on its way, which connections opened in a
+    /// flood after it would otherwise close), then one only receiving an answer (a stream);
+    /// `None` while a request whose body is in awaits its answer.
     fn rank(&self) -> Option<(u8, Instant)> {
         let tier = if self.calls.load(Ordering::Relaxed) > 0 {
             if self.reading.load(Ordering::Relaxed) == 0 {
@@ -218,9 +226,10 @@ impl Conn {
             1
         } else {
             match (self.used.load(Ordering::Relaxed), self.idle()) {
+                (false, _) if self.opened.elapsed() < FIRST_REQUEST_CHANCE => 3,
                 (false, _) => 0,
                 (true, true) => 2,
-                (true, false) => 3,
+                (true, false) => 4,
             }
         };
         Some((tier, self.last_active()))
@@ -563,6 +572,8 @@ mod tests {
         let busy = pool.admit().unwrap();
         let _busy_in_flight = InFlight::start(&busy.conn);
         let unused = pool.admit().unwrap();
+        // It has had its chance to send a request.
+        std::thread::sleep(FIRST_REQUEST_CHANCE);
         let fourth = pool.admit().expect("room made");
         assert!(pool.open().contains_key(&used.conn.id));
         assert!(!pool.open().contains_key(&unused.conn.id));
@@ -570,6 +581,23 @@ mod tests {
         let _fifth = pool.admit().expect("room made");
         assert!(!pool.open().contains_key(&used.conn.id));
         assert!(pool.open().contains_key(&busy.conn.id));
+    }
+
+    #[test]
+    fn at_the_cap_a_connection_just_opened_makes_room_after_an_idle_one_and_a_slow_body() {
+        let pool = Connections::new("test", 3);
+        let idle = pool.admit().unwrap();
+        drop(InFlight::start(&idle.conn));
+        let slow = pool.admit().unwrap();
+        let _slow_in_flight = InFlight::start(&slow.conn);
+        let reading = BodyReader(slow.conn.clone()).reading();
+        let probe = pool.admit().unwrap();
+        let _flood = pool.admit().expect("room made");
+        assert!(!pool.open().contains_key(&slow.conn.id));
+        let _more = pool.admit().expect("room made");
+        assert!(!pool.open().contains_key(&idle.conn.id));
+        assert!(pool.open().contains_key(&probe.conn.id));
+        drop(reading);
     }
 
     #[test]

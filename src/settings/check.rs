@@ -25,6 +25,7 @@ impl CheckArgs {
             path: self.path.clone(),
             merge_domains: self.merge_domains,
             max_bytes: self.max_config_bytes,
+            calendar_offset_ms: 0,
         }
     }
 }

@@ -57,6 +57,7 @@ impl ExplainArgs {
             path: self.path.clone(),
             merge_domains: self.merge_domains,
             max_bytes: self.max_config_bytes,
+            calendar_offset_ms: 0,
         }
     }
 

@@ -653,11 +653,11 @@ fn statics_in(source: &str) -> BTreeSet<String> {
     statics
 }
 
-#[test]
-fn telemetry_keeps_no_state_in_statics() {
+/// The statics declared at the top of a module under `dir`, each as `file: static NAME`.
+fn statics_under(dir: &str) -> Vec<String> {
     let mut files = Vec::new();
-    sources(Path::new("src/telemetry"), &mut files);
-    let found: Vec<String> = files
+    sources(Path::new(dir), &mut files);
+    files
         .iter()
         .flat_map(|file| {
             let source = std::fs::read_to_string(file).expect("a source file");
@@ -665,10 +665,26 @@ fn telemetry_keeps_no_state_in_statics() {
                 .into_iter()
                 .map(move |name| format!("{}: static {name}", file.display()))
         })
-        .collect();
+        .collect()
+}
+
+#[test]
+fn telemetry_keeps_no_state_in_statics() {
+    let found = statics_under("src/telemetry");
     assert!(
         found.is_empty(),
         "telemetry's state lives in the Telemetry handle, which is handed to what tells it:\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn the_limiter_holds_no_process_global() {
+    let found = statics_under("core/src/limiter");
+    assert!(
+        found.is_empty(),
+        "the limiter's state lives in what it is handed (a calendar's clock offset is a field of \
+         the calendar):\n{}",
         found.join("\n")
     );
 }

@@ -520,6 +520,7 @@ fn any_bytes_in_a_rule_file_load_or_are_refused_at_a_line_of_the_file() {
                 path: path.clone(),
                 merge_domains: false,
                 max_bytes,
+                calendar_offset_ms: 0,
             };
             let Err(errors) = config::load(&source) else {
                 prop_assert!(
@@ -609,6 +610,7 @@ fn a_directory_of_rule_files_is_valid_exactly_when_nothing_is_declared_twice() {
                 path: dir.path().to_path_buf(),
                 merge_domains: merge,
                 max_bytes: DEFAULT_MAX_CONFIG_BYTES,
+                calendar_offset_ms: 0,
             };
             let loaded = config::load(&source);
             if let Err(errors) = &loaded {

@@ -14,7 +14,7 @@ use std::time::Duration;
 use fred::prelude::*;
 use fred::types::CustomCommand;
 use sluice_core::limiter::algorithm::{Verdict, gcra, window};
-use sluice_core::limiter::calendar::{self, Weekday};
+use sluice_core::limiter::calendar::Weekday;
 use sluice_core::limiter::outcome::Outcome;
 use sluice_core::limiter::{
     Algorithm, Calendar, Check, CounterKey, Counting, DescriptorKey, HoldAsk, HoldId, Item,
@@ -99,8 +99,8 @@ fn boundary(seed: u64) -> (&'static str, u64) {
 }
 
 /// Ten counters, two per algorithm, and four fixed windows on the calendar of `zone` (a day, a
-/// week, a month and a year).
-fn counters(rng: &mut Rng, seed: u64, zone: &str) -> Vec<Counter> {
+/// week, a month and a year), their clock set `clock_offset_ms` from the system's.
+fn counters(rng: &mut Rng, seed: u64, zone: &str, clock_offset_ms: i64) -> Vec<Counter> {
     let algorithms = [
         Algorithm::FixedWindow,
         Algorithm::SlidingWindow,
@@ -149,7 +149,9 @@ fn counters(rng: &mut Rng, seed: u64, zone: &str) -> Vec<Counter> {
                         algorithm: Algorithm::FixedWindow,
                         burst: 1,
                         calendar: Some(
-                            Calendar::new(zone, anchor_day, week_starts).expect("a calendar"),
+                            Calendar::new(zone, anchor_day, week_starts)
+                                .expect("a calendar")
+                                .offset_by(clock_offset_ms),
                         ),
                     },
                     windows: BTreeSet::new(),
@@ -355,8 +357,8 @@ async fn run(client: &Client, seed: u64, steps: usize, held_only: bool) -> BTree
     let mut rng = Rng(seed);
     // The calendar reads its clock as if the run started three seconds before the boundary.
     let (zone, instant) = boundary(seed);
-    calendar::set_test_offset(instant as i64 - 3_000 - common::unix_ms() as i64);
-    let mut counters = counters(&mut rng, seed, zone);
+    let offset = instant as i64 - 3_000 - common::unix_ms() as i64;
+    let mut counters = counters(&mut rng, seed, zone, offset);
     if held_only {
         for (i, counter) in counters.iter_mut().enumerate() {
             if counter.limit.calendar.is_some() {

@@ -521,13 +521,14 @@ cases! {
 }
 
 /// A Redis that requires a password, reached without one, with a wrong one, over TLS (it speaks
-/// none), and a port where nothing listens: within a second and for as long as it lasts,
-/// `/readyz` names the cause, the log says it, and `sluice_store_unreachable_total` counts it by
-/// kind.
+/// none), and a port where nothing listens (named, with the refusal in words): within a second
+/// and for as long as it lasts, `/readyz` names the cause, the log says it, and
+/// `sluice_store_unreachable_total` counts it by kind.
 #[tokio::test(flavor = "multi_thread")]
 async fn why_redis_cannot_be_reached_is_said_and_counted() {
     let redis = Controlled::started_with(&["--requirepass", "right"]);
     let nothing = Controlled::unstarted();
+    let refused = format!("127.0.0.1:{}: connection refused", nothing.port);
     for (url, kind, said) in [
         (redis.url.clone(), "auth", "NOAUTH"),
         (
@@ -535,7 +536,7 @@ async fn why_redis_cannot_be_reached_is_said_and_counted() {
             "auth",
             "WRONGPASS",
         ),
-        (nothing.url.clone(), "refused", "refused"),
+        (nothing.url.clone(), "refused", refused.as_str()),
         (format!("rediss://127.0.0.1:{}", redis.port), "tls", "TLS"),
     ] {
         let flags = [

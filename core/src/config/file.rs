@@ -59,8 +59,19 @@ pub fn parse(
     file: &Path,
     text: &str,
 ) -> Result<(DomainConfig, Vec<ConfigError>), Vec<ConfigError>> {
+    parse_with_clock(file, text, 0)
+}
+
+/// `parse`, the calendars of its limits with their clock set `calendar_offset_ms` from the
+/// system's (`Calendar::offset_by`, tests only).
+pub(crate) fn parse_with_clock(
+    file: &Path,
+    text: &str,
+    calendar_offset_ms: i64,
+) -> Result<(DomainConfig, Vec<ConfigError>), Vec<ConfigError>> {
     let mut p = Parser {
         file,
+        calendar_offset_ms,
         errors: Vec::new(),
         warnings: Vec::new(),
     };
@@ -78,6 +89,8 @@ mod quota;
 
 struct Parser<'a> {
     file: &'a Path,
+    /// How far the calendars' clock is set from the system's (tests only).
+    calendar_offset_ms: i64,
     errors: Vec<ConfigError>,
     warnings: Vec<ConfigError>,
 }

@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
+use file::parse_with_clock;
 pub use file::{composite, parse};
 
 use crate::limiter::lease::Leasing;
@@ -215,6 +216,9 @@ pub struct Source {
     pub merge_domains: bool,
     /// The most bytes the rule files may hold together (`--max-config-bytes`).
     pub max_bytes: u64,
+    /// How far the calendars' clock is set from the system's, in ms: 0 but in tests
+    /// (`--calendar-clock-offset-ms`).
+    pub calendar_offset_ms: i64,
 }
 
 /// A problem found in a rule file.
@@ -372,7 +376,7 @@ pub fn load(source: &Source) -> Result<Loaded, Vec<ConfigError>> {
             .files
             .push((file.clone(), hex(&Sha256::digest(&bytes))));
         match String::from_utf8(bytes) {
-            Ok(text) => match parse(&file, &text) {
+            Ok(text) => match parse_with_clock(&file, &text, source.calendar_offset_ms) {
                 Ok((domain, warnings)) => {
                     loaded.warnings.extend(warnings);
                     loaded.domains.push(domain);

@@ -18,7 +18,6 @@
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
 
 use arc_swap::ArcSwapOption;
 
@@ -37,18 +36,22 @@ pub struct Calendar {
     zone_name: Arc<str>,
     anchor_day: u8,
     week_starts: Weekday,
+    /// How far its clock is set from the system's, in ms: 0 but in tests
+    /// (`--calendar-clock-offset-ms`, `Calendar::offset_by`), which run windows across
+    /// boundaries of their choosing. Every window is worked out at the clock plus this offset,
+    /// then moved back by it: the stores count, expire and reset in their own clock's time as if
+    /// it were that instant.
+    offset_ms: i64,
     /// The windows worked out last, shared by every clone (a rule's limit is cloned into each
     /// request): until the window in force ends, a request reads them instead of the zone's
     /// rules.
     recent: Arc<ArcSwapOption<Recent>>,
 }
 
-/// The boundaries around an instant (`Calendar::around`), for windows of `unit` with the
-/// test offset `offset`.
+/// The boundaries around an instant (`Calendar::around`), for windows of `unit`.
 #[derive(Debug)]
 struct Recent {
     unit: Unit,
-    offset: i64,
     around: [u64; 4],
 }
 
@@ -57,17 +60,6 @@ struct Recent {
 pub struct Span {
     pub start: u64,
     pub end: u64,
-}
-
-/// How far the calendar's clock is set from the system's, in ms: 0 but in tests
-/// (`--calendar-clock-offset-ms`), which run windows across boundaries of their choosing. Every
-/// window is worked out at the clock plus this offset, then moved back by it: the stores count,
-/// expire and reset in their own clock's time as if it were that instant.
-static TEST_OFFSET_MS: AtomicI64 = AtomicI64::new(0);
-
-/// Sets the calendar's clock `offset_ms` from the system's, for tests.
-pub fn set_test_offset(offset_ms: i64) {
-    TEST_OFFSET_MS.store(offset_ms, Ordering::Relaxed);
 }
 
 /// The last instant windows are worked out for (the year 9000): the stores' clocks and any
@@ -89,8 +81,18 @@ impl Calendar {
             zone_name: time_zone.into(),
             anchor_day,
             week_starts,
+            offset_ms: 0,
             recent: Arc::default(),
         })
+    }
+
+    /// The calendar with its clock set `offset_ms` from the system's (tests only).
+    pub fn offset_by(self, offset_ms: i64) -> Self {
+        Calendar {
+            offset_ms,
+            recent: Arc::default(),
+            ..self
+        }
     }
 
     pub fn time_zone(&self) -> &str {
@@ -140,7 +142,7 @@ impl Calendar {
 
     /// The window of `unit` holding `at_ms`, from the zone's rules.
     fn work_out(&self, unit: Unit, at_ms: u64) -> Span {
-        let offset = TEST_OFFSET_MS.load(Ordering::Relaxed);
+        let offset = self.offset_ms;
         let (start, end) = self.window(unit, shifted(at_ms, offset));
         Span {
             start: unshifted(start, offset),
@@ -151,7 +153,7 @@ impl Calendar {
     /// The instant `at_ms` (on the store's clock) as a civil time in the zone, such as
     /// `2027-03-01T00:00:00+01:00[Europe/Berlin]`.
     pub fn civil(&self, at_ms: u64) -> String {
-        let offset = TEST_OFFSET_MS.load(Ordering::Relaxed);
+        let offset = self.offset_ms;
         Timestamp::from_millisecond(shifted(at_ms, offset).clamp(0, LAST_MS))
             .expect("an instant between 1970 and 9000")
             .to_zoned(self.zone.clone())
@@ -168,11 +170,7 @@ impl Calendar {
         let before = self.work_out(unit, now.start.saturating_sub(1));
         let after = self.work_out(unit, now.end);
         let around = [before.start, now.start, now.end, after.end];
-        self.recent.store(Some(Arc::new(Recent {
-            unit,
-            offset: TEST_OFFSET_MS.load(Ordering::Relaxed),
-            around,
-        })));
+        self.recent.store(Some(Arc::new(Recent { unit, around })));
         around
     }
 
@@ -181,10 +179,7 @@ impl Calendar {
         let recent = self.recent.load();
         let recent = recent.as_ref()?;
         let [_, start, end, _] = recent.around;
-        (recent.unit == unit
-            && recent.offset == TEST_OFFSET_MS.load(Ordering::Relaxed)
-            && (start..end).contains(&at_ms))
-        .then_some(recent.around)
+        (recent.unit == unit && (start..end).contains(&at_ms)).then_some(recent.around)
     }
 
     /// The window holding the instant `at` (ms), as its start and end in ms.

@@ -176,72 +176,12 @@ impl DemandBoard {
         }
         let streams = buckets.entry(id).or_insert_with(|| Vec::with_capacity(1));
         streams.retain(|s| s.until_ms > now_ms);
-        let mut mine = Vec::with_capacity(call.streams.len());
-        for listed in &call.streams {
-            let at = streams.binary_search_by(|s| (*s.stream).cmp(listed.stream));
-            let at = match (listed.change, at) {
-                (Change::Leave, Ok(at)) => {
-                    streams.remove(at);
-                    continue;
-                }
-                (Change::Leave, Err(_)) => continue,
-                (Change::Report, Ok(at)) => {
-                    streams[at].demand = listed.demand;
-                    streams[at].until_ms = now_ms + call.stays_ms;
-                    at
-                }
-                (Change::Keep, Ok(at)) => at,
-                (_, Err(at)) => {
-                    streams.insert(
-                        at,
-                        Standing {
-                            stream: listed.stream.into(),
-                            demand: listed.demand,
-                            grant: listed.grant,
-                            held: listed.grant,
-                            until_ms: now_ms + call.stays_ms,
-                        },
-                    );
-                    at
-                }
-            };
-            streams[at].held = streams[at].grant.max(listed.grant);
-            mine.push(listed.stream);
-        }
+        let mine = record(streams, call, now_ms);
         let is_mine = |s: &Standing| mine.contains(&&*s.stream);
         let wants: Vec<u64> = streams.iter().map(|s| s.demand).collect();
         let shares = divide(call.limit, &wants);
-        // A grant within 2 % of its share stays, unless the grants add up to more than the limit
-        // (a lowered limit), or a stream is short of its share by more: then every grant above
-        // its share shrinks, so that the short one finds room.
-        let over = streams.iter().map(|s| s.held).sum::<u64>() > call.limit;
-        let short = streams
-            .iter()
-            .zip(&shares)
-            .any(|(s, &share)| s.grant < share && !settled(s.grant, share));
-        let shrink = over || short;
-        for (s, &share) in streams.iter_mut().zip(&shares) {
-            if is_mine(s) && s.grant > share && (shrink || !settled(s.grant, share)) {
-                s.grant = share;
-                s.until_ms = s.until_ms.max(now_ms + call.stays_ms);
-            }
-        }
-        let taken: u64 = streams.iter().map(|s| s.held).sum();
-        let mut free = call.limit.saturating_sub(taken);
-        let mut again = false;
-        for (s, &share) in streams.iter_mut().zip(&shares) {
-            if !is_mine(s) {
-                continue;
-            }
-            if call.grow && s.grant < share && !settled(s.grant, share) && free > 0 {
-                let more = (share - s.grant).min(free);
-                s.grant += more;
-                s.held = s.held.max(s.grant);
-                s.until_ms = s.until_ms.max(now_ms + call.stays_ms);
-                free -= more;
-            }
-            again |= s.held > s.grant;
-        }
+        shrink(streams, &shares, &is_mine, call, now_ms);
+        let again = grow(streams, &shares, &is_mine, call, now_ms);
         let lapse_ms = streams
             .iter()
             .filter(|s| !is_mine(s) && s.held > 0)
@@ -283,6 +223,97 @@ impl DemandBoard {
     fn buckets(&self) -> usize {
         self.buckets.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
+}
+
+/// Records the streams `call` lists in `streams` (sorted by id) at `now_ms`: a report's demand, a
+/// stream new to the bucket, a departure. The listed streams still counted.
+fn record<'a>(streams: &mut Vec<Standing>, call: &Settle<'a>, now_ms: u64) -> Vec<&'a str> {
+    let mut mine = Vec::with_capacity(call.streams.len());
+    for listed in &call.streams {
+        let at = streams.binary_search_by(|s| (*s.stream).cmp(listed.stream));
+        let at = match (listed.change, at) {
+            (Change::Leave, Ok(at)) => {
+                streams.remove(at);
+                continue;
+            }
+            (Change::Leave, Err(_)) => continue,
+            (Change::Report, Ok(at)) => {
+                streams[at].demand = listed.demand;
+                streams[at].until_ms = now_ms + call.stays_ms;
+                at
+            }
+            (Change::Keep, Ok(at)) => at,
+            (_, Err(at)) => {
+                streams.insert(
+                    at,
+                    Standing {
+                        stream: listed.stream.into(),
+                        demand: listed.demand,
+                        grant: listed.grant,
+                        held: listed.grant,
+                        until_ms: now_ms + call.stays_ms,
+                    },
+                );
+                at
+            }
+        };
+        streams[at].held = streams[at].grant.max(listed.grant);
+        mine.push(listed.stream);
+    }
+    mine
+}
+
+/// Shrinks this replica's grants above their `shares`. A grant within 2 % of its share stays,
+/// unless the grants add up to more than the limit (a lowered limit), or a stream is short of its
+/// share by more: then every grant above its share shrinks, so that the short one finds room.
+fn shrink(
+    streams: &mut [Standing],
+    shares: &[u64],
+    is_mine: &impl Fn(&Standing) -> bool,
+    call: &Settle,
+    now_ms: u64,
+) {
+    let over = streams.iter().map(|s| s.held).sum::<u64>() > call.limit;
+    let short = streams
+        .iter()
+        .zip(shares)
+        .any(|(s, &share)| s.grant < share && !settled(s.grant, share));
+    let shrink = over || short;
+    for (s, &share) in streams.iter_mut().zip(shares) {
+        if is_mine(s) && s.grant > share && (shrink || !settled(s.grant, share)) {
+            s.grant = share;
+            s.until_ms = s.until_ms.max(now_ms + call.stays_ms);
+        }
+    }
+}
+
+/// Grows this replica's grants below their `shares` into what the grants held leave of the
+/// limit, when `call` may grow; whether one of them still holds more than its grant (a shrink
+/// that has not reached its Envoy), so that it is settled again.
+fn grow(
+    streams: &mut [Standing],
+    shares: &[u64],
+    is_mine: &impl Fn(&Standing) -> bool,
+    call: &Settle,
+    now_ms: u64,
+) -> bool {
+    let taken: u64 = streams.iter().map(|s| s.held).sum();
+    let mut free = call.limit.saturating_sub(taken);
+    let mut again = false;
+    for (s, &share) in streams.iter_mut().zip(shares) {
+        if !is_mine(s) {
+            continue;
+        }
+        if call.grow && s.grant < share && !settled(s.grant, share) && free > 0 {
+            let more = (share - s.grant).min(free);
+            s.grant += more;
+            s.held = s.held.max(s.grant);
+            s.until_ms = s.until_ms.max(now_ms + call.stays_ms);
+            free -= more;
+        }
+        again |= s.held > s.grant;
+    }
+    again
 }
 
 #[cfg(test)]

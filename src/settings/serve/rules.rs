@@ -9,7 +9,6 @@ use super::at_least_one;
 use super::xds::XdsFlags;
 use crate::service::reload::Feed;
 use sluice_core::config;
-use sluice_core::limiter::calendar;
 
 #[derive(Args)]
 #[command(next_help_heading = "Rules and reload")]
@@ -70,10 +69,9 @@ impl RuleFlags {
         )
     }
 
-    /// Sets the calendar's clock as `--calendar-clock-offset-ms` says, and this replica's as
-    /// `--clock-skew-ms` does (tests only).
-    pub fn set_calendar_clock(&self) {
-        calendar::set_test_offset(self.calendar_clock_offset_ms);
+    /// Sets this replica's clock as `--clock-skew-ms` says (tests only); the calendars' clock
+    /// (`--calendar-clock-offset-ms`) goes with the rule files (`feed`).
+    pub fn set_clock_skew(&self) {
         sluice_core::store::set_test_clock_skew(self.clock_skew_ms);
     }
 
@@ -92,6 +90,7 @@ impl RuleFlags {
                 path: path.clone(),
                 merge_domains: self.merge_domains,
                 max_bytes: self.max_config_bytes,
+                calendar_offset_ms: self.calendar_clock_offset_ms,
             },
             allow_empty: self.allow_empty_config,
         })

@@ -207,7 +207,7 @@ impl Parser<'_> {
             return None;
         }
         match Calendar::new(&zone, anchor_day, week_starts) {
-            Ok(calendar) => Some(calendar),
+            Ok(calendar) => Some(calendar.offset_by(self.calendar_offset_ms)),
             Err(message) => {
                 let at = node
                     .as_mapping()

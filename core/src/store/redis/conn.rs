@@ -420,6 +420,7 @@ pub(super) async fn probe(
     tokio::spawn(causes(
         conn.client.error_rx(),
         breaker.clone(),
+        config.server.hosts().into(),
         tls_to.clone(),
     ));
     if !tls_to.is_empty() {
@@ -476,22 +477,33 @@ fn time_ms(time: &[String]) -> Option<u64> {
     Some(seconds * 1000 + micros / 1000)
 }
 
-/// Tells `breaker` why each connection of its client could not be made or was dropped: these
-/// errors reach no command (the commands wait for the reconnection), so without them an
-/// unreachable store would not say why.
+/// Tells `breaker` why each connection of its client could not be made or was dropped, naming
+/// the server (or, when the client does not say which, the `servers` it reaches): these errors
+/// reach no command (the commands wait for the reconnection), so without them an unreachable
+/// store would not say why.
 async fn causes(
     mut errors: broadcast::Receiver<(Error, Option<Server>)>,
     breaker: Arc<Breaker>,
+    servers: Arc<[Server]>,
     tls_to: Arc<[Server]>,
 ) {
+    let named = servers
+        .iter()
+        .map(Server::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
     loop {
         match errors.recv().await {
             Ok((e, server)) => {
                 let (kind, detail) = diagnosed(&e, &tls_to).await;
-                match server {
-                    Some(server) => breaker.unreachable(kind, &format!("{server}: {detail}")),
-                    None => breaker.unreachable(kind, &detail),
-                }
+                // The refusal in words, not the operating system's error as Rust debugs it.
+                let detail = if kind == "refused" {
+                    "connection refused".to_owned()
+                } else {
+                    detail
+                };
+                let server = server.map_or_else(|| named.clone(), |s| s.to_string());
+                breaker.unreachable(kind, &format!("{server}: {detail}"));
             }
             Err(broadcast::error::RecvError::Lagged(_)) => {}
             Err(broadcast::error::RecvError::Closed) => return,
