@@ -5,8 +5,6 @@
 //! call holds the estimate, the response-time call settles at the model's weighed tokens, and
 //! every request of a user counts in one counter.
 
-use super::common;
-
 use std::io::Write;
 use std::process::{Command, Stdio};
 
@@ -73,7 +71,7 @@ descriptors:
 fn explain_example(request: &Value) -> Value {
     let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .arg("explain")
-        .arg(common::repo_file("examples/rules"))
+        .arg(support::repo_file("examples/rules"))
         .args(["--json", "--request", "-"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -113,7 +111,7 @@ fn llm_call(model: &str, tokens: u64, settle: bool) -> Value {
 #[test]
 fn the_example_llm_rules_hold_the_estimate_and_settle_a_models_weighed_tokens() {
     let (passed, out) = check(
-        &std::fs::read_to_string(common::repo_file("examples/rules/llm.yaml"))
+        &std::fs::read_to_string(support::repo_file("examples/rules/llm.yaml"))
             .expect("examples/rules/llm.yaml"),
     );
     assert!(passed, "{out}");

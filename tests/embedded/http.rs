@@ -2,9 +2,7 @@
 //! protobuf JSON with 200 / 429 / 400, gRPC health, and server reflection (v1 and v1alpha) that
 //! describes the rate limit service without proto files.
 
-use super::common;
-
-use common::{MINUTE, Sluice, http, in_one_window};
+use support::{MINUTE, Sluice, http, in_one_window};
 use tokio_stream::StreamExt;
 use tonic_reflection::pb::v1::ServerReflectionRequest;
 use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
@@ -173,7 +171,7 @@ async fn the_health_command_reports_serving_and_fails_when_nothing_answers() {
     let up = probe(sluice.grpc.to_string());
     assert!(up.status.success());
     assert_eq!(String::from_utf8_lossy(&up.stdout).trim(), "SERVING");
-    let down = probe(format!("127.0.0.1:{}", common::free_port()));
+    let down = probe(format!("127.0.0.1:{}", support::free_port()));
     assert!(!down.status.success());
     let said = String::from_utf8_lossy(&down.stdout);
     assert!(said.starts_with("UNREACHABLE"), "{said}");
@@ -202,7 +200,7 @@ async fn the_health_command_asks_where_serve_listens_by_default() {
         "SERVING"
     );
     assert!(unspecified.status.success());
-    let elsewhere = probe(format!("127.0.0.1:{}", common::free_port()));
+    let elsewhere = probe(format!("127.0.0.1:{}", support::free_port()));
     assert!(!elsewhere.status.success());
 }
 

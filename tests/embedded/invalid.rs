@@ -2,12 +2,10 @@
 //! serving; the request bounds are set by flags. What a client controls (values, hits) is never
 //! an error.
 
-use super::common;
-
-use common::{MINUTE, OK, OVER_LIMIT, Sluice, descriptor, in_one_window, request};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::google::protobuf::UInt64Value;
+use support::{MINUTE, OK, OVER_LIMIT, Sluice, descriptor, in_one_window, request};
 use tonic::Code;
 
 const RULES: &str = "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 20}\n";

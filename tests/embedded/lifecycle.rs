@@ -2,13 +2,11 @@
 //! until rules arrive; SIGHUP reloads the rules (valid ones replace those in force, broken ones
 //! are reported and change nothing) and never ends the process.
 
-use super::common;
-
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::redis::signal;
-use common::{HOUR, OK, OVER_LIMIT, Sluice, Wait, eventually, http, in_one_window, request};
+use support::redis::signal;
+use support::{HOUR, OK, OVER_LIMIT, Sluice, Wait, eventually, http, in_one_window, request};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;

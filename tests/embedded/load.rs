@@ -1,21 +1,19 @@
 //! `sluice load` against a running sluice, and with `--http` against a small HTTP server: it
 //! sends what it is told and counts the answers right.
 
-use super::common;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::http::{HeaderMap, StatusCode};
 use axum::serve::ListenerExt;
-use common::{HOUR, Sluice, in_one_window};
+use support::{HOUR, Sluice, in_one_window};
 
 #[tokio::test]
 async fn load_counts_ok_and_over_limit_answers() {
     in_one_window(HOUR, async || {
         let rules = "domain: bench\ndescriptors:\n  - key: key\n    rate_limit: {unit: hour, requests_per_unit: 50}\n";
         let sluice = Sluice::start(rules).await;
-        let report = common::load_report(
+        let report = support::load_report(
             &sluice,
             &[
                 "--domain",

@@ -3,14 +3,12 @@
 //! rules, and every rule file under deploy/ accepted by `sluice check-config`. The manifests
 //! themselves are validated by scripts/validate-deploy.
 
-use super::common;
-
 use std::process::Command;
 
-use common::envoy::{
+use support::envoy::{
     Envoy, UPSTREAM_BODY, Upstream, envoy_binary, get_with_headers, header, replaced_once,
 };
-use common::{MINUTE, Sluice, Store, in_one_window, repo_file};
+use support::{MINUTE, Sluice, Store, in_one_window, repo_file};
 
 /// The sidecar example, as kustomize reads it.
 const SIDECAR: &str = "deploy/kubernetes/sidecar";

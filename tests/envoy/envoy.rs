@@ -2,14 +2,12 @@
 //! sluice over gRPC for every request to a local upstream and answers 429 once the limit is reached.
 //! Needs the Envoy binary: `scripts/test` installs it, or `SLUICE_ENVOY=/path/to/envoy`.
 
-use super::common;
-
 use std::time::Duration;
 
-use common::envoy::{
+use support::envoy::{
     Envoy, Filter, UPSTREAM_BODY, Upstream, envoy_binary, get_with_headers, header,
 };
-use common::{HOUR, Sluice, http, in_one_window};
+use support::{HOUR, Sluice, http, in_one_window};
 
 /// Five requests per hour; a test counting them runs `in_one_window` of an hour.
 const LIMIT: u32 = 5;

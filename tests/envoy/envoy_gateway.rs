@@ -8,17 +8,15 @@
 //! request cost, and request and response costs; the answers and headers are those tests'.
 //! Needs the Envoy binary: `scripts/test` installs it, or `SLUICE_ENVOY=/path/to/envoy`.
 
-use super::common;
-
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::envoy::{Envoy, Front, Upstream, UpstreamTls, bootstrap_with, envoy_binary, header};
-use common::metrics::{Scrape, scrape_at};
-use common::ratelimit::{ENVOY_GATEWAY, Ratelimit};
-use common::xds::{Certs, ServerTlsFiles, XdsServer, certgen, domain, nest, rule};
-use common::{HOUR, exchange, free_port, http, in_one_window};
 use envoy_types::pb::ratelimit::config::ratelimit::v3::{RateLimitDescriptor, RateLimitUnit};
+use support::envoy::{Envoy, Front, Upstream, UpstreamTls, bootstrap_with, envoy_binary, header};
+use support::metrics::{Scrape, scrape_at};
+use support::ratelimit::{ENVOY_GATEWAY, Ratelimit};
+use support::xds::{Certs, ServerTlsFiles, XdsServer, certgen, domain, nest, rule};
+use support::{HOUR, exchange, free_port, http, in_one_window};
 
 /// Envoy Gateway's listener domain for Gateway `default/eg`, listener `http`.
 const DOMAIN: &str = "default/eg/http";
@@ -237,7 +235,7 @@ impl Gateway {
             key: certs.server_key.clone(),
         });
         xds.set("1", &snapshot());
-        let redis = common::redis::standalone();
+        let redis = support::redis::standalone();
         let redis_url = format!("127.0.0.1:{}", redis.ports[0]);
         let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let metrics_text = metrics.to_string();
@@ -246,7 +244,7 @@ impl Gateway {
             "/examples/metrics/envoy-gateway-mapper.yaml"
         );
         let target = xds.target();
-        let prefix = format!("eg-{test}-{}-{}:", std::process::id(), common::unix_ms());
+        let prefix = format!("eg-{test}-{}-{}:", std::process::id(), support::unix_ms());
         let mut env =
             envoy_gateways_environment(&certs, &target, &redis_url, &metrics_text, mapper);
         env.push(("CACHE_KEY_PREFIX", &prefix));

@@ -4,19 +4,17 @@
 //! connection they came on; oversized requests are refused cheaply, and running out of
 //! descriptors does not spin.
 
-use super::common;
-
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use common::envoy::{
-    Envoy, Filter, UPSTREAM_BODY, Upstream, envoy_binary, get_with_headers, header,
-};
-use common::otlp::Collector;
-use common::{HOUR, OK, OVER_LIMIT, Sluice, Wait, http, in_one_window, memory_kb, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use support::envoy::{
+    Envoy, Filter, UPSTREAM_BODY, Upstream, envoy_binary, get_with_headers, header,
+};
+use support::otlp::Collector;
+use support::{HOUR, OK, OVER_LIMIT, Sluice, Wait, http, in_one_window, memory_kb, request};
 use tonic::Code;
 
 /// Three requests per hour per `user`; a test counting them runs `in_one_window` of an hour.

@@ -2,9 +2,6 @@
 //! package that `scripts/test --tools` installs), some of them with `redis-server` and `openssl`
 //! too. About 2 minutes of tests on 2 cores, most of it waiting for Envoys' reports.
 
-#[path = "../common/mod.rs"]
-mod common;
-
 mod deploy;
 mod envoy;
 mod envoy_gateway;

@@ -3,15 +3,13 @@
 //! sharing Redis, and across a sluice restart. Envoy 1.40 reports every 5 s whatever its config
 //! says, so each test runs for tens of seconds. Needs the Envoy binary, as `tests/envoy/envoy.rs`.
 
-use super::common;
-
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use common::envoy::{Envoy, Upstream, envoy_binary};
-use common::rlqs::{Load, Tally, quota_envoys, rules, tenant_metric};
-use common::{Sluice, Store};
+use support::envoy::{Envoy, Upstream, envoy_binary};
+use support::rlqs::{Load, Tally, quota_envoys, rules, tenant_metric};
+use support::{Sluice, Store};
 
 /// The tenant every load sends as `x-tenant`.
 const TENANT: &str = "acme";

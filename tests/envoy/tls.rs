@@ -4,8 +4,6 @@
 //! real Envoy speaking mTLS to sluice, and sluice counting in a Redis that speaks TLS only and
 //! requires a client certificate. Needs `openssl`, `redis-server` and Envoy (see tests/envoy/envoy.rs).
 
-use super::common;
-
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -20,9 +18,9 @@ use rcgen::{
 };
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
-use common::envoy::{Envoy, Filter, Upstream, UpstreamTls, envoy_binary};
-use common::redis::TlsRedis;
-use common::{
+use support::envoy::{Envoy, Filter, Upstream, UpstreamTls, envoy_binary};
+use support::redis::TlsRedis;
+use support::{
     HOUR, OK, OVER_LIMIT, Sluice, Wait, eventually, http, in_one_window, openssl, request,
 };
 

@@ -7,15 +7,13 @@
 //! a charge past it lands, and the next request is refused.
 //! Needs the Envoy binary: `scripts/test` installs it, or `SLUICE_ENVOY=/path/to/envoy`.
 
-use super::common;
-
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::envoy::{Envoy, Front, Upstream, bootstrap_with, envoy_binary, ratelimit_filter};
-use common::metrics::scrape;
-use common::{HOUR, Sluice, exchange, in_one_window, request};
 use envoy_types::pb::google::protobuf::UInt64Value;
+use support::envoy::{Envoy, Front, Upstream, bootstrap_with, envoy_binary, ratelimit_filter};
+use support::metrics::scrape;
+use support::{HOUR, Sluice, exchange, in_one_window, request};
 
 const RULES: &str = "\
 domain: llm

@@ -23,14 +23,14 @@
 //!
 //! Needs the Envoy binary, as `tests/envoy/token_budget.rs`.
 
-use super::{common, token_budget};
+use super::token_budget;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::envoy::{Envoy, Upstream, envoy_binary, replaced_once};
-use common::metrics::scrape;
-use common::{HOUR, Sluice, eventually, exchange, http, in_one_window, repo_file};
+use support::envoy::{Envoy, Upstream, envoy_binary, replaced_once};
+use support::metrics::scrape;
+use support::{HOUR, Sluice, eventually, exchange, http, in_one_window, repo_file};
 
 /// The budget, in tokens an hour.
 const BUDGET: u64 = 10_000;

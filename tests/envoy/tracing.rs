@@ -6,18 +6,16 @@
 //! strings cut to their bound in every span. Needs the Envoy binary: `scripts/test` installs it, or
 //! `SLUICE_ENVOY=/path/to/envoy`.
 
-use super::common;
-
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use common::envoy::{ENVOY_SERVICE, Envoy, Filter, Upstream, envoy_binary, get_with_headers};
-use common::metrics::scrape;
-use common::otlp::{Collector, Span};
-use common::ratelimit::Ratelimit;
-use common::{MINUTE, OK, OVER_LIMIT, Sluice, in_one_window, memory_kb, redis, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use support::envoy::{ENVOY_SERVICE, Envoy, Filter, Upstream, envoy_binary, get_with_headers};
+use support::metrics::scrape;
+use support::otlp::{Collector, Span};
+use support::ratelimit::Ratelimit;
+use support::{MINUTE, OK, OVER_LIMIT, Sluice, in_one_window, memory_kb, redis, request};
 use tonic::transport::Channel;
 
 const CALL: &str = "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";

@@ -3,9 +3,6 @@
 //! number of cases from a fixed seed, and stops early at its time budget, so a run is repeatable
 //! and bounded; `fuzz/` holds `cargo fuzz` targets on the same entry points for longer runs.
 
-#[path = "../common/mod.rs"]
-mod common;
-
 mod erl_env;
 mod matching;
 mod planned;

@@ -21,9 +21,9 @@ use sluice::quota::{Assignment, demand};
 use sluice_core::limiter::share::MILLI;
 use sluice_core::limiter::share::divide;
 
-use super::common::Sluice;
-use super::common::quota::QuotaStream;
 use super::fuzz;
+use support::Sluice;
+use support::quota::QuotaStream;
 
 #[test]
 fn shares_add_up_to_the_limit_an_idle_stream_gets_the_least_and_none_is_shut_out() {

@@ -25,9 +25,9 @@ use sluice_core::limiter::Unit as Per;
 use sluice_core::rules::RuleSet;
 use sluice_core::store::{MemoryStore, Percent};
 
-use super::common::{HOUR, OK, OVER_LIMIT, Sluice, unix_ms};
 use super::fuzz;
 use super::planned::{Planned, all_or_nothing};
+use support::{HOUR, OK, OVER_LIMIT, Sluice, unix_ms};
 
 const RULES: &str = r#"domain: web
 descriptors:

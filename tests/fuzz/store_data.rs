@@ -15,9 +15,9 @@ use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use tonic::Code;
 
-use super::common::metrics::scrape;
-use super::common::{OK, OVER_LIMIT, Sluice, Store, descriptor, redis_key, request};
 use super::fuzz;
+use support::metrics::scrape;
+use support::{OK, OVER_LIMIT, Sluice, Store, descriptor, redis_key, request};
 
 const DOMAIN: &str = "data";
 

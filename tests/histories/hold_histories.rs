@@ -81,17 +81,15 @@
 //! its span and its answer, in ms since the history began); with `--nocapture`, a history that
 //! passes prints it too.
 
-use super::common;
-
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 use envoy_types::pb::google::protobuf::UInt64Value;
 use futures_util::FutureExt;
 
-use common::redis::Controlled;
-use common::rng::Rng;
-use common::{HOUR, OVER_LIMIT, Sluice, Store, request};
+use support::redis::Controlled;
+use support::rng::Rng;
+use support::{HOUR, OVER_LIMIT, Sluice, Store, request};
 
 const DOMAIN: &str = "hist";
 const LIMIT: u64 = 2_000;
@@ -296,9 +294,9 @@ async fn ask(
     let mut call = request(DOMAIN, &[&entries]);
     call.descriptors[0].hits_addend = Some(UInt64Value { value: hits });
     let mut client = sluice.client().await;
-    let s = common::unix_ms();
+    let s = support::unix_ms();
     let answer = client.should_rate_limit(call).await;
-    let r = common::unix_ms();
+    let r = support::unix_ms();
     let answer = answer
         .map_err(|e| format!("{id}: {:?} {}", e.code(), e.message()))?
         .into_inner();
@@ -643,7 +641,7 @@ impl History {
     }
 
     fn note(&mut self, what: String) {
-        let at = self.ms(common::unix_ms());
+        let at = self.ms(support::unix_ms());
         self.log.push(format!("{at:>6} ms  {what}"));
     }
 
@@ -679,7 +677,7 @@ impl History {
     fn model_of(&self, user: usize) -> String {
         let c = &self.model.counters[user];
         let (held_lo, held_hi, holds_lo, holds_hi) = self.model.held(user);
-        let (entries_lo, entries_hi) = self.model.entries(user, common::unix_ms());
+        let (entries_lo, entries_hi) = self.model.entries(user, support::unix_ms());
         format!(
             "the model: U in [{}, {}], held in [{held_lo}, {held_hi}] by {holds_lo}..{holds_hi} \
              holds, {entries_lo}..{entries_hi} entries, settles since the last hold added at \
@@ -929,7 +927,7 @@ impl History {
 
     /// What Redis holds for `user`'s counter.
     fn read(&self, user: usize) -> Stored {
-        let hour = common::unix_ms() / HOUR.as_millis() as u64;
+        let hour = support::unix_ms() / HOUR.as_millis() as u64;
         let key = &self.keys[user];
         let (table, holds, marks) = (format!("{key}~h"), format!("{key}~e"), format!("{key}~m"));
         let out = self.redis.cli(&[
@@ -966,12 +964,14 @@ impl History {
     /// The invariants on `user`'s counter, against what Redis holds now.
     fn check(&mut self, user: usize) -> Stored {
         let stored = self.read(user);
-        let r = common::unix_ms();
+        let r = support::unix_ms();
         let c = self.model.counters[user];
         let (held_lo, held_hi, holds_lo, holds_hi) = self.model.held(user);
         let (entries_lo, entries_hi) = self.model.entries(user, r);
         let u = (stored.charged + stored.held) as i64;
-        let since_last = c.last.map_or(-1, |l| common::unix_ms() as i64 - l.r as i64);
+        let since_last = c
+            .last
+            .map_or(-1, |l| support::unix_ms() as i64 - l.r as i64);
         let stated = format!(
             "{}: charged {}, held {} by {} holds, {} entries ({} marks), table ttl {} ms, last \
              call answered {since_last} ms ago; {}",
@@ -1016,7 +1016,7 @@ impl History {
 
     /// The open requests a settle may pick, preferring those whose cost it would know.
     fn pick_open(&mut self) -> Option<usize> {
-        let now = common::unix_ms();
+        let now = support::unix_ms();
         let open: Vec<usize> = (0..self.model.reqs.len())
             .filter(|&i| self.model.reqs[i].open() && !self.model.reqs[i].never)
             .collect();
@@ -1188,7 +1188,7 @@ impl History {
             .map(Req::due_hi)
             .max();
         if let Some(due) = due {
-            common::sleep_until_unix_ms(due + 20).await;
+            support::sleep_until_unix_ms(due + 20).await;
         }
         let mut exact = true;
         for (user, name) in USERS.iter().enumerate() {
@@ -1272,7 +1272,7 @@ async fn run(label: String, seed: u64, events: Vec<Event>) -> Figures {
     let keys: Vec<String> = USERS
         .iter()
         .map(|user| {
-            common::redis_key(
+            support::redis_key(
                 replicas[0].as_ref().expect("alive"),
                 DOMAIN,
                 &[("user", user), ("request_id", "any")],
@@ -1281,7 +1281,7 @@ async fn run(label: String, seed: u64, events: Vec<Event>) -> Figures {
         .collect();
     let mut h = History {
         label,
-        began: common::unix_ms(),
+        began: support::unix_ms(),
         step: 0,
         log: Vec::new(),
         model: Model::default(),
@@ -1325,7 +1325,7 @@ async fn once(seed: u64, steps: usize) -> Figures {
     let label =
         format!("seed {seed} (replay: HOLD_HISTORY_SEED={seed} HOLD_HISTORY_STEPS={steps})");
     let mut figures = Figures::default();
-    common::in_one_window(HOUR, async || {
+    support::in_one_window(HOUR, async || {
         figures = run(label.clone(), seed, generate(seed, steps)).await
     })
     .await;
@@ -1335,7 +1335,7 @@ async fn once(seed: u64, steps: usize) -> Figures {
 /// A hand-picked history, in one hour.
 async fn case(name: &str, events: &[Event]) -> Figures {
     let mut figures = Figures::default();
-    common::in_one_window(HOUR, async || {
+    support::in_one_window(HOUR, async || {
         figures = run(format!("'{name}'"), 0, events.to_vec()).await
     })
     .await;
@@ -1382,12 +1382,12 @@ impl Tally {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn generated_histories_never_hold_past_the_budget_and_charge_each_request_once() {
-    let steps = common::env_number("HOLD_HISTORY_STEPS").unwrap_or(STEPS);
-    if let Some(seed) = common::env_number::<u64>("HOLD_HISTORY_SEED") {
+    let steps = support::env_number("HOLD_HISTORY_STEPS").unwrap_or(STEPS);
+    if let Some(seed) = support::env_number::<u64>("HOLD_HISTORY_SEED") {
         once(seed, steps).await;
         return;
     }
-    let minutes = common::env_number::<u64>("HOLD_HISTORY_MINUTES");
+    let minutes = support::env_number::<u64>("HOLD_HISTORY_MINUTES");
     let mut tally = Tally::default();
     match minutes {
         None => {
@@ -1400,7 +1400,7 @@ async fn generated_histories_never_hold_past_the_budget_and_charge_each_request_
         }
         Some(minutes) => {
             let until = std::time::Instant::now() + Duration::from_secs(minutes * 60);
-            let mut fresh = Rng(common::unix_ms());
+            let mut fresh = Rng(support::unix_ms());
             while std::time::Instant::now() < until {
                 tally.add(caught(once(fresh.next(), steps)).await);
             }

@@ -20,18 +20,16 @@
 //! `--nocapture`, a history that passes prints its events, and its answers too with
 //! `LEASE_HISTORY_ANSWERS=1`).
 
-use super::common;
-
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::redis::Controlled;
-use common::rng::Rng;
-use common::{OK, Sluice, Store};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use support::redis::Controlled;
+use support::rng::Rng;
+use support::{OK, Sluice, Store};
 use tonic::transport::Channel;
 
 /// `--lease-idle` of the generated histories.
@@ -364,7 +362,7 @@ async fn ask(
     value: &str,
     window_ms: u64,
 ) -> Outcome {
-    let request = common::request(DOMAIN, &[&[(key, value)]]);
+    let request = support::request(DOMAIN, &[&[(key, value)]]);
     match tokio::time::timeout(CALL_TIMEOUT, client.should_rate_limit(request)).await {
         Ok(Ok(r)) => {
             let r = r.into_inner();
@@ -375,7 +373,7 @@ async fn ask(
             else {
                 return Outcome::Failed("no descriptor status".into());
             };
-            let end = window_end(common::unix_ms(), reset.seconds as u64, window_ms);
+            let end = window_end(support::unix_ms(), reset.seconds as u64, window_ms);
             if r.overall_code == OK {
                 Outcome::Admitted(end)
             } else {
@@ -439,7 +437,7 @@ async fn send(flow: Flow, addr: SocketAddr, targets: Targets) -> Vec<Answer> {
             })
         })
         .collect();
-    common::gather(tasks).await
+    support::gather(tasks).await
 }
 
 /// How long a reset refused with nothing changed is asked again: within the 3 s a reset keeps
@@ -459,7 +457,7 @@ fn dump(port: u16, prefix: &str) -> (u64, HashMap<(String, u64), u64>) {
         end \
         return out";
     let pattern = format!("{prefix}*");
-    let text = common::redis::cli(port, &["EVAL", SCRIPT, "0", &pattern]);
+    let text = support::redis::cli(port, &["EVAL", SCRIPT, "0", &pattern]);
     let mut lines = text.lines();
     let now = lines
         .next()
@@ -478,7 +476,7 @@ fn dump(port: u16, prefix: &str) -> (u64, HashMap<(String, u64), u64>) {
 
 /// Hits `sluice` holds in leased blocks now.
 fn held(sluice: &Sluice) -> u64 {
-    let (_, _, body) = common::http(sluice.http, "GET", "/metrics", "");
+    let (_, _, body) = support::http(sluice.http, "GET", "/metrics", "");
     body.lines()
         .find_map(|l| l.strip_prefix("sluice_lease_held_hits "))
         .and_then(|v| v.trim().parse().ok())
@@ -496,7 +494,7 @@ fn explain(sluice: &Sluice, key: &str, values: &[String]) -> Vec<serde_json::Val
                 .collect();
             let body = serde_json::json!({"domain": DOMAIN, "descriptors": descriptors});
             let (status, _, text) =
-                common::http(sluice.http, "POST", "/explain", &body.to_string());
+                support::http(sluice.http, "POST", "/explain", &body.to_string());
             assert_eq!(status, 200, "{text}");
             let explained: serde_json::Value = serde_json::from_str(&text).unwrap();
             explained["descriptors"].as_array().unwrap().clone()
@@ -627,7 +625,7 @@ impl World {
                 ))
             })
             .collect();
-        let mut answers = common::gather(tasks).await;
+        let mut answers = support::gather(tasks).await;
         answers.sort_by_key(|a| a.at);
         self.record(&answers);
     }
@@ -693,7 +691,7 @@ impl World {
             Event::PauseReplica { replica, meanwhile } => {
                 self.model.exempt_until = Some(Instant::now() + Duration::from_secs(3600));
                 self.model.runs.clear();
-                let stopped = common::redis::Stopped::new(self.replicas[*replica].pid());
+                let stopped = support::redis::Stopped::new(self.replicas[*replica].pid());
                 self.traffic(std::slice::from_ref(meanwhile)).await;
                 stopped.resume();
                 // Once continued, its idle blocks go back within the bound.
@@ -719,7 +717,7 @@ impl World {
                 let window = self.rules[*rule].window_ms;
                 let (now, _) = dump(self.redis.port, &self.prefix);
                 let end = (now / window + 1) * window;
-                common::eventually(
+                support::eventually(
                     "the window ends",
                     Duration::from_millis(window + 5000),
                     async || dump(self.redis.port, &self.prefix).0 >= end,
@@ -748,7 +746,7 @@ impl World {
         });
         let sent = Instant::now();
         let ask = || {
-            common::http(
+            support::http(
                 self.replicas[replica].http,
                 "POST",
                 "/counters",
@@ -791,7 +789,7 @@ impl World {
         let key = self.rules[rule].key;
         let probe = vec!["x".to_owned()];
         for r in &self.replicas {
-            common::eventually(
+            support::eventually(
                 "the new limit is in force",
                 Duration::from_secs(15),
                 async || {
@@ -1110,18 +1108,18 @@ async fn seeded(seed: u64, steps: usize) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn generated_histories_never_admit_past_the_limit_and_give_every_block_back() {
-    let steps = common::env_number("LEASE_HISTORY_STEPS").unwrap_or(STEPS);
-    if let Some(seed) = common::env_number::<u64>("LEASE_HISTORY_SEED") {
+    let steps = support::env_number("LEASE_HISTORY_STEPS").unwrap_or(STEPS);
+    if let Some(seed) = support::env_number::<u64>("LEASE_HISTORY_SEED") {
         return seeded(seed, steps).await;
     }
-    let Some(minutes) = common::env_number::<u64>("LEASE_HISTORY_MINUTES") else {
+    let Some(minutes) = support::env_number::<u64>("LEASE_HISTORY_MINUTES") else {
         for seed in &SEEDS[..2] {
             seeded(*seed, steps).await;
         }
         return;
     };
     let until = Instant::now() + Duration::from_secs(minutes * 60);
-    let mut seeds = Rng(common::unix_ms());
+    let mut seeds = Rng(support::unix_ms());
     let mut histories = 0;
     while Instant::now() < until {
         seeded(seeds.next(), steps).await;
@@ -1133,15 +1131,15 @@ async fn generated_histories_never_admit_past_the_limit_and_give_every_block_bac
 /// The last of the fixed seeds, beside the others (the run above does without the knobs).
 #[tokio::test(flavor = "multi_thread")]
 async fn the_last_fixed_seed_never_admits_past_the_limit_and_gives_every_block_back() {
-    if common::env_number::<u64>("LEASE_HISTORY_SEED").is_some()
-        || common::env_number::<u64>("LEASE_HISTORY_MINUTES").is_some()
+    if support::env_number::<u64>("LEASE_HISTORY_SEED").is_some()
+        || support::env_number::<u64>("LEASE_HISTORY_MINUTES").is_some()
     {
         return;
     }
     for seed in &SEEDS[2..] {
         seeded(
             *seed,
-            common::env_number("LEASE_HISTORY_STEPS").unwrap_or(STEPS),
+            support::env_number("LEASE_HISTORY_STEPS").unwrap_or(STEPS),
         )
         .await;
     }

@@ -3,9 +3,6 @@
 //! service's grants, split limits). Long and timing-sensitive, so a binary of their own: about 3 minutes of
 //! tests on 2 cores.
 
-#[path = "../common/mod.rs"]
-mod common;
-
 mod hold_histories;
 mod lease_histories;
 mod rlqs_histories;

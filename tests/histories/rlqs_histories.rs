@@ -30,8 +30,6 @@
 //! report and answer, in ms since the history began (with `--nocapture`, a history that passes
 //! prints its events, and its reports and answers too with `QUOTA_HISTORY_ANSWERS=1`).
 
-use super::common;
-
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::panic::AssertUnwindSafe;
@@ -53,10 +51,10 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tonic::transport::{Channel, Endpoint};
 
-use common::quota::{QuotaStream, bucket, share};
-use common::redis::Controlled;
-use common::rng::Rng;
-use common::{Sluice, Store};
+use support::quota::{QuotaStream, bucket, share};
+use support::redis::Controlled;
+use support::rng::Rng;
+use support::{Sluice, Store};
 
 const DOMAIN: &str = "quota";
 /// The shared bucket's limit when a history begins, in requests a second.
@@ -962,7 +960,7 @@ async fn waited(mut ready: impl AsyncFnMut() -> bool) -> bool {
 /// `/config`.
 async fn limit_in_force(http: SocketAddr) -> Option<u64> {
     let (_, _, body) =
-        tokio::task::spawn_blocking(move || common::http(http, "GET", "/config", ""))
+        tokio::task::spawn_blocking(move || support::http(http, "GET", "/config", ""))
             .await
             .ok()?;
     let config: serde_json::Value = serde_json::from_str(&body).ok()?;
@@ -979,13 +977,13 @@ async fn limit_in_force(http: SocketAddr) -> Option<u64> {
 /// `clients` connections again.
 async fn reconnected(http: Vec<SocketAddr>, port: u16, clients: usize) -> bool {
     tokio::task::spawn_blocking(move || {
-        common::redis::cli(port, &["CLIENT", "LIST"])
+        support::redis::cli(port, &["CLIENT", "LIST"])
             .lines()
             .count()
             >= clients
             && http
                 .iter()
-                .all(|&h| common::http(h, "GET", "/readyz", "").0 == 200)
+                .all(|&h| support::http(h, "GET", "/readyz", "").0 == 200)
     })
     .await
     .unwrap_or(false)
@@ -1242,7 +1240,7 @@ impl World {
             return;
         };
         let port = redis.port;
-        let clients = common::redis::cli(port, &["CLIENT", "LIST"])
+        let clients = support::redis::cli(port, &["CLIENT", "LIST"])
             .lines()
             .count();
         let started = Instant::now();
@@ -1435,19 +1433,19 @@ async fn seeded(seed: u64, steps: usize, setup: Setup) -> Figures {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn generated_histories_never_grant_past_the_limit_and_reach_fair_shares() {
-    let steps = common::env_number("QUOTA_HISTORY_STEPS").unwrap_or(STEPS);
-    if let Some(seed) = common::env_number::<u64>("QUOTA_HISTORY_SEED") {
+    let steps = support::env_number("QUOTA_HISTORY_STEPS").unwrap_or(STEPS);
+    if let Some(seed) = support::env_number::<u64>("QUOTA_HISTORY_SEED") {
         seeded(seed, steps, GENERATED).await;
         return;
     }
-    let Some(minutes) = common::env_number::<u64>("QUOTA_HISTORY_MINUTES") else {
+    let Some(minutes) = support::env_number::<u64>("QUOTA_HISTORY_MINUTES") else {
         for seed in &SEEDS[..2] {
             seeded(*seed, steps, GENERATED).await;
         }
         return;
     };
     let until = Instant::now() + Duration::from_secs(minutes * 60);
-    let mut seeds = Rng(common::unix_ms());
+    let mut seeds = Rng(support::unix_ms());
     let (mut histories, mut all, mut failed) = (0, Figures::default(), Vec::new());
     while Instant::now() < until {
         let seed = seeds.next();
@@ -1494,15 +1492,15 @@ async fn generated_histories_never_grant_past_the_limit_and_reach_fair_shares() 
 /// The other fixed seeds, beside the first two (the run above does without the knobs).
 #[tokio::test(flavor = "multi_thread")]
 async fn the_other_fixed_seeds_never_grant_past_the_limit_and_reach_fair_shares() {
-    if common::env_number::<u64>("QUOTA_HISTORY_SEED").is_some()
-        || common::env_number::<u64>("QUOTA_HISTORY_MINUTES").is_some()
+    if support::env_number::<u64>("QUOTA_HISTORY_SEED").is_some()
+        || support::env_number::<u64>("QUOTA_HISTORY_MINUTES").is_some()
     {
         return;
     }
     for seed in &SEEDS[2..] {
         seeded(
             *seed,
-            common::env_number("QUOTA_HISTORY_STEPS").unwrap_or(STEPS),
+            support::env_number("QUOTA_HISTORY_STEPS").unwrap_or(STEPS),
             GENERATED,
         )
         .await;

@@ -19,15 +19,13 @@
 //! for n minutes. A failure prints the seed, the step and the history so far, in ms since it
 //! began (with `--nocapture`, a history that passes prints it too).
 
-use super::common;
-
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::proxy::Proxy;
-use common::redis::Controlled;
-use common::rng::Rng;
-use common::{HOUR, OK, Sluice, Store, request};
+use support::proxy::Proxy;
+use support::redis::Controlled;
+use support::rng::Rng;
+use support::{HOUR, OK, Sluice, Store, request};
 
 const DOMAIN: &str = "hist";
 /// The split limit of the hour, which the history runs in.
@@ -292,7 +290,7 @@ async fn settled(h: &mut History, step: usize, slots: &[Slot]) {
     loop {
         let shares: Vec<Option<u64>> = running
             .iter()
-            .map(|s| common::counted_limit(s, DOMAIN, "each", "probe"))
+            .map(|s| support::counted_limit(s, DOMAIN, "each", "probe"))
             .collect();
         let even = shares
             .iter()
@@ -319,5 +317,5 @@ async fn settled(h: &mut History, step: usize, slots: &[Slot]) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn generated_histories_admit_at_most_the_limit_and_divide_it_among_the_live() {
-    common::histories("SPLIT", &SEEDS, STEPS, HOUR, run).await;
+    support::histories("SPLIT", &SEEDS, STEPS, HOUR, run).await;
 }

@@ -5,16 +5,14 @@
 //! and every sleep leaves a second or more of slack; the scheduled instants of `/json` need no
 //! clock at all.
 
-use super::common;
-
 use std::time::Duration;
 
-use common::redis::signal;
-use common::{
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use support::redis::signal;
+use support::{
     HOUR, OK, OVER_LIMIT, Sluice, Store, eventually, http, in_one_window, request,
     sleep_until_unix_ms, unix_ms,
 };
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use tonic::transport::Channel;
 
 on_every_store!(

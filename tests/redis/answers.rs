@@ -3,13 +3,11 @@
 //! headers of `--limit-response-headers`, and the dynamic metadata of
 //! `--response-dynamic-metadata` in envoyproxy/ratelimit's shape.
 
-use super::common;
-
-use common::{OK, OVER_LIMIT, Sluice, Store, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::google::protobuf::{UInt64Value, Value, value::Kind};
 use serde_json::json;
+use support::{OK, OVER_LIMIT, Sluice, Store, request};
 
 on_every_store!(
     resets_are_whole_seconds_of_at_least_one_on_every_algorithm,

@@ -7,14 +7,12 @@
 //! boundary together. The cases of a store run at once, each with a sluice of its own: they
 //! spend their time waiting for their boundaries.
 
-use super::common;
-
 use std::process::Command;
 use std::time::Duration;
 
-use common::{OK, OVER_LIMIT, Sluice, Store, explained, redis_key, request, unix_ms};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use support::{OK, OVER_LIMIT, Sluice, Store, explained, redis_key, request, unix_ms};
 use tonic::transport::Channel;
 
 on_every_store!(calendar_windows_end_at_their_boundaries_in_their_zones);
@@ -139,6 +137,10 @@ async fn fill_before(
 
 /// After the boundary: `entries`' counter is fresh, and resets at the end of a window of
 /// `length` seconds (within two seconds of the test's own pace).
+/// How late after a boundary a request may be asked on a loaded machine (the suite's lanes side
+/// by side): its reset is then that much short of the window's length, never a window off.
+const LATE_S: u64 = 10;
+
 async fn fresh_after(
     sluice: &Sluice,
     domain: &str,
@@ -153,7 +155,7 @@ async fn fresh_after(
         "{entries:?}: a fresh window"
     );
     assert!(
-        reset <= length && reset + 2 >= length,
+        reset <= length && reset + LATE_S >= length,
         "{entries:?}: the new window lasts {length} s; its reset is {reset} s"
     );
 }
@@ -279,7 +281,10 @@ async fn a_week_from_sunday_ends_on_sunday_and_one_from_monday_a_day_later(store
     // The week from Monday is full until Monday.
     let (code, _, reset) = first(&sluice.ask(request("weeks", &[&[("from", "monday")]])).await);
     assert_eq!(code, OVER_LIMIT, "the week from Monday goes on");
-    assert!(reset <= DAY && reset + 2 >= DAY, "until Monday: {reset} s");
+    assert!(
+        reset <= DAY && reset + LATE_S >= DAY,
+        "until Monday: {reset} s"
+    );
 }
 
 const SHARED: &str = "\
@@ -337,7 +342,7 @@ async fn two_replicas_cross_the_boundary_together_and_admit_the_limit_on_each_si
 #[tokio::test]
 async fn a_replica_more_than_a_window_from_redis_clock_fails_its_request_and_writes_nothing() {
     use fred::prelude::*;
-    let redis = common::redis::standalone();
+    let redis = support::redis::standalone();
     let client = Builder::from_config(Config::from_url(&redis.url).expect("a Redis URL"))
         .build()
         .expect("a client");
@@ -426,7 +431,7 @@ descriptors:
     let agreed = Sluice::on(Store::Redis, &[("rules.yaml", RULES)], &[]).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let not_ready = loop {
-        let (status, _, text) = common::http(skewed.http, "GET", "/readyz", "");
+        let (status, _, text) = support::http(skewed.http, "GET", "/readyz", "");
         if status == 503 {
             break text;
         }
@@ -440,7 +445,7 @@ descriptors:
         not_ready.contains("172800.") && not_ready.contains("ahead of Redis' clock"),
         "{not_ready}"
     );
-    let skew_metric = common::metrics::scrape(skewed.http)
+    let skew_metric = support::metrics::scrape(skewed.http)
         .get("sluice_clock_skew_seconds", &[])
         .expect("the skew is a metric");
     assert!((skew_metric + 172_800.0).abs() < 5.0, "{skew_metric}");
@@ -485,14 +490,14 @@ descriptors:
     assert_eq!(p.0, 0, "every plain request decided ({} of them)", p.1);
     assert!(p.1 > 20, "the plain caller ran: {}", p.1);
     assert_eq!(
-        common::metrics::scrape(skewed.http)
+        support::metrics::scrape(skewed.http)
             .get("sluice_store_reachable", &[])
             .unwrap_or(0.0),
         1.0,
         "the calendar failures did not mark Redis down"
     );
     // The replica whose clock agrees serves both, and is ready.
-    assert_eq!(common::http(agreed.http, "GET", "/readyz", "").0, 200);
+    assert_eq!(support::http(agreed.http, "GET", "/readyz", "").0, 200);
     for entries in [[("cal", "c")], [("plain", "p")]] {
         let answer = agreed.ask(request("skew", &[&entries])).await;
         assert_eq!(answer.overall_code, OK, "{entries:?}");

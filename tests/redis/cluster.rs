@@ -2,17 +2,15 @@
 //! after another admitted it never over-admits, even when its refund lands in the next window, and
 //! a caller that gives up mid-request leaves no counter moved.
 
-use super::common;
-
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::time::Duration;
 
-use common::redis::{Redis, Stopped, cli, dedicated_cluster, pid_of};
-use common::{OK, Sluice, Store, gather, request, sleep_until_unix_ms, unix_ms};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::DescriptorStatus;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use support::redis::{Redis, Stopped, cli, dedicated_cluster, pid_of};
+use support::{OK, Sluice, Store, gather, request, sleep_until_unix_ms, unix_ms};
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 

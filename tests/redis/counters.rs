@@ -7,14 +7,12 @@
 //! never a past one; an unknown domain is said; a reset whose outcome is unknown says so, and so
 //! does its audit line; `sluice counters` speaks to it.
 
-use super::common;
-
 use std::net::SocketAddr;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{OK, OVER_LIMIT, Sluice, Store, exchange, request, unix_ms};
 use serde_json::{Value, json};
+use support::{OK, OVER_LIMIT, Sluice, Store, exchange, request, unix_ms};
 
 on_every_store!(
     a_reset_frees_a_blocked_client_at_once_on_every_replica,
@@ -480,7 +478,7 @@ async fn an_unknown_domain_is_said_and_the_command_fails(store: Store) {
 /// again the delete may land, which the answer allowed for.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reset_whose_outcome_is_unknown_says_so_and_is_audited() {
-    let redis = common::redis::dedicated();
+    let redis = support::redis::dedicated();
     let sluice = Sluice::on(
         Store::Memory,
         &[("rules.yaml", RULES)],
@@ -492,7 +490,7 @@ async fn a_reset_whose_outcome_is_unknown_says_so_and_is_audited() {
     let reset =
         std::thread::spawn(move || counters(addr, None, &call("leased", "paused", "reset", true)));
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let paused = common::redis::Stopped::new(common::redis::pid_of(redis.ports[0]));
+    let paused = support::redis::Stopped::new(support::redis::pid_of(redis.ports[0]));
     let (status, text) = tokio::task::spawn_blocking(move || reset.join().unwrap())
         .await
         .unwrap();
@@ -516,7 +514,7 @@ async fn a_reset_whose_outcome_is_unknown_says_so_and_is_audited() {
 /// the client is admitted there again at once, not at the end of the hour.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_replica_that_may_have_missed_a_reset_forgets_the_clients_it_knew_full() {
-    let redis = common::redis::dedicated();
+    let redis = support::redis::dedicated();
     let flags = ["--redis-url", redis.url.as_str(), "--trust-admin-port"];
     let a = Sluice::on(Store::Memory, &[("rules.yaml", RULES)], &flags).await;
     let b = Sluice::on(Store::Memory, &[("rules.yaml", RULES)], &flags).await;
@@ -526,7 +524,7 @@ async fn a_replica_that_may_have_missed_a_reset_forgets_the_clients_it_knew_full
     let killing = std::thread::spawn(move || {
         let until = std::time::Instant::now() + Duration::from_secs(2);
         while std::time::Instant::now() < until {
-            common::redis::cli(port, &["CLIENT", "KILL", "TYPE", "pubsub"]);
+            support::redis::cli(port, &["CLIENT", "KILL", "TYPE", "pubsub"]);
             std::thread::sleep(Duration::from_millis(20));
         }
     });
@@ -539,7 +537,7 @@ async fn a_replica_that_may_have_missed_a_reset_forgets_the_clients_it_knew_full
     tokio::task::spawn_blocking(move || killing.join().unwrap())
         .await
         .unwrap();
-    common::eventually(
+    support::eventually(
         "the replica that missed the notice admits the client again",
         Duration::from_secs(5),
         async || admitted(&b, "user", "cut", 1).await == 1,
@@ -560,9 +558,9 @@ async fn a_replica_that_may_have_missed_a_reset_forgets_the_clients_it_knew_full
 #[tokio::test(flavor = "multi_thread")]
 async fn a_replica_that_may_have_missed_a_reset_drops_the_blocks_taken_before_it() {
     const LEASED: &str = "domain: ops\ndescriptors:\n  - key: leased\n    lease: auto\n    rate_limit: {unit: hour, requests_per_unit: 200}\n";
-    common::in_one_window(common::HOUR, async || {
-        let redis = common::redis::dedicated();
-        let proxy = common::proxy::Proxy::start(redis.ports[0]).await;
+    support::in_one_window(support::HOUR, async || {
+        let redis = support::redis::dedicated();
+        let proxy = support::proxy::Proxy::start(redis.ports[0]).await;
         let through = format!("redis://127.0.0.1:{}", proxy.port);
         let flags = |url| {
             [
@@ -585,7 +583,7 @@ async fn a_replica_that_may_have_missed_a_reset_drops_the_blocks_taken_before_it
         let (status, text) = reset.await.unwrap();
         assert_eq!(status, 200, "{text}");
         proxy.mend();
-        common::eventually(
+        support::eventually(
             "the replica that missed the notices read the markers",
             Duration::from_secs(10),
             async || b.log_text().contains("counter resets may have been missed"),

@@ -2,14 +2,12 @@
 //! envoyproxy/ratelimit's counting (`counting: always`, per rule or `--counting always`), which
 //! response-phase costs such as token budgets rely on; global quota mode (`--quota-mode`) and a
 //! rule in both shadow and quota mode. Every test runs on the embedded store, a standalone Redis
-//! and a Redis Cluster, with hour windows, in one window each (`common::in_one_window`).
+//! and a Redis Cluster, with hour windows, in one window each (`support::in_one_window`).
 
-use super::common;
-
-use common::{OK, OVER_LIMIT, Sluice, Store, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::google::protobuf::UInt64Value;
+use support::{OK, OVER_LIMIT, Sluice, Store, request};
 
 on_every_store!(
     the_token_quota_scenario_allows_three_then_denies_when_charged_after_the_response,

@@ -2,16 +2,14 @@
 //! rules names only series a running sluice exports (on the embedded store and on Redis), with
 //! labels those series carry; and every alert says how long, how bad, and what it means.
 
-use super::common;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::time::Duration;
 
-use common::metrics::scrape;
-use common::quota::{QuotaStream, bucket};
-use common::{Sluice, Store, request};
 use marked_yaml::Node;
+use support::metrics::scrape;
+use support::quota::{QuotaStream, bucket};
+use support::{Sluice, Store, request};
 use tokio::sync::OnceCell;
 
 const DASHBOARD: &str = "deploy/grafana/sluice-dashboard.json";

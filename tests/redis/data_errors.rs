@@ -4,18 +4,16 @@
 //! not, is decided; the breaker never opens and the store stays ready. On a standalone server, a
 //! Cluster (one call per slot), and for the quota service's demand records.
 
-use super::common;
-
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::metrics::scrape;
-use common::quota::{QuotaStream, bucket, tokens};
-use common::{OK, OVER_LIMIT, Sluice, Store, gather, http, redis_key, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use support::metrics::scrape;
+use support::quota::{QuotaStream, bucket, tokens};
+use support::{OK, OVER_LIMIT, Sluice, Store, gather, http, redis_key, request};
 
 const DOMAIN: &str = "data";
 
@@ -243,7 +241,7 @@ async fn bad_keys_fail_only_their_own_requests(store: Store, deny: bool) {
     }
     // The refunds are queued before the answers, and land a moment later.
     let refunded = |counts: &String| counts.split_whitespace().all(|c| c == "0");
-    let counts = common::settled(
+    let counts = support::settled(
         Duration::from_secs(5),
         || cli(port, &["HVALS", &beside]),
         refunded,
@@ -277,7 +275,7 @@ quota_buckets:
 /// are counted as data errors, and never open the breaker; requests on other keys are decided.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_wrong_typed_quota_demand_key_keeps_its_assignment_and_never_opens_the_breaker() {
-    let prefix = format!("data-quota-{}-{}:", std::process::id(), common::unix_ms());
+    let prefix = format!("data-quota-{}-{}:", std::process::id(), support::unix_ms());
     let sluice = Sluice::on(
         Store::Redis,
         &[("quota.yaml", QUOTA_RULES), ("rules.yaml", RULES)],

@@ -6,8 +6,6 @@
 //! counter) and the stored state after every request (contents and expiry instants) must be
 //! identical.
 
-use super::common;
-
 use std::collections::BTreeSet;
 use std::time::Duration;
 
@@ -166,7 +164,7 @@ fn counters(rng: &mut Rng, seed: u64, zone: &str, clock_offset_ms: i64) -> Vec<C
 fn window_arg(limit: &Limit) -> Value {
     match &limit.calendar {
         Some(calendar) => {
-            let [b0, b1, b2, b3] = calendar.around(limit.unit, common::unix_ms());
+            let [b0, b1, b2, b3] = calendar.around(limit.unit, support::unix_ms());
             Value::from(format!("{b0} {b1} {b2} {b3}"))
         }
         None => (limit.window_ms() as i64).into(),
@@ -357,7 +355,7 @@ async fn run(client: &Client, seed: u64, steps: usize, held_only: bool) -> BTree
     let mut rng = Rng(seed);
     // The calendar reads its clock as if the run started three seconds before the boundary.
     let (zone, instant) = boundary(seed);
-    let offset = instant as i64 - 3_000 - common::unix_ms() as i64;
+    let offset = instant as i64 - 3_000 - support::unix_ms() as i64;
     let mut counters = counters(&mut rng, seed, zone, offset);
     if held_only {
         for (i, counter) in counters.iter_mut().enumerate() {
@@ -550,7 +548,7 @@ async fn run(client: &Client, seed: u64, steps: usize, held_only: bool) -> BTree
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_requests_get_the_same_answers_and_leave_the_same_state_in_both_stores() {
-    let redis = common::redis::standalone();
+    let redis = support::redis::standalone();
     let config = Config::from_url(&redis.url).expect("a Redis URL");
     let client = Builder::from_config(config).build().expect("a client");
     client.init().await.expect("Redis answers");

@@ -3,18 +3,16 @@
 //! through a link named `ratelimit` with nothing but such an environment, on a real
 //! redis-server: its ports, endpoints, health, counting, TLS and unhonoured variables.
 
-use super::common;
-
 use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::ratelimit::{ENVOY_GATEWAY, PATIENCE, Ratelimit};
-use common::{MINUTE, OK, OVER_LIMIT, free_port, http, in_one_window, openssl, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::google::protobuf::UInt64Value;
 use sluice::settings::erl::{Translation, translate};
+use support::ratelimit::{ENVOY_GATEWAY, PATIENCE, Ratelimit};
+use support::{MINUTE, OK, OVER_LIMIT, free_port, http, in_one_window, openssl, request};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic_health::pb::health_check_response::ServingStatus;
 
@@ -666,7 +664,7 @@ descriptors:
 
 /// An ERL environment on the shared redis-server, keys under a prefix of this run's `test`.
 fn on_redis(test: &str) -> Vec<(&'static str, String)> {
-    let redis = common::redis::standalone();
+    let redis = support::redis::standalone();
     vec![
         ("REDIS_SOCKET_TYPE", "tcp".to_owned()),
         ("REDIS_URL", format!("127.0.0.1:{}", redis.ports[0])),
@@ -682,7 +680,7 @@ fn prefix(test: &str) -> String {
     format!(
         "erl-env-{test}-{}-{}:",
         std::process::id(),
-        common::unix_ms()
+        support::unix_ms()
     )
 }
 
@@ -696,7 +694,7 @@ async fn as_ratelimit_grpc_decides_on_redis_counting_as_envoyproxy_ratelimit() {
         let env = on_redis("counting");
         let (_ratelimit, channel) = Ratelimit::serving(RULES, &pairs(&env)).await;
         let mut client = RateLimitServiceClient::new(channel);
-        let mut ask = async |r| common::decide(&mut client, r).await.overall_code;
+        let mut ask = async |r| support::decide(&mut client, r).await.overall_code;
         let alice = || request("erl", &[&[("user", "alice")]]);
         assert_eq!(ask(alice()).await, OK);
         assert_eq!(ask(alice()).await, OK);
@@ -709,9 +707,9 @@ async fn as_ratelimit_grpc_decides_on_redis_counting_as_envoyproxy_ratelimit() {
         );
         assert_eq!(ask(alice()).await, OVER_LIMIT);
         assert_eq!(ask(check_only).await, OVER_LIMIT);
-        let port = common::redis::standalone().ports[0];
+        let port = support::redis::standalone().ports[0];
         let prefix = &env[2].1;
-        let keys = common::redis::cli(port, &["KEYS", &format!("{prefix}*")]);
+        let keys = support::redis::cli(port, &["KEYS", &format!("{prefix}*")]);
         assert_eq!(keys.lines().count(), 1, "one counter in Redis: {keys}");
     })
     .await;
@@ -731,7 +729,7 @@ async fn as_ratelimit_http_serves_healthcheck_and_json_and_debug_serves_rlconfig
     let (health, json, rlconfig, index) = tokio::task::spawn_blocking(move || {
         (
             http_get(http, "/healthcheck"),
-            common::http(
+            support::http(
                 http,
                 "POST",
                 "/json",

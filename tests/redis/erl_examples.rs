@@ -4,15 +4,13 @@
 //! the test says so. A test counting against a limit of a second asks through `/json` at one
 //! instant it chooses, so that no second ends between its requests.
 
-use super::common;
-
-use common::metrics::scrape;
-use common::{OK, OVER_LIMIT, Sluice, Store, http, request, unix_ms};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit,
 };
+use support::metrics::scrape;
+use support::{OK, OVER_LIMIT, Sluice, Store, http, request, unix_ms};
 
 on_stores!(
     memory: Memory, redis: Redis;

@@ -2,14 +2,12 @@
 //! rule tree, the limits, `replaces`, modes, hits and counters the request path would use, and
 //! that explaining moves no counter while the counter it names is the one a request moves.
 
-use super::common;
-
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{MINUTE, Sluice, Store, http, in_one_window, request};
 use serde_json::Value;
+use support::{MINUTE, Sluice, Store, http, in_one_window, request};
 
 /// Every kind of match and every rule feature an explanation shows, each rule on a known line.
 const RULES: &str = "domain: web
@@ -412,7 +410,7 @@ async fn the_redis_key_explain_names_is_the_one_a_request_counts_in() {
         .to_owned();
     assert!(key.starts_with(prefix), "{key}");
     assert_eq!(
-        common::redis::cli(port, &["EXISTS", &key]).trim(),
+        support::redis::cli(port, &["EXISTS", &key]).trim(),
         "0",
         "explaining counts nothing"
     );
@@ -421,7 +419,7 @@ async fn the_redis_key_explain_names_is_the_one_a_request_counts_in() {
         .ask(request("web", &[&[("path", "/api/1/avatar")]]))
         .await;
     assert_eq!(answer.statuses[0].limit_remaining, 1);
-    let fields = common::redis::cli(port, &["HVALS", &key]);
+    let fields = support::redis::cli(port, &["HVALS", &key]);
     assert_eq!(
         fields.split_whitespace().collect::<Vec<_>>(),
         ["1"],

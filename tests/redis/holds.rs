@@ -19,17 +19,15 @@
 //! `sluice explain` show the hold of a rule and what a call holds or settles. Every store,
 //! where the store matters.
 
-use super::common;
-
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::metrics::scrape;
-use common::redis::Controlled;
-use common::{HOUR, OVER_LIMIT, Sluice, Store, decide, in_one_window, request, unix_ms};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::google::protobuf::UInt64Value;
 use serde_json::{Value, json};
+use support::metrics::scrape;
+use support::redis::Controlled;
+use support::{HOUR, OVER_LIMIT, Sluice, Store, decide, in_one_window, request, unix_ms};
 use tonic::transport::Channel;
 
 /// Budgets of 10,000 an hour; each rule's request holds its estimate until it settles:
@@ -163,7 +161,7 @@ impl<'a> User<'a> {
             "by": "holds-test",
         });
         let (status, _, text) =
-            common::http(self.sluice.http, "POST", "/counters", &body.to_string());
+            support::http(self.sluice.http, "POST", "/counters", &body.to_string());
         assert_eq!(status, 200, "{text}");
         let answer: Value = serde_json::from_str(&text).expect("JSON");
         answer["counters"][0].clone()
@@ -438,7 +436,7 @@ async fn marks_make_room_oldest_first_and_a_table_full_of_holds_says_what_is_lef
         "the answer says what the counter really has left"
     );
     // Or when the hour ends, if it ends first: a new window makes room too.
-    let hour_ends = Duration::from_millis(3_600_000 - common::unix_ms() % 3_600_000);
+    let hour_ends = Duration::from_millis(3_600_000 - support::unix_ms() % 3_600_000);
     let due = Duration::from_secs(30)
         .saturating_sub(first.elapsed())
         .min(hour_ends);
@@ -595,7 +593,7 @@ async fn a_weighted_settle_charges_its_models_tokens_from_one_budget(store: Stor
     // (Envoy's two rate limits applied when the stream is done), settles the hold once.
     assert_eq!(asked(user.call("k", 0, &[big]).await), (false, 5_600));
     let kind = |kind: &'static str, tokens: u64| {
-        let mut d = common::descriptor(&[
+        let mut d = support::descriptor(&[
             (user.key, user.value.as_str()),
             ("request_id", "k"),
             big,
@@ -799,7 +797,7 @@ fn explained_request(id: &str, hits: u64, after: &[(&str, &str)]) -> Value {
 async fn explain_shows_the_hold_what_a_call_holds_or_settles_and_one_counter_per_user() {
     let sluice = Sluice::on(Store::Redis, &[("rules.yaml", RULES)], &[]).await;
     let explain = |body: Value| {
-        let (status, _, text) = common::http(sluice.http, "POST", "/explain", &body.to_string());
+        let (status, _, text) = support::http(sluice.http, "POST", "/explain", &body.to_string());
         assert_eq!(status, 200, "{text}");
         serde_json::from_str::<Value>(&text).expect("JSON")["descriptors"][0].clone()
     };

@@ -3,15 +3,13 @@
 //! with far fewer script calls than requests; a block unused on one replica comes back for
 //! another within the documented bound.
 
-use super::common;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{HOUR, OK, Sluice, Store, in_one_window, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use support::{HOUR, OK, Sluice, Store, in_one_window, request};
 use tonic::transport::Channel;
 
 /// A limit of 3,000 an hour, leased.
@@ -138,7 +136,7 @@ async fn leased_replicas_admit_exactly_the_limit(store: Store) {
             attempt += 1;
             let clients = clients(&replicas, 64).await;
             let stop = Arc::new(AtomicBool::new(false));
-            let before = common::redis::evalsha_calls(ports);
+            let before = support::redis::evalsha_calls(ports);
             let (admitted, callers) = race(
                 clients,
                 self::run(&format!("{run}.{attempt}")),
@@ -147,7 +145,7 @@ async fn leased_replicas_admit_exactly_the_limit(store: Store) {
             let started = Instant::now();
             reached(&admitted, Duration::from_secs(20)).await;
             let took = started.elapsed();
-            let calls = common::redis::evalsha_calls(ports) - before;
+            let calls = support::redis::evalsha_calls(ports) - before;
             let admitted = finish(&admitted, callers, &stop, Duration::from_secs(1)).await;
             println!(
                 "{store:?} run {run}: {admitted} admitted of {LIMIT}, the limit reached in {took:?} with {calls} script calls"
@@ -168,7 +166,7 @@ async fn leased_replicas_admit_exactly_the_limit(store: Store) {
 async fn a_replica_killed_holding_a_block_never_lets_more_through(store: Store) {
     let mut replicas = replicas(store, "killed").await;
     in_one_window(HOUR, async || {
-        let value = format!("{}", common::unix_ms());
+        let value = format!("{}", support::unix_ms());
         let clients = clients(&replicas, 64).await;
         let stop = Arc::new(AtomicBool::new(false));
         let (admitted, callers) = race(clients, run(&value), stop.clone());
@@ -191,7 +189,7 @@ async fn a_replica_killed_holding_a_block_never_lets_more_through(store: Store) 
 
 /// The value of the sample `name` (no labels) on `sluice`'s `/metrics`.
 fn metric(sluice: &Sluice, name: &str) -> u64 {
-    let (_, _, body) = common::http(sluice.http, "GET", "/metrics", "");
+    let (_, _, body) = support::http(sluice.http, "GET", "/metrics", "");
     body.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
         .and_then(|v| v.trim().parse().ok())
@@ -210,7 +208,7 @@ fn counted(port: u16, prefix: &str) -> u64 {
           for _, v in ipairs(redis.call('HVALS', key)) do n = n + (tonumber(v) or 0) end \
         end \
         return n";
-    let sum = common::redis::cli(port, &["EVAL", SUM, "0", &format!("{prefix}*")]);
+    let sum = support::redis::cli(port, &["EVAL", SUM, "0", &format!("{prefix}*")]);
     sum.trim().parse().expect("a whole number")
 }
 
@@ -227,7 +225,7 @@ async fn a_block_unused_on_one_replica_comes_back_for_another() {
     let first = Sluice::on(Store::Redis, &rules(), &flags).await;
     let second = Sluice::on(Store::Redis, &rules(), &flags).await;
     in_one_window(HOUR, async || {
-        let value = format!("{}", common::unix_ms());
+        let value = format!("{}", support::unix_ms());
         // The first replica's callers take most of the limit, then stop: it holds a block.
         let (on_first, callers, stop) = racing_until(&first, &value, LIMIT - 100).await;
         stop.store(true, Ordering::Relaxed);
@@ -287,9 +285,9 @@ async fn sigterm_gives_back_every_block_before_exit() {
     let mut sluice = Sluice::on(Store::Redis, &rules(), &["--redis-key-prefix", &prefix]).await;
     let port = Store::Redis.redis().expect("a Redis").ports[0];
     in_one_window(HOUR, async || {
-        let value = format!("{}", common::unix_ms());
+        let value = format!("{}", support::unix_ms());
         let (admitted, callers, stop) = racing_until(&sluice, &value, LIMIT / 2).await;
-        common::redis::signal(sluice.pid(), "TERM");
+        support::redis::signal(sluice.pid(), "TERM");
         assert!(
             sluice
                 .exited_within(Duration::from_secs(10))
@@ -319,11 +317,11 @@ async fn sigterm_gives_back_every_block_before_exit() {
 /// error here).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_block_is_spent_while_redis_is_down_then_the_policy_answers() {
-    let own = common::redis::dedicated();
+    let own = support::redis::dedicated();
     // A block is never given back for being idle here, however slowly the test goes on.
     let sluice = Sluice::on_own_redis(&own, &rules(), &["--lease-idle", "1h"]).await;
     in_one_window(HOUR, async || {
-        let value = format!("{}", common::unix_ms());
+        let value = format!("{}", support::unix_ms());
         let (_, callers, stop) = racing_until(&sluice, &value, LIMIT / 3).await;
         stop.store(true, Ordering::Relaxed);
         for c in callers {
@@ -335,7 +333,7 @@ async fn a_block_is_spent_while_redis_is_down_then_the_policy_answers() {
             client.should_rate_limit(run(&value)).await.unwrap();
         }
         let held = held(&sluice) as u32;
-        let stopped = common::redis::Stopped::new(common::redis::pid_of(own.ports[0]));
+        let stopped = support::redis::Stopped::new(support::redis::pid_of(own.ports[0]));
         let (mut ok, mut errors) = (0, 0);
         while errors < 3 && ok <= held {
             match client.should_rate_limit(run(&value)).await {
@@ -359,7 +357,7 @@ const MANY: &str = "domain: many\ndescriptors:\n  - key: many\n    lease: auto\n
 async fn load(sluice: &Sluice, args: &[&str]) -> serde_json::Value {
     let mut all = vec!["--domain", "many"];
     all.extend(args);
-    common::load_report(sluice, &all).await
+    support::load_report(sluice, &all).await
 }
 
 /// Asserts that every one of `report`'s requests was admitted, with no error.
@@ -442,7 +440,7 @@ async fn a_full_lease_table_leaves_new_counters_and_other_rules_as_fast_as_an_em
     ];
     let sluice = Sluice::on(Store::Redis, &[("rules.yaml", MANY)], &flags).await;
     in_one_window(HOUR, async || {
-        let run = common::unix_ms();
+        let run = support::unix_ms();
         let (new_empty, big_empty) = new_values_and_another_rule(&sluice, &format!("e{run}")).await;
         let fill = many_values(
             &format!("f{run}"),
@@ -477,7 +475,7 @@ async fn thousands_of_counters_idle_together_all_come_back() {
     let port = Store::Redis.redis().expect("a Redis").ports[0];
     let returned = || metric(&sluice, "sluice_lease_returned_hits_total");
     in_one_window(HOUR, async || {
-        let run = common::unix_ms();
+        let run = support::unix_ms();
         let value = format!("many=v{run}-");
         let report = load(
             &sluice,
@@ -505,7 +503,7 @@ async fn thousands_of_counters_idle_together_all_come_back() {
                 break (returned_then, then);
             }
         };
-        let after = common::settled(
+        let after = support::settled(
             Duration::from_secs(60),
             || counted(port, &prefix),
             |c| *c == admitted,
@@ -536,7 +534,7 @@ async fn a_block_drawn_slowly_gives_back_its_excess_to_another_replica() {
     let a = Sluice::on(Store::Redis, &rules(), &flags).await;
     let b = Sluice::on(Store::Redis, &rules(), &flags).await;
     in_one_window(HOUR, async || {
-        let value = format!("{}", common::unix_ms());
+        let value = format!("{}", support::unix_ms());
         // A's burst stops at half the limit: its last block holds up to an eighth of the rest.
         let (on_a, callers, stop) = racing_until(&a, &value, LIMIT / 2).await;
         stop.store(true, Ordering::Relaxed);

@@ -1,11 +1,11 @@
 //! The tests that need `redis-server` (and `redis-cli`): standalone Redis, Sentinel, Cluster,
-//! failover, faults, leases, the quota service on Redis, and whatever else runs on every store;
-//! one shared standalone server and one shared Cluster per run, and servers of their own for the
-//! tests that stop, reconfigure or read the statistics of one. About 6 minutes of tests on 2 cores.
+//! leases, the quota service on Redis, and whatever else runs on every store; one shared
+//! standalone server and one shared Cluster per run, and servers of their own for the tests that
+//! stop, reconfigure or read the statistics of one. Those that fail Redis over, or fail it under
+//! paced load, are `tests/faults`. Under 6 minutes of tests on 2 cores.
 
 #[macro_use]
-#[path = "../common/mod.rs"]
-mod common;
+extern crate support;
 
 mod algorithms;
 mod answers;
@@ -19,8 +19,6 @@ mod differential;
 mod erl_env;
 mod erl_examples;
 mod explain;
-mod failover;
-mod faults;
 mod holds;
 mod leases;
 mod metrics_mapper;

@@ -4,15 +4,13 @@
 //! a custom one; the values equal the hits decided under envoyproxy/ratelimit's counting; and
 //! `--metrics-addr`/`--metrics-path` serve the same text on an address of their own.
 
-use super::common;
-
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::metrics::{Scrape, scrape, scrape_at};
-use common::{HOUR, OK, OVER_LIMIT, Sluice, Store, free_port, in_one_window, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::google::protobuf::UInt64Value;
+use support::metrics::{Scrape, scrape, scrape_at};
+use support::{HOUR, OK, OVER_LIMIT, Sluice, Store, free_port, in_one_window, request};
 
 const EG_MAPPER: &str = include_str!("../../examples/metrics/envoy-gateway-mapper.yaml");
 
@@ -165,14 +163,14 @@ async fn envoy_gateways_mapping_names_a_cidr_rule_with_its_address_sanitized() {
 async fn the_response_time_is_in_seconds_by_default_and_in_milliseconds_under_envoy_gateway() {
     let eg = mapper_file(EG_MAPPER);
     for mapping in [None, Some(eg.path())] {
-        let own = common::redis::dedicated();
+        let own = support::redis::dedicated();
         let flags = mapping.map_or_else(Vec::new, |path| with_file(&[], path));
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         let sluice = Sluice::on_own_redis(&own, &[("eg.yaml", &docs_example())], &flags).await;
         let mut client = sluice.client().await;
-        common::decide(&mut client, docs_request(Some(0))).await;
-        common::redis::cli(own.ports[0], &["CLIENT", "PAUSE", "500", "ALL"]);
-        common::decide(&mut client, docs_request(Some(0))).await;
+        support::decide(&mut client, docs_request(Some(0))).await;
+        support::redis::cli(own.ports[0], &["CLIENT", "PAUSE", "500", "ALL"]);
+        support::decide(&mut client, docs_request(Some(0))).await;
 
         let m = scrape(sluice.http);
         let name = "ratelimit_service_response_time_seconds";
@@ -307,8 +305,8 @@ async fn metrics_addr_serves_the_metrics_at_its_path() {
         );
         assert_eq!(m.value("go_memstats_gc_cpu_fraction", &[]), 0.0);
     }
-    assert_eq!(common::http(addr, "GET", "/metrics", "").0, 404);
-    assert_eq!(common::http(addr, "GET", "/json", "").0, 404);
+    assert_eq!(support::http(addr, "GET", "/metrics", "").0, 404);
+    assert_eq!(support::http(addr, "GET", "/json", "").0, 404);
 }
 
 /// A mapping file that does not parse stops the start, naming the file and the line

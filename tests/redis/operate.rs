@@ -5,8 +5,6 @@
 //! levels; where `/json` is served; and SIGTERM. Every limit is per hour, and a test counting
 //! against one runs `in_one_window` of an hour.
 
-use super::common;
-
 use std::ops::Range;
 use std::os::unix::fs::symlink;
 use std::path::Path;
@@ -14,15 +12,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::metrics::scrape;
-use common::redis::{evalsha_calls, signal};
-use common::{
-    HOUR, OK, OVER_LIMIT, Sluice, Wait, eventually, http, in_one_window, linked_from_outside,
-    outside_file, request,
-};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::DescriptorStatus;
 use sha2::{Digest, Sha256};
+use support::metrics::scrape;
+use support::redis::{evalsha_calls, signal};
+use support::{
+    HOUR, OK, OVER_LIMIT, Sluice, Wait, eventually, http, in_one_window, linked_from_outside,
+    outside_file, request,
+};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
@@ -30,7 +28,7 @@ use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 /// What is left of the current hour by the wall clock.
 fn left_of_hour() -> Duration {
     let hour = HOUR.as_millis() as u64;
-    Duration::from_millis(hour - common::unix_ms() % hour)
+    Duration::from_millis(hour - support::unix_ms() % hour)
 }
 
 /// `request` with `hits` hits (the request's `hits_addend`).
@@ -87,7 +85,7 @@ descriptors:
 
 /// The six per-rule counters of `descriptor` in domain `ops`: total, within, over, near, shadow,
 /// over with the local cache.
-fn rule_counts(m: &common::metrics::Scrape, descriptor: &str) -> [f64; 6] {
+fn rule_counts(m: &support::metrics::Scrape, descriptor: &str) -> [f64; 6] {
     let labels = [("domain", "ops"), ("descriptor", descriptor)];
     [
         "hits",
@@ -101,7 +99,7 @@ fn rule_counts(m: &common::metrics::Scrape, descriptor: &str) -> [f64; 6] {
 }
 
 /// The same counts under envoyproxy/ratelimit's names (which have no local-cache series).
-fn erl_counts(m: &common::metrics::Scrape, keys: &[(&str, &str)]) -> [f64; 5] {
+fn erl_counts(m: &support::metrics::Scrape, keys: &[(&str, &str)]) -> [f64; 5] {
     let mut labels = vec![("domain", "ops")];
     labels.extend_from_slice(keys);
     [
@@ -283,8 +281,8 @@ descriptors:
 ";
 
 /// A sluice on a Redis of the test's own (whose statistics no other test moves).
-async fn on_own_redis(flags: &[&str]) -> (Sluice, common::redis::Redis) {
-    let own = common::redis::dedicated();
+async fn on_own_redis(flags: &[&str]) -> (Sluice, support::redis::Redis) {
+    let own = support::redis::dedicated();
     let sluice = Sluice::on_own_redis(&own, &[("rules.yaml", HOT)], flags).await;
     (sluice, own)
 }
@@ -838,7 +836,7 @@ async fn config_and_rlconfig_show_the_rules_in_force_their_files_and_hash() {
     };
     assert!((unix(loaded_at) - loaded_at_unix).abs() < 0.002);
     assert!(
-        unix(started) - 1.0 <= loaded_at_unix && loaded_at_unix <= common::unix_ms() as f64 / 1e3,
+        unix(started) - 1.0 <= loaded_at_unix && loaded_at_unix <= support::unix_ms() as f64 / 1e3,
         "loaded at {loaded_at_unix}"
     );
     let m = scrape(sluice.http);
@@ -1023,7 +1021,7 @@ async fn the_admin_root_lists_every_endpoint_it_serves() {
 /// `--json-addr ADDR`: `/json` is served there, and only there; the admin endpoints are not.
 #[tokio::test]
 async fn with_json_addr_json_is_served_on_that_address_only() {
-    let json: std::net::SocketAddr = format!("127.0.0.1:{}", common::free_port())
+    let json: std::net::SocketAddr = format!("127.0.0.1:{}", support::free_port())
         .parse()
         .unwrap();
     let sluice = Sluice::start_with(
@@ -1111,7 +1109,7 @@ async fn sigterm_turns_health_not_serving_then_ends_watch_streams() {
 /// has run out.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_call_outlasting_the_shutdown_grace_does_not_hold_the_process() {
-    let redis = common::redis::Controlled::started();
+    let redis = support::redis::Controlled::started();
     let mut sluice = Sluice::spawn(
         &[("rules.yaml", LOGGED)],
         &[

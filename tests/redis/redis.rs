@@ -1,18 +1,16 @@
 //! What the Redis store adds: exact admission across replicas, one script call per request, key
 //! safety, surviving a flushed script cache, and the sliding window at a window boundary.
 
-use super::common;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use common::{
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use support::{
     HOUR, MINUTE, OK, OVER_LIMIT, Sluice, Store, in_one_window, request, sleep_until_unix_ms,
     unix_ms,
 };
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use tonic::transport::Channel;
 
 fn rules(yaml: &str) -> [(&str, &str); 1] {
@@ -98,9 +96,9 @@ async fn a_request_is_one_script_call(store: Store) {
     );
     sluice.ask(four.clone()).await;
     for _ in 0..5 {
-        let before = common::redis::evalsha_calls(ports);
+        let before = support::redis::evalsha_calls(ports);
         let r = sluice.ask(four.clone()).await;
-        let calls = common::redis::evalsha_calls(ports) - before;
+        let calls = support::redis::evalsha_calls(ports) - before;
         assert_eq!(r.overall_code, OK);
         match store {
             Store::Redis => assert_eq!(calls, 1, "one round trip for 4 descriptors"),
@@ -117,12 +115,12 @@ async fn a_request_is_one_script_call(store: Store) {
 #[tokio::test(flavor = "multi_thread")]
 async fn concurrent_requests_share_script_calls_and_stay_exact() {
     in_one_window(MINUTE, async || {
-        let own = common::redis::dedicated();
+        let own = support::redis::dedicated();
         let sluice = Sluice::on_own_redis(&own, &rules(HUNDRED), &[]).await;
-        let before = common::redis::evalsha_calls(&own.ports);
+        let before = support::redis::evalsha_calls(&own.ports);
         let clients = clients(std::slice::from_ref(&sluice), 64).await;
         let admitted = race(clients, run("shared"), 4).await;
-        let calls = common::redis::evalsha_calls(&own.ports) - before;
+        let calls = support::redis::evalsha_calls(&own.ports) - before;
         assert_eq!(admitted, 100, "256 attempts, limit 100");
         assert!(
             (1..256).contains(&calls),
@@ -168,7 +166,7 @@ async fn a_flushed_script_cache_is_reloaded_without_errors(store: Store) {
         let flusher = tokio::task::spawn_blocking(move || {
             for _ in 0..40 {
                 for &p in &ports {
-                    common::redis::cli(p, &["SCRIPT", "FLUSH"]);
+                    support::redis::cli(p, &["SCRIPT", "FLUSH"]);
                 }
                 std::thread::sleep(Duration::from_millis(5));
             }
@@ -234,7 +232,7 @@ async fn the_sliding_window_smooths_a_window_boundary(store: Store) {
 /// Through Sentinel, sluice finds the primary and counts there.
 async fn sentinel_leads_to_the_primary() {
     in_one_window(HOUR, async || {
-        let redis = common::redis::sentinel();
+        let redis = support::redis::sentinel();
         let yaml =
             "domain: s\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 3}\n";
         let sluice = Sluice::on_own_redis(&redis, &rules(yaml), &[]).await;
@@ -253,7 +251,7 @@ async fn sentinel_leads_to_the_primary() {
             OVER_LIMIT
         );
         assert_eq!(
-            common::redis::evalsha_calls(&redis.ports),
+            support::redis::evalsha_calls(&redis.ports),
             3,
             "the primary ran every check but the last, which the local cache denied"
         );
@@ -297,8 +295,14 @@ fn a_redis_url_without_a_scheme_is_refused_with_the_forms_it_takes() {
         .arg("--config")
         .arg(rules.path())
         .args(["--redis-url", "localhost:6379"])
-        .args(["--grpc-addr", &format!("127.0.0.1:{}", common::free_port())])
-        .args(["--http-addr", &format!("127.0.0.1:{}", common::free_port())])
+        .args([
+            "--grpc-addr",
+            &format!("127.0.0.1:{}", support::free_port()),
+        ])
+        .args([
+            "--http-addr",
+            &format!("127.0.0.1:{}", support::free_port()),
+        ])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()

@@ -4,8 +4,6 @@
 //! the first report of a bucket subscribes the stream; a bucket's global limit is divided among
 //! the streams reporting it, on one replica or several sharing Redis; idle buckets are abandoned.
 
-use super::common;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,10 +14,10 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
 
-use common::metrics::scrape;
-use common::quota::{Flood, PATIENCE, QuotaStream, blanket, bucket, only, share, tokens};
-use common::redis::Controlled;
-use common::{Sluice, Store, request};
+use support::metrics::scrape;
+use support::quota::{Flood, PATIENCE, QuotaStream, blanket, bucket, only, share, tokens};
+use support::redis::Controlled;
+use support::{Sluice, Store, request};
 
 const DOMAIN: &str = "quota";
 
@@ -320,7 +318,7 @@ async fn the_quota_thread_runs_below_the_event_loops() {
 /// share the division with those on the gRPC port; `ShouldRateLimit` is not served there.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_quota_service_has_a_port_of_its_own_when_asked() {
-    let quota_addr = format!("127.0.0.1:{}", common::free_port());
+    let quota_addr = format!("127.0.0.1:{}", support::free_port());
     let sluice = Sluice::start_with(&[("quota.yaml", RULES)], &["--quota-addr", &quota_addr]).await;
     let channel = tonic::transport::Channel::from_shared(format!("http://{quota_addr}"))
         .expect("a URI")
@@ -410,12 +408,12 @@ async fn demand_records_stay_within_their_budget_and_never_lapse_between_two() {
     let port = Store::Redis.redis().unwrap().ports[0];
     // Each demand key's fields and time to live.
     let records = |prefix: &str| -> std::collections::BTreeMap<String, (String, i64)> {
-        let keys = common::redis::cli(port, &["--scan", "--pattern", &format!("{prefix}*")]);
+        let keys = support::redis::cli(port, &["--scan", "--pattern", &format!("{prefix}*")]);
         keys.lines()
             .filter(|k| !k.is_empty())
             .map(|key| {
-                let fields = common::redis::cli(port, &["HGETALL", key]);
-                let ttl = common::redis::cli(port, &["PTTL", key])
+                let fields = support::redis::cli(port, &["HGETALL", key]);
+                let ttl = support::redis::cli(port, &["PTTL", key])
                     .trim()
                     .parse()
                     .unwrap();
@@ -428,7 +426,7 @@ async fn demand_records_stay_within_their_budget_and_never_lapse_between_two() {
     for (budget, recorded, counted_ms, recorded_again) in
         [(Some("1"), 1, 30_000, false), (None, 10, 30_000, true)]
     {
-        let prefix = format!("records-{}-{}:", std::process::id(), common::unix_ms());
+        let prefix = format!("records-{}-{}:", std::process::id(), support::unix_ms());
         let mut flags = vec!["--redis-key-prefix", prefix.as_str()];
         flags.extend(
             budget
@@ -506,10 +504,10 @@ async fn while_redis_is_down_buckets_keep_their_last_assignment() {
     assert_eq!(tokens(&second.ask(&acme, 1, 0).await, 1), 10);
     first.answer().await;
     redis.kill();
-    common::eventually(
+    support::eventually(
         "sluice finds Redis gone",
         Duration::from_secs(10),
-        async || common::http(sluice.http, "GET", "/readyz", "").0 == 503,
+        async || support::http(sluice.http, "GET", "/readyz", "").0 == 503,
     )
     .await;
     assert_eq!(
@@ -657,7 +655,7 @@ async fn bucket_values_of_any_bytes_and_length_are_answered_and_echoed_exactly()
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reload_changes_the_next_assignment_and_config_shows_the_quota_rules() {
     let sluice = Sluice::start_with(&[("quota.yaml", RULES)], &[]).await;
-    let (status, _, body) = common::http(sluice.http, "GET", "/config", "");
+    let (status, _, body) = support::http(sluice.http, "GET", "/config", "");
     assert_eq!(status, 200);
     let config: serde_json::Value = serde_json::from_str(&body).expect("JSON");
     let rules = &config["domains"][0]["quota_buckets"];
@@ -691,7 +689,7 @@ async fn sigterm_ends_open_quota_streams_and_sluice_exits_promptly() {
     let mut sluice = Sluice::start_with(&[("quota.yaml", RULES)], &[]).await;
     let mut envoy = QuotaStream::open(&sluice, DOMAIN).await;
     envoy.ask(&tenant("acme"), 1, 0).await;
-    common::redis::signal(sluice.pid(), "TERM");
+    support::redis::signal(sluice.pid(), "TERM");
     let ended = tokio::time::timeout(PATIENCE, envoy.answers.message())
         .await
         .expect("the stream ends in time");
@@ -1009,7 +1007,7 @@ descriptors:
         )
         .await;
         assert!(
-            matches!(&asked, Ok(Ok(answer)) if answer.get_ref().overall_code == common::OK),
+            matches!(&asked, Ok(Ok(answer)) if answer.get_ref().overall_code == support::OK),
             "request {n} answered OK within 1 s while the reports flood in: {asked:?}"
         );
         if n % 10 == 0 {
@@ -1156,7 +1154,7 @@ descriptors:
         .into_iter()
         .flat_map(|store| targets.iter().map(move |&target| (store, target)))
     {
-        let quota_addr = format!("127.0.0.1:{}", common::free_port());
+        let quota_addr = format!("127.0.0.1:{}", support::free_port());
         // A report of 10,000 buckets is about 500 kB.
         let mut flags = vec!["--store-timeout", "10ms", "--max-request-bytes", "1048576"];
         flags.extend(extra.split_whitespace());

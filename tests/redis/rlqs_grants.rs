@@ -5,8 +5,6 @@
 //! a division changed on one replica reaches the streams of the other within a few round trips
 //! (the time is printed).
 
-use super::common;
-
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
@@ -14,9 +12,9 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQ
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
 use futures_util::FutureExt;
 
-use common::quota::{QuotaStream, bucket, share};
-use common::redis::Controlled;
-use common::{Sluice, Store, eventually};
+use support::quota::{QuotaStream, bucket, share};
+use support::redis::Controlled;
+use support::{Sluice, Store, eventually};
 
 const DOMAIN: &str = "quota";
 const RULES: &str = "
@@ -343,7 +341,7 @@ async fn the_assignments_of_a_bucket_never_add_up_to_more_than_its_limit() {
             clients(&redis) >= connected
                 && [&one, &two]
                     .iter()
-                    .all(|s| common::http(s.http, "GET", "/readyz", "").0 == 200)
+                    .all(|s| support::http(s.http, "GET", "/readyz", "").0 == 200)
         },
     )
     .await;
@@ -536,7 +534,7 @@ async fn a_reload_that_stops_a_rule_dividing_sends_its_fixed_answer_at_once_and_
         let allowed = async {
             loop {
                 let pushed = stream.answer().await;
-                let strategy = common::quota::only(&pushed, &shared());
+                let strategy = support::quota::only(&pushed, &shared());
                 if strategy == Strategy::BlanketRule(BlanketRule::AllowAll as i32) {
                     break;
                 }
@@ -617,7 +615,7 @@ async fn a_replica_cut_off_from_redis_renews_no_share_past_its_record_while_the_
  {
     let redis = Controlled::started();
     let prefix = format!("grants-cut-{}:", std::process::id());
-    let proxy = common::proxy::Proxy::start(redis.port).await;
+    let proxy = support::proxy::Proxy::start(redis.port).await;
     let one = start(&redis, &prefix).await;
     let mut flags = replica(&redis, &prefix);
     flags[1] = format!("redis://127.0.0.1:{}", proxy.port);

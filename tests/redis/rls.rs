@@ -2,17 +2,15 @@
 //! embedded store, on a standalone Redis and on a Redis Cluster. Each test starts its own sluice
 //! with the rules it needs.
 
-use super::common;
-
 use std::time::Duration;
 
-use common::{
-    OK, OVER_LIMIT, Sluice, Store, decide, descriptor, in_one_window, request, sleep_until_unix_ms,
-    unix_ms,
-};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::UInt64Value;
+use support::{
+    OK, OVER_LIMIT, Sluice, Store, decide, descriptor, in_one_window, request, sleep_until_unix_ms,
+    unix_ms,
+};
 
 on_every_store!(
     a_20_per_minute_rule_counts_down_then_denies,

@@ -6,13 +6,11 @@
 //! the replica's own counters are given back when the store denies, and the store is not
 //! charged when they deny.
 
-use super::common;
-
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::proxy::Proxy;
-use common::{OK, Sluice, Store, request, unix_ms};
+use support::proxy::Proxy;
+use support::{OK, Sluice, Store, request, unix_ms};
 
 on_stores!(redis: Redis, cluster: Cluster; each_scope_counts_where_it_says, a_split_limit_follows_the_replicas_that_join_and_leave);
 on_stores!(memory: Memory; a_split_limit_follows_the_replicas_that_join_and_leave);
@@ -162,7 +160,7 @@ async fn each_scope_counts_where_it_says(store: Store) {
 /// This replica's share of the split limit `key`, as its `/counters` shows it; `None` while it
 /// may not use one (`/counters` answers 503: its share is unknown).
 fn share(sluice: &Sluice, key: &str) -> Option<u64> {
-    common::counted_limit(sluice, "scoped", key, "probe")
+    support::counted_limit(sluice, "scoped", key, "probe")
 }
 
 /// Waits, at most `within`, until the replicas' shares of `key` are `shares`.
@@ -194,7 +192,7 @@ async fn shares_become(
 const NEXT_WINDOWS: Duration = Duration::from_secs(10);
 
 async fn a_split_limit_follows_the_replicas_that_join_and_leave(store: Store) {
-    common::in_one_window(common::HOUR, async || joins_and_leaves(store).await).await;
+    support::in_one_window(support::HOUR, async || joins_and_leaves(store).await).await;
 }
 
 /// Within a window (the hour), shares only shrink and a newcomer has none; from the windows
@@ -304,7 +302,7 @@ async fn a_replica_that_never_read_the_live_replicas_answers_split_requests_by_t
     let url = format!("redis://127.0.0.1:{}", unused.local_addr().unwrap().port());
     drop(unused);
     let flags = ["--redis-url", url.as_str(), "--on-store-error", "allow"];
-    let sluice = Sluice::spawn(&[("rules.yaml", RULES)], &flags, None, common::Wait::Live).await;
+    let sluice = Sluice::spawn(&[("rules.yaml", RULES)], &flags, None, support::Wait::Live).await;
     // gRPC is served once the store is not reached within 2 s of the start.
     let deadline = Instant::now() + Duration::from_secs(10);
     let answer = loop {
@@ -363,11 +361,12 @@ async fn two_replicas_in_an_hour(name: &str) -> (Sluice, Sluice, Proxy) {
     tokio::time::sleep(began).await;
     let halves = Duration::from_secs(10);
     let start = Instant::now();
-    while [&a, &b].map(|s| common::counted_limit(s, "hourly", "client", "probe")) != [Some(50); 2] {
+    while [&a, &b].map(|s| support::counted_limit(s, "hourly", "client", "probe")) != [Some(50); 2]
+    {
         assert!(
             start.elapsed() < halves,
             "no halves of the hour after {halves:?}: {:?}\n{}",
-            [&a, &b].map(|s| common::http(s.http, "POST", "/counters", r#"{"domain":"hourly","descriptors":[{"entries":[{"key":"client","value":"probe"}]}]}"#)),
+            [&a, &b].map(|s| support::http(s.http, "POST", "/counters", r#"{"domain":"hourly","descriptors":[{"entries":[{"key":"client","value":"probe"}]}]}"#)),
             a.log_text()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;

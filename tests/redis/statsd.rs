@@ -3,14 +3,12 @@
 //! without extra tags, in the name or DogStatsD's way; and run as `ratelimit` with that project's
 //! environment (statsd on by default), the stats flow.
 
-use super::common;
-
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use common::ratelimit::Ratelimit;
-use common::{MINUTE, OK, OVER_LIMIT, Sluice, Store, in_one_window, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use support::ratelimit::Ratelimit;
+use support::{MINUTE, OK, OVER_LIMIT, Sluice, Store, in_one_window, request};
 use tokio::net::UdpSocket;
 
 /// 2 a minute: of 3 requests, 2 within the limit and 1 over.
@@ -205,7 +203,7 @@ async fn as_ratelimit_the_stats_flow_by_default() {
     let mut statsd = Statsd::bind().await;
     let port = statsd.socket.local_addr().unwrap().port().to_string();
     let rules = "domain: erl\ndescriptors:\n  - key: user\n    rate_limit: {unit: hour, requests_per_unit: 100}\n";
-    let redis = common::redis::standalone();
+    let redis = support::redis::standalone();
     let url = format!("127.0.0.1:{}", redis.ports[0]);
     let prefix = format!("statsd-{}:", std::process::id());
     let env = [

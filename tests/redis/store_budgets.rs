@@ -3,12 +3,10 @@
 //! ones, and no scheduled counter lives in Redis longer than `--max-schedule-ahead` plus its
 //! window. Stores are scaled down with a small `--max-keys`; the process stays up in every test.
 
-use super::common;
-
 use std::net::SocketAddr;
 
-use common::metrics::scrape;
-use common::{HOUR, OK, OVER_LIMIT, Sluice, Store, http, in_one_window, request, unix_ms};
+use support::metrics::scrape;
+use support::{HOUR, OK, OVER_LIMIT, Sluice, Store, http, in_one_window, request, unix_ms};
 use tonic::Code;
 
 const DAY_MS: u64 = 86_400_000;
@@ -98,7 +96,7 @@ async fn post_scheduled(
                 .collect::<Vec<u16>>()
         }));
     }
-    common::gather(tasks).await
+    support::gather(tasks).await
 }
 
 /// Posts one `/json` request for `key=value` at the instant `at`; the status and the body.
@@ -348,17 +346,17 @@ async fn an_instant_past_the_schedule_horizon_is_400_and_scheduled_redis_keys_ex
         assert!(body.contains("--max-schedule-ahead"), "{body}");
     }
     assert_eq!(
-        common::redis::cli(redis.ports[0], &["KEYS", &format!("{prefix}*")]).trim(),
+        support::redis::cli(redis.ports[0], &["KEYS", &format!("{prefix}*")]).trim(),
         "",
         "a refused instant wrote nothing"
     );
 
     let (status, body) = scheduled(sluice.http, "daily", "near", &days_ahead(30));
     assert_eq!(status, 200, "{body}");
-    let keys = common::redis::cli(redis.ports[0], &["KEYS", &format!("{prefix}*")]);
+    let keys = support::redis::cli(redis.ports[0], &["KEYS", &format!("{prefix}*")]);
     let key = keys.trim();
     assert!(!key.is_empty() && !key.contains('\n'), "one key: {keys}");
-    let ttl_ms: u64 = common::redis::cli(redis.ports[0], &["PTTL", key])
+    let ttl_ms: u64 = support::redis::cli(redis.ports[0], &["PTTL", key])
         .trim()
         .parse()
         .expect("a TTL");

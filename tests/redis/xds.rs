@@ -1,20 +1,18 @@
-//! Rules over xDS: a real sluice following the test ADS server (tests/common/xds.rs), as
+//! Rules over xDS: a real sluice following the test ADS server (tests/support/src/xds.rs), as
 //! envoyproxy/ratelimit follows Envoy Gateway's.
-
-use super::common;
 
 use std::time::{Duration, Instant};
 
-use common::xds::{
-    Certs, Received, ServerTlsFiles, XdsServer, certgen, domain, nest, resource, rule,
-};
-use common::{
-    FREED_PAGES_RETURNED, HOUR, OK, OVER_LIMIT, Sluice, Store, Wait, bytes_per_rule, http,
-    in_one_window, request, settled_resident_kb,
-};
 use envoy_types::pb::google::protobuf::Any;
 use envoy_types::pb::google::protobuf::value::Kind;
 use envoy_types::pb::ratelimit::config::ratelimit::v3::{RateLimitConfig, RateLimitUnit};
+use support::xds::{
+    Certs, Received, ServerTlsFiles, XdsServer, certgen, domain, nest, resource, rule,
+};
+use support::{
+    FREED_PAGES_RETURNED, HOUR, OK, OVER_LIMIT, Sluice, Store, Wait, bytes_per_rule, http,
+    in_one_window, request, settled_resident_kb,
+};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -48,7 +46,7 @@ async fn until_code(
     let mut client = sluice.client().await;
     let started = Instant::now();
     while started.elapsed() < limit {
-        if common::decide(&mut client, request(domain, &[entries]))
+        if support::decide(&mut client, request(domain, &[entries]))
             .await
             .overall_code
             == want
@@ -99,7 +97,7 @@ async fn rules_arrive_over_xds_and_decide(store: Store) {
         let first = &server.received()[0];
         assert_eq!(first.version, "", "a new stream starts from no version");
         assert_eq!(first.nonce, "");
-        assert_eq!(first.type_url, common::xds::TYPE_URL);
+        assert_eq!(first.type_url, support::xds::TYPE_URL);
         assert!(first.resource_names.is_empty(), "a wildcard subscription");
         let node = first.node.as_ref().expect("the node is sent");
         assert_eq!(node.id, "envoy-ratelimit");
@@ -191,7 +189,7 @@ async fn a_bad_snapshot_is_nacked_and_the_old_rules_stay() {
         assert_eq!(nack.error.as_deref(), Some(message));
         assert_eq!(code(&sluice, "d", &[("k", "x")]).await, OVER_LIMIT);
     }
-    let m = common::metrics::scrape(sluice.http);
+    let m = support::metrics::scrape(sluice.http);
     assert_eq!(m.value("ratelimit_service_config_load_success", &[]), 1.0);
     assert_eq!(m.value("ratelimit_service_config_load_error", &[]), 3.0);
 }
@@ -507,7 +505,7 @@ async fn a_resent_unchanged_snapshot_is_acked_without_being_converted_again() {
     assert!(!sluice.log_text().contains("not converted again"));
 
     // SIGHUP starts a new stream, on which the server sends the same snapshot again.
-    common::redis::signal(sluice.pid(), "HUP");
+    support::redis::signal(sluice.pid(), "HUP");
     let started = Instant::now();
     while server.received().iter().filter(|r| acked("1")(r)).count() < 2 {
         assert!(started.elapsed() < WAIT, "the re-sent snapshot is ACKed");

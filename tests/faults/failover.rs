@@ -19,16 +19,14 @@
 //! - A Cluster's manual `CLUSTER FAILOVER`, and a slot migrated by `redis-cli --cluster reshard`
 //!   (MOVED, then ASK while its keys move), lose nothing: at most `L` admitted.
 
-use super::common;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::proxy::Proxy;
-use common::redis::{Controlled, ReplicatedCluster, Sentinels};
-use common::{OK, ONE_AT_A_TIME, OVER_LIMIT, Sluice, Store, gather, http, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use support::proxy::Proxy;
+use support::redis::{Controlled, ReplicatedCluster, Sentinels};
+use support::{OK, ONE_AT_A_TIME, OVER_LIMIT, Sluice, Store, gather, http, request};
 use tonic::transport::Channel;
 
 /// A limit no test reaches: every decided answer is OK, with the limit in its status.
@@ -95,7 +93,7 @@ impl Load {
     /// `what` says what that shows, should it never come.
     async fn decided(&self, n: usize, within: Duration, what: &str) {
         let target = self.decided.load(Ordering::Relaxed) + n;
-        common::eventually(what, within, async || {
+        support::eventually(what, within, async || {
             self.decided.load(Ordering::Relaxed) >= target
         })
         .await;
@@ -244,7 +242,7 @@ fn readyz(sluice: &Sluice) -> (u16, String) {
 
 /// `/readyz` once it names the replicas (for at most 10 s): its status and body.
 async fn readyz_naming_replicas(sluice: &Sluice) -> (u16, String) {
-    common::settled(
+    support::settled(
         Duration::from_secs(10),
         || readyz(sluice),
         |(_, body)| body.contains("replica"),
@@ -344,7 +342,7 @@ async fn with_no_replica_left_to_confirm_every_request_gets_the_policy_answer_wi
     )
     .await;
     load.until(Instant::now()).await;
-    let (status, body) = common::settled(
+    let (status, body) = support::settled(
         Duration::from_secs(10),
         || readyz(&sluice),
         |(status, _)| *status == 200,
@@ -368,7 +366,7 @@ async fn on_a_cluster_with_no_replica_left_to_confirm_every_request_gets_the_pol
     let sluice = confirming_sluice(&cluster.url).await;
 
     let load = Load::on(&sluice, CLUSTER_CALLERS, |_| "hot".to_owned()).await;
-    let key = common::settled(
+    let key = support::settled(
         Duration::from_secs(10),
         || cluster.keys("confirm:").pop(),
         Option::is_some,
@@ -396,7 +394,7 @@ async fn on_a_cluster_with_no_replica_left_to_confirm_every_request_gets_the_pol
         cluster.nodes[primary].in_sync()
     })
     .await;
-    let (ready, ready_body) = common::settled(
+    let (ready, ready_body) = support::settled(
         Duration::from_secs(10),
         || readyz(&sluice),
         |(status, _)| *status == 200,

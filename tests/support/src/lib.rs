@@ -1,6 +1,6 @@
 //! Test harness: starts the real `sluice` binary on free loopback ports with the given rule files,
-//! waits until gRPC health reports SERVING, and stops it when dropped.
-#![allow(dead_code)]
+//! waits until gRPC health reports SERVING, and stops it when dropped. A library that every test
+//! binary of `tests/` shares (`support::…`).
 
 pub mod envoy;
 pub mod metrics;
@@ -16,6 +16,7 @@ pub mod xds;
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -121,8 +122,8 @@ macro_rules! on_stores {
         mod $module {
             $(#[tokio::test(flavor = "multi_thread")]
             async fn $test() {
-                $crate::common::in_one_window($crate::common::MINUTE, async || {
-                    super::$test($crate::common::Store::$store).await
+                $crate::in_one_window($crate::MINUTE, async || {
+                    super::$test($crate::Store::$store).await
                 })
                 .await
             })*
@@ -363,7 +364,7 @@ fn serve(
     flags: &[&str],
     log: std::fs::File,
 ) -> Child {
-    let binary = env!("CARGO_BIN_EXE_sluice");
+    let binary = sluice_binary();
     let mut command = match wrapper {
         None => Command::new(binary),
         Some(prelude) => {
@@ -442,7 +443,7 @@ pub async fn load_report(sluice: &Sluice, args: &[&str]) -> serde_json::Value {
     let target = sluice.grpc.to_string();
     let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
     let out = tokio::task::spawn_blocking(move || {
-        Command::new(env!("CARGO_BIN_EXE_sluice"))
+        Command::new(sluice_binary())
             .args(["load", "--json", "--quiet", "--target", &target])
             .args(&args)
             .output()
@@ -805,9 +806,40 @@ pub fn exchange(addr: SocketAddr, request: &[u8]) -> (u16, Vec<(String, String)>
     (status, headers, body.to_owned())
 }
 
+/// The repository's root (the `sluice` package's directory, two above this crate's).
+pub fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .and_then(Path::parent)
+        .expect("tests/support lies two directories below the repository's root")
+}
+
 /// `path` in the repository.
 pub fn repo_file(path: &str) -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
+    root().join(path)
+}
+
+/// The `sluice` binary that `cargo test` built with the running test binary, one directory above
+/// it: `target/<profile>/deps/<test>-<hash>` runs `target/<profile>/sluice`.
+pub fn sluice_binary() -> PathBuf {
+    static BINARY: OnceLock<PathBuf> = OnceLock::new();
+    BINARY
+        .get_or_init(|| {
+            let test = std::env::current_exe().expect("the running test binary's path");
+            let binary = test
+                .parent()
+                .and_then(Path::parent)
+                .expect("a test binary in target/<profile>/deps/")
+                .join(format!("sluice{}", std::env::consts::EXE_SUFFIX));
+            assert!(
+                binary.is_file(),
+                "no sluice binary at {} (beside the test binary {}'s directory)",
+                binary.display(),
+                test.display()
+            );
+            binary
+        })
+        .clone()
 }
 
 /// The number the environment variable `name` holds, if set (a generated test's knob); any

@@ -5,15 +5,13 @@
 //! window's end; forty clients reading it at once share its renders,
 //! leaving the probes quick and the memory bounded.
 
-use super::common;
-
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{HOUR, OVER_LIMIT, Sluice, http, in_one_window, memory_kb, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use support::{HOUR, OVER_LIMIT, Sluice, http, in_one_window, memory_kb, request};
 
 const RULES: &str = "domain: edge\ndescriptors:\n  - key: remote_address\n    rate_limit: {unit: hour, requests_per_unit: 20}\n";
 

@@ -73,7 +73,7 @@ impl Runtime {
         std::fs::create_dir_all(&config).unwrap();
         std::fs::write(config.join("erl.yaml"), rules).unwrap();
         let link = dir.path().join("ratelimit");
-        std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_sluice"), &link).unwrap();
+        std::os::unix::fs::symlink(super::sluice_binary(), &link).unwrap();
         Runtime { dir, link }
     }
 

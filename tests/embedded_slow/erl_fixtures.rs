@@ -5,17 +5,15 @@
 //! test asks of the loaded configuration (each descriptor's limit, the rule it matches, the names
 //! of its metrics). `--merge-domains` joins the merge fixtures as its `MERGE_DOMAIN_CONFIG` does.
 
-use super::common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::metrics::scrape;
-use common::redis::signal;
-use common::{MINUTE, OK, OVER_LIMIT, Sluice, http, in_one_window, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use support::metrics::scrape;
+use support::redis::signal;
+use support::{MINUTE, OK, OVER_LIMIT, Sluice, http, in_one_window, request};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/envoyproxy-ratelimit")

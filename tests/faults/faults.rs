@@ -2,19 +2,17 @@
 //! started yet. Under each `--on-store-error` policy, answers stay prompt, Redis decides again soon
 //! after it is back, and a counter holds exactly the requests answered with a decided OK.
 
-use super::common;
-
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::redis::Controlled;
-use common::{
-    HOUR, OK, ONE_AT_A_TIME, OVER_LIMIT, Sluice, Store, Wait, gather, http, in_one_window, request,
-};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use support::redis::Controlled;
+use support::{
+    HOUR, OK, ONE_AT_A_TIME, OVER_LIMIT, Sluice, Store, Wait, gather, http, in_one_window, request,
+};
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 use tonic_health::pb::HealthCheckRequest;
@@ -155,7 +153,7 @@ impl Load {
 
     /// Waits, at most 10 s, until `WARM` of their answers are decided: the load is under way.
     async fn under_way(&self) {
-        common::eventually(
+        support::eventually(
             "the callers are decided",
             Duration::from_secs(10),
             async || self.decided.load(Ordering::Relaxed) >= WARM,
@@ -211,7 +209,7 @@ fn decided_received_after(answers: &[Answer], after: Instant) -> usize {
 /// The count of the test's one counter (0 when it does not exist).
 /// The counter once it holds `expected`, or after 10 s: refunds reach Redis after their answers.
 async fn counter_settled(redis: &Controlled, expected: usize) -> usize {
-    common::settled(
+    support::settled(
         Duration::from_secs(10),
         || counter(redis),
         |n| *n == expected,
@@ -565,11 +563,11 @@ async fn why_redis_cannot_be_reached_is_said_and_counted() {
             "{url}: /readyz named the cause {:?} after sluice was live, not within a second",
             live.elapsed()
         );
-        let counted = common::metrics::scrape(sluice.http)
+        let counted = support::metrics::scrape(sluice.http)
             .get("sluice_store_unreachable_total", &[("kind", kind)])
             .unwrap_or(0.0);
         assert!(counted >= 1.0, "{url}: {kind} counted {counted} times");
-        let log = common::settled(
+        let log = support::settled(
             Duration::from_secs(3),
             || sluice.log_text(),
             |log| log.contains(said),

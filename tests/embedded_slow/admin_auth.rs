@@ -6,13 +6,11 @@
 //! that the admin endpoints are open, and `/counters` changes nothing (403) unless the port is
 //! declared trusted (`--trust-admin-port`): a client cannot reset its own limit.
 
-use super::common;
-
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::metrics::scrape;
-use common::{Sluice, exchange, http};
+use support::metrics::scrape;
+use support::{Sluice, exchange, http};
 
 const RULES: &str =
     "domain: web\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 2}\n";

@@ -4,14 +4,12 @@
 //! while its client carries on. The descriptor limit is lowered (`ulimit -n 256`) so that a few
 //! hundred connections are past it.
 
-use super::common;
-
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use common::{OK, Sluice, Wait, http, request};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use support::{OK, Sluice, Wait, http, request};
 use tonic::transport::Endpoint;
 
 const RULES: &str = "\

@@ -7,6 +7,11 @@ use std::time::Duration;
 pub struct Rng(pub u64);
 
 impl Rng {
+    /// The next number of the sequence.
+    #[expect(
+        clippy::should_implement_trait,
+        reason = "an endless sequence read a number at a time, never an iterator's Option"
+    )]
     pub fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;

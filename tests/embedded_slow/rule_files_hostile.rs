@@ -3,21 +3,19 @@
 //! and entries that cannot be read. `check-config` reports each at its `file:line` and exits 1;
 //! a running sluice refuses it on reload, keeps the rules in force and keeps answering.
 
-use super::common;
-
 use std::net::SocketAddr;
 use std::os::unix::fs::symlink;
 use std::path::Path;
 use std::process::{Command, ExitStatus};
 use std::time::{Duration, Instant};
 
-use common::metrics::scrape;
-use common::redis::signal;
-use common::{
+use envoy_types::pb::google::protobuf::{Struct, value::Kind};
+use support::metrics::scrape;
+use support::redis::signal;
+use support::{
     FREED_PAGES_RETURNED, HOUR, OK, OVER_LIMIT, Sluice, Wait, bytes_per_rule, eventually, http,
     in_one_window, linked_from_outside, outside_file, request, settled_resident_kb, steady,
 };
-use envoy_types::pb::google::protobuf::{Struct, value::Kind};
 
 /// The deepest `descriptors`, `metadata` and YAML nesting a rule file may have, and the most
 /// keys of a quota bucket (as sluice names them).
