@@ -87,6 +87,7 @@ use std::time::Duration;
 use envoy_types::pb::google::protobuf::UInt64Value;
 use futures_util::FutureExt;
 
+use support::history::{Log, replay_label};
 use support::redis::Controlled;
 use support::rng::Rng;
 use support::{HOUR, OVER_LIMIT, Sluice, Store, request};
@@ -603,11 +604,10 @@ struct Figures {
 
 /// The history so far, the model, and the processes.
 struct History {
-    /// The seed and how to replay it, or the hand-picked history's name.
-    label: String,
     began: u64,
     step: usize,
-    log: Vec<String>,
+    /// Under the seed and how to replay it, or the hand-picked history's name.
+    log: Log,
     model: Model,
     figures: Figures,
     rng: Rng,
@@ -641,17 +641,11 @@ impl History {
     }
 
     fn note(&mut self, what: String) {
-        let at = self.ms(support::unix_ms());
-        self.log.push(format!("{at:>6} ms  {what}"));
+        self.log.note(what);
     }
 
     fn fail(&self, what: String) -> ! {
-        panic!(
-            "hold history {}, step {}: {what}\n{}",
-            self.label,
-            self.step,
-            self.log.join("\n")
-        )
+        self.log.fail(self.step, what, "")
     }
 
     fn fresh(&mut self, prefix: &str) -> String {
@@ -1280,10 +1274,9 @@ async fn run(label: String, seed: u64, events: Vec<Event>) -> Figures {
         })
         .collect();
     let mut h = History {
-        label,
         began: support::unix_ms(),
         step: 0,
-        log: Vec::new(),
+        log: Log::new(label),
         model: Model::default(),
         figures: Figures::default(),
         rng: Rng(seed ^ 0x5eed),
@@ -1306,7 +1299,7 @@ async fn run(label: String, seed: u64, events: Vec<Event>) -> Figures {
     h.finish().await;
     println!(
         "hold history {}: {} steps, {} answers checked, {} settles bounded, {}\n{}",
-        h.label,
+        h.log.label,
         h.figures.steps,
         h.figures.answers,
         h.figures.bounded,
@@ -1315,15 +1308,14 @@ async fn run(label: String, seed: u64, events: Vec<Event>) -> Figures {
         } else {
             "bounded at the end"
         },
-        h.log.join("\n")
+        h.log.text()
     );
     h.figures
 }
 
 /// One seed's history, in one hour (run again if an hour ended while it failed).
 async fn once(seed: u64, steps: usize) -> Figures {
-    let label =
-        format!("seed {seed} (replay: HOLD_HISTORY_SEED={seed} HOLD_HISTORY_STEPS={steps})");
+    let label = replay_label("HOLD", seed, steps);
     let mut figures = Figures::default();
     support::in_one_window(HOUR, async || {
         figures = run(label.clone(), seed, generate(seed, steps)).await

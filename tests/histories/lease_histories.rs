@@ -27,6 +27,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use support::history::{Log, replay_label};
 use support::redis::Controlled;
 use support::rng::Rng;
 use support::{OK, Sluice, Store};
@@ -504,7 +505,6 @@ fn explain(sluice: &Sluice, key: &str, values: &[String]) -> Vec<serde_json::Val
 
 /// Replicas, their Redis, the model and the history.
 struct World {
-    label: String,
     /// Before `redis`: dropped first, so a failing test's sluice logs end where it failed.
     replicas: Vec<Sluice>,
     redis: Controlled,
@@ -514,9 +514,9 @@ struct World {
     targets: Targets,
     /// Each Redis key's counter.
     keys: HashMap<String, usize>,
-    began: Instant,
     step: usize,
-    history: Vec<String>,
+    /// Under the seed and how to replay it, or the hand-picked history's name.
+    log: Log,
 }
 
 impl World {
@@ -584,7 +584,6 @@ impl World {
             answers: 0,
         };
         World {
-            label,
             redis,
             prefix,
             replicas: sluices,
@@ -592,25 +591,18 @@ impl World {
             model,
             targets,
             keys,
-            began: Instant::now(),
             step: 0,
-            history: Vec::new(),
+            log: Log::new(label),
         }
     }
 
-    fn since(&self, at: Instant) -> u128 {
-        at.saturating_duration_since(self.began).as_millis()
-    }
-
     fn note(&mut self, what: String) {
-        let line = format!("+{}ms {what}", self.since(Instant::now()));
-        self.history.push(line);
+        self.log.note(what);
     }
 
     /// Prints the history and fails, naming the step.
     fn fail(&self, why: &str) -> ! {
-        eprintln!("history of {}:\n{}", self.label, self.history.join("\n"));
-        panic!("{}, step {}: {why}", self.label, self.step);
+        self.log.fail(self.step, why, "")
     }
 
     /// Runs `flows` together and records every answer, in the order they came.
@@ -637,13 +629,8 @@ impl World {
                 Outcome::Denied(w) => format!("over w{w}"),
                 Outcome::Failed(e) => format!("failed: {e}"),
             };
-            let line = format!(
-                "  +{}ms r{} {} {what}",
-                self.since(a.at),
-                a.replica,
-                self.model.name(a.counter)
-            );
-            self.history.push(line);
+            let line = format!("r{} {} {what}", a.replica, self.model.name(a.counter));
+            self.log.detail_at(a.at, line);
             if let Some(violation) = self.model.record(a) {
                 self.fail(&violation);
             }
@@ -684,7 +671,7 @@ impl World {
                 assert!(
                     holds >= *least,
                     "{}: replica {replica} holds {holds}",
-                    self.label
+                    self.log.label
                 );
             }
             Event::Settle => self.settle().await,
@@ -921,7 +908,7 @@ impl World {
     fn summary(&self, took: Duration) -> String {
         format!(
             "{}: {} steps, {} answers checked, {} windows, {} failed calls, in {took:?}",
-            self.label,
+            self.log.label,
             self.step,
             self.model.answers,
             self.model.tallies.len(),
@@ -1082,19 +1069,14 @@ async fn history(
     }
     // The events, and with `LEASE_HISTORY_ANSWERS` set every answer, for `--nocapture`.
     let answers = std::env::var_os("LEASE_HISTORY_ANSWERS").is_some();
-    for line in world
-        .history
-        .iter()
-        .filter(|l| answers || !l.starts_with(' '))
-    {
+    for line in world.log.lines(answers) {
         println!("{line}");
     }
     println!("{}", world.summary(started.elapsed()));
 }
 
 async fn seeded(seed: u64, steps: usize) {
-    let label =
-        format!("seed {seed} (replay: LEASE_HISTORY_SEED={seed} LEASE_HISTORY_STEPS={steps})");
+    let label = replay_label("LEASE", seed, steps);
     history(
         label,
         REPLICAS,

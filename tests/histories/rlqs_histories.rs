@@ -51,6 +51,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tonic::transport::{Channel, Endpoint};
 
+use support::history::{Log, replay_label};
 use support::quota::{QuotaStream, bucket, share};
 use support::redis::Controlled;
 use support::rng::Rng;
@@ -413,9 +414,8 @@ struct Goal {
 
 /// The model: every Envoy and what it was told, the limit in force, and the history.
 struct Model {
-    label: String,
-    began: Instant,
-    history: Vec<String>,
+    /// Under the seed and how to replay it, or the hand-picked history's name.
+    log: Log,
     envoys: Vec<Envoy>,
     /// The limit in force.
     limit: u64,
@@ -430,18 +430,16 @@ struct Model {
 
 impl Model {
     fn since(&self, at: Instant) -> u128 {
-        at.saturating_duration_since(self.began).as_millis()
+        self.log.since(at)
     }
 
     fn note(&mut self, what: String) {
-        let line = format!("+{}ms {what}", self.since(Instant::now()));
-        self.history.push(line);
+        self.log.note(what);
     }
 
     /// A report or an answer: printed with `QUOTA_HISTORY_ANSWERS`.
     fn detail(&mut self, what: String) {
-        let line = format!("  +{}ms {what}", self.since(Instant::now()));
-        self.history.push(line);
+        self.log.detail(what);
     }
 
     /// Prints the history and every Envoy's state, and fails, naming the step.
@@ -468,14 +466,8 @@ impl Model {
                 )
             })
             .collect();
-        eprintln!(
-            "history of {}:\n{}\nenvoys at +{}ms:\n{}",
-            self.label,
-            self.history.join("\n"),
-            self.since(now),
-            envoys.join("\n")
-        );
-        panic!("{}, step {}: {why}", self.label, self.figures.steps);
+        let state = format!("envoys at +{}ms:\n{}", self.since(now), envoys.join("\n"));
+        self.log.fail(self.figures.steps, why, &state)
     }
 
     /// The Envoys connected now, by id.
@@ -1037,9 +1029,7 @@ impl World {
             replicas.push(Sluice::on(store, &[("quota.yaml", &file)], &flags).await);
         }
         let model = Model {
-            label,
-            began: Instant::now(),
-            history: Vec::new(),
+            log: Log::new(label),
             envoys: Vec::new(),
             limit: LIMIT,
             reloading: None,
@@ -1402,19 +1392,14 @@ async fn history(label: String, setup: Setup, events: &[Event]) -> Figures {
     }
     world.liveness().await;
     let answers = std::env::var_os("QUOTA_HISTORY_ANSWERS").is_some();
-    for line in world
-        .model
-        .history
-        .iter()
-        .filter(|l| answers || !l.starts_with(' '))
-    {
+    for line in world.model.log.lines(answers) {
         println!("{line}");
     }
     let f = world.model.figures.clone();
     println!(
         "{}: {} steps, {} answers checked, worst sum {:.3} of the limit, fair shares after \
          {:?}, slowest re-division {:?}, in {:?}",
-        world.model.label,
+        world.model.log.label,
         f.steps,
         f.answers,
         f.worst,
@@ -1426,8 +1411,7 @@ async fn history(label: String, setup: Setup, events: &[Event]) -> Figures {
 }
 
 async fn seeded(seed: u64, steps: usize, setup: Setup) -> Figures {
-    let label =
-        format!("seed {seed} (replay: QUOTA_HISTORY_SEED={seed} QUOTA_HISTORY_STEPS={steps})");
+    let label = replay_label("QUOTA", seed, steps);
     history(label, setup, &generate(seed, steps, setup)).await
 }
 

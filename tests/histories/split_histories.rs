@@ -22,6 +22,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use support::history::{Log, replay_label};
 use support::proxy::Proxy;
 use support::redis::Controlled;
 use support::rng::Rng;
@@ -117,28 +118,6 @@ struct Slot {
     admitted: u64,
 }
 
-struct History {
-    seed: u64,
-    began: Instant,
-    log: Vec<String>,
-}
-
-impl History {
-    fn note(&mut self, what: String) {
-        let at = self.began.elapsed().as_millis();
-        self.log.push(format!("{at:>6} ms  {what}"));
-    }
-
-    fn fail(&self, step: usize, what: String) -> ! {
-        panic!(
-            "split history, seed {} (SPLIT_HISTORY_SEED={}), step {step}: {what}\n{}",
-            self.seed,
-            self.seed,
-            self.log.join("\n")
-        )
-    }
-}
-
 fn signal(sluice: &Sluice, name: &str) {
     let status = Command::new("kill")
         .args([name, &sluice.pid().to_string()])
@@ -168,11 +147,10 @@ async fn run(seed: u64, steps: usize) {
     }
     // What every process admitted in the hour, those gone included.
     let mut in_the_window = 0;
-    let mut h = History {
-        seed,
-        began: Instant::now(),
-        log: Vec::new(),
-    };
+    let mut h = Log::new(format!(
+        "split history, {}",
+        replay_label("SPLIT", seed, steps)
+    ));
     for (step, event) in events.into_iter().enumerate() {
         h.note(format!("step {step}: {event:?}"));
         match event {
@@ -205,10 +183,18 @@ async fn run(seed: u64, steps: usize) {
                         if admitted { "admitted" } else { "denied" }
                     ));
                     if admitted && before >= share {
-                        h.fail(step, format!("r{slot} admitted past its share of {share}"));
+                        h.fail(
+                            step,
+                            format!("r{slot} admitted past its share of {share}"),
+                            "",
+                        );
                     }
                     if !admitted && before < share {
-                        h.fail(step, format!("r{slot} denied under its share of {share}"));
+                        h.fail(
+                            step,
+                            format!("r{slot} denied under its share of {share}"),
+                            "",
+                        );
                     }
                     if in_the_window > LIMIT {
                         h.fail(
@@ -216,6 +202,7 @@ async fn run(seed: u64, steps: usize) {
                             format!(
                                 "the replicas admitted {in_the_window} in the hour, past {LIMIT}"
                             ),
+                            "",
                         );
                     }
                 }
@@ -238,7 +225,7 @@ async fn run(seed: u64, steps: usize) {
                     .await
                     .is_none()
                 {
-                    h.fail(step, format!("r{slot} did not stop on SIGTERM"));
+                    h.fail(step, format!("r{slot} did not stop on SIGTERM"), "");
                 }
                 s.running = false;
             }
@@ -267,7 +254,7 @@ async fn run(seed: u64, steps: usize) {
         }
         settled(&mut h, step, &slots).await;
     }
-    println!("split history, seed {seed}:\n{}", h.log.join("\n"));
+    println!("{}:\n{}", h.label, h.text());
 }
 
 /// A replica reaching Redis through `proxy`.
@@ -279,7 +266,7 @@ async fn replica(proxy: &Proxy, rules: &str) -> Sluice {
 
 /// Waits, at most `SETTLE`, until the running replicas' shares of the per-second limit are that
 /// limit divided among them, adding up to it.
-async fn settled(h: &mut History, step: usize, slots: &[Slot]) {
+async fn settled(h: &mut Log, step: usize, slots: &[Slot]) {
     let running: Vec<&Sluice> = slots
         .iter()
         .filter(|s| s.running)
@@ -309,6 +296,7 @@ async fn settled(h: &mut History, step: usize, slots: &[Slot]) {
                 format!(
                     "the shares of the {n} running replicas are {shares:?} after {SETTLE:?}, not {EACH_SECOND} divided among them"
                 ),
+                "",
             );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;

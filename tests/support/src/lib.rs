@@ -3,6 +3,7 @@
 //! binary of `tests/` shares (`support::…`).
 
 pub mod envoy;
+pub mod history;
 pub mod metrics;
 pub mod otlp;
 pub mod proxy;
