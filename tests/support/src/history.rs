@@ -3,10 +3,12 @@
 //! history that passes, under `--nocapture`).
 
 use std::fmt::Display;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+use super::{in_one_window, rng, unix_ms};
 
 /// How to replay the history of `seed`: `seed S (replay: <NAME>_HISTORY_SEED=S
-/// <NAME>_HISTORY_STEPS=N)`, the knobs `super::histories` reads.
+/// <NAME>_HISTORY_STEPS=N)`, the knobs `histories` reads.
 pub fn replay_label(name: &str, seed: u64, steps: usize) -> String {
     format!("seed {seed} (replay: {name}_HISTORY_SEED={seed} {name}_HISTORY_STEPS={steps})")
 }
@@ -69,4 +71,46 @@ impl Log {
         eprintln!("history of {}:\n{}\n{state}", self.label, self.text());
         panic!("{}, step {step}: {why}", self.label);
     }
+}
+
+/// Runs the generated histories of `name`: `run(seed, steps)` for the seed
+/// `<NAME>_HISTORY_SEED` names, else for fresh seeds during `<NAME>_HISTORY_MINUTES` minutes,
+/// else for `seeds`; each of `<NAME>_HISTORY_STEPS` steps (`steps` unless set), in one window of
+/// `window`.
+pub async fn histories(
+    name: &str,
+    seeds: &[u64],
+    steps: usize,
+    window: Duration,
+    mut run: impl AsyncFnMut(u64, usize),
+) {
+    let knob = |what: &str| format!("{name}_HISTORY_{what}");
+    let steps = env_number(&knob("STEPS")).unwrap_or(steps);
+    if let Some(seed) = env_number::<u64>(&knob("SEED")) {
+        return in_one_window(window, async || run(seed, steps).await).await;
+    }
+    let Some(minutes) = env_number::<u64>(&knob("MINUTES")) else {
+        for &seed in seeds {
+            in_one_window(window, async || run(seed, steps).await).await;
+        }
+        return;
+    };
+    let until = Instant::now() + Duration::from_secs(minutes * 60);
+    let mut fresh = rng::Rng(unix_ms());
+    let mut histories = 0;
+    while Instant::now() < until {
+        let seed = fresh.next();
+        in_one_window(window, async || run(seed, steps).await).await;
+        histories += 1;
+    }
+    println!("{histories} histories in {minutes} minutes");
+}
+
+/// The number the environment variable `name` holds, if set (a generated test's knob); any
+/// other value stops the test.
+pub fn env_number<T: std::str::FromStr>(name: &str) -> Option<T> {
+    std::env::var(name).ok().map(|v| {
+        v.parse()
+            .unwrap_or_else(|_| panic!("{name}: not a number: {v}"))
+    })
 }

@@ -1,10 +1,16 @@
 //! Test harness: starts the real `sluice` binary on free loopback ports with the given rule files,
-//! waits until gRPC health reports SERVING, and stops it when dropped. A library that every test
-//! binary of `tests/` shares (`support::…`).
+//! waits until gRPC health reports SERVING, and stops it when dropped; asks it as Envoy would. A
+//! library that every test binary of `tests/` shares (`support::…`). The rest by concern, in its
+//! modules: raw HTTP (`http`), the wall clock's windows (`windows`), resident memory (`memory`),
+//! `openssl`, the generated histories' knobs and log (`history`), and the servers the tests run
+//! beside sluice (`redis`, `envoy`, `ratelimit`, `xds`, `otlp`, `proxy`, `quota`, `rlqs`).
 
 pub mod envoy;
 pub mod history;
+pub mod http;
+pub mod memory;
 pub mod metrics;
+pub mod openssl;
 pub mod otlp;
 pub mod proxy;
 pub mod quota;
@@ -12,7 +18,15 @@ pub mod ratelimit;
 pub mod redis;
 pub mod rlqs;
 pub mod rng;
+pub mod windows;
 pub mod xds;
+
+// The helpers every test binary reaches for, at the crate's root as before.
+pub use history::{env_number, histories};
+pub use http::{exchange, http};
+pub use memory::{FREED_PAGES_RETURNED, bytes_per_rule, memory_kb, settled_resident_kb};
+pub use openssl::openssl;
+pub use windows::{HOUR, MINUTE, in_one_window, sleep_until_unix_ms, unix_ms};
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -510,56 +524,6 @@ pub async fn eventually(what: &str, limit: Duration, mut ready: impl AsyncFnMut(
     panic!("timed out after {limit:?} waiting until {what}");
 }
 
-/// The wrapper that tells sluice's allocator to return freed pages at once, so that its
-/// resident memory counts only what it holds.
-pub const FREED_PAGES_RETURNED: Option<&str> = Some("export MIMALLOC_PURGE_DELAY=0;");
-
-/// The resident memory each of `rules` adds, in bytes: `resident_kb` (the resident memory of a
-/// sluice given so many rules, in kB) for `rules` against `few` (1 or 0).
-pub async fn bytes_per_rule(
-    rules: usize,
-    few: usize,
-    resident_kb: impl AsyncFn(usize) -> u64,
-) -> u64 {
-    let grown = resident_kb(rules)
-        .await
-        .saturating_sub(resident_kb(few).await);
-    grown * 1024 / rules as u64
-}
-
-/// The resident memory of sluice `pid` once settled, in kB: once it has not moved for half a
-/// second, what loading freed has been given back (read for at most 10 s).
-pub async fn settled_resident_kb(pid: u32) -> u64 {
-    steady(Duration::from_millis(500), Duration::from_secs(10), || {
-        memory_kb(pid, "VmRSS")
-    })
-    .await
-}
-
-/// A field of /proc/PID/status, in kB (`VmRSS`, `VmHWM`).
-pub fn memory_kb(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/PID/status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{field} in /proc/{pid}/status"))
-}
-
-/// Runs `openssl` with `args`, which must succeed.
-pub fn openssl(args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("openssl runs (install openssl)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// Waits for every task and returns what they returned, in order.
 pub async fn gather<T>(tasks: Vec<tokio::task::JoinHandle<Vec<T>>>) -> Vec<T> {
     let mut all = Vec::new();
@@ -569,46 +533,10 @@ pub async fn gather<T>(tasks: Vec<tokio::task::JoinHandle<Vec<T>>>) -> Vec<T> {
     all
 }
 
-/// The wall clock, in ms since the Unix epoch (the clock sluice's windows are aligned to).
-pub fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
-
-/// Sleeps until the wall clock reads `at` (ms since the Unix epoch).
-pub async fn sleep_until_unix_ms(at: u64) {
-    tokio::time::sleep(Duration::from_millis(at.saturating_sub(unix_ms()))).await;
-}
-
 /// Held by the tests whose timing bounds assume the machine to themselves (Redis failing over,
 /// paused or killed under paced load): one of them at a time in a test binary, whatever module it
 /// is in; the other test thread meanwhile mostly waits for it too, as tests start in name order.
 pub static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// A minute and an hour: the windows most tests count in.
-pub const MINUTE: Duration = Duration::from_secs(60);
-pub const HOUR: Duration = Duration::from_secs(3600);
-
-/// Runs `test`, whose assertions hold only while no epoch-aligned `window` ends, and runs it once
-/// more only when it failed and one did end (each run counts from fresh counters: a sluice or
-/// values of its own). A failure within one window is the verdict, and so is the second run's:
-/// two runs that together last less than a window cannot both see one of its ends. No test
-/// waits for the wall clock.
-pub async fn in_one_window(window: Duration, mut test: impl AsyncFnMut()) {
-    use futures_util::FutureExt;
-    let window = window.as_millis() as u64;
-    let began = unix_ms() / window;
-    let Err(failure) = std::panic::AssertUnwindSafe(test()).catch_unwind().await else {
-        return;
-    };
-    if unix_ms() / window == began {
-        std::panic::resume_unwind(failure);
-    }
-    eprintln!("a window ended while the test ran, which its assertions rule out: it runs again");
-    test().await;
-}
 
 /// Polls gRPC health until SERVING, for at most 15 s or until the process exits.
 pub async fn wait_serving(child: &mut Child, grpc: SocketAddr) -> bool {
@@ -734,79 +662,6 @@ pub fn counted_limit(sluice: &Sluice, domain: &str, key: &str, value: &str) -> O
     answer["counters"][0]["limit"]["requests_per_unit"].as_u64()
 }
 
-/// Runs the generated histories of `name`: `run(seed, steps)` for the seed
-/// `<NAME>_HISTORY_SEED` names, else for fresh seeds during `<NAME>_HISTORY_MINUTES` minutes,
-/// else for `seeds`; each of `<NAME>_HISTORY_STEPS` steps (`steps` unless set), in one window of
-/// `window`.
-pub async fn histories(
-    name: &str,
-    seeds: &[u64],
-    steps: usize,
-    window: Duration,
-    mut run: impl AsyncFnMut(u64, usize),
-) {
-    let knob = |what: &str| format!("{name}_HISTORY_{what}");
-    let steps = env_number(&knob("STEPS")).unwrap_or(steps);
-    if let Some(seed) = env_number::<u64>(&knob("SEED")) {
-        return in_one_window(window, async || run(seed, steps).await).await;
-    }
-    let Some(minutes) = env_number::<u64>(&knob("MINUTES")) else {
-        for &seed in seeds {
-            in_one_window(window, async || run(seed, steps).await).await;
-        }
-        return;
-    };
-    let until = Instant::now() + Duration::from_secs(minutes * 60);
-    let mut fresh = rng::Rng(unix_ms());
-    let mut histories = 0;
-    while Instant::now() < until {
-        let seed = fresh.next();
-        in_one_window(window, async || run(seed, steps).await).await;
-        histories += 1;
-    }
-    println!("{histories} histories in {minutes} minutes");
-}
-
-/// Sends a raw HTTP/1.1 request to `addr` and returns (status, headers, body).
-pub fn http(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    body: &str,
-) -> (u16, Vec<(String, String)>, String) {
-    let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    exchange(addr, request.as_bytes())
-}
-
-/// Sends the raw HTTP/1.1 `request` to `addr` (the server closes after answering) and returns
-/// (status, headers, body); the body is read lossily as UTF-8.
-pub fn exchange(addr: SocketAddr, request: &[u8]) -> (u16, Vec<(String, String)>, String) {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr).expect("HTTP connects");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    stream.write_all(request).expect("the request is sent");
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).expect("an HTTP response");
-    let raw = String::from_utf8_lossy(&raw);
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-    let mut lines = head.lines();
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("an HTTP status line: {head}"));
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    (status, headers, body.to_owned())
-}
-
 /// The repository's root (the `sluice` package's directory, two above this crate's).
 pub fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -841,13 +696,4 @@ pub fn sluice_binary() -> PathBuf {
             binary
         })
         .clone()
-}
-
-/// The number the environment variable `name` holds, if set (a generated test's knob); any
-/// other value stops the test.
-pub fn env_number<T: std::str::FromStr>(name: &str) -> Option<T> {
-    std::env::var(name).ok().map(|v| {
-        v.parse()
-            .unwrap_or_else(|_| panic!("{name}: not a number: {v}"))
-    })
 }
