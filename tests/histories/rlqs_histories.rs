@@ -1473,15 +1473,15 @@ async fn generated_histories_never_grant_past_the_limit_and_reach_fair_shares() 
     );
 }
 
-/// The other fixed seeds, beside the first two (the run above does without the knobs).
-#[tokio::test(flavor = "multi_thread")]
-async fn the_other_fixed_seeds_never_grant_past_the_limit_and_reach_fair_shares() {
+/// The other fixed seeds, beside the first two (the run above does without the knobs), in two
+/// tests that run side by side.
+async fn fixed_seeds(seeds: &[u64]) {
     if support::env_number::<u64>("QUOTA_HISTORY_SEED").is_some()
         || support::env_number::<u64>("QUOTA_HISTORY_MINUTES").is_some()
     {
         return;
     }
-    for seed in &SEEDS[2..] {
+    for seed in seeds {
         seeded(
             *seed,
             support::env_number("QUOTA_HISTORY_STEPS").unwrap_or(STEPS),
@@ -1489,6 +1489,16 @@ async fn the_other_fixed_seeds_never_grant_past_the_limit_and_reach_fair_shares(
         )
         .await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_third_and_fourth_fixed_seeds_never_grant_past_the_limit_and_reach_fair_shares() {
+    fixed_seeds(&SEEDS[2..4]).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_fifth_and_sixth_fixed_seeds_never_grant_past_the_limit_and_reach_fair_shares() {
+    fixed_seeds(&SEEDS[4..]).await;
 }
 
 /// The sequence of the issue: two replicas, A and C on the first, B on the second, each
