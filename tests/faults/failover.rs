@@ -150,9 +150,9 @@ async fn caller(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_failover_behind_a_fixed_address_is_decided_again_within_seconds() {
-    let _alone = ONE_AT_A_TIME.lock().await;
     let old = Controlled::started();
     let new = Controlled::started();
+    let _alone = ONE_AT_A_TIME.lock().await;
     let primary = old.port.to_string();
     new.cli(&["REPLICAOF", "127.0.0.1", &primary]);
     wait_in_sync(&new);
@@ -303,11 +303,11 @@ async fn confirming_sluice(url: &str) -> Sluice {
 #[tokio::test(flavor = "multi_thread")]
 async fn with_no_replica_left_to_confirm_every_request_gets_the_policy_answer_within_its_deadline()
 {
-    let _alone = ONE_AT_A_TIME.lock().await;
     let primary = Controlled::started();
     let mut replica =
         Controlled::started_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
     wait_in_sync(&replica);
+    let _alone = ONE_AT_A_TIME.lock().await;
     let sluice = confirming_sluice(&primary.url).await;
 
     let load = Load::start(&sluice).await;
@@ -361,8 +361,8 @@ const CLUSTER_NO_REPLICA_ANSWERED: Duration = Duration::from_secs(1);
 #[tokio::test(flavor = "multi_thread")]
 async fn on_a_cluster_with_no_replica_left_to_confirm_every_request_gets_the_policy_answer_within_its_deadline()
  {
-    let _alone = ONE_AT_A_TIME.lock().await;
     let mut cluster = ReplicatedCluster::start();
+    let _alone = ONE_AT_A_TIME.lock().await;
     let sluice = confirming_sluice(&cluster.url).await;
 
     let load = Load::on(&sluice, CLUSTER_CALLERS, |_| "hot".to_owned()).await;
@@ -631,8 +631,7 @@ async fn when(what: &str, mut ready: impl FnMut() -> bool) -> Instant {
 }
 
 /// The Sentinel race: the replica cut off `LAG` before its primary is killed.
-async fn sentinel_promotion(confirm: bool) -> Measured {
-    let mut redis = Sentinels::start();
+async fn sentinel_promotion(mut redis: Sentinels, confirm: bool) -> Measured {
     let sluice = racing_sluice(&redis.url, confirm).await;
     let race = Race::start(&sluice, "hot", RACE_PACE).await;
     race.admitted(L / 3).await;
@@ -655,8 +654,9 @@ async fn sentinel_promotion(confirm: bool) -> Measured {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn with_replica_confirmation_a_sentinel_promotion_of_a_lagging_replica_never_over_admits() {
+    let deployment = Sentinels::start();
     let _alone = ONE_AT_A_TIME.lock().await;
-    let measured = sentinel_promotion(true).await;
+    let measured = sentinel_promotion(deployment, true).await;
     eprintln!("Sentinel, confirmed: {}", measured.summary());
     assert!(measured.admitted <= L, "{}", measured.summary());
     measured.bounded();
@@ -665,8 +665,9 @@ async fn with_replica_confirmation_a_sentinel_promotion_of_a_lagging_replica_nev
 #[tokio::test(flavor = "multi_thread")]
 async fn without_replica_confirmation_a_sentinel_promotion_of_a_lagging_replica_admits_the_lost_hits_again()
  {
+    let deployment = Sentinels::start();
     let _alone = ONE_AT_A_TIME.lock().await;
-    let measured = sentinel_promotion(false).await;
+    let measured = sentinel_promotion(deployment, false).await;
     eprintln!(
         "Sentinel, unconfirmed: {} hits lost; {}",
         measured.admitted.saturating_sub(L),
@@ -678,8 +679,7 @@ async fn without_replica_confirmation_a_sentinel_promotion_of_a_lagging_replica_
 
 /// The Cluster race: the replica of the counter's primary cut off `LAG` before its primary is
 /// killed.
-async fn cluster_promotion(confirm: bool) -> Measured {
-    let mut cluster = ReplicatedCluster::start();
+async fn cluster_promotion(mut cluster: ReplicatedCluster, confirm: bool) -> Measured {
     let sluice = racing_sluice(&cluster.url, confirm).await;
     let race = Race::start(&sluice, "hot", RACE_PACE).await;
     race.admitted(L / 3).await;
@@ -705,8 +705,9 @@ async fn cluster_promotion(confirm: bool) -> Measured {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn with_replica_confirmation_a_cluster_promotion_of_a_lagging_replica_never_over_admits() {
+    let deployment = ReplicatedCluster::start();
     let _alone = ONE_AT_A_TIME.lock().await;
-    let measured = cluster_promotion(true).await;
+    let measured = cluster_promotion(deployment, true).await;
     eprintln!("Cluster, confirmed: {}", measured.summary());
     assert!(measured.admitted <= L, "{}", measured.summary());
     measured.bounded();
@@ -715,8 +716,9 @@ async fn with_replica_confirmation_a_cluster_promotion_of_a_lagging_replica_neve
 #[tokio::test(flavor = "multi_thread")]
 async fn without_replica_confirmation_a_cluster_promotion_of_a_lagging_replica_admits_the_lost_hits_again()
  {
+    let deployment = ReplicatedCluster::start();
     let _alone = ONE_AT_A_TIME.lock().await;
-    let measured = cluster_promotion(false).await;
+    let measured = cluster_promotion(deployment, false).await;
     eprintln!(
         "Cluster, unconfirmed: {} hits lost; {}",
         measured.admitted.saturating_sub(L),
@@ -728,8 +730,8 @@ async fn without_replica_confirmation_a_cluster_promotion_of_a_lagging_replica_a
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_manual_cluster_failover_under_load_loses_nothing() {
-    let _alone = ONE_AT_A_TIME.lock().await;
     let cluster = ReplicatedCluster::start();
+    let _alone = ONE_AT_A_TIME.lock().await;
     let sluice = racing_sluice(&cluster.url, false).await;
     let race = Race::start(&sluice, "hot", RACE_PACE).await;
     race.admitted(L / 3).await;
@@ -775,8 +777,8 @@ fn slot_ranges(cluster: &ReplicatedCluster) -> Vec<(u16, u16, u16)> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_slot_resharded_under_load_keeps_its_counts() {
-    let _alone = ONE_AT_A_TIME.lock().await;
     let cluster = ReplicatedCluster::start();
+    let _alone = ONE_AT_A_TIME.lock().await;
     // A value whose counter's slot comes early in its primary's range, so that resharding the
     // first slots of that primary moves it (`redis-cli --cluster reshard` takes them in order):
     // a scout request names 64 values, and the counters' keys tell their slots.

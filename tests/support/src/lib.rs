@@ -535,7 +535,8 @@ pub async fn gather<T>(tasks: Vec<tokio::task::JoinHandle<Vec<T>>>) -> Vec<T> {
 
 /// Held by the tests whose timing bounds assume the machine to themselves (Redis failing over,
 /// paused or killed under paced load): one of them at a time in a test binary, whatever module it
-/// is in; the other test thread meanwhile mostly waits for it too, as tests start in name order.
+/// is in, from the start of sluice and its load to the end; the other test thread meanwhile
+/// starts its Redis deployment (servers, a cluster, Sentinels: mostly waiting), then waits too.
 pub static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Polls gRPC health until SERVING, for at most 15 s or until the process exits.
