@@ -106,6 +106,14 @@ pub async fn histories(
     println!("{histories} histories in {minutes} minutes");
 }
 
+/// Whether `<NAME>_HISTORY_SEED` or `<NAME>_HISTORY_MINUTES` is set: the generated test of
+/// `name` runs what they say, and the tests that run the rest of its fixed seeds beside it run
+/// nothing.
+pub fn replaying(name: &str) -> bool {
+    env_number::<u64>(&format!("{name}_HISTORY_SEED")).is_some()
+        || env_number::<u64>(&format!("{name}_HISTORY_MINUTES")).is_some()
+}
+
 /// The number the environment variable `name` holds, if set (a generated test's knob); any
 /// other value stops the test.
 pub fn env_number<T: std::str::FromStr>(name: &str) -> Option<T> {

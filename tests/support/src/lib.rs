@@ -22,7 +22,7 @@ pub mod windows;
 pub mod xds;
 
 // The helpers every test binary reaches for, at the crate's root as before.
-pub use history::{env_number, histories};
+pub use history::{env_number, histories, replaying};
 pub use http::{exchange, http};
 pub use memory::{FREED_PAGES_RETURNED, bytes_per_rule, memory_kb, settled_resident_kb};
 pub use openssl::openssl;
