@@ -245,7 +245,7 @@ fn swap(rules: &Rules, loaded: RuleSet, trigger: &str, telemetry: &Telemetry) {
     let hash = loaded.origin().hash.clone();
     telemetry.rules_loaded(&hash, true);
     let paths = loaded.rule_paths();
-    telemetry.rules_kept(|domain, rule| paths.contains(&(domain, rule)));
+    telemetry.rules_kept(|domain, rule| paths.contains(domain, rule));
     drop(paths);
     let domains = loaded.domains();
     rules.replace(loaded);

@@ -19,6 +19,7 @@ pub use explain::{Stop, Walk};
 pub use quota::QuotaRule;
 
 use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasher, RandomState};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, LazyLock};
 use std::time::SystemTime;
@@ -98,6 +99,22 @@ impl Default for Origin {
             loaded_at: SystemTime::now(),
             over_xds: false,
         }
+    }
+}
+
+/// The (domain, rule path) of every rule of a set, as the sorted hashes of a key of this
+/// process: 8 bytes a rule, where a set of the paths themselves would take 32 and a table's
+/// room on top (a swap of 480,000 rules peaked 50 MB higher with one). Two paths with the same
+/// hash would keep the series of a removed rule, never forget that of a rule in force.
+pub struct RulePaths {
+    hasher: RandomState,
+    hashes: Vec<u64>,
+}
+
+impl RulePaths {
+    pub fn contains(&self, domain: &str, path: &str) -> bool {
+        let hash = self.hasher.hash_one((domain, path));
+        self.hashes.binary_search(&hash).is_ok()
     }
 }
 
@@ -409,10 +426,16 @@ impl RuleSet {
 
     /// Every (domain, rule path), for pruning the metrics of rules a reload removed: gathered
     /// when asked rather than kept beside the rules, which it would cost a tenth more.
-    pub fn rule_paths(&self) -> HashSet<(&str, &str)> {
-        self.nodes()
-            .map(|node| (node.stats.domain(), node.path()))
-            .collect()
+    pub fn rule_paths(&self) -> RulePaths {
+        let hasher = RandomState::new();
+        let mut hashes: Vec<u64> = self
+            .nodes()
+            .map(|node| hasher.hash_one((node.stats.domain(), node.path())))
+            .collect();
+        hashes.sort_unstable();
+        hashes.dedup();
+        hashes.shrink_to_fit();
+        RulePaths { hasher, hashes }
     }
 
     /// When the calendar window of each rule with a limit on the calendar ends (its soonest,
@@ -786,9 +809,13 @@ descriptors:
         let set = rules(
             "domain: d\ndescriptors:\n  - key: a\n    value: x\n    descriptors:\n      - key: b\n        rate_limit: {unit: second, requests_per_unit: 1}\n  - key: c\n    value: y*\n",
         );
-        let mut paths: Vec<(&str, &str)> = set.rule_paths().into_iter().collect();
-        paths.sort();
-        assert_eq!(paths, [("d", "a_x"), ("d", "a_x.b"), ("d", "c_y*")]);
+        let paths = set.rule_paths();
+        for path in ["a_x", "a_x.b", "c_y*"] {
+            assert!(paths.contains("d", path), "{path}");
+        }
+        for (domain, path) in [("d", "a"), ("d", "a_x.b.c"), ("d", "c_y"), ("e", "a_x")] {
+            assert!(!paths.contains(domain, path), "{domain} {path}");
+        }
     }
 
     #[test]
