@@ -186,15 +186,16 @@ impl Tally {
     }
 }
 
-/// Runs the load: the callers spread over a few threads, each a single-threaded runtime (over
-/// gRPC, one per HTTP/2 connection), so that the generator spends little CPU per request.
+/// Threads the load runs on at most, each a single-threaded runtime.
+const MOST_THREADS: usize = 4;
+
+/// Runs the load: the callers spread over at most `MOST_THREADS` threads, each a
+/// single-threaded runtime (over gRPC, holding every `threads`-th HTTP/2 connection), so that
+/// the generator spends little CPU per request however many connections it opens.
 pub async fn run(options: Options) -> anyhow::Result<Report> {
     let threads = match options.http {
-        Some(_) => options.concurrency.clamp(1, 4),
-        None => options
-            .connections
-            .unwrap_or(options.concurrency.clamp(1, 4))
-            .clamp(1, options.concurrency.max(1)),
+        Some(_) => options.concurrency.clamp(1, MOST_THREADS),
+        None => connections(&options).min(MOST_THREADS),
     };
     let duration = match (options.duration, options.requests) {
         (Some(d), _) => Some(d),
@@ -283,8 +284,18 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
     })
 }
 
-/// The callers numbered `thread`, `thread + threads`, …: over gRPC sharing one connection, over
-/// HTTP each with its own.
+/// The HTTP/2 connections of a gRPC load: `--connections`, else one per thread; at most one
+/// per caller.
+fn connections(options: &Options) -> usize {
+    options
+        .connections
+        .unwrap_or(options.concurrency.clamp(1, MOST_THREADS))
+        .clamp(1, options.concurrency.max(1))
+}
+
+/// The callers of thread `thread`: over HTTP, those numbered `thread`, `thread + threads`, …,
+/// each with its own connection; over gRPC, caller `i` shares connection `i % connections`
+/// with the others of it, and connection `c` is served by thread `c % threads`.
 async fn thread_load(
     options: Arc<Options>,
     thread: usize,
@@ -293,31 +304,44 @@ async fn thread_load(
     sent: Arc<AtomicU64>,
     done: Arc<AtomicU64>,
 ) -> anyhow::Result<Tally> {
-    let indices = (thread..options.concurrency).step_by(threads);
-    let mut clients = Vec::with_capacity(indices.len());
-    match &options.http {
+    let (indices, clients) = match &options.http {
         Some(target) => {
-            for _ in indices.clone() {
+            let indices: Vec<usize> = (thread..options.concurrency).step_by(threads).collect();
+            let mut clients = Vec::with_capacity(indices.len());
+            for _ in &indices {
                 clients.push(Client::Http(
                     HttpClient::connect(target, &options.headers).await?,
                 ));
             }
+            (indices, clients)
         }
         None => {
-            let channel = Endpoint::from_shared(format!("http://{}", options.target))?
-                .tcp_nodelay(true)
-                .connect_timeout(CONNECT_TIMEOUT)
-                .connect()
-                .await
-                .with_context(|| format!("connecting to {}", options.target))?;
-            clients.extend(
-                indices
-                    .clone()
-                    .map(|_| Client::Grpc(RateLimitServiceClient::new(channel.clone()))),
-            );
+            let connections = connections(&options);
+            let mut channels = Vec::new();
+            for _ in (thread..connections).step_by(threads) {
+                let channel = Endpoint::from_shared(format!("http://{}", options.target))?
+                    .tcp_nodelay(true)
+                    .connect_timeout(CONNECT_TIMEOUT)
+                    .connect()
+                    .await
+                    .with_context(|| format!("connecting to {}", options.target))?;
+                channels.push(channel);
+            }
+            let indices: Vec<usize> = (0..options.concurrency)
+                .filter(|i| i % connections % threads == thread)
+                .collect();
+            let clients = indices
+                .iter()
+                .map(|i| {
+                    let channel = &channels[i % connections / threads];
+                    Client::Grpc(RateLimitServiceClient::new(channel.clone()))
+                })
+                .collect();
+            (indices, clients)
         }
-    }
+    };
     let callers: Vec<_> = indices
+        .into_iter()
         .zip(clients)
         .map(|(i, client)| {
             tokio::spawn(caller(

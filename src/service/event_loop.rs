@@ -14,12 +14,12 @@ use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 
 use super::conns::{self, CLOSE_GRACE, Slot, Timers, Tracked};
+use super::dispatch::Dispatch;
 use super::rlqs::Rlqs;
 use super::setup::Setup;
 use super::shutdown::Shutdown;
 use super::tls::ServerTls;
 use crate::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
-use crate::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use sluice_core::store::StoreError;
 
 /// How long a gRPC connection, once served, may go before its first call: one that never calls
@@ -121,10 +121,8 @@ impl Grpc {
             };
             let rlqs = self.setup.rlqs(self.shutdown.clone());
             let max = self.setup.edges.max_request_bytes;
-            let mut routes = self.routes(rlqs)?;
-            routes
-                .add_service(RateLimitServiceServer::from_arc(rls).max_decoding_message_size(max));
-            self.connections(routes, incoming).await;
+            let services = Dispatch::new(self.routes(rlqs)?).with_rls(rls, max);
+            self.connections(services, incoming).await;
             Ok(())
         })
     }
@@ -136,13 +134,13 @@ impl Grpc {
         incoming: mpsc::UnboundedReceiver<Handed>,
     ) -> anyhow::Result<()> {
         let rlqs = self.setup.rlqs(self.shutdown.clone());
-        let routes = self.routes(rlqs)?;
-        self.connections(routes, incoming).await;
+        let services = Dispatch::new(self.routes(rlqs)?);
+        self.connections(services, incoming).await;
         Ok(())
     }
 
     /// The services every gRPC listener serves: health, reflection and the quota service.
-    fn routes(&self, rlqs: Rlqs) -> anyhow::Result<tonic::service::RoutesBuilder> {
+    fn routes(&self, rlqs: Rlqs) -> anyhow::Result<tonic::service::Routes> {
         let max = self.setup.edges.max_request_bytes;
         let reflection_v1 = reflection().build_v1().context("reflection v1")?;
         let reflection_v1alpha = reflection().build_v1alpha().context("reflection v1alpha")?;
@@ -155,16 +153,12 @@ impl Grpc {
             .add_service(reflection_v1.max_decoding_message_size(max))
             .add_service(reflection_v1alpha.max_decoding_message_size(max))
             .add_service(RateLimitQuotaServiceServer::new(rlqs).max_decoding_message_size(max));
-        Ok(routes)
+        Ok(routes.routes().prepare())
     }
 
-    /// Serves the connections sent on `incoming` with `routes` until `shutdown` fires and they
-    /// are finished.
-    async fn connections(
-        self,
-        routes: tonic::service::RoutesBuilder,
-        mut incoming: mpsc::UnboundedReceiver<Handed>,
-    ) {
+    /// Serves the connections sent on `incoming` with `services` until `shutdown` fires and
+    /// they are finished.
+    async fn connections(self, services: Dispatch, mut incoming: mpsc::UnboundedReceiver<Handed>) {
         let edges = self.setup.edges;
         let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
         http2
@@ -173,7 +167,7 @@ impl Grpc {
             .max_concurrent_streams(edges.max_concurrent_streams)
             .max_header_list_size(edges.max_header_list_bytes);
         let serving = Arc::new(Serving {
-            routes: routes.routes().prepare(),
+            services,
             http2,
             tls: self.setup.tls.clone(),
             answer_within: REQUEST_MESSAGE + self.setup.fallback.store_timeout,
@@ -206,7 +200,7 @@ impl Grpc {
 
 /// How an event loop serves each of its gRPC connections.
 struct Serving {
-    routes: tonic::service::Routes,
+    services: Dispatch,
     http2: hyper::server::conn::http2::Builder<TokioExecutor>,
     tls: Option<ServerTls>,
     answer_within: Duration,
@@ -234,7 +228,7 @@ impl Serving {
         };
         let peer = stream.peer_addr().ok().map(|a| a.ip());
         let service = TowerToHyperService::new(
-            Tracked::new(self.routes.clone(), &slot, self.answer_within, late).with_peer(peer),
+            Tracked::new(self.services.clone(), &slot, self.answer_within, late).with_peer(peer),
         );
         match &self.tls {
             None => {

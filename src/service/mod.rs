@@ -14,7 +14,8 @@
 //!   drain at shutdown;
 //! - `setup`: what a server is made of (`Setup`, `Edges`, `Addrs`), and the services it makes;
 //! - `shutdown`, `in_force` (the rules every request reads, swapped by `reload`), `readiness`;
-//! - `accept` (accepting and handing out connections), `event_loop` (the loops serving gRPC),
+//! - `accept` (accepting and handing out connections), `event_loop` (the loops serving gRPC;
+//!   `dispatch`: what they serve, `ShouldRateLimit` straight, the rest through tonic's router),
 //!   `conns` (every connection's bounds), `tls`;
 //! - `admin` (the admin HTTP servers), `http` (their routes), `explain`, `gauges`, `render`;
 //! - the services: `rls` (with `decide`: the cache, leases and the store, and `metadata`) and
@@ -27,6 +28,7 @@ mod conns;
 mod counted;
 mod counters;
 mod decide;
+mod dispatch;
 mod event_loop;
 pub mod explain;
 mod gauges;

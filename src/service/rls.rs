@@ -21,7 +21,6 @@ use crate::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use crate::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit, rate_limit,
 };
-use crate::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use crate::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::telemetry::traces;
 use crate::telemetry::{PolicyAnswer, Telemetry};
@@ -350,19 +349,21 @@ impl Bounds {
     }
 }
 
-#[tonic::async_trait]
-impl RateLimitService for Rls {
-    async fn should_rate_limit(
-        &self,
+impl Rls {
+    /// `RateLimitService.ShouldRateLimit`, timed, in the caller's trace.
+    pub(super) async fn should_rate_limit(
+        self: Arc<Self>,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let started = Instant::now();
         let caller_timeout = grpc_timeout(request.metadata());
-        let span = traces::call_span(&self.telemetry, request.metadata());
-        let answer = self
-            .answer(request.get_ref(), caller_timeout, None)
-            .instrument(span)
-            .await;
+        let answering = self.answer(request.get_ref(), caller_timeout, None);
+        let answer = if self.telemetry.tracing() {
+            let span = traces::call_span(&self.telemetry, request.metadata());
+            answering.instrument(span).await
+        } else {
+            answering.await
+        };
         self.telemetry.answered(started.elapsed());
         answer.map(Response::new)
     }

@@ -61,6 +61,46 @@ async fn load_reports_errors_by_grpc_code() {
     );
 }
 
+/// `--connections` opens that many HTTP/2 connections, however many callers share them and
+/// however few threads carry them: counted by a proxy in front of sluice.
+#[tokio::test]
+async fn load_opens_as_many_grpc_connections_as_asked() {
+    in_one_window(HOUR, async || {
+        let rules = "domain: bench\ndescriptors:\n  - key: key\n    rate_limit: {unit: hour, requests_per_unit: 1000}\n";
+        let sluice = Sluice::start(rules).await;
+        let proxy = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let target = proxy.local_addr().unwrap().to_string();
+        let accepted = Arc::new(AtomicU64::new(0));
+        let counted = accepted.clone();
+        let upstream = sluice.grpc;
+        let proxying = tokio::spawn(async move {
+            while let Ok((mut client, _)) = proxy.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    if let Ok(mut server) = tokio::net::TcpStream::connect(upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+            }
+        });
+        let out = tokio::task::spawn_blocking(move || {
+            std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+                .args(["load", "--json", "--quiet", "--target", &target])
+                .args(["--domain", "bench", "--descriptor", "key=v"])
+                .args(["--requests", "120", "--concurrency", "12", "--connections", "9"])
+                .output()
+                .expect("sluice load runs")
+        })
+        .await
+        .unwrap();
+        proxying.abort();
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("a JSON report");
+        assert_eq!(report["ok"], 120, "{report}");
+        assert_eq!(accepted.load(Ordering::SeqCst), 9, "connections opened");
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn load_over_http_counts_answers_by_status_over_kept_alive_connections() {
     // Every 4th request that carries the header gets 429, every 4th 503, the rest 200; a request
