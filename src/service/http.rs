@@ -47,6 +47,7 @@ pub fn admin(readiness: Readiness, rules: Rules, gauges: Gauges, access: &AdminA
     let config = rules.clone();
     let telemetry = gauges.telemetry.clone();
     Router::new()
+        .merge(super::ui::console(gauges.clone(), rules.clone(), access))
         .route("/healthz", get(|| async { "ok\n" }))
         .merge(metrics_route("/metrics", gauges))
         .route("/top", {
@@ -111,6 +112,14 @@ const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
         "the rules in force as envoyproxy/ratelimit prints them",
     ),
     ("GET /top", "who is being limited right now (?n=, ?period=)"),
+    (
+        "GET /ui",
+        "the console: who is being limited, the rules, why, counters, the store",
+    ),
+    (
+        "GET /status",
+        "the store, the split replicas and the quota service, as JSON",
+    ),
     (
         "POST /explain",
         "how the rules match a request, counting nothing",

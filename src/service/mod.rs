@@ -17,7 +17,8 @@
 //! - `accept` (accepting and handing out connections), `event_loop` (the loops serving gRPC;
 //!   `dispatch`: what they serve, `ShouldRateLimit` straight, the rest through tonic's router),
 //!   `conns` (every connection's bounds), `tls`;
-//! - `admin` (the admin HTTP servers), `http` (their routes), `explain`, `gauges`, `render`;
+//! - `admin` (the admin HTTP servers), `http` (their routes), `explain`, `gauges`, `render`,
+//!   `ui` (the console: one page and `/status`);
 //! - the services: `rls` (with `decide`: the cache, leases and the store, and `metadata`) and
 //!   `rlqs` (the quota service's gRPC face over `crate::quota`).
 
@@ -44,6 +45,7 @@ mod server;
 mod setup;
 mod shutdown;
 pub mod tls;
+mod ui;
 
 pub use auth::{AdminAccess, AdminToken};
 pub use conns::MaxAge;

@@ -11,3 +11,4 @@ mod invalid;
 mod layers;
 mod lifecycle;
 mod load;
+mod ui;

@@ -37,8 +37,9 @@ async fn cool_down() {
     tokio::time::sleep(Duration::from_millis(1_100)).await;
 }
 
-const GUARDED: [(&str, &str, &str); 3] = [
+const GUARDED: [(&str, &str, &str); 4] = [
     ("GET", "/top", ""),
+    ("GET", "/status", ""),
     ("POST", "/explain", BODY),
     ("POST", "/json", BODY),
 ];

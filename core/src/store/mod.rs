@@ -177,6 +177,14 @@ impl Backend {
         }
     }
 
+    /// The store's kind, as the console names it: `memory` (the embedded store) or `redis`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Backend::Memory(_) => "memory",
+            Backend::Redis { .. } => "redis",
+        }
+    }
+
     /// The prefix of the Redis keys; `None` on the embedded store.
     pub fn redis_key_prefix(&self) -> Option<&str> {
         match self {

@@ -34,8 +34,8 @@ pub struct ListenerFlags {
     #[arg(long, env = "SLUICE_QUOTA_ADDR")]
     quota_addr: Option<SocketAddr>,
     /// Address of the admin HTTP server: /healthz, /readyz, /healthcheck, /metrics, /config,
-    /// /rlconfig, /top, /explain, /counters, / (the list of them), and /json unless --json-addr
-    /// moves it.
+    /// /rlconfig, /top, /ui (the console), /status, /explain, /counters, / (the list of them),
+    /// and /json unless --json-addr moves it.
     #[arg(long, env = "SLUICE_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     http_addr: SocketAddr,
     /// Where /json (which moves counters) is served: an address of its own, or `off`. Without
