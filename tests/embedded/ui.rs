@@ -83,3 +83,26 @@ async fn status_tells_the_store_and_the_rules_in_force() {
     let config: serde_json::Value = serde_json::from_str(&config).unwrap();
     assert_eq!(status["rules_hash"], config["hash"]);
 }
+
+/// `/status` tells when each calendar window ends, which the console shows beside its rule.
+#[tokio::test]
+async fn status_tells_when_each_calendar_window_ends() {
+    let rules = "domain: web\ndescriptors:\n  - key: day\n    rate_limit: {unit: day, requests_per_unit: 5, calendar: true}\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 2}\n";
+    let sluice = Sluice::start(rules).await;
+    let (_, _, body) = http(sluice.http, "GET", "/status", "");
+    let status: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let ends = status["calendar_ends"].as_array().expect("calendar_ends");
+    assert_eq!(ends.len(), 1, "{status}");
+    assert_eq!(ends[0]["domain"], "web");
+    assert_eq!(ends[0]["rule"], "day");
+    let end_ms = ends[0]["ends_ms"].as_u64().unwrap();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    assert!(
+        end_ms > now_ms && end_ms <= now_ms + 86_400_000,
+        "{end_ms} against {now_ms}"
+    );
+    assert_eq!(end_ms % 86_400_000, 0, "a UTC day ends at midnight");
+}

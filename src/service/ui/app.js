@@ -7,6 +7,9 @@ const TOKEN = "sluice-admin-token";
 const HISTORY_SECONDS = 600;
 const history = new Map();
 let rulesHash = null;
+let rulesConfig = null;
+// When each calendar rule's window ends (ms since the Unix epoch), by domain and rule path.
+let calendarEnds = new Map();
 let dryRun = null;
 // Set when the admin port refused the page for want of the token: it asks nothing more until
 // one is entered (each refusal makes the port wait a second for this client).
@@ -158,9 +161,14 @@ function showStatus(status) {
   list.replaceChildren(...facts.flatMap(([name, value]) => [el("dt", name), el("dd", value)]));
   list.dataset.reachable = String(status.store.reachable);
   fill("quota", status.quota.rules, (q) => [q.domain, q.rule, q.subscribed, rate(q.rate)]);
+  const ends = new Map(status.calendar_ends.map((c) => [c.domain + "\u0000" + c.rule, c.ends_ms]));
+  const endsChanged = JSON.stringify([...ends]) !== JSON.stringify([...calendarEnds]);
+  calendarEnds = ends;
   if (status.rules_hash !== rulesHash) {
     rulesHash = status.rules_hash;
     json("/config").then(showRules).catch(showError);
+  } else if (endsChanged && rulesConfig) {
+    showRules(rulesConfig);
   }
 }
 
@@ -176,11 +184,15 @@ function limitText(l) {
   return parts.join(" ");
 }
 
-function ruleItem(d, file, path) {
-  const here = path.concat(d.value === undefined ? d.key : d.key + "=" + d.value);
+function ruleItem(domain, d, file, path) {
+  const step = { shown: d.value === undefined ? d.key : d.key + "=" + d.value,
+                 named: d.value === undefined ? d.key : d.key + "_" + d.value };
+  const here = path.concat(step);
   const li = el("li");
-  li.append(el("code", here.join(" → "), "path"));
+  li.append(el("code", here.map((s) => s.shown).join(" → "), "path"));
   for (const l of d.rate_limits || []) li.append(el("span", limitText(l), "limit"));
+  const end = calendarEnds.get(domain + "\u0000" + here.map((s) => s.named).join("."));
+  if (end) li.append(el("span", "window ends " + new Date(end).toLocaleString(), "flag"));
   for (const flag of ["scope", "lease", "counting"]) {
     if (d[flag]) li.append(el("span", flag + " " + d[flag], "flag"));
   }
@@ -189,13 +201,14 @@ function ruleItem(d, file, path) {
   li.append(el("span", file + (d.line ? ":" + d.line : ""), "source"));
   if (d.descriptors && d.descriptors.length) {
     const ul = el("ul");
-    ul.append(...d.descriptors.map((c) => ruleItem(c, file, here)));
+    ul.append(...d.descriptors.map((c) => ruleItem(domain, c, file, here)));
     li.append(ul);
   }
   return li;
 }
 
 function showRules(config) {
+  rulesConfig = config;
   document.getElementById("rules-origin").textContent =
     "hash " + config.hash + ", loaded " + config.loaded_at;
   const list = document.getElementById("rules-list");
@@ -203,7 +216,7 @@ function showRules(config) {
     const section = el("div", null, "domain");
     section.append(el("h3", d.domain));
     const ul = el("ul");
-    ul.append(...d.descriptors.map((r) => ruleItem(r, d.file, [])));
+    ul.append(...d.descriptors.map((r) => ruleItem(d.domain, r, d.file, [])));
     section.append(ul);
     return section;
   }));

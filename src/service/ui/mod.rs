@@ -13,6 +13,7 @@ use serde_json::{Value, json};
 use super::auth::{AdminAccess, guarded};
 use super::gauges::Gauges;
 use super::in_force::Rules;
+use sluice_core::store::unix_ms;
 
 const PAGE: &str = include_str!("index.html");
 const SCRIPT: &str = include_str!("app.js");
@@ -66,8 +67,9 @@ fn asset(body: &'static str, content_type: &'static str) -> Response {
         .into_response()
 }
 
-/// The store, the `split` replicas and the quota service, as the console shows them; a field
-/// that does not apply to the store in use is null.
+/// The store, the `split` replicas and the quota service, as the console shows them, and when
+/// the calendar window of each rule on the calendar ends (ms since the Unix epoch); a field that
+/// does not apply to the store in use is null.
 fn status(gauges: &Gauges, rules: &Rules) -> Value {
     let backend = &gauges.backend;
     let (buckets, streams) = gauges.quotas.tracked();
@@ -85,8 +87,15 @@ fn status(gauges: &Gauges, rules: &Rules) -> Value {
             Value::Object(row)
         })
         .collect();
+    let in_force = rules.in_force();
+    let calendar_ends: Vec<Value> = in_force
+        .calendar_ends(unix_ms())
+        .into_iter()
+        .map(|((domain, rule), end_ms)| json!({"domain": domain, "rule": rule, "ends_ms": end_ms}))
+        .collect();
     json!({
-        "rules_hash": rules.in_force().origin().hash,
+        "rules_hash": in_force.origin().hash,
+        "calendar_ends": calendar_ends,
         "store": {
             "kind": backend.kind(),
             "reachable": backend.reachable(),
