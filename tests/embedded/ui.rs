@@ -2,17 +2,11 @@
 //! a Content-Security-Policy that lets nothing run or load from elsewhere; every value set as
 //! text; `/status`, what it shows of the store and the replicas.
 
+use support::envoy::header;
 use support::{Sluice, http};
 
 const RULES: &str =
     "domain: web\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 2}\n";
-
-fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
-    headers
-        .iter()
-        .find(|(k, _)| k.eq_ignore_ascii_case(name))
-        .map(|(_, v)| v.as_str())
-}
 
 #[tokio::test]
 async fn the_page_and_its_assets_come_from_the_binary_under_a_policy_that_allows_nothing_else() {

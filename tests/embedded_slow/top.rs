@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use support::{HOUR, OVER_LIMIT, Sluice, http, in_one_window, memory_kb, request};
+use support::{HOUR, OVER_LIMIT, Sluice, http, in_one_window, memory_kb, request, reset_peak};
 
 const RULES: &str = "domain: edge\ndescriptors:\n  - key: remote_address\n    rate_limit: {unit: hour, requests_per_unit: 20}\n";
 
@@ -271,8 +271,7 @@ async fn forty_clients_reading_a_full_top_view_at_once_leave_probes_quick_and_me
 
     let pid = sluice.pid();
     let before_kb = memory_kb(pid, "VmRSS");
-    // Resets VmHWM, the peak RSS, to the current RSS.
-    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").expect("clear_refs");
+    reset_peak(pid);
     let admin = sluice.http;
     let readers: Vec<_> = (0..READERS)
         .map(|_| {

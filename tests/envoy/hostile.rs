@@ -14,7 +14,9 @@ use support::envoy::{
     Envoy, Filter, UPSTREAM_BODY, Upstream, envoy_binary, get_with_headers, header,
 };
 use support::otlp::Collector;
-use support::{HOUR, OK, OVER_LIMIT, Sluice, Wait, http, in_one_window, memory_kb, request};
+use support::{
+    HOUR, OK, OVER_LIMIT, Sluice, Wait, http, in_one_window, memory_kb, request, reset_peak,
+};
 use tonic::Code;
 
 /// Three requests per hour per `user`; a test counting them runs `in_one_window` of an hour.
@@ -352,8 +354,7 @@ async fn eight_concurrent_4_mb_requests_are_refused_quickly_with_memory_bounded(
     assert_eq!(sluice.ask(ordinary()).await.overall_code, OK);
     let pid = sluice.pid();
     let rss_before = memory_kb(pid, "VmRSS");
-    // Resets VmHWM, the peak RSS, to the current RSS.
-    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").expect("clear_refs");
+    reset_peak(pid);
     // Under tonic's own 4 MiB default, so only --max-request-bytes (256 KiB) refuses it.
     let huge = "d".repeat(4_000_000);
     let started = Instant::now();

@@ -11,7 +11,7 @@ use support::xds::{
 };
 use support::{
     FREED_PAGES_RETURNED, HOUR, OK, OVER_LIMIT, Sluice, Store, Wait, http, in_one_window,
-    memory_kb, request, settled_resident_kb,
+    memory_kb, request, reset_peak, settled_resident_kb,
 };
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -656,8 +656,7 @@ const BAD_RESOURCES: usize = 20_000;
 #[tokio::test(flavor = "multi_thread")]
 async fn a_snapshot_of_30_000_resources_of_16_rules_adds_under_300_mb() {
     let (server, sluice, before) = settled_on_one_rule().await;
-    // Resets VmHWM, the peak resident memory, to the current.
-    std::fs::write(format!("/proc/{}/clear_refs", sluice.pid()), "5").expect("clear_refs");
+    reset_peak(sluice.pid());
     let tenants: Vec<RateLimitConfig> = (0..RESOURCES)
         .map(|t| {
             let routes = (0..RULES_PER_RESOURCE)

@@ -79,7 +79,7 @@ function ms(x) {
 }
 
 // Each rule's hits and denials per second, one sample a second, for the last 10 minutes the
-// page has been open.
+// page has been open; a rule seen in none of them is forgotten.
 function remember(rows, now) {
   for (const r of rows) {
     const key = r.domain + "\u0000" + r.rule;
@@ -87,8 +87,11 @@ function remember(rows, now) {
     if (!samples.length || samples[samples.length - 1][0] !== now) {
       samples.push([now, r.hits_per_second, r.denied_per_second]);
     }
-    while (samples.length && samples[0][0] < now - HISTORY_SECONDS) samples.shift();
     history.set(key, samples);
+  }
+  for (const [key, samples] of history) {
+    while (samples.length && samples[0][0] < now - HISTORY_SECONDS) samples.shift();
+    if (!samples.length) history.delete(key);
   }
 }
 

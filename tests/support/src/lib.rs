@@ -24,7 +24,9 @@ pub mod xds;
 // The helpers every test binary reaches for, at the crate's root as before.
 pub use history::{env_number, histories, replaying};
 pub use http::{exchange, http};
-pub use memory::{FREED_PAGES_RETURNED, bytes_per_rule, memory_kb, settled_resident_kb};
+pub use memory::{
+    FREED_PAGES_RETURNED, bytes_per_rule, memory_kb, reset_peak, settled_resident_kb,
+};
 pub use openssl::openssl;
 pub use windows::{HOUR, MINUTE, in_one_window, sleep_until_unix_ms, unix_ms};
 

@@ -30,6 +30,12 @@ pub async fn settled_resident_kb(pid: u32) -> u64 {
     .await
 }
 
+/// Resets `pid`'s peak resident memory (`VmHWM`) to its resident memory now, so that a later
+/// `VmHWM` tells the peak since.
+pub fn reset_peak(pid: u32) {
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").expect("clear_refs");
+}
+
 /// A field of /proc/PID/status, in kB (`VmRSS`, `VmHWM`).
 pub fn memory_kb(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/PID/status");
